@@ -1,0 +1,208 @@
+"""Metrics: tps, TFLOPS, MFU, memory — console (torchtitan's format), TensorBoard, JSONL.
+
+Definitions (torchtitan's, ``torchtitan/components/metrics.py``):
+
+* ``tps``: tokens per second per GPU = tokens this rank processed since the last log
+  / (seconds since the last log * non-data-parallel size (TP degree)).
+* ``tflops`` = ``flops_per_token * tps / 1e12``, where ``flops_per_token`` is
+  torchtitan's ``model_args.get_nparams_and_flops(model, seq_len)``: 6·N (N =
+  parameters without the embedding) + attention ``12·layers·heads·head_dim·seq_len``.
+* ``mfu`` (%) = ``100 * tflops * 1e12 / peak``; ``peak`` is the device's dense bf16
+  peak (:func:`peak_bf16_flops`); unknown devices and CPU report ``None`` (n/a).
+* ``memory_gib``: CUDA max reserved GiB (``torch.cuda.max_memory_reserved``) and % of
+  the device; CPU: peak RSS of this process (``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+logger = logging.getLogger("graph_trainer")
+
+# Dense bf16 tensor-core peaks in FLOP/s (NVIDIA data sheets; the same numbers as
+# torchtitan.tools.utils.get_peak_flops). Checked in order: first match wins.
+_PEAK_BF16 = (
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("B200", 2.25e15),
+)
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of ``device``; ``None`` for CPU and unknown GPUs."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in _PEAK_BF16:
+        if key in name:
+            return flops
+    return None
+
+
+def memory_stats(device: torch.device) -> tuple[float, float | None]:
+    """``(GiB, % of device or None)``: CUDA max reserved, or CPU peak RSS."""
+    if device.type == "cuda":
+        reserved = torch.cuda.max_memory_reserved(device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        return reserved / 2**30, 100.0 * reserved / total
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, None  # KiB on Linux
+
+
+@dataclass
+class StepMetrics:
+    """One logged step. Times in seconds, memory in GiB, tps per GPU; ``None`` = n/a."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    tps: float
+    tflops: float
+    mfu: float | None
+    memory_gib: float
+    memory_pct: float | None
+    step_time_s: float
+    data_time_s: float
+    lr: float | None = None
+
+
+class MetricsLogger:
+    """Turns per-step timings into :class:`StepMetrics`; writes console, TB, JSONL.
+
+    Args:
+        device: the training device.
+        flops_per_token: model FLOPs per token (see module docstring).
+        non_dp_size: TP degree (ranks that see the same tokens), for ``tps``.
+        dump_folder: ``metrics.jsonl`` goes here (rank 0 only).
+        enable_tensorboard: also write TensorBoard scalars under ``dump_folder/tb``.
+        rank: global rank; only rank 0 writes files.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        flops_per_token: int,
+        non_dp_size: int = 1,
+        dump_folder: str = "./outputs",
+        enable_tensorboard: bool = False,
+        tb_folder: str = "tb",
+        rank: int = 0,
+    ):
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.non_dp_size = non_dp_size
+        self.peak = peak_bf16_flops(device)
+        self.rank = rank
+        self.rows: list[StepMetrics] = []
+        self.jsonl = None
+        self.tb = None
+        if rank == 0:
+            os.makedirs(dump_folder, exist_ok=True)
+            self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+            self.jsonl = open(self.jsonl_path, "w")
+            if enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(dump_folder, tb_folder))
+        self._reset_window()
+
+    def _reset_window(self):
+        self.win_tokens = 0
+        self.win_start = time.perf_counter()
+        self.win_data_time = 0.0
+        self.win_steps = 0
+
+    def record_step(self, ntokens: int, data_time_s: float) -> None:
+        """Account one finished step: tokens this rank consumed and data-loading seconds."""
+        self.win_tokens += ntokens
+        self.win_data_time += data_time_s
+        self.win_steps += 1
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float | None = None) -> StepMetrics:
+        """Close the current window and log it (averaged over its steps)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self.win_start
+        tps = self.win_tokens / (elapsed * self.non_dp_size)
+        tflops = self.flops_per_token * tps / 1e12
+        mfu = 100.0 * tflops * 1e12 / self.peak if self.peak else None
+        mem, mem_pct = memory_stats(self.device)
+        m = StepMetrics(
+            step=step,
+            loss=loss,
+            grad_norm=grad_norm,
+            tps=tps,
+            tflops=tflops,
+            mfu=mfu,
+            memory_gib=mem,
+            memory_pct=mem_pct,
+            step_time_s=elapsed / max(self.win_steps, 1),
+            data_time_s=self.win_data_time / max(self.win_steps, 1),
+            lr=lr,
+        )
+        self.rows.append(m)
+        self._reset_window()
+        self._emit(m)
+        return m
+
+    def _emit(self, m: StepMetrics) -> None:
+        mem = f"{m.memory_gib:.2f}GiB" + (f"({m.memory_pct:.2f}%)" if m.memory_pct is not None else "")
+        mfu = f"{m.mfu:.2f}%" if m.mfu is not None else "n/a"
+        logger.info(
+            f"step: {m.step:2}  loss: {m.loss:8.5f}  grad_norm: {m.grad_norm:7.4f}  "
+            f"memory: {mem}  tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  "
+            f"step_time: {m.step_time_s:.3f}s  data: {m.data_time_s * 1e3:.1f}ms"
+        )
+        if self.jsonl:
+            self.jsonl.write(json.dumps(asdict(m)) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib", "step_time_s"):
+                v = getattr(m, k)
+                if v is not None:
+                    self.tb.add_scalar(f"train/{k}", v, m.step)
+
+    def summary(self, exclude_steps: int, extra: dict | None = None) -> dict:
+        """Medians over logged steps with ``step > exclude_steps`` (warm-up and compile
+        steps excluded); appended to metrics.jsonl as ``{"summary": {...}}``."""
+        steady = [r for r in self.rows if r.step > exclude_steps] or self.rows[-1:]
+
+        def med(key):
+            vals = [getattr(r, key) for r in steady if getattr(r, key) is not None]
+            return statistics.median(vals) if vals else None
+
+        s = {
+            "steady_steps": [r.step for r in steady],
+            **{k: med(k) for k in ("tps", "tflops", "mfu", "memory_gib", "step_time_s", "data_time_s")},
+            "max_memory_gib": max((r.memory_gib for r in self.rows), default=None),
+            "final_loss": self.rows[-1].loss if self.rows else None,
+            **(extra or {}),
+        }
+        mfu = f"{s['mfu']:.2f}%" if s["mfu"] is not None else "n/a"
+        if s["tps"] is not None:
+            logger.info(
+                f"summary (median of steps {s['steady_steps'][0]}..{s['steady_steps'][-1]}): "
+                f"tps: {round(s['tps']):,}  tflops: {s['tflops']:,.2f}  mfu: {mfu}  "
+                f"memory: {s['max_memory_gib']:.2f}GiB  step_time: {s['step_time_s']:.3f}s"
+            )
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"summary": s}) + "\n")
+            self.jsonl.flush()
+        return s
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()

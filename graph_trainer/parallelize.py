@@ -1,0 +1,170 @@
+"""Device, process group, ParallelDims/DeviceMesh, and model parallelization.
+
+* ``eager`` / ``jit``: torchtitan's ``parallelize_llama`` (TP, AC, per-block
+  torch.compile, FSDP2). On one rank FSDP2 is still applied over a 1-rank mesh when
+  ``mixed_precision_param = "bfloat16"``, so the baselines train in bf16 like the
+  traced step (torchtitan would silently train in fp32 there).
+* ``aot_fx_trace``: activation checkpointing wrappers only (torchtitan's ``apply_ac``;
+  make_fx traces the recomputation into the backward). Mixed precision is a cast of
+  the parameters inside the graph (:mod:`graph_trainer.trace`). With several ranks
+  the parameters are replicated and gradients all-reduced (mean) after the graph;
+  traceable FSDP / TP (collectives inside the graph) is a later step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from graph_trainer.errors import UserError
+
+logger = logging.getLogger("graph_trainer")
+
+
+def init_device_and_dist() -> tuple[torch.device, int, int]:
+    """Pick the device and initialise the process group from torchrun's env.
+
+    Returns:
+        ``(device, rank, world_size)``; ``cuda:LOCAL_RANK`` when CUDA is available
+        (NCCL), else ``cpu`` (gloo).
+
+    Raises:
+        UserError: more local ranks than visible GPUs.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        if local_world > n:
+            raise UserError(
+                f"NGPU={local_world} processes were started on this node but only {n} CUDA "
+                f"GPU(s) are visible. Set NGPU<={n} (or CUDA_VISIBLE_DEVICES)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    _patch_torchtitan_device_type(device.type)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend=backend, **kwargs)
+    return device, rank, world_size
+
+
+def _patch_torchtitan_device_type(device_type: str) -> None:
+    """torchtitan 0.2.2 assumes ``"cuda"`` when no accelerator exists; tell it the truth."""
+    import torchtitan.distributed.parallel_dims as pd
+    import torchtitan.distributed.utils as du
+    import torchtitan.tools.utils as tu
+
+    for mod in (pd, du, tu):
+        mod.device_type = device_type
+
+
+def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | None):
+    """torchtitan ``ParallelDims`` from ``[parallelism]``, validated before any allocation.
+
+    Raises:
+        UserError: degrees whose product is not the world size, a TP degree that does
+            not divide the (KV) heads, an FSDP degree larger than the world, or
+            parallelisms this trainer does not support (PP, CP, EP).
+    """
+    from torchtitan.distributed import ParallelDims
+
+    p = cfg.parallelism
+    for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+        if getattr(p, name) != 1:
+            raise UserError(f"--parallelism.{name}={getattr(p, name)} is not supported by graph_trainer; use 1.")
+    tp, rep, shard = p.tensor_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    if shard > world_size:
+        raise UserError(
+            f"--parallelism.data_parallel_shard_degree={shard} is larger than the world "
+            f"size {world_size} (NGPU). Use -1 (the rest) or a divisor of NGPU."
+        )
+    if tp < 1 or rep < 1 or world_size % (tp * rep) != 0:
+        raise UserError(
+            f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide NGPU={world_size}."
+        )
+    if shard == -1:
+        shard = world_size // (tp * rep)
+    if tp * rep * shard != world_size:
+        raise UserError(
+            f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
+            f"TP {tp}) but NGPU={world_size}. Make the product equal NGPU (shard -1 = the rest)."
+        )
+    for what, h in (("heads", n_heads), ("KV heads", n_kv_heads or n_heads)):
+        if h % tp:
+            raise UserError(f"tensor_parallel_degree={tp} does not divide the model's {h} {what}.")
+    return ParallelDims(
+        dp_replicate=rep, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size
+    )
+
+
+def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
+    """Apply torchtitan's Llama3 parallelization (eager / jit baselines). Returns the model."""
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
+
+    if parallel_dims.world_size > 1:
+        parallel_dims.build_mesh()
+    model = parallelize_llama(model, parallel_dims, cfg)
+    if (
+        parallel_dims.world_size == 1
+        and cfg.training.mixed_precision_param == "bfloat16"
+    ):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            _init_single_process_group(device)
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+        apply_fsdp(
+            model,
+            mesh,
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            pp_enabled=False,
+        )
+        logger.info("Applied FSDP2 over a 1-rank mesh for bf16 mixed precision")
+    return model
+
+
+def _init_single_process_group(device: torch.device) -> None:
+    """A 1-rank process group without torchrun (FSDP2 needs one); in-process store."""
+    store = dist.HashStore()
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", store=store, world_size=1, rank=0
+    )
+
+
+def apply_ac_for_trace(model, cfg) -> None:
+    """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's apply_ac)."""
+    if cfg.activation_checkpoint.mode == "none":
+        return
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    apply_ac(
+        model,
+        cfg.activation_checkpoint,
+        model_compile_enabled=False,
+        op_sac_save_list=_op_sac_save_list,
+        base_folder=cfg.job.dump_folder,
+    )
+
+
+def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
+    """Mean-all-reduce gradients in place over ``group`` (replicated data parallel)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

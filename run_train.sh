@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# graph_trainer launcher (torchtitan-style).
+#
+#   NGPU        processes (default: visible CUDA GPUs, or 1 CPU process without CUDA)
+#   CONFIG_FILE TOML config (default train_configs/debug_model.toml)
+#   CONFIG      a config name instead of a file, e.g. graph_trainer_llama3_8b
+#               (graph_trainer_llama3_{debugmodel,1b,8b} -> train_configs/*.toml)
+#   MODULE      model module (graph_trainer.llama3, the only one)
+#   LOG_RANK    ranks whose output is shown (default 0)
+#   COMM_MODE   "fake_backend": trace on a fake process group, one process
+# Every other argument is passed through as a --section.key value override, e.g.
+#   NGPU=8 ./run_train.sh --compile.mode aot_fx_trace --training.steps 20
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+MODULE=${MODULE:-graph_trainer.llama3}
+if [[ "$MODULE" != "graph_trainer.llama3" ]]; then
+    echo "error: MODULE=$MODULE is not known; the only model module is graph_trainer.llama3." >&2
+    exit 2
+fi
+
+if [[ -z "${CONFIG_FILE:-}" ]]; then
+    case "${CONFIG:-}" in
+        "") CONFIG_FILE=train_configs/debug_model.toml ;;
+        graph_trainer_llama3_debugmodel|graph_trainer_llama3_debug_model) CONFIG_FILE=train_configs/debug_model.toml ;;
+        graph_trainer_llama3_1b) CONFIG_FILE=train_configs/llama3_1b.toml ;;
+        graph_trainer_llama3_8b) CONFIG_FILE=train_configs/llama3_8b.toml ;;
+        *) echo "error: CONFIG=$CONFIG is not a known config name (graph_trainer_llama3_debugmodel, graph_trainer_llama3_1b, graph_trainer_llama3_8b); or set CONFIG_FILE=path.toml." >&2; exit 2 ;;
+    esac
+fi
+if [[ ! -f "$CONFIG_FILE" ]]; then
+    echo "error: config file '$CONFIG_FILE' does not exist. Set CONFIG_FILE to one of: $(ls train_configs/*.toml | tr '\n' ' ')" >&2
+    exit 2
+fi
+
+VISIBLE_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+if [[ -z "${NGPU:-}" ]]; then
+    NGPU=$(( VISIBLE_GPUS > 0 ? VISIBLE_GPUS : 1 ))
+fi
+export NGPU
+LOG_RANK=${LOG_RANK:-0}
+
+if [[ "${COMM_MODE:-}" == "fake_backend" ]]; then
+    exec python3 -m graph_trainer.train --job.config_file "$CONFIG_FILE" --comm.mode fake_backend "$@"
+fi
+
+if (( VISIBLE_GPUS > 0 && NGPU > VISIBLE_GPUS )); then
+    echo "error: NGPU=$NGPU but only $VISIBLE_GPUS CUDA GPU(s) are visible. Set NGPU<=$VISIBLE_GPUS." >&2
+    exit 2
+fi
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Validate the command line once, before any process or model is started.
+if [[ " $* " != *" --help "* && " $* " != *" -h "* ]]; then
+    if ! err=$(python3 -m graph_trainer.config --job.config_file "$CONFIG_FILE" "$@" 2>&1 >/dev/null); then
+        echo "$err" | grep -v "HF assets path" >&2
+        exit 2
+    fi
+fi
+exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m graph_trainer.train --job.config_file "$CONFIG_FILE" "$@"

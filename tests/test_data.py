@@ -1,0 +1,271 @@
+"""Tests for graph_trainer.data: embedded corpus, tokenizer, dataset registry."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from graph_trainer import data
+from graph_trainer.errors import UserError
+
+VOCAB = 2048
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One cache dir (and HF datasets cache) shared by the tests of this module."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("gt_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRAPH_TRAINER_CACHE", str(root))
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf"))
+        data.register_datasets()  # re-point c4_test at this cache
+        yield root
+    data.register_datasets()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    return HuggingFaceTokenizer(data.resolve_tokenizer_path(None, VOCAB))
+
+
+def _read_jsonl_folder(folder: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for f in sorted(folder.glob("*.jsonl"))
+        for line in f.read_text(encoding="utf-8").splitlines()
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# corpus
+# --------------------------------------------------------------------------- #
+
+
+def test_corpus_is_real_english(cache):
+    folder = data.ensure_corpus()
+    assert folder == cache / "corpus_v1" and folder.is_dir()
+    records = _read_jsonl_folder(folder)
+    assert len(records) >= 300
+    assert all(set(r) == {"text"} and r["text"].strip() for r in records)
+    text = " ".join(r["text"] for r in records)
+    assert len(text) > 500_000
+    words = text.lower().split()
+    for common in ("the", "and", "is", "of", "function", "object"):
+        assert words.count(common) > 100, common
+    # Cached: a second call does not rebuild.
+    mtime = (folder / "part-0000.jsonl").stat().st_mtime_ns
+    assert data.ensure_corpus() == folder
+    assert (folder / "part-0000.jsonl").stat().st_mtime_ns == mtime
+    assert not list(cache.glob(".corpus_v1.*[!k]"))  # no leftover tmp folders
+
+
+# --------------------------------------------------------------------------- #
+# tokenizer
+# --------------------------------------------------------------------------- #
+
+
+def test_tokenizer_roundtrip_and_specials(cache, tokenizer):
+    assert tokenizer.get_vocab_size() == VOCAB
+    assert tokenizer.bos_id is not None and tokenizer.eos_id is not None
+    assert tokenizer.bos_id != tokenizer.eos_id
+    assert tokenizer.token_to_id(data.BOS_TOKEN) == tokenizer.bos_id
+    assert tokenizer.token_to_id(data.EOS_TOKEN) == tokenizer.eos_id
+    for text in (
+        "The quick brown fox jumps over the lazy dog.",
+        "def f(x):\n    return x ** 2  # square\n",
+        "naïve café — 日本語 🙂",
+    ):
+        ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+        assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+        assert all(0 <= i < VOCAB for i in ids)
+        assert tokenizer.decode(ids) == text
+    # Trained on English: common words are single tokens, text compresses well.
+    english = "The function returns the value of the object and the list."
+    assert len(tokenizer.encode(english)) < len(english) / 3
+    config = json.loads((cache / f"tokenizer_{VOCAB}" / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == data.BOS_TOKEN and config["eos_token"] == data.EOS_TOKEN
+    assert config["add_bos_token"] is True and config["add_eos_token"] is True
+
+
+def test_embedded_aliases(cache, tokenizer):
+    expected = str(cache / f"tokenizer_{VOCAB}")
+    for alias in (None, "", "embedded"):
+        assert data.resolve_tokenizer_path(alias, VOCAB) == expected
+
+
+def test_tokenizer_is_deterministic(cache, tokenizer, tmp_path, monkeypatch):
+    first = (cache / f"tokenizer_{VOCAB}" / "tokenizer.json").read_bytes()
+    monkeypatch.setenv("GRAPH_TRAINER_CACHE", str(tmp_path))
+    second = (data.ensure_tokenizer(VOCAB) / "tokenizer.json").read_bytes()
+    assert first == second
+
+
+def test_tokenizer_pads_large_vocab(tmp_path, monkeypatch):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    monkeypatch.setenv("GRAPH_TRAINER_CACHE", str(tmp_path))
+    tok = HuggingFaceTokenizer(data.resolve_tokenizer_path("embedded", 32768))
+    assert tok.get_vocab_size() == 32768
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+def test_tokenizer_too_small_vocab(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPH_TRAINER_CACHE", str(tmp_path))
+    with pytest.raises(UserError, match="at least 258"):
+        data.ensure_tokenizer(100)
+
+
+def test_concurrent_builders_agree(tmp_path):
+    """Several processes racing on a cold cache all get the same folder."""
+    code = (
+        "from graph_trainer import data;"
+        "print(data.ensure_corpus(), data.ensure_tokenizer(512))"
+    )
+    env = {**__import__("os").environ, "GRAPH_TRAINER_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [
+        "corpus_v1",
+        "tokenizer_512",
+    ]
+    assert len(_read_jsonl_folder(tmp_path / "corpus_v1")) == len(data.corpus_documents())
+
+
+# --------------------------------------------------------------------------- #
+# datasets through torchtitan
+# --------------------------------------------------------------------------- #
+
+
+def _take(ds, n):
+    it = iter(ds)
+    return [next(it) for _ in range(n)]
+
+
+def test_c4_test_is_embedded_corpus(cache, tokenizer):
+    from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset
+
+    data.register_datasets()
+    assert DATASETS["c4_test"].path == str(cache / "corpus_v1")
+    assert DATASETS["c4"].path == "allenai/c4"
+    ds = HuggingFaceTextDataset("c4_test", None, tokenizer, seq_len=64)
+    samples = _take(ds, 3)
+    for inputs, labels in samples:
+        assert inputs["input"].shape == (64,) and labels.shape == (64,)
+        assert (inputs["input"][1:] == labels[:-1]).all()
+    assert samples[0][0]["input"][0].item() == tokenizer.bos_id
+
+
+def test_build_text_dataloader(cache, tokenizer):
+    from torchtitan.config import JobConfig
+    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+    data.register_datasets()
+    job = JobConfig()
+    job.training.dataset, job.training.dataset_path = "c4_test", None
+    job.training.local_batch_size, job.training.seq_len = 2, 32
+    loader = build_text_dataloader(1, 0, tokenizer, job)
+    inputs, labels = next(iter(loader))
+    assert inputs["input"].shape == (2, 32) and labels.shape == (2, 32)
+
+
+@pytest.fixture
+def local_files(tmp_path):
+    """A JSONL file, a Parquet file and a folder of JSONL files with a text column."""
+    from datasets import Dataset
+
+    texts = [f"Document number {i} talks about the weather and the sea." for i in range(20)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    parquet = tmp_path / "docs.parquet"
+    Dataset.from_dict({"text": texts}).to_parquet(str(parquet))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for k in range(2):
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[k * 10 : (k + 1) * 10])
+        (folder / f"part-{k}.jsonl").write_text(lines)
+    (folder / "README.md").write_text("ignored")
+    return texts, {"jsonl": jsonl, "parquet": parquet, "folder": folder}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "folder"])
+def test_local_files_load(cache, tokenizer, local_files, kind):
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    texts, paths = local_files
+    path = str(paths[kind])
+    assert data.load_local_text(path)["text"] == texts
+    data.register_datasets()
+    for name in ("local", "c4_test", "c4"):  # any name loads a local dataset_path
+        data.check_dataset(name, path)
+        ds = HuggingFaceTextDataset(name, path, tokenizer, seq_len=16)
+        inputs, labels = _take(ds, 2)[0]
+        assert inputs["input"].shape == (16,) and labels.shape == (16,)
+        decoded = tokenizer.decode(inputs["input"].tolist())
+        assert decoded.startswith(texts[0][:10])
+
+
+# --------------------------------------------------------------------------- #
+# helpful errors
+# --------------------------------------------------------------------------- #
+
+
+def test_check_dataset_accepts_known_names(cache):
+    for name in ("c4_test", "C4_TEST", "c4", "c4_validation"):
+        data.check_dataset(name, None)
+
+
+def test_unknown_dataset_name(cache):
+    with pytest.raises(UserError) as e:
+        data.check_dataset("c5", None)
+    msg = str(e.value)
+    assert "'c5'" in msg and "c4_test" in msg and "local" in msg
+
+
+def test_missing_dataset_path(cache, tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    for name in ("c4_test", "local", "c4"):
+        with pytest.raises(UserError) as e:
+            data.check_dataset(name, missing)
+        assert missing in str(e.value) and "--training.dataset_path" in str(e.value)
+
+
+def test_local_without_path(cache):
+    with pytest.raises(UserError, match="--training.dataset_path"):
+        data.check_dataset("local", None)
+
+
+def test_unusable_dataset_paths(cache, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(UserError, match="is not a .json"):
+        data.check_dataset("local", str(tmp_path / "notes.txt"))
+    with pytest.raises(UserError, match="contains no .json"):
+        data.check_dataset("local", str(tmp_path))
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(UserError, match="mixes JSON and Parquet"):
+        data.load_local_text(str(tmp_path))
+    (tmp_path / "body.jsonl").write_text('{"body": "no text key"}\n')
+    with pytest.raises(UserError, match="no 'text' column"):
+        data.load_local_text(str(tmp_path / "body.jsonl"))
+
+
+def test_missing_tokenizer_folder(tmp_path):
+    missing = str(tmp_path / "no_such_tokenizer")
+    with pytest.raises(UserError) as e:
+        data.resolve_tokenizer_path(missing, VOCAB)
+    assert missing in str(e.value) and "embedded" in str(e.value)
+    with pytest.raises(UserError, match="contains none of tokenizer.json"):
+        data.resolve_tokenizer_path(str(tmp_path), VOCAB)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert data.resolve_tokenizer_path(str(tmp_path), VOCAB) == str(tmp_path)
