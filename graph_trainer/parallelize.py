@@ -145,16 +145,28 @@ def apply_ac_for_trace(model, cfg) -> None:
     """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's apply_ac)."""
     if cfg.activation_checkpoint.mode == "none":
         return
+    import functools
+
+    import torch.utils.checkpoint as ckpt
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
-    apply_ac(
-        model,
-        cfg.activation_checkpoint,
-        model_compile_enabled=False,
-        op_sac_save_list=_op_sac_save_list,
-        base_folder=cfg.job.dump_folder,
-    )
+    # Under make_fx, op-level SAC's cache sees version-counter bumps that eager does
+    # not (a spurious "Tensor cached during selective activation checkpoint has been
+    # mutated"); the traced step stays bitwise equal to eager op-SAC with the check off
+    # (tests/test_trace.py). torchtitan binds the function when apply_ac runs.
+    orig = ckpt.create_selective_checkpoint_contexts
+    ckpt.create_selective_checkpoint_contexts = functools.partial(orig, allow_cache_entry_mutation=True)
+    try:
+        apply_ac(
+            model,
+            cfg.activation_checkpoint,
+            model_compile_enabled=False,
+            op_sac_save_list=_op_sac_save_list,
+            base_folder=cfg.job.dump_folder,
+        )
+    finally:
+        ckpt.create_selective_checkpoint_contexts = orig
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:

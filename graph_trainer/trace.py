@@ -149,6 +149,9 @@ def trace_train_step(
     tokens: torch.Tensor,
     labels: torch.Tensor,
     param_dtype: torch.dtype | None = None,
+    params: list[torch.Tensor] | None = None,
+    param_names: list[str] | None = None,
+    materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> TracedStep:
     """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` into one graph.
 
@@ -159,6 +162,11 @@ def trace_train_step(
         tokens, labels: ``[B, S]`` int64 example batch; only shapes/dtypes are used
             (tracing runs on fake tensors).
         param_dtype: compute dtype for floating parameters (``None``: keep theirs).
+        params / param_names: graph inputs that stand for the parameters and the
+            module FQNs they fill (default: ``model.named_parameters()``). With FSDP
+            these are the local shards (:mod:`graph_trainer.fsdp`).
+        materialize: maps the ``params`` inputs to the full compute parameters inside
+            the graph (FSDP: all-gather + cast). Default: cast to ``param_dtype``.
 
     Returns:
         A :class:`TracedStep` whose graph maps
@@ -167,9 +175,11 @@ def trace_train_step(
     Raises:
         Whatever make_fx raises for untraceable models (e.g. data-dependent control flow).
     """
-    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if params is None:
+        named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        param_names = [n for n, _ in named_params]
+        params = [p for _, p in named_params]
     named_bufs = list(model.named_buffers())
-    param_names = [n for n, _ in named_params]
     buffer_names = [n for n, _ in named_bufs]
     n_p, n_b = len(param_names), len(buffer_names)
 
@@ -177,12 +187,15 @@ def trace_train_step(
         params, bufs = flat[:n_p], flat[n_p : n_p + n_b]
         toks, labs = flat[n_p + n_b], flat[n_p + n_b + 1]
         with fx_traceback.annotate({PHASE_KEY: "forward"}):
-            compute = [
-                p.to(param_dtype)
-                if param_dtype is not None and p.is_floating_point() and p.dtype != param_dtype
-                else p
-                for p in params
-            ]
+            if materialize is not None:
+                compute = materialize(list(params))
+            else:
+                compute = [
+                    p.to(param_dtype)
+                    if param_dtype is not None and p.is_floating_point() and p.dtype != param_dtype
+                    else p
+                    for p in params
+                ]
             state = {**dict(zip(param_names, compute)), **dict(zip(buffer_names, bufs))}
         # The module stays re-parametrized through the backward too: activation
         # checkpointing recomputes the forward there and must see the placeholders.
@@ -195,7 +208,7 @@ def trace_train_step(
                 grads = torch.autograd.grad(loss, params)
         return (loss, *grads)
 
-    inputs = [p for _, p in named_params] + [b for _, b in named_bufs] + [tokens, labels]
+    inputs = list(params) + [b for _, b in named_bufs] + [tokens, labels]
     t0 = time.perf_counter()
     with fx_traceback.preserve_node_meta(), annotate_module_fqns(model):
         gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*inputs)

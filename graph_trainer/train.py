@@ -90,7 +90,9 @@ def train(cfg) -> dict:
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
-    from graph_trainer import data, parallelize
+    import torch.distributed as dist
+
+    from graph_trainer import data, fsdp, parallelize
     from graph_trainer.llama3 import Transformer
     from graph_trainer.metrics import MetricsLogger
 
@@ -117,6 +119,8 @@ def train(cfg) -> dict:
     flavor = llama3_args[cfg.model.flavor]
     device, rank, world_size = parallelize.init_device_and_dist()
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
+    if mode == "aot_fx_trace" and parallel_dims.dp_shard > 1 and parallel_dims.dp_replicate > 1:
+        raise UserError("aot_fx_trace supports FSDP (dp_shard) or replicate, not both (HSDP).")
     if mode == "aot_fx_trace" and parallel_dims.tp_enabled:
         raise UserError(
             "aot_fx_trace with --parallelism.tensor_parallel_degree > 1 is not supported yet "
@@ -143,17 +147,27 @@ def train(cfg) -> dict:
         f"mode {mode}, world {world_size}"
     )
 
+    fsdp_group = None
     if mode == "aot_fx_trace":
         parallelize.apply_ac_for_trace(model, cfg)
+        buffers = list(model.buffers())
+        if parallel_dims.dp_shard > 1:  # traceable FSDP over the data-parallel ranks
+            fsdp_group = dist.group.WORLD
+            specs, params = fsdp.shard_parameters(model, fsdp_group)
+            opt_module = fsdp.ShardedParams(specs, params)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt_module = model
     else:
         cfg.compile.enable = mode == "jit"
         cfg.compile.components = ["model"]
         model = parallelize.parallelize_eager(model, parallel_dims, cfg, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        buffers = list(model.buffers())
+        opt_module = model
 
-    optimizers = build_optimizers([model], cfg.optimizer, parallel_dims)
+    optimizers = build_optimizers([opt_module], cfg.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
-    params = [p for p in model.parameters() if p.requires_grad]
-    buffers = list(model.buffers())
 
     metrics = MetricsLogger(
         device,
@@ -178,16 +192,23 @@ def train(cfg) -> dict:
         optimizers.zero_grad()
         if mode == "aot_fx_trace":
             if traced is None:
-                traced = _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra)
+                traced = _trace_and_compile(
+                    model, tokens, labels, param_dtype, pass_names, cfg, extra,
+                    fsdp_group=fsdp_group, opt_module=opt_module,
+                )
             loss, grads = traced(params, buffers, tokens, labels)
-            parallelize.all_reduce_grads(grads)
+            if fsdp_group is None:
+                parallelize.all_reduce_grads(grads)  # replicated DP (no-op on one rank)
             for p, g in zip(params, grads):
                 p.grad = g
             del grads
         else:
             loss = loss_fn(model(tokens), labels)
             loss.backward()
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, foreach=True)
+        if fsdp_group is not None:
+            grad_norm = fsdp.sharded_grad_norm_(params, cfg.training.max_norm, fsdp_group)
+        else:
+            grad_norm = clip_grad_norm_(params, cfg.training.max_norm, foreach=True)
         optimizers.step()
         lr_schedulers.step()
         metrics.record_step(tokens.numel(), data_time)
@@ -206,17 +227,27 @@ def train(cfg) -> dict:
     return summary
 
 
-def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra):
+def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra,
+                       fsdp_group=None, opt_module=None):
     from graph_trainer.passes import run_passes
     from graph_trainer.trace import ops_by_kind, trace_train_step
 
-    traced = trace_train_step(
-        model,
-        loss_fn,
-        tokens,
-        labels,
-        param_dtype=None if param_dtype == torch.float32 else param_dtype,
-    )
+    pdtype = None if param_dtype == torch.float32 else param_dtype
+    kwargs = {}
+    if fsdp_group is not None:
+        from graph_trainer import fsdp
+
+        specs, shards = opt_module.specs, list(opt_module.shards)
+        reduce_dtype = _DTYPES[cfg.training.mixed_precision_reduce]
+        kwargs = dict(
+            params=shards,
+            param_names=[s.name for s in specs],
+            materialize=lambda ps: [
+                fsdp.all_gather_param(p, s, fsdp_group, pdtype, reduce_dtype)
+                for p, s in zip(ps, specs)
+            ],
+        )
+    traced = trace_train_step(model, loss_fn, tokens, labels, param_dtype=pdtype, **kwargs)
     gm = traced.gm
     n_nodes = len(gm.graph.nodes)
     top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(gm).most_common(6))
@@ -254,7 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         cfg = parse_args(argv)
-        train(cfg)
+        if cfg.comm.mode == "fake_backend":
+            from graph_trainer.dry_run import dry_run
+
+            dry_run(cfg)
+        else:
+            train(cfg)
     except UserError as e:
         print(f"\nerror: {e}\n", file=sys.stderr)
         return 2

@@ -1,0 +1,114 @@
+"""``COMM_MODE=fake_backend``: trace one step of an NGPU-rank layout in one process.
+
+The process joins a fake process group as rank 0 of ``NGPU`` ranks, builds the model
+on the meta device (the 8B costs no memory), shards it as traceable FSDP would,
+traces forward + loss + backward with make_fx, and prints a graph summary:
+node count, collectives by kind with bytes per rank, and parameter / gradient /
+optimizer-state bytes per rank. Nothing is executed and no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("graph_trainer")
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
+    """``{op name: {"count": n, "bytes": output bytes per rank}}`` for ``_c10d_functional``
+    collectives in ``gm`` (``wait_tensor`` excluded)."""
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait_tensor" not in str(n.target):
+            name = str(n.target).split(".")[1]
+            out[name]["count"] += 1
+            out[name]["bytes"] += _bytes(n.meta.get("val"))
+    return dict(out)
+
+
+def dry_run(cfg) -> dict:
+    """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; returns the summary.
+
+    Raises:
+        UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`).
+    """
+    from graph_trainer import fsdp, parallelize
+    from graph_trainer.llama3 import Transformer, llama3_args
+    from graph_trainer.train import build_model_args, build_tokenizer, loss_fn
+    from graph_trainer.trace import trace_train_step
+
+    world = int(os.environ.get("NGPU", "8"))
+    if not dist.is_initialized():
+        try:
+            import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers "fake"
+        except ImportError:
+            pass
+        dist.init_process_group("fake", rank=0, world_size=world)
+    parallelize._patch_torchtitan_device_type("cpu")
+    flavor = llama3_args[cfg.model.flavor]
+    pdims = parallelize.build_parallel_dims(cfg, world, flavor.n_heads, flavor.n_kv_heads)
+    tokenizer = build_tokenizer(cfg)
+    args = build_model_args(cfg, tokenizer)
+    with torch.device("meta"):
+        model = Transformer(args)
+    nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
+    parallelize.apply_ac_for_trace(model, cfg)
+    buffers = list(model.buffers())
+    pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
+    group = dist.group.WORLD
+    specs, shards = fsdp.shard_parameters(model, group)
+    b, s = cfg.training.local_batch_size, cfg.training.seq_len
+    tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
+    traced = trace_train_step(
+        model, loss_fn, tokens, tokens, param_dtype=pdtype,
+        params=shards, param_names=[sp.name for sp in specs],
+        materialize=lambda ps: [
+            fsdp.all_gather_param(p, sp, group, pdtype, torch.float32) for p, sp in zip(ps, specs)
+        ],
+    )
+    gm = traced.gm
+    shard_bytes = sum(p.numel() * 4 for p in shards)
+    colls = collective_summary(gm)
+    phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
+    summary = {
+        "world_size": world,
+        "layout": f"FSDP{pdims.dp_shard}" + (f"xTP{pdims.tp}" if pdims.tp > 1 else ""),
+        "flavor": cfg.model.flavor,
+        "params": nparams,
+        "flops_per_token": flops_per_token,
+        "nodes": len(gm.graph.nodes),
+        "nodes_by_phase": dict(phases),
+        "trace_time_s": traced.trace_time_s,
+        "collectives": colls,
+        "param_bytes_per_rank": shard_bytes,
+        "grad_bytes_per_rank": shard_bytes,
+        "optimizer_bytes_per_rank": 2 * shard_bytes,  # AdamW exp_avg + exp_avg_sq, fp32
+    }
+    gib = 2**30
+    lines = [
+        f"dry run: llama3 {cfg.model.flavor}, {summary['layout']} on {world} fake ranks, "
+        f"seq {s} x batch {b}; traced in {traced.trace_time_s:.1f}s",
+        f"  graph: {summary['nodes']} nodes ({', '.join(f'{k} {v}' for k, v in phases.items())})",
+    ]
+    for k, v in sorted(colls.items()):
+        lines.append(f"  {k}: {v['count']} ops, {v['bytes'] / gib:.3f} GiB per rank per step")
+    lines.append(
+        f"  per rank: params {shard_bytes / gib:.2f} GiB, grads {shard_bytes / gib:.2f} GiB, "
+        f"AdamW state {2 * shard_bytes / gib:.2f} GiB (fp32)"
+    )
+    for line in lines:
+        logger.info(line)
+    return summary

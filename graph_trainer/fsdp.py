@@ -1,0 +1,141 @@
+"""Traceable FSDP: per-parameter sharding whose collectives land inside the traced graph.
+
+SimpleFSDP-style (torchtitan.experiments.simple_fsdp), reduced to what make_fx needs:
+
+* Each parameter is flattened, padded to a multiple of the FSDP degree ``W`` and
+  split into ``W`` equal chunks; rank ``r`` keeps chunk ``r`` as a plain fp32
+  ``nn.Parameter`` of shape ``[ceil(numel / W)]``. AdamW is elementwise, so running it
+  on the shards is the unsharded update; padding elements stay zero.
+* In the forward, :class:`_AllGather` casts the shard to the compute dtype (bf16),
+  all-gathers it with ``_c10d_functional.all_gather_into_tensor`` and views it as the
+  full parameter. Its backward casts the gradient to the reduce dtype (fp32) and
+  ``reduce_scatter_tensor``s it with mean over the group. Both are functional
+  collectives, so make_fx records them as ``_c10d_functional.*`` + ``wait_tensor``
+  nodes in the one graph, where passes can bucket and reorder them.
+
+We write this instead of reusing ``torchtitan.experiments.simple_fsdp`` because that
+one parametrizes modules with DTensors, which make_fx does not trace as plain
+placeholders; here the placeholders are the local shards.
+
+The all-gathered parameters are saved for the backward by autograd (no reshard after
+forward), which costs one unsharded bf16 copy of the model per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+# all_gather_tensor / reduce_scatter_tensor are the names torch 2.11 and 2.13 share.
+warnings.filterwarnings("ignore", message=".*_functional_collectives.*deprecated", category=FutureWarning)
+
+
+@dataclass
+class ShardSpec:
+    """How one parameter is sharded: full ``shape``, ``numel``, and the chunk size."""
+
+    name: str
+    shape: torch.Size
+    numel: int
+    chunk: int  # elements per rank (after padding)
+
+
+class _AllGather(torch.autograd.Function):
+    """shard [chunk] -> full parameter [shape] (forward: all-gather; backward: reduce-scatter mean)."""
+
+    @staticmethod
+    def forward(ctx, shard, spec: ShardSpec, group, param_dtype, reduce_dtype):
+        ctx.spec, ctx.group, ctx.reduce_dtype = spec, group, reduce_dtype
+        x = shard if param_dtype is None else shard.to(param_dtype)
+        full = funcol.all_gather_tensor(x, 0, group)
+        if isinstance(full, funcol.AsyncCollectiveTensor):
+            full = full.wait()
+        return full[: spec.numel].view(spec.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        g = grad.reshape(-1)
+        if ctx.reduce_dtype is not None:
+            g = g.to(ctx.reduce_dtype)
+        pad = spec.chunk * dist.get_world_size(ctx.group) - spec.numel
+        if pad:
+            g = torch.nn.functional.pad(g, (0, pad))
+        out = funcol.reduce_scatter_tensor(g, "avg", 0, ctx.group)
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        return out, None, None, None, None
+
+
+def all_gather_param(shard, spec, group, param_dtype=None, reduce_dtype=torch.float32):
+    """Differentiable all-gather of one shard into the full parameter (see module docstring)."""
+    return _AllGather.apply(shard, spec, group, param_dtype, reduce_dtype)
+
+
+def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], list[torch.nn.Parameter]]:
+    """Shard every trainable parameter of ``model`` over ``group``.
+
+    The model's own parameters are replaced by empty meta tensors (the traced step
+    re-parametrizes the module with the gathered ones), so the full fp32 copy is freed.
+
+    Args:
+        model: a materialized model (same values on every rank).
+        group: the FSDP process group (world size W, this rank r).
+
+    Returns:
+        ``(specs, shards)``: per parameter, its :class:`ShardSpec` and the local fp32
+        shard ``nn.Parameter`` of shape ``[ceil(numel / W)]``.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    specs, shards = [], []
+    for name, p in list(model.named_parameters()):
+        if not p.requires_grad:
+            continue
+        chunk = math.ceil(p.numel() / world)
+        flat = p.detach().reshape(-1)
+        pad = chunk * world - p.numel()
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        shard = torch.nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone())
+        specs.append(ShardSpec(name, p.shape, p.numel(), chunk))
+        shards.append(shard)
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        mod._parameters[attr] = torch.nn.Parameter(
+            torch.empty(p.shape, device="meta", dtype=p.dtype), requires_grad=True
+        )
+    return specs, shards
+
+
+class ShardedParams(torch.nn.Module):
+    """Holds the local shards as parameters, so torchtitan's optimizer builder (and
+    DCP, through ``get_optimizer_state_dict``) see them under their model FQNs
+    (``.`` replaced by ``__``)."""
+
+    def __init__(self, specs: list[ShardSpec], shards: list[torch.nn.Parameter]):
+        super().__init__()
+        self.specs = specs
+        self.shards = torch.nn.ParameterList(shards)
+        self.names = [s.name.replace(".", "__") for s in specs]
+
+
+def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group) -> torch.Tensor:
+    """Clip gradients of the shards by the global L2 norm over ``group``; returns the norm.
+
+    The norm is ``sqrt(all_reduce_sum(sum_i ||g_i||^2))`` — the unsharded gradient's
+    norm (padding contributes zero).
+    """
+    grads = [s.grad for s in shards if s.grad is not None]
+    # per-tensor norms first (torch's accurate reduction), as torch.nn.utils.get_total_norm
+    local = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
+    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+    total = local.sqrt()
+    clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, clip)
+    return total
