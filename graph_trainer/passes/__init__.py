@@ -1,0 +1,47 @@
+"""Compile-time passes over the traced training-step graph.
+
+One pass per module, each ``(gm: torch.fx.GraphModule, example_inputs) -> gm``
+(in the style of ``torch/_inductor/fx_passes``); :mod:`.pipeline` holds the
+registry, the single default order and the runner.
+"""
+
+from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
+from graph_trainer.passes.annotate_rmsnorm import (
+    DEFAULT_RMSNORM_INDUCTOR_CONFIGS,
+    annotate_rmsnorm_for_regional_inductor_pass,
+    find_rmsnorm_instances,
+    validate_inductor_configs,
+)
+from graph_trainer.passes.cudagraph import cudagraph_pass
+from graph_trainer.passes.full_inductor import full_inductor_pass
+from graph_trainer.passes.pipeline import (
+    DEFAULT_ORDER,
+    INDUCTOR_COMPILATION_MODES,
+    PASSES,
+    canonical_pass_name,
+    resolve_pass_names,
+    run_passes,
+)
+from graph_trainer.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
+from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
+from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
+
+__all__ = [
+    "DEFAULT_ORDER",
+    "DEFAULT_RMSNORM_INDUCTOR_CONFIGS",
+    "INDUCTOR_COMPILATION_MODES",
+    "PASSES",
+    "annotate_flex_attention_for_regional_inductor_pass",
+    "annotate_rmsnorm_for_regional_inductor_pass",
+    "canonical_pass_name",
+    "cudagraph_pass",
+    "find_rmsnorm_instances",
+    "full_inductor_pass",
+    "propose_region_partitions",
+    "regional_inductor_pass",
+    "remove_dead_code_pass",
+    "remove_noop_views_pass",
+    "resolve_pass_names",
+    "run_passes",
+    "validate_inductor_configs",
+]

@@ -1,0 +1,106 @@
+"""Compile the whole training-step graph with Inductor.
+
+Matches: the entire graph (every node; no annotation needed).
+
+Changes: the graph is copied with flat inputs / a tuple output and compiled by
+``torch._inductor.compile_fx.compile_fx`` (AOTAutograd functionalization +
+Inductor decompositions + codegen; ``compile_fx_inner`` alone rejects the
+un-decomposed aten graph that make_fx produces, e.g. ``aten.t``). Compilation
+runs under a ``torch._guards.TracingContext`` holding the graph's fake mode
+(detected from the placeholders' ``meta["val"]``), with those fake values as
+example inputs. On CPU Inductor uses its C++ backend.
+
+Calling convention: the returned module is a new ``torch.fx.GraphModule`` with
+the *same placeholders and codegen* as the input graph, whose body is a single
+call to the compiled code followed by ``getitem``s. It is therefore called
+exactly like the input graph: ``gm(*flat_inputs)`` for a flat graph, or with
+the original pytree arguments (``gm(params, buffers, tokens, labels)``) for a
+make_fx graph carrying ``_PyTreeCodeGen``; outputs keep their structure. The
+compiled callable is also available as ``gm.compiled_fn`` (flat ``*args``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graph_trainer.passes._common import detect_graph_fake_mode, fake_inputs_for, set_pass_summary
+
+logger = logging.getLogger("graph_trainer")
+
+
+def _flat_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list, pytree.TreeSpec]:
+    """Copy of ``gm`` taking flat positional inputs and returning a flat tuple of
+    its output's node leaves; also returns the output leaves and their spec."""
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    out_args = graph.graph_copy(gm.graph, val_map)
+    leaves, spec = pytree.tree_flatten(out_args)
+    node_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.fx.Node)]
+    graph.output(tuple(node_leaves))
+    flat_gm = torch.fx.GraphModule(gm, graph)
+    return flat_gm, leaves, spec
+
+
+def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
+    """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``.
+
+    Stats: ``compile_s``, ``nodes_compiled``.
+    """
+    fake_inputs = fake_inputs_for(gm, example_inputs)
+    fake_mode = detect_graph_fake_mode(gm, example_inputs)
+    flat_gm, out_leaves, out_spec = _flat_copy(gm)
+    n_compiled = len(gm.graph.nodes)
+
+    from torch._inductor.compile_fx import compile_fx
+
+    t0 = time.perf_counter()
+    if fake_mode is not None:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            compiled = compile_fx(flat_gm, fake_inputs)
+    else:
+        compiled = compile_fx(flat_gm, fake_inputs)
+    compile_s = time.perf_counter() - t0
+
+    def inductor_compiled_graph(*args):
+        return compiled(*args)
+
+    # Wrapper graph: same placeholders + codegen as gm, one call, getitems.
+    graph = torch.fx.Graph()
+    placeholders = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        new = graph.placeholder(node.target, type_expr=node.type)
+        new.meta = dict(node.meta)
+        placeholders.append(new)
+    call = graph.call_function(inductor_compiled_graph, tuple(placeholders))
+    call.meta["val"] = tuple(
+        leaf.meta.get("val") for leaf in out_leaves if isinstance(leaf, torch.fx.Node)
+    )
+    new_leaves = []
+    idx = 0
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.fx.Node):
+            item = graph.call_function(operator.getitem, (call, idx))
+            item.meta = {k: v for k, v in leaf.meta.items() if k in ("val", "tensor_meta", "custom")}
+            new_leaves.append(item)
+            idx += 1
+        else:
+            new_leaves.append(leaf)
+    graph.output(pytree.tree_unflatten(new_leaves, out_spec))
+    graph._codegen = gm.graph._codegen
+    new_gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="InductorCompiledGraph")
+    new_gm.meta.update({k: v for k, v in gm.meta.items()})
+    new_gm.compiled_fn = compiled
+    set_pass_summary(
+        new_gm,
+        f"compiled the whole graph ({n_compiled} nodes) with Inductor in {compile_s:.1f}s",
+        compile_s=round(compile_s, 3),
+        nodes_compiled=n_compiled,
+    )
+    return new_gm
+

@@ -1,0 +1,206 @@
+"""Compile the ``compile_with_inductor``-tagged regions of the graph with Inductor.
+
+Matches: every node (except placeholders / output) whose
+``meta["custom"]`` contains ``"compile_with_inductor"`` (set by the annotation
+passes or by ``fx.traceback.annotate`` at trace time).
+
+Changes: each region is cut out into a sub-GraphModule and replaced by a call
+to its Inductor-compiled code (``torch._inductor.standalone_compile`` via
+``torch.fx.passes.regional_inductor``); the rest of the graph stays eager.
+
+Regions: tagged nodes are grouped by the optional
+``compile_with_inductor["inductor_region"]`` id. Nodes with an id form exactly
+one partition per id (all of them, plus ``getitem`` users of their tuple
+outputs), provided that fusing them creates no dependency cycle; otherwise (and
+for nodes without an id, which share one default group) torch's
+``CapabilityBasedPartitioner`` splits the group as ``regional_inductor`` does.
+Partitions are never merged across ids. This is done here rather than by
+``regional_inductor`` itself because torch 2.11 ignores ``inductor_region``
+(it partitions all tagged nodes together and may merge independent norms), and
+newer torch (2.13) runs one full-graph ``CapabilityBasedPartitioner`` (quadratic
+dependency analysis) per region id. The scooped regions are then compiled with
+torch's own ``_compile_inductor_marked_regions`` (same function on 2.11 and
+2.13); if that private API is missing we fall back to the public
+``regional_inductor`` (whose own partitioning then applies).
+
+Compilation runs under a ``torch._guards.TracingContext`` built from the fake
+mode of the placeholders' ``meta["val"]`` (``detect_fake_mode``), which
+``standalone_compile(dynamic_shapes="from_tracing_context")`` requires.
+
+Calling convention: ``regional_inductor`` switches the graph to the *boxed*
+convention (``gm([args])``, list cleared). This pass restores the graph's
+original codegen afterwards, so the returned module is called exactly like the
+input one (e.g. ``gm(*flat_inputs)`` or ``gm(params, buffers, tokens, labels)``
+for a make_fx graph with pytree codegen). On CPU Inductor uses its C++ backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.fx
+
+from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
+from graph_trainer.passes._common import (
+    custom_meta,
+    detect_graph_fake_mode,
+    is_getitem,
+    set_pass_summary,
+    split_acyclic,
+)
+
+logger = logging.getLogger("graph_trainer")
+
+REGION_PREFIX = "__marked_inductor_submod"
+_DEFAULT_REGION = object()
+
+
+def _needs_inductor_compile(node: torch.fx.Node) -> bool:
+    return node.op not in ("placeholder", "output") and COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
+
+
+def _region_id(node: torch.fx.Node) -> Any:
+    value = custom_meta(node)[COMPILE_WITH_INDUCTOR_KEY]
+    if isinstance(value, dict) and "inductor_region" in value:
+        return value["inductor_region"]
+    return _DEFAULT_REGION
+
+
+def count_tagged(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if _needs_inductor_compile(n))
+
+
+def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.Node, None]]:
+    """The partitions the tagged nodes of ``gm`` (top level) will be cut into.
+
+    Nodes with an ``inductor_region`` id: one partition per id (plus the
+    ``getitem`` users of its tuple outputs) when that is cycle free, else the
+    fewest cycle-free layers (:func:`split_acyclic`). Nodes without an id: the
+    ``CapabilityBasedPartitioner`` partitions of that group, as torch's
+    ``regional_inductor`` does. Pure analysis: ``gm`` is not modified.
+    """
+    regions: dict[Any, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if _needs_inductor_compile(node):
+            regions.setdefault(_region_id(node), []).append(node)
+    if not regions:
+        return []
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    partitioner = None
+    partitions: list[dict[torch.fx.Node, None]] = []
+    for rid, nodes in regions.items():
+        part = dict.fromkeys(nodes)
+        # getitems of a tuple-producing node belong with it (as the partitioner does).
+        for node in nodes:
+            if node.users and all(is_getitem(u) for u in node.users):
+                for u in node.users:
+                    if u not in part and not (_needs_inductor_compile(u) and _region_id(u) != rid):
+                        part[u] = None
+        if rid is _DEFAULT_REGION:
+            partitioner = _propose_with_capability_partitioner(gm, set(part), partitioner)
+            partitions.extend(p.nodes for p in partitioner.last_partitions)  # type: ignore[attr-defined]
+            continue
+        layers = split_acyclic(list(part), order)
+        if len(layers) > 1:
+            logger.debug("inductor region %r is not cycle free as a whole: %d partitions", rid, len(layers))
+        partitions.extend(dict.fromkeys(layer) for layer in layers)
+    return partitions
+
+
+def _propose_with_capability_partitioner(gm, region_nodes: set, partitioner=None):
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import create_op_support
+
+    support = create_op_support(lambda _submodules, node: node in region_nodes)
+    if partitioner is None:  # build the (quadratic) dependency viewer once per graph
+        partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
+    else:
+        partitioner.operator_support = support
+    partitioner.last_partitions = partitioner.propose_partitions()
+    return partitioner
+
+
+def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """Cut the tagged regions of ``gm`` (and of nested sub-graphs) into
+    ``__marked_inductor_submod*`` call_module nodes, without compiling them.
+
+    Returns ``(gm, number of regions at top level)``.
+    """
+    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    with torch.fx.traceback.preserve_node_meta(enable=False):
+        seen: set[int] = set()
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if _needs_inductor_compile(node):
+                continue  # compiled as part of the outer region
+            sub = getattr(gm, node.target, None)
+            if isinstance(sub, torch.fx.GraphModule) and id(sub) not in seen:
+                seen.add(id(sub))
+                scoop_regions(sub)
+        partitions = propose_region_partitions(gm)
+        if not partitions:
+            return gm, 0
+        gm = fuse_by_partitions(gm, partitions, prefix=REGION_PREFIX, always_return_tuple=True)
+        return gm, len(partitions)
+
+
+def _supports_region_ids() -> bool:
+    try:
+        from torch.fx.passes.regional_inductor import _RegionScooper
+
+        return "inductor_region" in inspect.getsource(_RegionScooper)
+    except Exception:
+        return False
+
+
+def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
+    """Compile each tagged region of ``gm`` with Inductor (one compiled callable
+    per region), keep the rest eager, and return ``gm`` with its original
+    calling convention. Stats: ``regions``, ``tagged_nodes``, ``compile_s``."""
+    tagged = count_tagged(gm)
+    if tagged == 0:
+        set_pass_summary(gm, "no compile_with_inductor nodes: nothing compiled", regions=0, tagged_nodes=0)
+        return gm
+
+    fake_mode = detect_graph_fake_mode(gm, example_inputs)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+        logger.warning("regional_inductor_pass: no fake mode found on the graph; using a fresh one")
+
+    from torch.fx.passes import regional_inductor as ri
+
+    orig_codegen = gm.graph._codegen
+    t0 = time.perf_counter()
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        compile_regions = getattr(ri, "_compile_inductor_marked_regions", None)
+        if compile_regions is not None:
+            gm, n_regions = scoop_regions(gm)
+            gm = compile_regions(gm)
+        else:  # pragma: no cover - private API moved: let torch partition
+            logger.warning(
+                "torch.fx.passes.regional_inductor._compile_inductor_marked_regions not found; "
+                "using regional_inductor() partitioning (inductor_region ids %s honoured)",
+                "are" if _supports_region_ids() else "are NOT",
+            )
+            n_regions = len(propose_region_partitions(gm))
+            gm = ri.regional_inductor(gm)
+    compile_s = time.perf_counter() - t0
+
+    if isinstance(gm, torch.fx.GraphModule):
+        gm.graph._codegen = orig_codegen
+        gm.recompile()
+    set_pass_summary(
+        gm,
+        f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s",
+        regions=n_regions,
+        tagged_nodes=tagged,
+        compile_s=round(compile_s, 3),
+    )
+    return gm
