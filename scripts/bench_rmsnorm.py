@@ -175,7 +175,9 @@ def build_make_fx(p: Problem) -> Callable[[], Outputs]:
     return lambda: gm(p.xd, p.wd, p.dy)
 
 
-def build_regional(p: Problem, inductor_configs: dict[str, Any], result: Result) -> Callable[[], Outputs]:
+def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: Result) -> Callable[[], Outputs]:
+    """``inductor_configs=None``: the pass's shipped default (Inductor defaults, with
+    DEFAULT_RMSNORM_CANDIDATE_CONFIGS compiled and timed per region, fastest kept)."""
     try:
         from graph_trainer.passes import annotate_rmsnorm_for_regional_inductor_pass, regional_inductor_pass
     except ImportError as e:
@@ -192,6 +194,10 @@ def build_regional(p: Problem, inductor_configs: dict[str, Any], result: Result)
         "compile_s": compile_stats.get("compile_s"),
         "norms_forward": annotate_stats.get("forward"),
         "norms_backward": annotate_stats.get("backward"),
+        "selections": [
+            {"inputs": x["inputs"], "ms": [round(t, 4) for t in x["ms"]], "chosen": x["configs"][x["chosen"]]}
+            for x in compile_stats.get("selections", [])
+        ],
     }
     if not compile_stats.get("regions"):
         raise RuntimeError(f"regional_inductor_pass compiled no region (annotation stats: {annotate_stats})")
@@ -320,12 +326,19 @@ def compare(out: Outputs, ref: Outputs) -> tuple[dict[str, float], float]:
 
 
 def parse_inductor_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
-    """``NAME=JSON`` or ``JSON`` entries -> ordered ``{name: config}``."""
+    """``NAME=JSON``, ``JSON`` or ``guarded`` entries -> ordered ``{name: config}``.
+
+    ``guarded`` (config ``None``) is the pass's shipped default: Inductor's defaults
+    plus the candidate configs, timed per region, fastest kept. Nothing given:
+    ``{"default": {}, "guarded": None}``."""
     if not values:
-        return {"default": {}}
+        return {"default": {}, "guarded": None}
     configs: dict[str, dict[str, Any]] = {}
     for i, raw in enumerate(values):
         raw = raw.strip()
+        if raw == "guarded":
+            configs["guarded"] = None
+            continue
         if raw.startswith("{"):
             text = raw
             name = "default" if json.loads(raw) == {} else f"cfg{i}"

@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_rmsnorm.py"
-REQUIRED = ["eager", "make_fx", "regional", "torch.compile"]
+REQUIRED = ["eager", "make_fx", "regional", "regional[guarded]", "torch.compile"]
 OPTIONAL = ["liger", "quack"]
 
 
@@ -93,7 +93,8 @@ def _load_script():
 
 def test_parse_inductor_configs():
     mod = _load_script()
-    assert mod.parse_inductor_configs(None) == {"default": {}}
+    assert mod.parse_inductor_configs(None) == {"default": {}, "guarded": None}
+    assert mod.parse_inductor_configs(["guarded"]) == {"guarded": None}
     got = mod.parse_inductor_configs(['{}', 'cdt={"coordinate_descent_tuning": true}', '{"a": 1}'])
     assert got == {"default": {}, "cdt": {"coordinate_descent_tuning": True}, "cfg2": {"a": 1}}
     assert [mod.regional_name(n) for n in got] == ["regional", "regional[cdt]", "regional[cfg2]"]

@@ -20,6 +20,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.passes import (
     DEFAULT_ORDER,
+    DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
     DEFAULT_RMSNORM_INDUCTOR_CONFIGS,
     PASSES,
     annotate_flex_attention_for_regional_inductor_pass,
@@ -241,15 +242,77 @@ def test_existing_custom_preserved_and_not_aliased():
 def test_default_and_explicit_configs_reach_annotation():
     gm, fakes = _fused_graph(n_norms=1, with_backward=False)
     annotate_rmsnorm_for_regional_inductor_pass(gm, fakes)
+    # default: Inductor's defaults first, the measured candidates to be timed against them
     assert DEFAULT_RMSNORM_INDUCTOR_CONFIGS == {}
+    assert DEFAULT_RMSNORM_CANDIDATE_CONFIGS  # at least one candidate is guarded per region
     for n in _tagged(gm):
         assert _tag(n)["inductor_configs"] == {}
-        assert set(_tag(n)) == {"inductor_configs", "inductor_region"}
+        assert _tag(n)["candidate_inductor_configs"] == DEFAULT_RMSNORM_CANDIDATE_CONFIGS
+        assert set(_tag(n)) == {"inductor_configs", "inductor_region", "candidate_inductor_configs"}
+    # explicit configs: exactly those, nothing timed
     gm, fakes = _fused_graph(n_norms=1, with_backward=False)
     cfg = {"max_autotune": True, "triton.cudagraphs": False}
     annotate_rmsnorm_for_regional_inductor_pass(gm, fakes, inductor_configs=cfg)
     assert all(_tag(n)["inductor_configs"] == cfg for n in _tagged(gm))
+    assert all(set(_tag(n)) == {"inductor_configs", "inductor_region"} for n in _tagged(gm))
     assert gm.meta["graph_trainer_pass_stats"]["inductor_configs"] == cfg
+    with pytest.raises(ValueError, match="max_autotun"):
+        annotate_rmsnorm_for_regional_inductor_pass(gm, fakes, candidate_configs=[{"max_autotun": True}])
+
+
+def _timed_fused_graph(n_norms, candidates):
+    gm, _ = _fused_graph(n_norms=n_norms)
+    fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    annotate_rmsnorm_for_regional_inductor_pass(gm, fakes, inductor_configs={}, candidate_configs=candidates)
+    return gm, fakes
+
+
+@pytest.mark.parametrize("fastest", [0, 1])
+def test_candidate_configs_timed_and_fastest_kept(fastest):
+    """Each distinct region is compiled once per config set and the variant the
+    timer calls fastest is kept; identical regions reuse it."""
+    cands = [{"max_autotune_gemm": False}]
+    gm, fakes = _timed_fused_graph(n_norms=3, candidates=cands)
+    calls = []
+
+    def timer(fn, inputs):
+        # variants of one region arrive in order: inductor_configs, candidate 1
+        i = len(calls) % 2
+        calls.append(fn)
+        out = fn(*inputs)  # the variant really runs on inputs of the region's shapes
+        assert isinstance(out, (list, tuple))
+        return 1.0 if i == fastest else 2.0
+
+    gm = regional_inductor_pass(gm, fakes, select_candidates=True, timer=timer)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    sel = stats["selections"]
+    # 3 forward norms + 1 backward = 4 regions; norm 0 also returns rstd (used by the
+    # backward), norms 1 and 2 are identical -> 3 distinct regions, 2 compiles each
+    assert stats["regions"] == 4
+    assert len(sel) == 3 and stats["distinct_compiles"] == 6 and len(calls) == 6
+    assert all(s["chosen"] == fastest and s["ms"][fastest] == 1.0 for s in sel)
+    assert all(s["configs"] == [{}, cands[0]] for s in sel)
+    # the kept artifact computes the same thing as the reference
+    torch.manual_seed(0)
+    x, w, go = torch.randn(4, 8, D), torch.randn(D), torch.randn(4, 8, D)
+    out, gi, gw = gm(x, w, go)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    o0 = torch.nn.functional.rms_norm(xr, [D], wr, 1e-6)
+    ref = o0.detach() * 2
+    for _ in range(2):
+        ref = torch.nn.functional.rms_norm(ref, [D], w, 1e-6) * 2
+    _assert_close([out, gi, gw], [ref, *torch.autograd.grad(o0, [xr, wr], go)])
+
+
+def test_candidates_not_timed_on_cpu_by_default():
+    gm, fakes = _timed_fused_graph(n_norms=2, candidates=[{"max_autotune_gemm": False}])
+
+    def timer(fn, inputs):
+        raise AssertionError("CPU regions must not be timed unless asked")
+
+    gm = regional_inductor_pass(gm, fakes, timer=timer)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    assert stats["selections"] == [] and stats["regions"] == 3 and stats["distinct_compiles"] == 3
 
 
 def test_unknown_inductor_config_key_rejected():
@@ -442,9 +505,11 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog):
     assert names == [
         "remove_dead_code",
         "remove_noop_views",
+        "overlap_collectives",
         "annotate_rmsnorm_for_regional_inductor",
         "regional_inductor",
     ]
+    names.remove("overlap_collectives")  # no collectives on one rank; keeps file numbers below
     with caplog.at_level(logging.INFO, logger="graph_trainer"):
         cgm = run_passes(gm, example_inputs, names, dump_folder=str(tmp_path))
     lines = [r.getMessage() for r in caplog.records if r.name == "graph_trainer" and "graph pass" in r.getMessage()]
@@ -476,7 +541,7 @@ def test_end_to_end_full_inductor_cpu():
     gm, example_inputs, inputs = _trace_step(model)
     ref = gm(*inputs)
     names = resolve_pass_names(passes=None, disable_passes=[], numerics_changing_optim=False, inductor_compilation="full")
-    assert names == ["remove_dead_code", "remove_noop_views", "full_inductor"]
+    assert names == ["remove_dead_code", "remove_noop_views", "overlap_collectives", "full_inductor"]
     cgm = run_passes(gm, example_inputs, names)
     assert isinstance(cgm, torch.fx.GraphModule) and callable(cgm.compiled_fn)
     out = cgm(*inputs)  # same pytree calling convention as the traced graph
@@ -592,6 +657,7 @@ def test_registry_and_order():
     assert DEFAULT_ORDER == [
         "remove_dead_code",
         "remove_noop_views",
+        "overlap_collectives",
         "annotate_flex_attention_for_regional_inductor",
         "annotate_rmsnorm_for_regional_inductor",
         "regional_inductor",
@@ -605,15 +671,17 @@ def test_resolve_defaults():
     assert resolve_pass_names(**kw, numerics_changing_optim=False, inductor_compilation="none") == [
         "remove_dead_code",
         "remove_noop_views",
+        "overlap_collectives",
     ]
     assert resolve_pass_names(**kw, numerics_changing_optim=False, inductor_compilation="regional") == [
         "remove_dead_code",
         "remove_noop_views",
+        "overlap_collectives",
         "regional_inductor",
     ]
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", uses_flex_attention=True, cudagraphs=True
-    ) == DEFAULT_ORDER[:5] + ["cudagraph"]
+    ) == DEFAULT_ORDER[:6] + ["cudagraph"]
     # full inductor compiles every norm anyway: no annotation pass
     assert "annotate_rmsnorm_for_regional_inductor" not in resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="full"
@@ -630,7 +698,7 @@ def test_resolve_replace_and_disable():
     assert names == ["remove_dead_code", "annotate_rmsnorm_for_regional_inductor", "regional_inductor"]
     names = resolve_pass_names(
         passes=None,
-        disable_passes=["remove_noop_views", "annotate_rmsnorm_for_regional_inductor"],
+        disable_passes=["remove_noop_views", "annotate_rmsnorm_for_regional_inductor", "overlap_collectives"],
         numerics_changing_optim=True,
         inductor_compilation="regional",
     )

@@ -7,6 +7,7 @@ registry, the single default order and the runner.
 
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import (
+    DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
     DEFAULT_RMSNORM_INDUCTOR_CONFIGS,
     annotate_rmsnorm_for_regional_inductor_pass,
     find_rmsnorm_instances,
@@ -22,12 +23,14 @@ from graph_trainer.passes.pipeline import (
     resolve_pass_names,
     run_passes,
 )
+from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
 
 __all__ = [
     "DEFAULT_ORDER",
+    "DEFAULT_RMSNORM_CANDIDATE_CONFIGS",
     "DEFAULT_RMSNORM_INDUCTOR_CONFIGS",
     "INDUCTOR_COMPILATION_MODES",
     "PASSES",
@@ -37,6 +40,7 @@ __all__ = [
     "cudagraph_pass",
     "find_rmsnorm_instances",
     "full_inductor_pass",
+    "overlap_collectives_pass",
     "propose_region_partitions",
     "regional_inductor_pass",
     "remove_dead_code_pass",

@@ -67,19 +67,28 @@ def is_tagged_for_inductor(node: torch.fx.Node) -> bool:
     return COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
 
 
-def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], region: str) -> None:
+def tag_for_inductor(
+    node: torch.fx.Node,
+    inductor_configs: dict[str, Any],
+    region: str,
+    candidate_configs: list[dict[str, Any]] | None = None,
+) -> None:
     """Tag ``node`` for regional_inductor, keeping its other ``custom`` entries.
 
     The ``custom`` dict is copied (it may be shared between nodes created under
     the same ``fx.traceback.annotate`` block) and every node gets its own
     ``inductor_configs`` copy. ``region`` becomes the ``inductor_region`` key:
     nodes with different region ids are never fused into one compiled region.
+    Non-empty ``candidate_configs`` become ``"candidate_inductor_configs"``: config
+    sets ``regional_inductor_pass`` also compiles and times for this region.
     """
     custom = dict(custom_meta(node))
     custom[COMPILE_WITH_INDUCTOR_KEY] = {
         "inductor_configs": dict(inductor_configs),
         "inductor_region": region,
     }
+    if candidate_configs:
+        custom[COMPILE_WITH_INDUCTOR_KEY]["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
     node.meta["custom"] = custom
 
 

@@ -85,16 +85,23 @@ from graph_trainer.passes._common import (
 
 aten = torch.ops.aten
 
-#: Inductor config used for every RMSNorm region unless the caller passes one.
-#: Empty = Inductor defaults (to be tuned from GPU measurements).
-# Chosen from scripts/bench_rmsnorm.py on 1x H100, torch 2.11 (docs/perf.md, 2026-11-22):
-# coordinate-descent tuning with all directions reached 92.3-93.8 % of the measured
-# copy bandwidth at 32768x4096, 16384x8192 and 65536x2048 (bf16 fwd+bwd), against
-# 84.0-88.6 % with Inductor's defaults, and was faster than the defaults at every shape.
-DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {
-    "coordinate_descent_tuning": True,
-    "coordinate_descent_check_all_directions": True,
-}
+#: Inductor configs every RMSNorm region is compiled with first: Inductor's defaults.
+#: They are the baseline and the fallback of the guarded selection below.
+DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
+
+#: Config sets that ``regional_inductor_pass`` also tries for every *distinct* RMSNorm
+#: region (same ops and input shapes) when the user passes no configs and the region
+#: runs on CUDA: each candidate is compiled, all variants are timed on random inputs of
+#: the region's shapes, and the fastest is kept -- so the shipped default is never
+#: slower than Inductor's defaults at any shape (up to timing noise), yet takes
+#: coordinate-descent tuning where it wins. Why a guard and not a fixed setting: on
+#: 1x H100 / torch 2.11, ``coordinate_descent_tuning`` (+ all directions) reached
+#: 92-94 % of copy bandwidth at some Llama shapes but 40-68 % at others (a bad tuning
+#: pick), against 84-89 % for the defaults (issue 4; docs/perf.md has this project's
+#: own measurement).
+DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
+    {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True},
+]
 
 _PHASES = ("forward", "backward")
 
@@ -283,6 +290,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     gm: torch.fx.GraphModule,
     example_inputs=None,
     inductor_configs: dict[str, Any] | None = None,
+    candidate_configs: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Tag each RMSNorm instance (fused or decomposed, forward and backward) as
     its own ``compile_with_inductor`` region.
@@ -290,6 +298,11 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     ``inductor_configs`` (validated against ``torch._inductor.config``; default
     :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) is stored in every tagged node's
     annotation as ``{"inductor_configs": {...}, "inductor_region": id}``.
+    ``candidate_configs`` (each validated the same way) are stored as
+    ``"candidate_inductor_configs"``: ``regional_inductor_pass`` compiles every
+    candidate too, times them and keeps the fastest (CUDA only). Default: when
+    ``inductor_configs`` is ``None``, :data:`DEFAULT_RMSNORM_CANDIDATE_CONFIGS`;
+    when the caller names ``inductor_configs``, none (exactly those are used).
     Region ids are ``rmsnorm_<kind>_<i>`` (kind: forward / backward /
     recompute, see :func:`find_rmsnorm_instances`). Stats
     (``gm.meta["graph_trainer_pass_stats"]``, also
@@ -301,6 +314,9 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     configs = validate_inductor_configs(
         DEFAULT_RMSNORM_INDUCTOR_CONFIGS if inductor_configs is None else inductor_configs
     )
+    if candidate_configs is None:
+        candidate_configs = DEFAULT_RMSNORM_CANDIDATE_CONFIGS if inductor_configs is None else []
+    candidates = [validate_inductor_configs(c) for c in candidate_configs]
     instances = find_rmsnorm_instances(gm.graph)
     counts = {"forward": 0, "backward": 0, "recompute": 0}
     tagged = 0
@@ -311,7 +327,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
         counts[kind] += 1
         forms[inst["form"]] += 1
         for node in inst["nodes"]:
-            tag_for_inductor(node, configs, region)
+            tag_for_inductor(node, configs, region, candidates)
             tagged += 1
     n_getitems = sum(1 for inst in instances for n in inst["nodes"] if n.target is operator.getitem)
     recompute = f" + {counts['recompute']} recomputed (activation checkpointing)" if counts["recompute"] else ""
@@ -325,6 +341,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
         fused=forms["fused"],
         decomposed=forms["decomposed"],
         inductor_configs=configs,
+        candidate_inductor_configs=candidates,
     )
     set_pass_summary(
         gm,
@@ -340,6 +357,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
 annotate_rmsnorm_for_regional_inductor_pass.last_stats = {}  # type: ignore[attr-defined]
 
 __all__ = [
+    "DEFAULT_RMSNORM_CANDIDATE_CONFIGS",
     "DEFAULT_RMSNORM_INDUCTOR_CONFIGS",
     "annotate_rmsnorm_for_regional_inductor_pass",
     "find_rmsnorm_instances",

@@ -3,6 +3,7 @@
 Order (:data:`DEFAULT_ORDER`, the only place it is defined)::
 
     remove_dead_code -> remove_noop_views
+      -> overlap_collectives                             (no-op without collectives)
       -> (memory-policy passes: none yet)
       -> annotate_flex_attention_for_regional_inductor   (if flex attention is used)
       -> annotate_rmsnorm_for_regional_inductor          (if numerics_changing_optim)
@@ -29,6 +30,7 @@ from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
+from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import regional_inductor_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
@@ -37,6 +39,7 @@ logger = logging.getLogger("graph_trainer")
 
 REMOVE_DEAD_CODE = "remove_dead_code"
 REMOVE_NOOP_VIEWS = "remove_noop_views"
+OVERLAP_COLLECTIVES = "overlap_collectives"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
 ANNOTATE_RMSNORM = "annotate_rmsnorm_for_regional_inductor"
 REGIONAL_INDUCTOR = "regional_inductor"
@@ -47,6 +50,7 @@ CUDAGRAPH = "cudagraph"
 PASSES: dict[str, Callable[..., Any]] = {
     REMOVE_DEAD_CODE: remove_dead_code_pass,
     REMOVE_NOOP_VIEWS: remove_noop_views_pass,
+    OVERLAP_COLLECTIVES: overlap_collectives_pass,
     # memory-policy passes go here (none yet)
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
     ANNOTATE_RMSNORM: annotate_rmsnorm_for_regional_inductor_pass,
@@ -92,7 +96,8 @@ def resolve_pass_names(
 ) -> list[str]:
     """The list of pass names to run, in :data:`DEFAULT_ORDER`.
 
-    ``passes=None`` derives the list from the flags: the cleanup passes, the
+    ``passes=None`` derives the list from the flags: the cleanup passes,
+    ``overlap_collectives`` (a no-op for graphs without collectives), the
     FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
     annotation (if ``numerics_changing_optim`` and ``inductor_compilation ==
     "regional"``; with ``"full"`` Inductor compiles every norm anyway), the
@@ -112,7 +117,7 @@ def resolve_pass_names(
             f"got {inductor_compilation!r}"
         )
     if passes is None:
-        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS]
+        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, OVERLAP_COLLECTIVES]
         if uses_flex_attention:
             names.append(ANNOTATE_FLEX_ATTENTION)
         if numerics_changing_optim and inductor_compilation != "full":

@@ -36,6 +36,7 @@ for a make_fx graph with pytree codegen). On CPU Inductor uses its C++ backend.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -149,6 +150,163 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
         return gm, len(partitions)
 
 
+def _annotation(gm: torch.fx.GraphModule) -> dict:
+    """The ``compile_with_inductor`` dict of the first annotated node of a region."""
+    for n in gm.graph.nodes:
+        cwi = custom_meta(n).get(COMPILE_WITH_INDUCTOR_KEY)
+        if isinstance(cwi, dict):
+            return cwi
+    return {}
+
+
+def region_signature(gm: torch.fx.GraphModule, example_inputs) -> tuple:
+    """Structural key of a region: ops, wiring (by position, not by name), constants,
+    the inductor configs (and candidate configs) of its annotation, and the inputs'
+    shape/stride/dtype/device.
+
+    Two norm instances of the same shape have the same signature and can share one
+    compiled artifact, although their node names differ (which defeats Inductor's own
+    FX graph cache)."""
+    index: dict[torch.fx.Node, int] = {}
+    ops = []
+
+    def enc(a):
+        if isinstance(a, torch.fx.Node):
+            return ("n", index[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(enc(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, enc(v)) for k, v in a.items()))
+        return repr(a)
+
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        ops.append((n.op, str(n.target) if n.op != "placeholder" else "", enc(n.args), enc(n.kwargs)))
+    cwi = _annotation(gm)
+    configs = repr(
+        (sorted(cwi.get("inductor_configs", {}).items()), [sorted(c.items()) for c in cwi.get("candidate_inductor_configs", [])])
+    )
+    metas = tuple(
+        (tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device)) if isinstance(v, torch.Tensor) else repr(v)
+        for v in example_inputs
+    )
+    return (tuple(ops), configs, metas)
+
+
+def random_inputs(example_inputs) -> list:
+    """Real tensors with the shape, stride, dtype and device of each fake input
+    (floating: standard normal; integer / bool: zeros); non-tensors pass through."""
+    out = []
+    for v in example_inputs:
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+            continue
+        t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+        if t.is_floating_point():
+            t.normal_()
+        else:
+            t.zero_()
+        out.append(t)
+    return out
+
+
+def time_region_ms(fn, inputs) -> float:
+    """Median milliseconds of ``fn(*inputs)``. CUDA: ``triton.testing.do_bench``
+    (CUDA events, L2 flushed between calls); CPU: ``time.perf_counter`` over 10 calls."""
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in inputs):
+        from triton.testing import do_bench
+
+        return float(do_bench(lambda: fn(*inputs), warmup=25, rep=100, return_mode="median"))
+    fn(*inputs)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        fn(*inputs)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@contextlib.contextmanager
+def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, timer=None):
+    """Patch ``torch._inductor.standalone_compile`` while regions are compiled:
+
+    * memoize by :func:`region_signature`, so N identical norms cost one Inductor
+      compile (and one autotuning) instead of N;
+    * for a region whose annotation has ``candidate_inductor_configs``: compile the
+      region with each candidate too (patched over its ``inductor_configs``), time
+      every variant on random inputs of the region's shapes (``timer(fn, inputs) ->
+      ms``, default :func:`time_region_ms`) and keep the fastest. The annotation's own
+      ``inductor_configs`` win ties. ``select_candidates=None`` selects only when the
+      region's inputs live on CUDA (CPU timings of Triton knobs mean nothing).
+
+    Yields stats ``{"compiled", "reused", "selections": [...]}``; each selection is
+    ``{"region", "inputs", "ms": [per variant], "chosen": index (0 = inductor_configs)}``.
+    """
+    import torch._inductor as inductor
+    import torch._inductor.config as inductor_config
+
+    orig = inductor.standalone_compile
+    timer = timer or time_region_ms
+    cache: dict = {}
+    stats: dict = {"compiled": 0, "reused": 0, "selections": []}
+
+    def compile_best(gm, example_inputs, *args, **kwargs):
+        cwi = _annotation(gm)
+        candidates = cwi.get("candidate_inductor_configs") or []
+        on_cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in example_inputs)
+        select = on_cuda if select_candidates is None else select_candidates
+        if not candidates or not select:
+            stats["compiled"] += 1
+            return orig(gm, example_inputs, *args, **kwargs)
+        variants = []
+        for cand in [{}] + list(candidates):
+            copy_gm = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+            with inductor_config.patch(cand):
+                variants.append(orig(copy_gm, example_inputs, *args, **kwargs))
+            stats["compiled"] += 1
+        inputs = random_inputs(example_inputs)
+        ms = [timer(v, inputs) for v in variants]
+        chosen = min(range(len(ms)), key=lambda i: (ms[i], i))
+        shapes = ", ".join(
+            f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" for v in example_inputs if isinstance(v, torch.Tensor)
+        )
+        stats["selections"].append(
+            {"region": cwi.get("inductor_region"), "inputs": shapes, "ms": ms, "chosen": chosen,
+             "configs": [cwi.get("inductor_configs", {})] + [dict(c) for c in candidates]}
+        )
+        logger.info(
+            "region %s (%s): %s -> keep %s",
+            cwi.get("inductor_region"), shapes,
+            ", ".join(f"{'inductor_configs' if i == 0 else f'candidate {i}'} {t:.4f} ms" for i, t in enumerate(ms)),
+            "inductor_configs" if chosen == 0 else f"candidate {chosen} {candidates[chosen - 1]}",
+        )
+        return variants[chosen]
+
+    def memo(gm, example_inputs, *args, **kwargs):
+        try:
+            key = region_signature(gm, example_inputs)
+        except Exception:  # unexpected input: compile without sharing
+            return compile_best(gm, example_inputs, *args, **kwargs)
+        if key in cache:
+            stats["reused"] += 1
+            return cache[key]
+        cache[key] = compile_best(gm, example_inputs, *args, **kwargs)
+        return cache[key]
+
+    inductor.standalone_compile = memo
+    try:
+        yield stats
+    finally:
+        inductor.standalone_compile = orig
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    new = torch.fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
 def _supports_region_ids() -> bool:
     try:
         from torch.fx.passes.regional_inductor import _RegionScooper
@@ -158,10 +316,25 @@ def _supports_region_ids() -> bool:
         return False
 
 
-def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
+def regional_inductor_pass(
+    gm: torch.fx.GraphModule,
+    example_inputs=None,
+    *,
+    select_candidates: bool | None = None,
+    timer=None,
+) -> torch.fx.GraphModule:
     """Compile each tagged region of ``gm`` with Inductor (one compiled callable
     per region), keep the rest eager, and return ``gm`` with its original
-    calling convention. Stats: ``regions``, ``tagged_nodes``, ``compile_s``."""
+    calling convention.
+
+    Identical regions (same ops and input shapes/dtypes, e.g. the 64 attention/FFN
+    norms of a Llama3 8B) are compiled once and share the artifact. Regions with
+    ``candidate_inductor_configs`` are compiled once per candidate and the fastest
+    measured variant is kept (see :func:`_dedupe_and_select_region_compiles`;
+    ``select_candidates`` / ``timer`` are passed through).
+
+    Stats: ``regions``, ``tagged_nodes``, ``distinct_compiles`` (Inductor compiles
+    run), ``selections``, ``compile_s``."""
     tagged = count_tagged(gm)
     if tagged == 0:
         set_pass_summary(gm, "no compile_with_inductor nodes: nothing compiled", regions=0, tagged_nodes=0)
@@ -178,7 +351,7 @@ def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
 
     orig_codegen = gm.graph._codegen
     t0 = time.perf_counter()
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), _dedupe_and_select_region_compiles(select_candidates, timer) as stats:
         compile_regions = getattr(ri, "_compile_inductor_marked_regions", None)
         if compile_regions is not None:
             gm, n_regions = scoop_regions(gm)
@@ -196,10 +369,16 @@ def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
     if isinstance(gm, torch.fx.GraphModule):
         gm.graph._codegen = orig_codegen
         gm.recompile()
+    sel = stats["selections"]
+    picked = sum(1 for x in sel if x["chosen"] != 0)
+    sel_text = f"; timed {len(sel)} distinct region(s), {picked} took a candidate config" if sel else ""
     set_pass_summary(
         gm,
-        f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s",
+        f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
+        f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}",
         regions=n_regions,
+        distinct_compiles=stats["compiled"],
+        selections=sel,
         tagged_nodes=tagged,
         compile_s=round(compile_s, 3),
     )

@@ -1,0 +1,182 @@
+"""Overlap the in-graph FSDP collectives with compute by sinking their waits.
+
+Matches: ``_c10d_functional.wait_tensor`` nodes whose input is a functional
+collective (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+``all_reduce``...). As traced (:mod:`graph_trainer.fsdp`), every collective is
+followed at once by its wait, so the compute stream blocks on each all-gather and
+reduce-scatter in turn and no communication overlaps with compute.
+
+Changes: only the position of wait nodes; no node is added, removed or rewired,
+so the values computed are bit for bit those of the input graph.
+
+* A wait on an **all-gather** moves to just before its first user. The traced
+  step issues every parameter's all-gather at the start of the forward (traceable
+  FSDP gathers all parameters up front), so after this pass the all-gathers run on
+  NCCL's stream while the first layers compute, and layer ``i`` only waits for its
+  own parameters: prefetching in the order the forward needs them. Memory is
+  unchanged (the gathered buffers were already allocated at the same points).
+* A **reduce-scatter** is issued as early as its gradient allows. As traced,
+  autograd runs every parameter's all-gather backward (cast to fp32, pad,
+  reduce-scatter) at the very end of the backward, because the all-gathers were
+  the first autograd nodes created: all reduce-scatters queue up after the last
+  matmul, none overlaps, and every unsharded gradient stays alive until then. The
+  pass moves each reduce-scatter, with the single-use cast / view / pad chain that
+  feeds it, to just after the node that produces the gradient.
+* A wait on a **reduce-scatter** (or any other collective) moves towards its first
+  user too, but no further than just before the issue of the ``max_in_flight``-th
+  next collective of the same kind, so at most ``max_in_flight`` gradient buffers
+  (the fp32 unsharded gradient being reduced) are kept alive by pending
+  reduce-scatters: the backward of layer ``i`` runs while the gradient of layer
+  ``i + 1`` is being reduced.
+
+Eager execution of the graph issues functional collectives asynchronously on the
+process group's stream and ``wait_tensor`` makes the current stream wait for them,
+so this reordering is what gives overlap when the graph is run uncompiled or
+with regional Inductor. (Full-graph Inductor schedules collectives itself.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_trainer.passes._common import set_pass_summary
+
+_C10D = "_c10d_functional"
+
+
+def _is_wait(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith(f"{_C10D}.wait_tensor")
+
+
+def _collective_kind(node: torch.fx.Node) -> str | None:
+    """``"all_gather_into_tensor"`` etc. for a functional collective issue node, else None."""
+    if node.op != "call_function":
+        return None
+    name = str(node.target)
+    if not name.startswith(f"{_C10D}.") or name.startswith(f"{_C10D}.wait_tensor"):
+        return None
+    return name.split(".")[1]
+
+
+# Ops that may be hoisted together with the collective they feed (cheap, single use).
+_HOISTABLE = {
+    "aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.constant_pad_nd.default", "aten.pad.default", "aten.clone.default", "aten.t.default",
+    "aten.permute.default", "aten.convert_element_type.default", "prims.convert_element_type.default",
+}  # fmt: skip
+
+
+# View ops that move together with the wait whose output they view.
+_VIEWS = {
+    "aten.slice.Tensor", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.alias.default", "aten.as_strided.default",
+}  # fmt: skip
+
+
+def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
+    """Move ``issue`` and its single-use cast/view/pad input chain to just after the
+    latest node each depends on. Returns whether anything moved."""
+    chain = [issue]
+    cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
+    while (
+        cur is not None and cur.op == "call_function" and len(cur.users) == 1
+        and str(cur.target) in _HOISTABLE
+    ):
+        chain.append(cur)
+        nxt = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
+        cur = nxt
+    moved = False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in reversed(chain):  # earliest first
+        inputs = node.all_input_nodes
+        if not inputs:
+            continue
+        latest = max(inputs, key=order.__getitem__)
+        if latest.op == "placeholder" or order[latest] + 1 >= order[node]:
+            continue
+        latest.append(node)
+        moved = True
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    return moved
+
+
+def overlap_collectives_pass(
+    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2
+) -> torch.fx.GraphModule:
+    """Sink the wait of every functional collective towards its first use (see the
+    module docstring), after issuing every non-all-gather collective as early as its
+    input allows. ``max_in_flight`` (>= 1) bounds the pending collectives of one
+    kind other than all-gather. Stats: ``hoisted`` (collectives issued earlier),
+    ``moved`` (waits moved), ``all_gather`` /
+    ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait after
+    the pass, averaged).
+
+    Raises:
+        ValueError: ``max_in_flight < 1``.
+    """
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    graph = gm.graph
+    issues_by_kind: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        kind = _collective_kind(node)
+        if kind is not None:
+            issues_by_kind.setdefault(kind, []).append(node)
+    hoisted = sum(
+        _hoist_collective(graph, n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor" for n in ns
+    )
+    if hoisted:  # issue order changed: re-read it
+        issues_by_kind = {}
+        for node in graph.nodes:
+            kind = _collective_kind(node)
+            if kind is not None:
+                issues_by_kind.setdefault(kind, []).append(node)
+    index_in_kind = {n: (k, i) for k, ns in issues_by_kind.items() for i, n in enumerate(ns)}
+
+    waits = [n for n in graph.nodes if _is_wait(n) and n.args and isinstance(n.args[0], torch.fx.Node)
+             and n.args[0] in index_in_kind]
+    moved = 0
+    counts = {"all_gather": 0, "other": 0}
+    for wait in waits:
+        order = {n: i for i, n in enumerate(graph.nodes)}  # positions change as waits move
+        issue = wait.args[0]
+        kind, i = index_in_kind[issue]
+        # the wait travels with its single-use view chain (FSDP: slice -> view of the
+        # gathered buffer), so it lands before the first real use, not the first view
+        chain = [wait]
+        while len(chain[-1].users) == 1 and str(next(iter(chain[-1].users)).target) in _VIEWS:
+            chain.append(next(iter(chain[-1].users)))
+        users = sorted(chain[-1].users, key=order.__getitem__)
+        target = users[0] if users else None
+        if kind != "all_gather_into_tensor":
+            counts["other"] += 1
+            later = issues_by_kind[kind]
+            if i + max_in_flight < len(later):
+                bound = later[i + max_in_flight]
+                if target is None or order[bound] < order[target]:
+                    target = bound
+        else:
+            counts["all_gather"] += 1
+        if target is None or order[target] == order[chain[-1]] + 1 or order[target] <= order[issue]:
+            continue
+        for node in chain:
+            target.prepend(node)
+        moved += 1
+    graph.lint()
+    gm.recompile()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    dists = [order[w] - order[w.args[0]] for w in waits]
+    mean_d = sum(dists) / len(dists) if dists else 0.0
+    set_pass_summary(
+        gm,
+        f"issued {hoisted} reduce-scatter(s)/other collectives earlier; "
+        f"moved {moved} of {len(waits)} collective waits towards first use "
+        f"({counts['all_gather']} all-gather, {counts['other']} other; "
+        f"mean issue->wait distance {mean_d:.0f} nodes)" if waits else "no functional collectives",
+        moved=moved,
+        hoisted=hoisted,
+        mean_distance=round(mean_d, 1),
+        **counts,
+    )
+    return gm
