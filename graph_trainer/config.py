@@ -72,10 +72,20 @@ class Compile:
 
 
 @dataclass
+class Debug:
+    """Fields added to torchtitan's ``[debug]`` (which has ``seed`` and ``deterministic``)."""
+
+    state_hashes: bool = False
+    """At the end of training, compute sha256 of the final parameters, gradients and
+    optimizer state (all ranks) and record them in the metrics.jsonl summary."""
+
+
+@dataclass
 class JobConfig:
     """The fields this project adds to torchtitan's JobConfig (merged by torchtitan)."""
 
     compile: Compile = field(default_factory=Compile)
+    debug: Debug = field(default_factory=Debug)
 
 
 def split_names(value: str) -> list[str]:

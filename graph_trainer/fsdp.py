@@ -114,15 +114,27 @@ def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], li
 
 
 class ShardedParams(torch.nn.Module):
-    """Holds the local shards as parameters, so torchtitan's optimizer builder (and
-    DCP, through ``get_optimizer_state_dict``) see them under their model FQNs
-    (``.`` replaced by ``__``)."""
+    """Holds this rank's shards as parameters, for torchtitan's optimizer builder and for
+    checkpointing.
 
-    def __init__(self, specs: list[ShardSpec], shards: list[torch.nn.Parameter]):
+    The shards live in a submodule named ``rank<r>of<W>`` (parameter FQNs like
+    ``rank0of2.shards.3``): the state-dict keys differ between ranks, so DCP saves
+    every rank's part instead of de-duplicating equal keys as replicated tensors, and a
+    checkpoint saved with another FSDP degree cannot be loaded by mistake.
+    """
+
+    def __init__(self, specs: list[ShardSpec], shards: list[torch.nn.Parameter], rank: int = 0, world: int = 1):
         super().__init__()
         self.specs = specs
-        self.shards = torch.nn.ParameterList(shards)
-        self.names = [s.name.replace(".", "__") for s in specs]
+        self.names = [s.name for s in specs]
+        self.key = f"rank{rank}of{world}"
+        holder = torch.nn.Module()
+        holder.shards = torch.nn.ParameterList(shards)
+        self.add_module(self.key, holder)
+
+    @property
+    def shards(self) -> torch.nn.ParameterList:
+        return getattr(self, self.key).shards
 
 
 def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group) -> torch.Tensor:

@@ -126,8 +126,9 @@ def train(cfg) -> dict:
             "aot_fx_trace with --parallelism.tensor_parallel_degree > 1 is not supported yet "
             "(traceable TP is planned); use --compile.mode eager or jit for TP."
         )
-    seed = cfg.debug.seed if cfg.debug.seed is not None else 0
-    torch.manual_seed(seed)
+    from graph_trainer.determinism import apply_determinism
+
+    determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
 
     tokenizer = build_tokenizer(cfg)
     model_args = build_model_args(cfg, tokenizer)
@@ -154,7 +155,7 @@ def train(cfg) -> dict:
         if parallel_dims.dp_shard > 1:  # traceable FSDP over the data-parallel ranks
             fsdp_group = dist.group.WORLD
             specs, params = fsdp.shard_parameters(model, fsdp_group)
-            opt_module = fsdp.ShardedParams(specs, params)
+            opt_module = fsdp.ShardedParams(specs, params, rank, world_size)
         else:
             params = [p for p in model.parameters() if p.requires_grad]
             opt_module = model
@@ -178,11 +179,23 @@ def train(cfg) -> dict:
         tb_folder=cfg.metrics.save_tb_folder,
         rank=rank,
     )
+    from graph_trainer.checkpoint import Checkpointer
+
+    layout = f"dp_shard{parallel_dims.dp_shard}_dp_replicate{parallel_dims.dp_replicate}_tp{parallel_dims.tp}"
+    meta = {"flavor": cfg.model.flavor, "mode": mode, "layout": layout}
+    checkpointer = Checkpointer(
+        cfg, dataloader, opt_module, optimizers, lr_schedulers, device, rank, meta
+    )
+    start_step = checkpointer.load_latest(cfg.checkpoint.load_step)
+
     param_dtype = _DTYPES[cfg.training.mixed_precision_param]
     traced = None
-    extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__}
+    extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism}
+    if start_step:
+        extra["resumed_from_step"] = start_step
     data_iter = iter(dataloader)
-    for step in range(1, cfg.training.steps + 1):
+    loss = None
+    for step in range(start_step + 1, cfg.training.steps + 1):
         t_data = time.perf_counter()
         input_dict, labels = next(data_iter)
         tokens = input_dict["input"].to(device, non_blocking=True)
@@ -213,15 +226,29 @@ def train(cfg) -> dict:
         lr_schedulers.step()
         metrics.record_step(tokens.numel(), data_time)
 
-        if step == 1 or step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+        last = step == cfg.training.steps
+        saving = checkpointer.enabled and (step % cfg.checkpoint.interval == 0 or last)
+        if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or last or saving:
             loss_val = _global_mean(loss.detach(), world_size)
-            if not math.isfinite(loss_val):
-                raise FloatingPointError(
-                    f"Loss is {loss_val} at step {step}; stopping. Lower --optimizer.lr or check the data."
+            bad = [f"loss is {v}" for v in (loss_val,) if not math.isfinite(v)]
+            bad += [f"grad norm is {v}" for v in (float(grad_norm),) if not math.isfinite(v)]
+            if bad:  # checked before any save: the last good checkpoint stays
+                raise UserError(
+                    f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this state is "
+                    f"written). Lower --optimizer.lr, check the data, or resume from the last good "
+                    f"checkpoint in {checkpointer.folder if checkpointer.enabled else '(checkpointing off)'}."
                 )
             lr = lr_schedulers.schedulers[0].get_last_lr()[0]
             metrics.log(step, loss_val, float(grad_norm), lr)
-    steps = cfg.training.steps
+        checkpointer.save(step, last_step=last)
+    checkpointer.close()
+    if cfg.debug.state_hashes:
+        from graph_trainer.determinism import optimizer_tensors, state_hashes
+
+        hashes = state_hashes(params, optimizer_tensors(getattr(optimizers, "optimizers", [optimizers]), params))
+        extra["state_hashes"] = hashes
+        logger.info("final state sha256: %s", hashes)
+    steps = cfg.training.steps - start_step
     summary = metrics.summary(exclude_steps=2 if steps >= 5 else 1, extra=extra)
     metrics.close()
     return summary

@@ -1,0 +1,144 @@
+"""Bitwise determinism on CPU: run-to-run with the RMSNorm pass, checkpoint resume,
+the pass on vs off, on one rank and on 2 gloo ranks (traced FSDP); plus bad input.
+
+Every run is ``run_train.sh`` on the debug model (seq 64, batch 2, 4 steps) with
+``--debug.state_hashes``; runs are compared with :mod:`graph_trainer.loss_compare`.
+(trace vs eager bitwise: tests/test_train.py::test_aot_fx_trace_matches_eager_bitwise.)
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from graph_trainer.checkpoint import META_FILE, check_resume_compatible, latest_step
+from graph_trainer.compare import read_metrics
+from graph_trainer.errors import UserError
+from graph_trainer.loss_compare import first_difference
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
+PASS = ["--compile.numerics_changing_optim"]
+
+
+def _train(dump, *flags, ngpu=1, steps=4, check=True):
+    env = {**os.environ, "NGPU": str(ngpu)}
+    env.pop("CONFIG_FILE", None)
+    r = subprocess.run(
+        ["bash", "run_train.sh", *SMALL, "--training.steps", str(steps), "--debug.state_hashes",
+         "--job.dump_folder", str(dump), *flags],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _metrics(dump):
+    rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+    return rows, summary
+
+
+def _loss_compare(out, *args):
+    r = subprocess.run(
+        [sys.executable, "scripts/loss_compare.py", "--steps", "4", "--out", str(out), *args, "--", *SMALL],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    with open(os.path.join(out, "loss_compare.json")) as f:
+        return r, json.load(f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngpu", [1, 2], ids=["1rank", "gloo2_fsdp"])
+def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu):
+    """1. two runs with the RMSNorm pass + regional Inductor: bitwise-equal loss at every
+    step and equal sha256 of final weights, grads and optimizer state;
+    3. resume from the step-2 checkpoint in a new process: same losses and final state
+    as the uninterrupted 4-step run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, *PASS, *CKPT, ngpu=ngpu)
+    _train(b, *PASS, *CKPT, ngpu=ngpu)
+    rows_a, sum_a = _metrics(a)
+    rows_b, sum_b = _metrics(b)
+    assert len(rows_a) == 4 and sum_a["state_hashes"]
+    assert first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
+
+    assert latest_step(str(b / "checkpoint")) == 4
+    shutil.rmtree(b / "checkpoint" / "step-4")
+    os.remove(b / "metrics.jsonl")
+    r = _train(b, *PASS, *CKPT, ngpu=ngpu)
+    assert "Resumed from" in r.stdout and "(step 2)" in r.stdout
+    rows_r, sum_r = _metrics(b)
+    assert [x["step"] for x in rows_r] == [3, 4]  # only the steps after the checkpoint ran
+    assert sum_r["resumed_from_step"] == 2
+    assert first_difference(rows_a[2:], rows_r, sum_a["state_hashes"], sum_r["state_hashes"]) is None
+    meta = json.loads((b / "checkpoint" / "step-2" / META_FILE).read_text())
+    assert meta["flavor"] == "debugmodel" and meta["layout"].startswith(f"dp_shard{ngpu}")
+
+
+@pytest.mark.slow
+def test_loss_compare_pass_on_vs_off(tmp_path):
+    """4. the RMSNorm pass changes the compiled code (final state differs bitwise) but the
+    loss stays within 1e-4 relative of the pass-off run; --assert-equal fails and names
+    what differs; --rtol accepts it."""
+    r, res = _loss_compare(tmp_path / "cmp", "--a-flags", "", "--b-flags", PASS[0], "--assert-equal")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert res["bitwise_equal"] is False
+    assert "differ" in res["first_difference"]
+    assert "DIFFERENT:" in r.stdout and "| step | loss A" in r.stdout
+    assert res["max_rel_loss_diff"] < 1e-4
+    a, b = res["state_hashes"]["A"], res["state_hashes"]["B"]
+    assert a["weights"] != b["weights"]
+
+
+def test_first_difference_names_the_step():
+    rows = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": 1.5, "grad_norm": 1.0}]
+    other = [dict(rows[0]), {"step": 2, "loss": 1.5000001, "grad_norm": 1.0}]
+    h = {"weights": "x", "grads": "y", "optimizer": "z"}
+    assert first_difference(rows, rows, h, dict(h)) is None
+    assert first_difference(rows, other, h, h).startswith("loss differs at step 2")
+    assert "final grads differ" in first_difference(rows, rows, h, {**h, "grads": "q"})
+    assert "different steps" in first_difference(rows, rows[:1], h, h)
+
+
+def test_checkpoint_checks(tmp_path):
+    """Partial saves are never picked; another flavor / layout is refused before loading."""
+    folder = tmp_path / "checkpoint"
+    (folder / "step-2").mkdir(parents=True)
+    (folder / "step-2" / ".metadata").write_text("x")
+    (folder / "step-4").mkdir()  # interrupted save: no .metadata
+    assert latest_step(str(folder)) == 2
+    meta = {"flavor": "debugmodel", "mode": "aot_fx_trace", "layout": "dp_shard2_dp_replicate1_tp1"}
+    (folder / "step-2" / META_FILE).write_text(json.dumps(meta))
+    check_resume_compatible(str(folder), 2, dict(meta))
+    with pytest.raises(UserError, match="model flavor 'debugmodel' but this run uses '8B'"):
+        check_resume_compatible(str(folder), 2, {**meta, "flavor": "8B"})
+    with pytest.raises(UserError, match="parallel layout.*Resharding"):
+        check_resume_compatible(str(folder), 2, {**meta, "layout": "dp_shard1_dp_replicate1_tp1"})
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_clear_error(tmp_path):
+    d = tmp_path / "run"
+    _train(d, *CKPT, steps=2)
+    data = [f for f in os.listdir(d / "checkpoint" / "step-2") if f.endswith(".distcp")]
+    path = d / "checkpoint" / "step-2" / data[0]
+    path.write_bytes(path.read_bytes()[:100])  # truncate
+    r = _train(d, *CKPT, steps=4, check=False)
+    assert r.returncode != 0
+    assert f"step-2 is truncated: data file {path} has 100 bytes" in r.stderr
+    assert os.path.exists(path)  # nothing deleted
+
+
+@pytest.mark.slow
+def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
+    d = tmp_path / "run"
+    r = _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
+               "--checkpoint.interval", "1", steps=6, check=False)
+    assert r.returncode != 0
+    assert "grad norm is nan at step 2; stopping" in r.stderr.lower()
+    assert latest_step(str(d / "checkpoint")) == 1  # step 1's checkpoint intact, none of step 2
