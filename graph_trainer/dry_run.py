@@ -1,7 +1,8 @@
 """``COMM_MODE=fake_backend``: trace one step of an NGPU-rank layout in one process.
 
 The process joins a fake process group as rank 0 of ``NGPU`` ranks, builds the model
-on the meta device (the 8B costs no memory), shards it as traceable FSDP would,
+on the meta device (the 8B costs no memory), applies TP and traceable FSDP exactly as
+training does (:func:`graph_trainer.parallelize.distribute_for_trace`),
 traces forward + loss + backward with make_fx, and prints a graph summary:
 node count, collectives by kind with bytes per rank, and parameter / gradient /
 optimizer-state bytes per rank. Nothing is executed and no GPU is needed.
@@ -9,6 +10,7 @@ optimizer-state bytes per rank. Nothing is executed and no GPU is needed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter, defaultdict
@@ -45,7 +47,7 @@ def dry_run(cfg) -> dict:
     Raises:
         UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`).
     """
-    from graph_trainer import fsdp, parallelize
+    from graph_trainer import parallelize
     from graph_trainer.llama3 import Transformer, llama3_args
     from graph_trainer.train import build_model_args, build_tokenizer, loss_fn
     from graph_trainer.trace import trace_train_step
@@ -65,20 +67,20 @@ def dry_run(cfg) -> dict:
     with torch.device("meta"):
         model = Transformer(args)
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
-    parallelize.apply_ac_for_trace(model, cfg)
+    tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
     buffers = list(model.buffers())
     pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
-    group = dist.group.WORLD
-    specs, shards = fsdp.shard_parameters(model, group)
+    shards = tpar.params
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
-    traced = trace_train_step(
-        model, loss_fn, tokens, tokens, param_dtype=pdtype,
-        params=shards, param_names=[sp.name for sp in specs],
-        materialize=lambda ps: [
-            fsdp.all_gather_param(p, sp, group, pdtype, torch.float32) for p, sp in zip(ps, specs)
-        ],
-    )
+    ctx = contextlib.nullcontext()
+    if tpar.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        ctx = loss_parallel()
+    kwargs = dict(params=shards, param_names=tpar.names, materialize=tpar.materialize) if tpar.sharded else {}
+    with ctx:
+        traced = trace_train_step(model, loss_fn, tokens, tokens, param_dtype=pdtype, **kwargs)
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)

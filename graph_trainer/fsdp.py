@@ -78,11 +78,50 @@ def all_gather_param(shard, spec, group, param_dtype=None, reduce_dtype=torch.fl
     return _AllGather.apply(shard, spec, group, param_dtype, reduce_dtype)
 
 
-def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], list[torch.nn.Parameter]]:
-    """Shard every trainable parameter of ``model`` over ``group``.
+def shard_tensors(
+    names: list[str], tensors: list[torch.Tensor], group
+) -> tuple[list[ShardSpec], list[torch.nn.Parameter]]:
+    """Shard each tensor (flattened, zero-padded to a multiple of W) over ``group``.
 
-    The model's own parameters are replaced by empty meta tensors (the traced step
-    re-parametrizes the module with the gathered ones), so the full fp32 copy is freed.
+    Args:
+        names: FQNs, for the specs.
+        tensors: the full tensors (with TP: this rank's TP-local tensors), equal on
+            every rank of ``group``.
+        group: the FSDP process group (world size W, this rank r).
+
+    Returns:
+        ``(specs, shards)``: per tensor its :class:`ShardSpec` and the local shard
+        ``nn.Parameter`` of shape ``[ceil(numel / W)]`` (same dtype, fresh storage).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    specs, shards = [], []
+    for name, p in zip(names, tensors):
+        chunk = math.ceil(p.numel() / world)
+        flat = p.detach().reshape(-1)
+        pad = chunk * world - p.numel()
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        shards.append(torch.nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone()))
+        specs.append(ShardSpec(name, p.shape, p.numel(), chunk))
+    return specs, shards
+
+
+def free_parameters(model: torch.nn.Module, names: list[str]) -> None:
+    """Replace the named parameters of ``model`` by empty meta tensors of the same shape:
+    the traced step re-parametrizes the module with its placeholders, so the original
+    (full, or TP DTensor) copies are no longer needed."""
+    for name in names:
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        p = mod._parameters[attr]
+        mod._parameters[attr] = torch.nn.Parameter(
+            torch.empty(p.shape, device="meta", dtype=p.dtype), requires_grad=True
+        )
+
+
+def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], list[torch.nn.Parameter]]:
+    """Shard every trainable parameter of ``model`` over ``group`` (see :func:`shard_tensors`)
+    and free the model's own copies (:func:`free_parameters`).
 
     Args:
         model: a materialized model (same values on every rank).
@@ -92,24 +131,9 @@ def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], li
         ``(specs, shards)``: per parameter, its :class:`ShardSpec` and the local fp32
         shard ``nn.Parameter`` of shape ``[ceil(numel / W)]``.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    specs, shards = [], []
-    for name, p in list(model.named_parameters()):
-        if not p.requires_grad:
-            continue
-        chunk = math.ceil(p.numel() / world)
-        flat = p.detach().reshape(-1)
-        pad = chunk * world - p.numel()
-        if pad:
-            flat = torch.nn.functional.pad(flat, (0, pad))
-        shard = torch.nn.Parameter(flat[rank * chunk : (rank + 1) * chunk].clone())
-        specs.append(ShardSpec(name, p.shape, p.numel(), chunk))
-        shards.append(shard)
-        mod_name, _, attr = name.rpartition(".")
-        mod = model.get_submodule(mod_name) if mod_name else model
-        mod._parameters[attr] = torch.nn.Parameter(
-            torch.empty(p.shape, device="meta", dtype=p.dtype), requires_grad=True
-        )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    specs, shards = shard_tensors([n for n, _ in named], [p for _, p in named], group)
+    free_parameters(model, [n for n, _ in named])
     return specs, shards
 
 
@@ -137,15 +161,25 @@ class ShardedParams(torch.nn.Module):
         return getattr(self, self.key).shards
 
 
-def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group) -> torch.Tensor:
-    """Clip gradients of the shards by the global L2 norm over ``group``; returns the norm.
+def sharded_grad_norm_(
+    shards: list[torch.nn.Parameter], max_norm: float, group=None, weights: list[float] | None = None
+) -> torch.Tensor:
+    """Clip gradients by the global L2 norm of the (unsharded) gradient; returns the norm.
 
-    The norm is ``sqrt(all_reduce_sum(sum_i ||g_i||^2))`` — the unsharded gradient's
-    norm (padding contributes zero).
+    The norm is ``sqrt(all_reduce_sum(sum_i w_i * ||g_i||^2))`` over ``group`` (default:
+    the world). ``weights[i]`` (default 1) corrects for tensors held identically by
+    several ranks of ``group``: with TP, a TP-replicated parameter (norm weights under
+    sequence parallel) has weight ``1 / tp``; FSDP shards and TP shards have 1.
+    Padding contributes zero.
     """
     grads = [s.grad for s in shards if s.grad is not None]
+    w = [1.0] * len(shards) if weights is None else [wi for s, wi in zip(shards, weights) if s.grad is not None]
     # per-tensor norms first (torch's accurate reduction), as torch.nn.utils.get_total_norm
-    local = torch.stack(torch._foreach_norm(grads)).pow(2).sum() if grads else torch.zeros(())
+    if grads:
+        sq = torch.stack(torch._foreach_norm(grads)).pow(2)
+        local = (sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).sum() if weights is not None else sq.sum()
+    else:
+        local = torch.zeros(())
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     total = local.sqrt()
     clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)

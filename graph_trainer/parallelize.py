@@ -180,3 +180,134 @@ def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+class TraceParallel:
+    """How the traced step sees the parameters under FSDP and/or TP (``aot_fx_trace``).
+
+    Attributes:
+        names: parameter FQNs in placeholder order.
+        params: the tensors the optimizer updates and the graph takes as placeholders:
+            the model's parameters (one rank), or this rank's FSDP shards and/or TP-local
+            tensors (fp32).
+        materialize: ``None`` (cast to the compute dtype only), or a function mapping
+            the placeholders to the compute parameters inside the graph: FSDP
+            all-gather (bf16) over ``fsdp_group`` then, with TP, ``DTensor.from_local``
+            over ``tp_mesh`` with the parameter's TP placements.
+        opt_module: the module handed to the optimizer builder and the checkpointer.
+        fsdp_group: the FSDP process group, or None.
+        tp_mesh: the TP DeviceMesh, or None; ``loss_parallel``: trace under
+            ``torch.distributed.tensor.parallel.loss_parallel()``.
+        norm_weights: per param, the weight of its squared grad norm in the global norm
+            (``1 / tp`` for TP-replicated parameters, else 1); None without TP/FSDP.
+    """
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.params: list[torch.Tensor] = []
+        self.materialize = None
+        self.opt_module = None
+        self.fsdp_group = None
+        self.tp_mesh = None
+        self.loss_parallel = False
+        self.norm_weights: list[float] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.fsdp_group is not None or self.tp_mesh is not None
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (over all ranks when sharded); returns it."""
+        if self.sharded:
+            from graph_trainer import fsdp
+
+            return fsdp.sharded_grad_norm_(self.params, max_norm, None, self.norm_weights)
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        return clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
+    """Prepare ``model`` for ``aot_fx_trace`` under ``parallel_dims``: TP (torchtitan's
+    Llama3 plan, sequence-parallel norms, loss parallel), then activation checkpointing,
+    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`).
+
+    The collectives of both end up in the traced graph: DTensor ops traced by make_fx
+    become ``_c10d_functional`` nodes. Mixed precision: the placeholders stay fp32; the
+    compute copy is cast to ``mixed_precision_param`` before the FSDP all-gather and
+    before ``DTensor.from_local``, so FSDP reduce-scatters run in ``mixed_precision_reduce``
+    (fp32) and the TP all-reduce of the norm weights' partial gradients in the compute
+    dtype, as in torchtitan's FSDP2 + TP.
+
+    Raises:
+        UserError: replicate DP together with FSDP or TP.
+    """
+    tp, shard, rep = parallel_dims.tp, parallel_dims.dp_shard, parallel_dims.dp_replicate
+    if rep > 1 and (shard > 1 or tp > 1):
+        raise UserError("aot_fx_trace supports FSDP x TP, or plain replicated DP, not HSDP / replicate x TP.")
+    pdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_param]
+    pdtype = None if pdtype == torch.float32 else pdtype
+    rdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_reduce]
+    out = TraceParallel()
+    tp_specs = None
+    mesh = None
+    if tp > 1 or shard > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (shard, tp), mesh_dim_names=("dp_shard", "tp"))
+    if tp > 1:
+        from torchtitan.models.llama3.infra.parallelize import apply_tp
+
+        out.tp_mesh = mesh["tp"]
+        out.loss_parallel = not cfg.parallelism.disable_loss_parallel
+        apply_tp(model, out.tp_mesh, loss_parallel=out.loss_parallel, enable_float8_tensorwise_tp=False)
+        logger.info("Applied torchtitan's Llama3 TP plan (degree %d, loss parallel %s) for tracing", tp, out.loss_parallel)
+    apply_ac_for_trace(model, cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out.names = [n for n, _ in named]
+    if not (tp > 1 or shard > 1):
+        out.params = [p for _, p in named]
+        out.opt_module = model
+        return out
+
+    from graph_trainer import fsdp
+
+    if tp > 1:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named]
+        local = [p.to_local().detach() for _, p in named]
+        out.norm_weights = [
+            1.0 / tp if all(isinstance(pl, Replicate) for pl in spec[0]) else 1.0 for spec in tp_specs
+        ]
+    else:
+        local = [p.detach() for _, p in named]
+        out.norm_weights = [1.0] * len(named)
+    if shard > 1:
+        out.fsdp_group = mesh["dp_shard"].get_group()
+        specs, out.params = fsdp.shard_tensors(out.names, local, out.fsdp_group)
+    else:
+        specs = None
+        out.params = [torch.nn.Parameter(t.clone()) for t in local]
+    del local
+    fsdp.free_parameters(model, out.names)
+    out.opt_module = fsdp.ShardedParams(
+        specs or [fsdp.ShardSpec(n, p.shape, p.numel(), p.numel()) for n, p in zip(out.names, out.params)],
+        out.params, rank, world_size,
+    )
+    group, tp_mesh = out.fsdp_group, out.tp_mesh
+
+    def materialize(ps):
+        if group is not None:
+            full = [fsdp.all_gather_param(p, s, group, pdtype, rdtype) for p, s in zip(ps, specs)]
+        else:
+            full = [p.to(pdtype) if pdtype is not None and p.is_floating_point() else p for p in ps]
+        if tp_mesh is None:
+            return full
+        return [
+            DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
+            for t, (pl, sh, st) in zip(full, tp_specs)
+        ]
+
+    out.materialize = materialize
+    return out

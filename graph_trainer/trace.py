@@ -206,6 +206,10 @@ def trace_train_step(
             _preserve_seq_nr_in_backward(loss)
             with fx_traceback.annotate({PHASE_KEY: "backward"}):
                 grads = torch.autograd.grad(loss, params)
+        # TP with loss parallel: the loss is a replicated DTensor; return its local value
+        # (a plain tensor the graph computes, not a constant)
+        if hasattr(loss, "to_local"):
+            loss = loss.to_local()
         return (loss, *grads)
 
     inputs = list(params) + [b for _, b in named_bufs] + [tokens, labels]

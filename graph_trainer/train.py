@@ -92,7 +92,7 @@ def train(cfg) -> dict:
 
     import torch.distributed as dist
 
-    from graph_trainer import data, fsdp, parallelize
+    from graph_trainer import data, parallelize
     from graph_trainer.llama3 import Transformer
     from graph_trainer.metrics import MetricsLogger
 
@@ -119,13 +119,8 @@ def train(cfg) -> dict:
     flavor = llama3_args[cfg.model.flavor]
     device, rank, world_size = parallelize.init_device_and_dist()
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
-    if mode == "aot_fx_trace" and parallel_dims.dp_shard > 1 and parallel_dims.dp_replicate > 1:
-        raise UserError("aot_fx_trace supports FSDP (dp_shard) or replicate, not both (HSDP).")
-    if mode == "aot_fx_trace" and parallel_dims.tp_enabled:
-        raise UserError(
-            "aot_fx_trace with --parallelism.tensor_parallel_degree > 1 is not supported yet "
-            "(traceable TP is planned); use --compile.mode eager or jit for TP."
-        )
+    if mode == "aot_fx_trace" and parallel_dims.dp_replicate > 1 and (parallel_dims.dp_shard > 1 or parallel_dims.tp > 1):
+        raise UserError("aot_fx_trace supports FSDP x TP or plain replicated DP, not HSDP / replicate x TP.")
     from graph_trainer.determinism import apply_determinism
 
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
@@ -148,17 +143,11 @@ def train(cfg) -> dict:
         f"mode {mode}, world {world_size}"
     )
 
-    fsdp_group = None
-    if mode == "aot_fx_trace":
-        parallelize.apply_ac_for_trace(model, cfg)
+    tpar = None
+    if mode == "aot_fx_trace":  # TP plan -> AC wrappers -> traceable FSDP shards
+        tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
+        params, opt_module = tpar.params, tpar.opt_module
         buffers = list(model.buffers())
-        if parallel_dims.dp_shard > 1:  # traceable FSDP over the data-parallel ranks
-            fsdp_group = dist.group.WORLD
-            specs, params = fsdp.shard_parameters(model, fsdp_group)
-            opt_module = fsdp.ShardedParams(specs, params, rank, world_size)
-        else:
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt_module = model
     else:
         cfg.compile.enable = mode == "jit"
         cfg.compile.components = ["model"]
@@ -205,12 +194,9 @@ def train(cfg) -> dict:
         optimizers.zero_grad()
         if mode == "aot_fx_trace":
             if traced is None:
-                traced = _trace_and_compile(
-                    model, tokens, labels, param_dtype, pass_names, cfg, extra,
-                    fsdp_group=fsdp_group, opt_module=opt_module,
-                )
+                traced = _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra, tpar)
             loss, grads = traced(params, buffers, tokens, labels)
-            if fsdp_group is None:
+            if not tpar.sharded:
                 parallelize.all_reduce_grads(grads)  # replicated DP (no-op on one rank)
             for p, g in zip(params, grads):
                 p.grad = g
@@ -218,8 +204,8 @@ def train(cfg) -> dict:
         else:
             loss = loss_fn(model(tokens), labels)
             loss.backward()
-        if fsdp_group is not None:
-            grad_norm = fsdp.sharded_grad_norm_(params, cfg.training.max_norm, fsdp_group)
+        if tpar is not None:
+            grad_norm = tpar.clip_grad_norm_(cfg.training.max_norm)
         else:
             grad_norm = clip_grad_norm_(params, cfg.training.max_norm, foreach=True)
         optimizers.step()
@@ -254,27 +240,23 @@ def train(cfg) -> dict:
     return summary
 
 
-def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra,
-                       fsdp_group=None, opt_module=None):
+def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra, tpar):
+    import contextlib
+
     from graph_trainer.passes import run_passes
     from graph_trainer.trace import ops_by_kind, trace_train_step
 
     pdtype = None if param_dtype == torch.float32 else param_dtype
     kwargs = {}
-    if fsdp_group is not None:
-        from graph_trainer import fsdp
+    if tpar.sharded:
+        kwargs = dict(params=tpar.params, param_names=tpar.names, materialize=tpar.materialize)
+    ctx = contextlib.nullcontext()
+    if tpar.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
 
-        specs, shards = opt_module.specs, list(opt_module.shards)
-        reduce_dtype = _DTYPES[cfg.training.mixed_precision_reduce]
-        kwargs = dict(
-            params=shards,
-            param_names=[s.name for s in specs],
-            materialize=lambda ps: [
-                fsdp.all_gather_param(p, s, fsdp_group, pdtype, reduce_dtype)
-                for p, s in zip(ps, specs)
-            ],
-        )
-    traced = trace_train_step(model, loss_fn, tokens, labels, param_dtype=pdtype, **kwargs)
+        ctx = loss_parallel()
+    with ctx:
+        traced = trace_train_step(model, loss_fn, tokens, labels, param_dtype=pdtype, **kwargs)
     gm = traced.gm
     n_nodes = len(gm.graph.nodes)
     top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(gm).most_common(6))
