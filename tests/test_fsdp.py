@@ -113,3 +113,33 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert 14.5 < s["collectives"]["all_gather_into_tensor"]["bytes"] / 2**30 < 15.5
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
     assert s["nodes"] > 10000 and s["nodes_by_phase"]["backward"] > 1000
+
+
+def test_fake_backend_dry_run_8b_fsdp4_tp2():
+    """The seed layout: Llama3 8B, FSDP4 x TP2 on 8 fake ranks, traced in one process."""
+    from graph_trainer.config import parse_args
+    from graph_trainer.dry_run import dry_run
+
+    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"),
+                      "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"])
+    old = os.environ.get("NGPU")
+    os.environ["NGPU"] = "8"
+    try:
+        s = dry_run(cfg)
+    finally:
+        if old is None:
+            os.environ.pop("NGPU")
+        else:
+            os.environ["NGPU"] = old
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert s["layout"] == "FSDP4xTP2"
+    n_params = 2 + 32 * 9 + 1
+    c = s["collectives"]
+    # FSDP: one all-gather + one reduce-scatter per parameter; TP (sequence parallel): per
+    # block 2 all-gathers (attention / FFN inputs) + 2 reduce-scatters (their outputs) in
+    # the forward and the mirrored ones in the backward, plus the output projection's
+    assert c["all_gather_into_tensor"]["count"] >= n_params + 2 * 32
+    assert c["reduce_scatter_tensor"]["count"] >= n_params + 2 * 32
+    assert c["all_reduce"]["count"] >= 2 * 32 + 1  # norm-weight gradients (replicated under TP)
+    assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)

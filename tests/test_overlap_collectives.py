@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer.passes import overlap_collectives_pass
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
+from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold, strip_holds
 
 
 @pytest.fixture
@@ -80,7 +80,9 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     assert sum(pos[n] < last_mm for n in rs) > n_params // 2
     for w in gm.graph.nodes:
         if _is_wait(w) and _collective_kind(w.args[0]) == "all_gather_into_tensor":
-            end = w  # the wait, then its slice -> view chain, then the first real use
+            # the wait, the keep-alive hold, its slice -> view chain, the first real use
+            assert w.next.target is hold and w.next.args == (w, w.args[0].args[0])
+            end = w.next
             while len(end.users) == 1 and end.next in end.users and end.next.target in (
                 torch.ops.aten.slice.Tensor, torch.ops.aten.view.default
             ):
@@ -95,11 +97,16 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     assert last_ag < first_ag_wait
     # pending reduce-scatters are bounded by max_in_flight (+1 just issued)
     assert 2 <= _pending_max(gm, "reduce_scatter_tensor") <= 3
+    # every moved wait keeps its collective's input alive until it (gloo frees otherwise)
+    assert sum(1 for n in gm.graph.nodes if n.target is hold) == stats["moved"]
     with torch.no_grad():
-        out = gm(*inputs)
-    assert len(out) == len(ref)
-    for a, b in zip(out, ref):
-        assert torch.equal(a, b)
+        for _ in range(3):  # repeated runs: freed-buffer reuse would show up here
+            out = gm(*inputs)
+            assert len(out) == len(ref)
+            for a, b in zip(out, ref):
+                assert torch.equal(a, b)
+    assert strip_holds(gm) == stats["moved"]
+    gm.graph.lint()
 
 
 def test_max_in_flight_one_and_validation(fsdp_step):

@@ -52,6 +52,9 @@ def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.f
 
     Stats: ``compile_s``, ``nodes_compiled``.
     """
+    from graph_trainer.passes.overlap_collectives import strip_holds
+
+    strip_holds(gm)  # keep-alive identities of overlap_collectives (CPU): Inductor owns lifetimes
     fake_inputs = fake_inputs_for(gm, example_inputs)
     fake_mode = detect_graph_fake_mode(gm, example_inputs)
     flat_gm, out_leaves, out_spec = _flat_copy(gm)

@@ -33,6 +33,16 @@ Eager execution of the graph issues functional collectives asynchronously on the
 process group's stream and ``wait_tensor`` makes the current stream wait for them,
 so this reordering is what gives overlap when the graph is run uncompiled or
 with regional Inductor. (Full-graph Inductor schedules collectives itself.)
+
+Buffer lifetime: the generated Python frees every value after its last use, which is
+now the collective's *issue*. gloo (CPU) does not keep the input of an in-flight
+collective alive, so the freed buffer could be reused while gloo still reads it (seen
+here as heap corruption); NCCL's work object normally stashes it for the caching
+allocator, but the pass does not rely on that. Every moved wait therefore goes through
+:func:`hold`, an identity that also takes the collective's input, so the input lives
+until the wait (for a reduce-scatter: one unsharded gradient per collective in flight,
+bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes before
+compiling.
 """
 
 from __future__ import annotations
@@ -43,6 +53,25 @@ import torch.fx
 from graph_trainer.passes._common import set_pass_summary
 
 _C10D = "_c10d_functional"
+
+
+def hold(x, *keep_alive):
+    """Identity on ``x``; ``keep_alive`` only extends the lifetime of its arguments
+    (the inputs of an in-flight CPU collective) to this call in the generated code."""
+    return x
+
+
+def strip_holds(gm: torch.fx.GraphModule) -> int:
+    """Replace every :func:`hold` node by its first argument; returns how many."""
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is hold:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            n += 1
+    if n:
+        gm.recompile()
+    return n
 
 
 def _is_wait(node: torch.fx.Node) -> bool:
@@ -163,6 +192,11 @@ def overlap_collectives_pass(
         for node in chain:
             target.prepend(node)
         moved += 1
+        if isinstance(issue.args[0], torch.fx.Node):
+            with graph.inserting_after(wait):
+                held = graph.call_function(hold, (wait, issue.args[0]))
+            held.meta = dict(wait.meta)
+            wait.replace_all_uses_with(held, delete_user_cb=lambda u: u is not held)
     graph.lint()
     gm.recompile()
     order = {n: i for i, n in enumerate(graph.nodes)}
