@@ -1,0 +1,145 @@
+"""Tests for scripts/fusion_report.py: one --tiny CPU run + its parsing helpers."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "fusion_report.py"
+NOMIX = "full, mix_order_reduction=False"
+COMPILED = ["full", "regional+rmsnorm"]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("fusion_report", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("fusion_report", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fusion_report") / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    return proc, report, {w["way"]: w for w in report["ways"]}
+
+
+def test_tiny_ways_and_kernels(tiny):
+    _, report, ways = tiny
+    assert report["device_type"] == "cpu" and report["n_layers"] == 1
+    assert (report["seq_len"], report["batch"], report["steps"]) == (32, 1, 2)
+    assert list(ways)[:3] == ["none", "full", "regional+rmsnorm"]
+    if report["mix_order_reduction"] == "present":
+        assert list(ways) == ["none", "full", "regional+rmsnorm", NOMIX]
+    else:
+        assert NOMIX not in ways and any("knob missing" in n for n in report["notes"])
+    for w in ways.values():
+        assert w["status"] == "ok", w.get("reason")
+    none = ways["none"]
+    assert none["kernels"] == 0 and none["largest_kernel"] is None and none["rms_norm_bwd_kernels"] == []
+    for name in COMPILED + ([NOMIX] if NOMIX in ways else []):
+        w = ways[name]
+        assert w["kernels"] >= 1 and len(w["kernel_list"]) == w["kernels"], name
+        assert w["origin_comments"] == w["kernels"], f"{name}: kernels without Source Nodes comments"
+        assert w["largest_kernel"]["lines"] == max(k["lines"] for k in w["kernel_list"]) > 0
+        assert w["rms_norm_bwd_kernels"], f"{name}: no kernel holds the rms_norm backward"
+        assert all(k["phase"] in ("forward", "backward") for k in w["kernel_list"])
+        assert all(k["phase"] == "backward" for k in w["kernel_list"] if k["rms_norm_bwd"])
+
+
+def test_tiny_fusion_differs_between_full_and_regional(tiny):
+    _, _, ways = tiny
+    # regional: every norm is its own region, so nothing else is fused into the norm backward
+    assert ways["regional+rmsnorm"]["fused_with"] == []
+    assert all(k["fused_with"] == {} for k in ways["regional+rmsnorm"]["rms_norm_bwd_kernels"])
+    assert ways["regional+rmsnorm"]["pass_stats"]["regions"] >= 6  # 3 norms x (fwd, bwd) for one layer
+    # full: Inductor fuses neighbouring forward recomputation / adds into the norm backward
+    assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]
+
+
+def test_tiny_compiled_outputs_match_uncompiled(tiny):
+    _, report, ways = tiny
+    ref = ways["none"]["numerics"]
+    assert math.isfinite(ref["loss"]) and ref["max_abs_diff_loss"] == 0 and ref["max_abs_diff_grads"] == 0
+    for name, w in ways.items():
+        nm = w["numerics"]
+        assert nm["ok"] and nm["rel"] <= report["tolerance"], name
+        assert abs(nm["loss"] - ref["loss"]) == pytest.approx(nm["max_abs_diff_loss"], abs=1e-6)
+        assert nm["max_abs_diff_loss"] < 1e-4 and nm["max_abs_diff_grads"] < 1e-4, name
+
+
+def test_tiny_timings(tiny):
+    _, report, ways = tiny
+    for name, w in ways.items():
+        assert len(w["step_ms_all"]) == report["steps"], name
+        assert math.isfinite(w["step_ms"]) and w["step_ms"] > 0, name
+        assert w["fwd_ms"] is None and w["bwd_ms"] is None  # not separable on CPU
+
+
+def test_tiny_markdown_table(tiny):
+    proc, _, ways = tiny
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert rows[0] == ("| way | kernels | largest kernel lines | kernels with rms_norm bwd | fused with it | "
+                       "fwd ms | bwd ms | step ms | max abs diff loss / grads vs none |")  # fmt: skip
+    body = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows[2:]}
+    assert list(body) == list(ways)
+    for name, cells in body.items():
+        assert cells[0] == str(ways[name]["kernels"])
+        assert cells[2] == str(len(ways[name]["rms_norm_bwd_kernels"]))
+        assert cells[4] == cells[5] == "n/a" and float(cells[6]) > 0
+    assert "fwd/bwd ms: n/a on CPU" in proc.stdout
+
+
+def test_parse_kernels_triton_header_and_cpp_call_site():
+    fr = _load()
+    src = "\n".join([
+        "async_compile = AsyncCompile()",
+        "",
+        "# kernel path: /tmp/x.py",
+        "# Topologically Sorted Source Nodes: [mul_9, sum_1], Original ATen: [aten.mul, aten.sum]",
+        "# Source node to ATen node mapping:",
+        "triton_red_fused_mul_sum_0 = async_compile.triton('triton_red_fused_mul_sum_0', '''",
+        "import triton", "@triton.jit", "def triton_(x):", "    pass",
+        "''', device_str='cuda')",
+        "cpp_fused_add_1 = async_compile.cpp_pybinding(['float*'], r'''",
+        "extern \"C\" void kernel(float* a) {}",
+        "''')",
+        "def call(args):",
+        "    buf0 = empty_strided_cpu((4,), (1,), torch.float32)",
+        "    # Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]",
+        "    cpp_fused_add_1(buf0)",
+        "    triton_red_fused_mul_sum_0.run(buf0, stream=stream0)",
+    ])  # fmt: skip
+    kernels = fr.parse_kernels(src)
+    assert [(k["name"], k["backend"], k["lines"]) for k in kernels] == [
+        ("triton_red_fused_mul_sum_0", "triton", 4), ("cpp_fused_add_1", "cpp_pybinding", 1)]  # fmt: skip
+    assert kernels[0]["source_nodes"] == ["mul_9", "sum_1"] and kernels[0]["aten"] == ["aten.mul", "aten.sum"]
+    assert kernels[1]["source_nodes"] == ["add"]
+    no_comment = src.replace("# Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]", "# other")
+    assert fr.parse_kernels(no_comment)[1]["source_nodes"] is None
+
+
+def test_split_phase_times_marker_and_kernel_phase():
+    fr = _load()
+
+    def ann(name, ts, dur=0):
+        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    def launch(corr, ts, name="k", dur=1000.0):
+        return [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "args": {"correlation": corr}},
+                {"cat": "kernel", "name": name, "ts": ts + 5, "dur": dur, "args": {"correlation": corr}}]  # fmt: skip
+
+    events = [ann(f"{fr.STEP_MARKER}0", 0, 100), ann(fr.MARKER, 50), ann(f"{fr.STEP_MARKER}1", 200, 100)]
+    events += launch(1, 10) + launch(2, 60, dur=3000.0)  # step 0: marker at 50
+    events += launch(3, 210, "fwd_k", 2000.0) + launch(4, 250, "bwd_k", 500.0) + launch(5, 260, dur=500.0)
+    assert fr.split_phase_times(events, None) == [(1.0, 3.0)]  # step 1 has no boundary
+    assert fr.split_phase_times(events, {"fwd_k": "forward", "bwd_k": "backward"}) == [(1.0, 3.0), (2.0, 1.0)]
