@@ -4,8 +4,10 @@ The process joins a fake process group as rank 0 of ``NGPU`` ranks, builds the m
 on the meta device (the 8B costs no memory), applies TP and traceable FSDP exactly as
 training does (:func:`graph_trainer.parallelize.distribute_for_trace`),
 traces forward + loss + backward with make_fx, and prints a graph summary:
-node count, collectives by kind with bytes per rank, and parameter / gradient /
-optimizer-state bytes per rank. Nothing is executed and no GPU is needed.
+node count, collectives by kind with bytes per rank, parameter / gradient /
+optimizer-state bytes per rank, and the estimated peak of the step's intermediate
+tensors (:mod:`graph_trainer.passes.memory_estimate`) as traced and after the
+pipeline's graph-level passes (the compiling passes are skipped: they need real tensors). Nothing is executed and no GPU is needed.
 """
 
 from __future__ import annotations
@@ -84,6 +86,20 @@ def dry_run(cfg) -> dict:
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)
+    # the graph-level passes of the configured pipeline (compiling passes need real tensors)
+    from graph_trainer.config import split_names
+    from graph_trainer.passes import resolve_pass_names, run_passes
+    from graph_trainer.passes.memory_estimate import estimate_peak_memory
+
+    peak_before, _ = estimate_peak_memory(gm)
+    names = resolve_pass_names(
+        passes=split_names(cfg.compile.passes) or None,
+        disable_passes=split_names(cfg.compile.disable_passes),
+        numerics_changing_optim=False,
+        inductor_compilation="none",
+    )
+    gm = run_passes(gm, traced.example_inputs, names)
+    peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
     summary = {
         "world_size": world,
@@ -98,6 +114,9 @@ def dry_run(cfg) -> dict:
         "param_bytes_per_rank": shard_bytes,
         "grad_bytes_per_rank": shard_bytes,
         "optimizer_bytes_per_rank": 2 * shard_bytes,  # AdamW exp_avg + exp_avg_sq, fp32
+        "graph_passes": names,
+        "peak_graph_bytes_traced": peak_before,
+        "peak_graph_bytes": peak_after,
     }
     gib = 2**30
     lines = [
@@ -110,6 +129,11 @@ def dry_run(cfg) -> dict:
     lines.append(
         f"  per rank: params {shard_bytes / gib:.2f} GiB, grads {shard_bytes / gib:.2f} GiB, "
         f"AdamW state {2 * shard_bytes / gib:.2f} GiB (fp32)"
+    )
+    lines.append(
+        f"  estimated peak of the step's intermediates (graph order, exact sizes): "
+        f"{peak_before / gib:.2f} GiB as traced, {peak_after / gib:.2f} GiB after "
+        f"[{', '.join(names)}] (peak at {peak_node})"
     )
     for line in lines:
         logger.info(line)

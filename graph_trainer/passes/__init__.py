@@ -25,6 +25,7 @@ from graph_trainer.passes.pipeline import (
 )
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
+from graph_trainer.passes.reshard_after_forward import reshard_after_forward_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
 
@@ -44,6 +45,7 @@ __all__ = [
     "propose_region_partitions",
     "regional_inductor_pass",
     "remove_dead_code_pass",
+    "reshard_after_forward_pass",
     "remove_noop_views_pass",
     "resolve_pass_names",
     "run_passes",

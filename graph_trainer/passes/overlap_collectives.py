@@ -192,11 +192,18 @@ def overlap_collectives_pass(
         for node in chain:
             target.prepend(node)
         moved += 1
-        if isinstance(issue.args[0], torch.fx.Node):
-            with graph.inserting_after(wait):
-                held = graph.call_function(hold, (wait, issue.args[0]))
-            held.meta = dict(wait.meta)
-            wait.replace_all_uses_with(held, delete_user_cb=lambda u: u is not held)
+    # every collective whose wait does not follow it at once (moved here, or placed so by
+    # an earlier pass, e.g. reshard_after_forward's prefetched re-gathers) holds its input
+    for wait in waits:
+        issue = wait.args[0]
+        if wait.prev is issue or not isinstance(issue.args[0], torch.fx.Node):
+            continue
+        if any(u.target is hold for u in wait.users):
+            continue
+        with graph.inserting_after(wait):
+            held = graph.call_function(hold, (wait, issue.args[0]))
+        held.meta = dict(wait.meta)
+        wait.replace_all_uses_with(held, delete_user_cb=lambda u: u is not held)
     graph.lint()
     gm.recompile()
     order = {n: i for i, n in enumerate(graph.nodes)}

@@ -3,8 +3,8 @@
 Order (:data:`DEFAULT_ORDER`, the only place it is defined)::
 
     remove_dead_code -> remove_noop_views
+      -> reshard_after_forward                           (memory policy; FSDP only)
       -> overlap_collectives                             (no-op without collectives)
-      -> (memory-policy passes: none yet)
       -> annotate_flex_attention_for_regional_inductor   (if flex attention is used)
       -> annotate_rmsnorm_for_regional_inductor          (if numerics_changing_optim)
       -> regional_inductor | full_inductor               (inductor_compilation)
@@ -32,6 +32,7 @@ from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import regional_inductor_pass
+from graph_trainer.passes.reshard_after_forward import reshard_after_forward_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
 
@@ -40,6 +41,7 @@ logger = logging.getLogger("graph_trainer")
 REMOVE_DEAD_CODE = "remove_dead_code"
 REMOVE_NOOP_VIEWS = "remove_noop_views"
 OVERLAP_COLLECTIVES = "overlap_collectives"
+RESHARD_AFTER_FORWARD = "reshard_after_forward"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
 ANNOTATE_RMSNORM = "annotate_rmsnorm_for_regional_inductor"
 REGIONAL_INDUCTOR = "regional_inductor"
@@ -50,8 +52,9 @@ CUDAGRAPH = "cudagraph"
 PASSES: dict[str, Callable[..., Any]] = {
     REMOVE_DEAD_CODE: remove_dead_code_pass,
     REMOVE_NOOP_VIEWS: remove_noop_views_pass,
+    # memory-policy passes
+    RESHARD_AFTER_FORWARD: reshard_after_forward_pass,
     OVERLAP_COLLECTIVES: overlap_collectives_pass,
-    # memory-policy passes go here (none yet)
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
     ANNOTATE_RMSNORM: annotate_rmsnorm_for_regional_inductor_pass,
     REGIONAL_INDUCTOR: regional_inductor_pass,
@@ -97,7 +100,8 @@ def resolve_pass_names(
     """The list of pass names to run, in :data:`DEFAULT_ORDER`.
 
     ``passes=None`` derives the list from the flags: the cleanup passes,
-    ``overlap_collectives`` (a no-op for graphs without collectives), the
+    ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs without
+    FSDP / collectives), the
     FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
     annotation (if ``numerics_changing_optim`` and ``inductor_compilation ==
     "regional"``; with ``"full"`` Inductor compiles every norm anyway), the
@@ -117,7 +121,7 @@ def resolve_pass_names(
             f"got {inductor_compilation!r}"
         )
     if passes is None:
-        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, OVERLAP_COLLECTIVES]
+        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
         if uses_flex_attention:
             names.append(ANNOTATE_FLEX_ATTENTION)
         if numerics_changing_optim and inductor_compilation != "full":
