@@ -37,7 +37,7 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     rs = [n for n in gm.graph.nodes if _collective_kind(n) == "reduce_scatter_tensor"]
     assert min(pos[n] for n in rs) > last_mm
 
-    gm = overlap_collectives_pass(gm, None, max_in_flight=2)
+    gm = overlap_collectives_pass(gm, None, max_in_flight=2, cpu_async=True)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["all_gather"] == n_params and stats["other"] == n_params
     assert stats["moved"] > n_params  # every all-gather wait and most reduce-scatter waits
@@ -81,7 +81,7 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
 
 def test_max_in_flight_one_and_validation(fsdp_step):
     traced, _, _ = fsdp_step
-    gm = overlap_collectives_pass(traced.gm, None, max_in_flight=1)
+    gm = overlap_collectives_pass(traced.gm, None, max_in_flight=1, cpu_async=True)
     assert _pending_max(gm, "reduce_scatter_tensor") <= 2
     with pytest.raises(ValueError, match="max_in_flight"):
         overlap_collectives_pass(gm, None, max_in_flight=0)
@@ -96,3 +96,13 @@ def test_no_collectives_is_noop():
     gm = overlap_collectives_pass(gm)
     assert [n.name for n in gm.graph.nodes] == before
     assert gm.meta["graph_trainer_pass_stats"]["moved"] == 0
+
+
+def test_cpu_collectives_never_left_in_flight_by_default(fsdp_step):
+    """Default on CPU: reduce-scatters still issued early, but each wait follows its issue."""
+    traced, inputs, n_params = fsdp_step
+    gm = overlap_collectives_pass(traced.gm)
+    assert gm.meta["graph_trainer_pass_stats"]["hoisted"] > n_params // 2
+    waits = [n for n in gm.graph.nodes if _is_wait(n)]
+    assert waits and all(w.prev is w.args[0] for w in waits)
+    assert not any(n.target is hold for n in gm.graph.nodes)

@@ -49,7 +49,7 @@ def test_regather_for_backward_bitwise(fsdp_step):
     assert _backward_reads_of_forward_gathers(gm) >= n_params - 1
     peak_traced, _ = estimate_peak_memory(gm)
 
-    gm = reshard_after_forward_pass(gm, None, prefetch=2)
+    gm = reshard_after_forward_pass(gm, None, prefetch=2, cpu_async=True)
     stats = gm.meta["graph_trainer_pass_stats"]
     # every parameter but the embedding (its backward needs no weight) is re-gathered
     assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == n_params - 1
@@ -58,7 +58,7 @@ def test_regather_for_backward_bitwise(fsdp_step):
     regathers = [n for n in gm.graph.nodes if n.target is AG and _phase(n) == "backward"]
     assert all(n.meta["custom"]["reshard"] == "regather" for n in regathers)
     gm.graph.lint()
-    gm = overlap_collectives_pass(gm)
+    gm = overlap_collectives_pass(gm, cpu_async=True)
     peak, _ = estimate_peak_memory(gm)
     assert peak <= peak_traced * 1.01
     with torch.no_grad():

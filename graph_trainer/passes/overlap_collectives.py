@@ -34,6 +34,12 @@ process group's stream and ``wait_tensor`` makes the current stream wait for the
 so this reordering is what gives overlap when the graph is run uncompiled or
 with regional Inductor. (Full-graph Inductor schedules collectives itself.)
 
+CPU (gloo): with several ranks, gloo collectives left in flight while the main thread
+computes were seen to corrupt the heap here (``malloc(): unaligned tcache chunk``,
+intermittently, 2-rank traced FSDP). Overlap buys nothing on CPU, so by default a
+collective on CPU tensors is only hoisted, together with its wait, and never left in
+flight (``cpu_async=True`` separates them anyway, e.g. to test the schedule on one rank).
+
 Buffer lifetime: the generated Python frees every value after its last use, which is
 now the collective's *issue*. gloo (CPU) does not keep the input of an in-flight
 collective alive, so the freed buffer could be reused while gloo still reads it (seen
@@ -130,13 +136,20 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
     return moved
 
 
+def _on_cpu(issue: torch.fx.Node) -> bool:
+    val = issue.args[0].meta.get("val") if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
+
+
 def overlap_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2
+    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2, cpu_async: bool = False
 ) -> torch.fx.GraphModule:
     """Sink the wait of every functional collective towards its first use (see the
     module docstring), after issuing every non-all-gather collective as early as its
     input allows. ``max_in_flight`` (>= 1) bounds the pending collectives of one
-    kind other than all-gather. Stats: ``hoisted`` (collectives issued earlier),
+    kind other than all-gather. ``cpu_async``: also separate collectives on CPU tensors
+    from their waits (off by default, see the module docstring). Stats: ``hoisted``
+    (collectives issued earlier),
     ``moved`` (waits moved), ``all_gather`` /
     ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait after
     the pass, averaged).
@@ -171,6 +184,11 @@ def overlap_collectives_pass(
         order = {n: i for i, n in enumerate(graph.nodes)}  # positions change as waits move
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
+        if not cpu_async and _on_cpu(issue):  # never in flight on CPU (see module docstring)
+            if wait.prev is not issue:
+                issue.append(wait)
+                moved += 1
+            continue
         # the wait travels with its single-use view chain (FSDP: slice -> view of the
         # gathered buffer), so it lands before the first real use, not the first view
         chain = [wait]

@@ -101,10 +101,14 @@ def _is_backward(node: torch.fx.Node) -> bool:
     return custom_meta(node).get(PHASE_KEY) == "backward"
 
 
-def reshard_after_forward_pass(gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9) -> torch.fx.GraphModule:
+def reshard_after_forward_pass(
+    gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9, cpu_async: bool = False
+) -> torch.fx.GraphModule:
     """Re-gather FSDP parameters for the backward instead of keeping the forward's
     gathered copies (see the module docstring). ``prefetch`` >= 0: how many re-gathers
-    ahead (in backward order) each is issued. Stats: ``resharded`` (parameters
+    ahead (in backward order) each is issued; for parameters on CPU it is 0 unless
+    ``cpu_async`` (gloo collectives are never left in flight, see
+    :mod:`graph_trainer.passes.overlap_collectives`). Stats: ``resharded`` (parameters
     re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
 
     Raises:
@@ -137,7 +141,9 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, example_inputs=None, pr
     rewired = 0
     first_use = [g[3][0] for g in groups]
     for i, (ag, chain, closure, bwd_users) in enumerate(groups):
-        issue_at = first_use[max(i - prefetch, 0)]
+        cpu = isinstance(ag.meta.get("val"), torch.Tensor) and ag.meta["val"].device.type == "cpu"
+        ahead = 0 if cpu and not cpu_async else prefetch
+        issue_at = first_use[max(i - ahead, 0)]
         copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
         def copy_node(n, at):
