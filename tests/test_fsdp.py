@@ -79,6 +79,26 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
         assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
+def _dry_run_8_ranks(*flags):
+    """graph_trainer.dry_run of train_configs/llama3_8b.toml on 8 fake ranks, in-process."""
+    from graph_trainer.config import parse_args
+    from graph_trainer.dry_run import dry_run
+
+    os.environ.setdefault("CONFIG", "")
+    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"), *flags])
+    old = os.environ.get("NGPU")
+    os.environ["NGPU"] = "8"
+    try:
+        return dry_run(cfg)
+    finally:
+        if old is None:
+            os.environ.pop("NGPU")
+        else:
+            os.environ["NGPU"] = old
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     """COMM_MODE=fake_backend NGPU=8: the debug model and the 8B trace in one process."""
     env = {**os.environ, "COMM_MODE": "fake_backend", "NGPU": "8"}
@@ -89,22 +109,7 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert "all_gather_into_tensor: 57 ops" in r.stdout  # debugmodel: 57 parameters
     assert "reduce_scatter_tensor: 57 ops" in r.stdout
 
-    from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
-
-    os.environ.setdefault("CONFIG", "")
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml")])
-    old = os.environ.get("NGPU")
-    os.environ["NGPU"] = "8"
-    try:
-        s = dry_run(cfg)
-    finally:
-        if old is None:
-            os.environ.pop("NGPU")
-        else:
-            os.environ["NGPU"] = old
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    s = _dry_run_8_ranks()
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     n_params = 2 + 32 * 9 + 1  # embedding, output; 9 per block; final norm
     assert s["collectives"]["all_gather_into_tensor"]["count"] == n_params
@@ -117,23 +122,11 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
 
 def test_fake_backend_dry_run_8b_fsdp4_tp2():
     """The seed layout: Llama3 8B, FSDP4 x TP2 on 8 fake ranks, traced in one process."""
-    from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
-
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"),
-                      "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"])
-    old = os.environ.get("NGPU")
-    os.environ["NGPU"] = "8"
-    try:
-        s = dry_run(cfg)
-    finally:
-        if old is None:
-            os.environ.pop("NGPU")
-        else:
-            os.environ["NGPU"] = old
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    s = _dry_run_8_ranks("--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2")
     assert s["layout"] == "FSDP4xTP2"
+    # reshard_after_forward frees the forward's gathered parameters before the backward
+    assert s["peak_graph_bytes"] < s["peak_graph_bytes_traced"]
+    assert "reshard_after_forward" in s["graph_passes"]
     n_params = 2 + 32 * 9 + 1
     c = s["collectives"]
     # FSDP: one all-gather + one reduce-scatter per parameter; TP (sequence parallel): per
