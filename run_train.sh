@@ -57,6 +57,11 @@ if [[ " $* " != *" --help "* && " $* " != *" -h "* ]]; then
         exit 2
     fi
 fi
-exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# torchrun's own failure report is dropped after a worker's one-paragraph "error: ..."
+# (graph_trainer/stderr_filter.py); the exit code is torchrun's.
+set +e
+{ torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m graph_trainer.train --job.config_file "$CONFIG_FILE" "$@"
+    -m graph_trainer.train --job.config_file "$CONFIG_FILE" "$@" 2>&1 1>&4 4>&- \
+    | python3 -u -m graph_trainer.stderr_filter 4>&-; } 4>&1
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call on 2x H200 (<= 10 min): Llama3 8B FSDP2, seq 8192, selective AC (issues 3, 7).
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2.sh")
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml
+mkdir -p "$OUT"
+run() {  # name, timeout, flags...
+    local name=$1 t=$2; shift 2
+    timeout "$t" ./run_train.sh --training.steps 12 --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
+    echo "== $name rc=$? $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
+import json,sys
+for l in sys.stdin:
+    s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB loss %.4f trace %.0fs compile %.0fs" % (s["tps"], s["mfu"], s["max_memory_gib"], s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0))')" | tee -a "$OUT/summary.txt"
+}
+# most important first; timeouts sum to 550 s (the device's per-call limit is 600 s)
+run traced 110                                                   # default pipeline (reshard + overlap)
+run jit 130 --compile.mode jit                                   # torchtitan torch.compile FSDP2
+run eager 110 --compile.mode eager
+run traced_no_overlap 100 --compile.disable_passes overlap_collectives
+run traced_no_reshard 100 --compile.disable_passes reshard_after_forward
+tail -5 /tmp/traced.log > "$OUT/traced_tail.txt"; grep -h "graph pass" /tmp/traced.log >> "$OUT/traced_tail.txt"
