@@ -141,4 +141,5 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
                "--checkpoint.interval", "1", steps=6, check=False)
     assert r.returncode != 0
     assert "grad norm is nan at step 2; stopping" in r.stderr.lower()
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr  # one paragraph
     assert latest_step(str(d / "checkpoint")) == 1  # step 1's checkpoint intact, none of step 2

@@ -120,3 +120,25 @@ def test_run_train_sh_two_ranks_gloo(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert rows[-1]["summary"]["final_loss"] > 0
+
+
+def test_stderr_filter_drops_torchrun_report_after_worker_error():
+    import subprocess
+    import sys
+
+    text = (
+        "[rank0]:warming up\n"
+        "torchrun: something before the error\n"
+        "[rank0]:error: Loss is nan at step 3; stopping.\n"
+        "Traceback (most recent call last):\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "[rank1]:still shown\n"
+    )
+    r = subprocess.run([sys.executable, "-m", "graph_trainer.stderr_filter"], input=text,
+                       capture_output=True, text=True, timeout=60)
+    assert r.stderr.splitlines() == [
+        "[rank0]:warming up",
+        "torchrun: something before the error",  # nothing is dropped before a worker error
+        "[rank0]:error: Loss is nan at step 3; stopping.",
+        "[rank1]:still shown",
+    ]
