@@ -6,8 +6,10 @@ collective (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 followed at once by its wait, so the compute stream blocks on each all-gather and
 reduce-scatter in turn and no communication overlaps with compute.
 
-Changes: only the position of wait nodes; no node is added, removed or rewired,
-so the values computed are bit for bit those of the input graph.
+Changes: the positions of waits and of reduce-scatters (with their cast / pad chain),
+plus a :func:`hold` identity after every wait that no longer follows its collective; no
+computation is added, removed or rewired, so the values computed are bit for bit those
+of the input graph (a test checks it).
 
 * A wait on an **all-gather** moves to just before its first user. The traced
   step issues every parameter's all-gather at the start of the forward (traceable
@@ -34,21 +36,19 @@ process group's stream and ``wait_tensor`` makes the current stream wait for the
 so this reordering is what gives overlap when the graph is run uncompiled or
 with regional Inductor. (Full-graph Inductor schedules collectives itself.)
 
-CPU (gloo): with several ranks, gloo collectives left in flight while the main thread
-computes were seen to corrupt the heap here (``malloc(): unaligned tcache chunk``,
-intermittently, 2-rank traced FSDP). Overlap buys nothing on CPU, so by default a
-collective on CPU tensors is only hoisted, together with its wait, and never left in
-flight (``cpu_async=True`` separates them anyway, e.g. to test the schedule on one rank).
-
 Buffer lifetime: the generated Python frees every value after its last use, which is
-now the collective's *issue*. gloo (CPU) does not keep the input of an in-flight
-collective alive, so the freed buffer could be reused while gloo still reads it (seen
-here as heap corruption); NCCL's work object normally stashes it for the caching
-allocator, but the pass does not rely on that. Every moved wait therefore goes through
-:func:`hold`, an identity that also takes the collective's input, so the input lives
-until the wait (for a reduce-scatter: one unsharded gradient per collective in flight,
-bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes before
-compiling.
+now the collective's *issue*. The pass does not rely on the process group keeping an
+in-flight collective's input alive: every wait that no longer follows its collective
+goes through :func:`hold`, an identity that also takes the collective's input, so the
+input lives until the wait (for a reduce-scatter: one unsharded gradient per collective
+in flight, bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes
+before compiling.
+
+CPU (gloo): with 2 gloo ranks, collectives left in flight while the main thread computes
+intermittently corrupted the heap (``malloc(): unaligned tcache chunk``), with or without
+the holds; the root cause was not found. Overlap buys nothing on CPU, so by default a
+collective on CPU tensors is only hoisted, together with its wait, and never left in
+flight; ``cpu_async=True`` separates them anyway (the 1-rank tests of the schedule).
 """
 
 from __future__ import annotations
