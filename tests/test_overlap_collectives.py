@@ -37,7 +37,7 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     rs = [n for n in gm.graph.nodes if _collective_kind(n) == "reduce_scatter_tensor"]
     assert min(pos[n] for n in rs) > last_mm
 
-    gm = overlap_collectives_pass(gm, None, max_in_flight=2, cpu_async=True)
+    gm = overlap_collectives_pass(gm, None, max_in_flight=2, cpu_async=True, ag_window=2)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["all_gather"] == n_params and stats["other"] == n_params
     assert stats["moved"] > n_params  # every all-gather wait and most reduce-scatter waits
@@ -59,12 +59,9 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
                 end = end.next
             assert end is not w and end.next in end.users
             assert w.args[0].next is not w  # no longer right after its all-gather
-    # all all-gathers are issued before the first one is waited on (prefetch)
-    first_ag_wait = next(
-        i for i, n in enumerate(gm.graph.nodes) if _is_wait(n) and _collective_kind(n.args[0]) == "all_gather_into_tensor"
-    )
-    last_ag = max(i for i, n in enumerate(gm.graph.nodes) if _collective_kind(n) == "all_gather_into_tensor")
-    assert last_ag < first_ag_wait
+    # parameter all-gathers are prefetched a window ahead of their use: 2 + the one in use
+    assert stats["windowed"] > n_params // 2
+    assert 2 <= _pending_max(gm, "all_gather_into_tensor") <= 3
     # pending reduce-scatters are bounded by max_in_flight (+1 just issued)
     assert 2 <= _pending_max(gm, "reduce_scatter_tensor") <= 3
     # every moved wait keeps its collective's input alive until it (gloo frees otherwise)
@@ -79,12 +76,20 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     gm.graph.lint()
 
 
+def test_no_window_gathers_everything_up_front(fsdp_step):
+    traced, _, n_params = fsdp_step
+    gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=None)
+    assert _pending_max(gm, "all_gather_into_tensor") == n_params  # all issued before the first wait
+
+
 def test_max_in_flight_one_and_validation(fsdp_step):
     traced, _, _ = fsdp_step
     gm = overlap_collectives_pass(traced.gm, None, max_in_flight=1, cpu_async=True)
     assert _pending_max(gm, "reduce_scatter_tensor") <= 2
     with pytest.raises(ValueError, match="max_in_flight"):
         overlap_collectives_pass(gm, None, max_in_flight=0)
+    with pytest.raises(ValueError, match="ag_window"):
+        overlap_collectives_pass(gm, None, ag_window=-1)
 
 
 def test_no_collectives_is_noop():

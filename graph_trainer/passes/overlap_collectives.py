@@ -13,10 +13,11 @@ of the input graph (a test checks it).
 
 * A wait on an **all-gather** moves to just before its first user. The traced
   step issues every parameter's all-gather at the start of the forward (traceable
-  FSDP gathers all parameters up front), so after this pass the all-gathers run on
-  NCCL's stream while the first layers compute, and layer ``i`` only waits for its
-  own parameters: prefetching in the order the forward needs them. Memory is
-  unchanged (the gathered buffers were already allocated at the same points).
+  FSDP gathers all parameters up front), which allocates the whole unsharded model
+  at once; with ``ag_window=k`` (default 9, one Llama3 block) each parameter
+  all-gather (input cast from a placeholder) is instead issued just before the first
+  use of the parameter ``k`` places earlier in use order, so about ``k`` gathered
+  parameters are in flight: layer ``i`` computes while layer ``i + 1`` is gathered.
 * A **reduce-scatter** is issued as early as its gradient allows. As traced,
   autograd runs every parameter's all-gather backward (cast to fp32, pad,
   reduce-scatter) at the very end of the backward, because the all-gathers were
@@ -141,13 +142,52 @@ def _on_cpu(issue: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type == "cpu"
 
 
+def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
+    """Delay each parameter all-gather (with its shard cast, its wait and the views
+    before its first real use) to just before the first real use of the parameter
+    ``window`` places earlier in use order. Returns how many were moved."""
+    from graph_trainer.passes.reshard_after_forward import _shard_chain
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups = []
+    for ag in [n for n in graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]:
+        chain = _shard_chain(ag)
+        if chain is None or any(len(c.users) != 1 for c in chain):
+            continue
+        closure, stack = [ag], [ag]
+        while stack:  # wait, hold, slice / view ... up to the first real use
+            for u in stack.pop().users:
+                if _is_wait(u) or u.target is hold or str(u.target) in _VIEWS:
+                    closure.append(u)
+                    stack.append(u)
+        users = [u for c in closure for u in c.users if u not in closure]
+        if not users:
+            continue
+        groups.append((min(users, key=order.__getitem__), chain, closure))
+    groups.sort(key=lambda g: order[g[0]])
+    moved = 0
+    for i, (first, chain, closure) in enumerate(groups):
+        target = groups[max(i - window, 0)][0]
+        order = {n: j for j, n in enumerate(graph.nodes)}
+        if order[target] <= order[closure[0]] + 1:
+            continue
+        for node in sorted(chain + closure, key=order.__getitem__):
+            if order[node] < order[target]:
+                target.prepend(node)
+        moved += 1
+    return moved
+
+
 def overlap_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2, cpu_async: bool = False
+    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2, cpu_async: bool = False,
+    ag_window: int | None = 9,
 ) -> torch.fx.GraphModule:
     """Sink the wait of every functional collective towards its first use (see the
     module docstring), after issuing every non-all-gather collective as early as its
     input allows. ``max_in_flight`` (>= 1) bounds the pending collectives of one
-    kind other than all-gather. ``cpu_async``: also separate collectives on CPU tensors
+    kind other than all-gather. ``ag_window`` (>= 0, None: keep the traced issue points):
+    parameter all-gathers issued about that many parameters ahead of their use.
+    ``cpu_async``: also separate collectives on CPU tensors
     from their waits (off by default, see the module docstring). Stats: ``hoisted``
     (collectives issued earlier),
     ``moved`` (waits moved), ``all_gather`` /
@@ -159,7 +199,10 @@ def overlap_collectives_pass(
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    if ag_window is not None and ag_window < 0:
+        raise ValueError(f"ag_window must be >= 0 or None, got {ag_window}")
     graph = gm.graph
+    windowed = _window_all_gathers(graph, ag_window) if ag_window is not None else 0
     issues_by_kind: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         kind = _collective_kind(node)
@@ -229,12 +272,14 @@ def overlap_collectives_pass(
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(
         gm,
-        f"issued {hoisted} reduce-scatter(s)/other collectives earlier; "
+        f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
+        f"{hoisted} reduce-scatter(s)/other collectives earlier; "
         f"moved {moved} of {len(waits)} collective waits towards first use "
         f"({counts['all_gather']} all-gather, {counts['other']} other; "
         f"mean issue->wait distance {mean_d:.0f} nodes)" if waits else "no functional collectives",
         moved=moved,
         hoisted=hoisted,
+        windowed=windowed,
         mean_distance=round(mean_d, 1),
         **counts,
     )
