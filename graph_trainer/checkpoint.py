@@ -201,9 +201,9 @@ class Checkpointer:
             self.manager.load(step=step)
         except UserError as e:
             raise UserError(f"{e}{hint}, or delete {ckpt} to start over.") from None
-        except (Exception, BaseException) as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
             cause = next(iter(failures.values())) if failures else e
             raise UserError(

@@ -878,12 +878,13 @@ def _cleanup(holder: list) -> None:
     holder.clear()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, extra = parse(argv)
+def run_cli(body) -> int:
+    """Run ``body(holder) -> exit code`` with this tool's error handling: a CompareError
+    prints one paragraph and gives 2, Ctrl-C gives 130; the temporary worktrees that
+    ``body`` records in ``holder`` are removed in every case."""
     holder: list = []
     try:
-        return _main(args, extra, argv, holder)
+        return body(holder)
     except CompareError as e:
         print(f"\nerror: {e}\n", file=sys.stderr)
         return 2
@@ -892,6 +893,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         _cleanup(holder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parse(argv)
+    return run_cli(lambda holder: _main(args, extra, argv, holder))
 
 
 def _main(args, extra, argv, holder) -> int:

@@ -12,7 +12,6 @@ pipeline's graph-level passes (the compiling passes are skipped: they need real 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections import Counter, defaultdict
@@ -52,7 +51,6 @@ def dry_run(cfg) -> dict:
     from graph_trainer import parallelize
     from graph_trainer.llama3 import Transformer, llama3_args
     from graph_trainer.train import build_model_args, build_tokenizer, loss_fn
-    from graph_trainer.trace import trace_train_step
 
     world = int(os.environ.get("NGPU", "8"))
     if not dist.is_initialized():
@@ -70,19 +68,11 @@ def dry_run(cfg) -> dict:
         model = Transformer(args)
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
     tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
-    buffers = list(model.buffers())
     pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
     shards = tpar.params
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
     tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
-    ctx = contextlib.nullcontext()
-    if tpar.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        ctx = loss_parallel()
-    kwargs = dict(params=shards, param_names=tpar.names, materialize=tpar.materialize) if tpar.sharded else {}
-    with ctx:
-        traced = trace_train_step(model, loss_fn, tokens, tokens, param_dtype=pdtype, **kwargs)
+    traced = tpar.trace(model, loss_fn, tokens, tokens, pdtype)
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)

@@ -173,11 +173,13 @@ def sharded_grad_norm_(
     Padding contributes zero.
     """
     grads = [s.grad for s in shards if s.grad is not None]
-    w = [1.0] * len(shards) if weights is None else [wi for s, wi in zip(shards, weights) if s.grad is not None]
     # per-tensor norms first (torch's accurate reduction), as torch.nn.utils.get_total_norm
     if grads:
         sq = torch.stack(torch._foreach_norm(grads)).pow(2)
-        local = (sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).sum() if weights is not None else sq.sum()
+        if weights is not None:
+            w = [wi for s, wi in zip(shards, weights) if s.grad is not None]
+            sq = sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)
+        local = sq.sum()
     else:
         local = torch.zeros(())
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)

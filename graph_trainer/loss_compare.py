@@ -41,11 +41,11 @@ from graph_trainer.compare import (
     CompareError,
     Progress,
     Run,
-    _cleanup,
     _join_flag_values,
     execute,
     forced_flags,
     prepare,
+    run_cli,
     tail,
     validate_sides,
 )
@@ -147,28 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     args = build_parser().parse_args(_join_flag_values(argv))
-    holder: list = []
-    try:
+
+    def body(holder):
         if args.steps < 2:
             raise CompareError(f"--steps must be >= 2 (step 1 traces and compiles), got {args.steps}.")
         ns = argparse.Namespace(**vars(args), repeats=1, warmup=0)
         if args.a is None and args.b is None and args.a_flags is None and args.b_flags is None:
             ns.a_flags = ns.b_flags = ""  # run-to-run comparison of the working tree
-        ctx = prepare(ns, extra, holder)
-        sides = ctx["sides"]
+        sides = prepare(ns, extra, holder)["sides"]
         out = os.path.abspath(args.out or os.path.join(
             "outputs", "loss_compare_" + _dt.datetime.now().strftime("%Y%m%d_%H%M%S")))
         os.makedirs(out, exist_ok=True)
         validate_sides(sides, extra + ["--debug.state_hashes"], args.steps, os.path.join(out, "check"))
         return _run(args, extra, sides, out)
-    except CompareError as e:
-        print(f"\nerror: {e}\n", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    finally:
-        _cleanup(holder)
+
+    return run_cli(body)
 
 
 def _run(args, extra, sides, out) -> int:

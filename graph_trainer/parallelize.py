@@ -23,6 +23,9 @@ from graph_trainer.errors import UserError
 
 logger = logging.getLogger("graph_trainer")
 
+#: ``--training.mixed_precision_*`` values -> dtypes.
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
 
 def init_device_and_dist() -> tuple[torch.device, int, int]:
     """Pick the device and initialise the process group from torchrun's env.
@@ -216,6 +219,23 @@ class TraceParallel:
     def sharded(self) -> bool:
         return self.fsdp_group is not None or self.tp_mesh is not None
 
+    def trace(self, model, loss_fn, tokens, labels, param_dtype):
+        """:func:`graph_trainer.trace.trace_train_step` of ``model`` with these
+        placeholders and ``materialize`` (when sharded), under ``loss_parallel()`` when
+        TP uses it. ``param_dtype``: compute dtype, ``None`` for the parameters' own."""
+        import contextlib
+
+        from graph_trainer.trace import trace_train_step
+
+        kwargs = dict(params=self.params, param_names=self.names, materialize=self.materialize) if self.sharded else {}
+        ctx = contextlib.nullcontext()
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx = loss_parallel()
+        with ctx:
+            return trace_train_step(model, loss_fn, tokens, labels, param_dtype=param_dtype, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it."""
         if self.sharded:
@@ -225,6 +245,13 @@ class TraceParallel:
         from torchtitan.distributed.utils import clip_grad_norm_
 
         return clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def check_trace_layout(parallel_dims) -> None:
+    """Raises UserError for layouts ``aot_fx_trace`` does not trace: replicated DP
+    together with FSDP (HSDP) or with TP."""
+    if parallel_dims.dp_replicate > 1 and (parallel_dims.dp_shard > 1 or parallel_dims.tp > 1):
+        raise UserError("aot_fx_trace supports FSDP x TP or plain replicated DP, not HSDP / replicate x TP.")
 
 
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
@@ -242,12 +269,11 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     Raises:
         UserError: replicate DP together with FSDP or TP.
     """
-    tp, shard, rep = parallel_dims.tp, parallel_dims.dp_shard, parallel_dims.dp_replicate
-    if rep > 1 and (shard > 1 or tp > 1):
-        raise UserError("aot_fx_trace supports FSDP x TP, or plain replicated DP, not HSDP / replicate x TP.")
-    pdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_param]
+    check_trace_layout(parallel_dims)
+    tp, shard = parallel_dims.tp, parallel_dims.dp_shard
+    pdtype = DTYPES[cfg.training.mixed_precision_param]
     pdtype = None if pdtype == torch.float32 else pdtype
-    rdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_reduce]
+    rdtype = DTYPES[cfg.training.mixed_precision_reduce]
     out = TraceParallel()
     tp_specs = None
     mesh = None

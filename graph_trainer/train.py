@@ -26,9 +26,6 @@ from graph_trainer.errors import UserError
 
 logger = logging.getLogger("graph_trainer")
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy. ``logits [B, S, V]`` (any float dtype, upcast to fp32),
     ``labels [B, S]`` int64 (-100 ignored). Returns a 0-d fp32 tensor."""
@@ -90,8 +87,6 @@ def train(cfg) -> dict:
     from torchtitan.distributed.utils import clip_grad_norm_
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
-    import torch.distributed as dist
-
     from graph_trainer import data, parallelize
     from graph_trainer.llama3 import Transformer
     from graph_trainer.metrics import MetricsLogger
@@ -119,8 +114,8 @@ def train(cfg) -> dict:
     flavor = llama3_args[cfg.model.flavor]
     device, rank, world_size = parallelize.init_device_and_dist()
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
-    if mode == "aot_fx_trace" and parallel_dims.dp_replicate > 1 and (parallel_dims.dp_shard > 1 or parallel_dims.tp > 1):
-        raise UserError("aot_fx_trace supports FSDP x TP or plain replicated DP, not HSDP / replicate x TP.")
+    if mode == "aot_fx_trace":  # before anything is allocated
+        parallelize.check_trace_layout(parallel_dims)
     from graph_trainer.determinism import apply_determinism
 
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
@@ -177,7 +172,7 @@ def train(cfg) -> dict:
     )
     start_step = checkpointer.load_latest(cfg.checkpoint.load_step)
 
-    param_dtype = _DTYPES[cfg.training.mixed_precision_param]
+    param_dtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     traced = None
     extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism}
     if start_step:
@@ -241,22 +236,11 @@ def train(cfg) -> dict:
 
 
 def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra, tpar):
-    import contextlib
-
     from graph_trainer.passes import run_passes
-    from graph_trainer.trace import ops_by_kind, trace_train_step
+    from graph_trainer.trace import ops_by_kind
 
     pdtype = None if param_dtype == torch.float32 else param_dtype
-    kwargs = {}
-    if tpar.sharded:
-        kwargs = dict(params=tpar.params, param_names=tpar.names, materialize=tpar.materialize)
-    ctx = contextlib.nullcontext()
-    if tpar.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        ctx = loss_parallel()
-    with ctx:
-        traced = trace_train_step(model, loss_fn, tokens, labels, param_dtype=pdtype, **kwargs)
+    traced = tpar.trace(model, loss_fn, tokens, labels, pdtype)
     gm = traced.gm
     n_nodes = len(gm.graph.nodes)
     top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(gm).most_common(6))

@@ -52,7 +52,7 @@ def peak_breakdown(gm: torch.fx.GraphModule, top: int = 10) -> tuple[int, str | 
     last: dict = {}
     end = len(nodes)
     # wait_tensor / hold return their input's buffer: one storage class (union-find)
-    from graph_trainer.passes.overlap_collectives import hold
+    from graph_trainer.passes.overlap_collectives import _is_wait, hold
 
     parent: dict = {}
 
@@ -62,9 +62,7 @@ def peak_breakdown(gm: torch.fx.GraphModule, top: int = 10) -> tuple[int, str | 
         return r
 
     for n in nodes:
-        if n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node) and (
-            n.target is hold or str(n.target).startswith("_c10d_functional.wait_tensor")
-        ):
+        if (_is_wait(n) or n.target is hold) and n.args and isinstance(n.args[0], torch.fx.Node):
             for (a, _), (b, _) in zip(_storages(n.meta.get("val")), _storages(n.args[0].meta.get("val"))):
                 ra, rb = find(a), find(b)
                 if ra != rb:

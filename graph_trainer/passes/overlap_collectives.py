@@ -110,6 +110,16 @@ _VIEWS = {
 }  # fmt: skip
 
 
+def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
+    """Collective issue nodes grouped by kind, in graph order."""
+    out: dict[str, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        kind = _collective_kind(node)
+        if kind is not None:
+            out.setdefault(kind, []).append(node)
+    return out
+
+
 def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
     """Move ``issue`` and its single-use cast/view/pad input chain to just after the
     latest node each depends on. Returns whether anything moved."""
@@ -203,20 +213,12 @@ def overlap_collectives_pass(
         raise ValueError(f"ag_window must be >= 0 or None, got {ag_window}")
     graph = gm.graph
     windowed = _window_all_gathers(graph, ag_window) if ag_window is not None else 0
-    issues_by_kind: dict[str, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        kind = _collective_kind(node)
-        if kind is not None:
-            issues_by_kind.setdefault(kind, []).append(node)
+    issues_by_kind = _issues_by_kind(graph)
     hoisted = sum(
         _hoist_collective(graph, n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor" for n in ns
     )
     if hoisted:  # issue order changed: re-read it
-        issues_by_kind = {}
-        for node in graph.nodes:
-            kind = _collective_kind(node)
-            if kind is not None:
-                issues_by_kind.setdefault(kind, []).append(node)
+        issues_by_kind = _issues_by_kind(graph)
     index_in_kind = {n: (k, i) for k, ns in issues_by_kind.items() for i, n in enumerate(ns)}
 
     waits = [n for n in graph.nodes if _is_wait(n) and n.args and isinstance(n.args[0], torch.fx.Node)

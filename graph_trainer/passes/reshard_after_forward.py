@@ -25,10 +25,12 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+import contextlib
+
 from graph_trainer import PHASE_KEY
 from graph_trainer.passes._common import custom_meta, set_pass_summary
+from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold
 
-_AG = "_c10d_functional.all_gather_into_tensor"
 _PASS_OPS = {
     "_c10d_functional.wait_tensor.default", "aten._to_copy.default", "aten.slice.Tensor", "aten.view.default",
     "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default", "aten.transpose.int",
@@ -38,11 +40,7 @@ _PASS_OPS = {
 
 
 def _is_closure_op(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    from graph_trainer.passes.overlap_collectives import hold
-
-    return node.target is hold or str(node.target) in _PASS_OPS
+    return node.op == "call_function" and (node.target is hold or str(node.target) in _PASS_OPS)
 
 
 def _shard_chain(ag: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -65,16 +63,15 @@ def _fresh_val(new: torch.fx.Node, val):
         return val
     args = torch.fx.node.map_arg(new.args, lambda a: a.meta.get("val"))
     kwargs = torch.fx.node.map_arg(new.kwargs, lambda a: a.meta.get("val"))
-    if str(new.target) in _PASS_OPS and str(new.target) != "_c10d_functional.wait_tensor.default":
+    if _is_wait(new) and isinstance(args[0], torch.Tensor):
+        return args[0]  # a wait returns its collective's buffer
+    if not _is_wait(new) and str(new.target) in _PASS_OPS:
         try:  # views / casts of the copied parent, computed by the fake mode
             return new.target(*args, **kwargs)
         except Exception:
             pass
-    if str(new.target).startswith("_c10d_functional.wait_tensor") and isinstance(args[0], torch.Tensor):
-        return args[0]
-    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device) if not hasattr(
-        val, "fake_mode"
-    ) else _fake_empty_like(val)
+    with getattr(val, "fake_mode", None) or contextlib.nullcontext():
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
 def _refresh_views(node: torch.fx.Node) -> None:
@@ -83,18 +80,13 @@ def _refresh_views(node: torch.fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.op != "call_function" or str(n.target) not in _PASS_OPS or "wait_tensor" in str(n.target):
+        if n.op != "call_function" or str(n.target) not in _PASS_OPS or _is_wait(n):
             continue
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
         n.meta["val"] = _fresh_val(n, val)
         stack.extend(n.users)
-
-
-def _fake_empty_like(val):
-    with val.fake_mode:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
 def _is_backward(node: torch.fx.Node) -> bool:
@@ -120,7 +112,7 @@ def reshard_after_forward_pass(
     pos = {n: i for i, n in enumerate(graph.nodes)}
     groups = []
     n_fsdp = 0
-    for ag in [n for n in graph.nodes if n.op == "call_function" and str(n.target).startswith(_AG)]:
+    for ag in [n for n in graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]:
         chain = _shard_chain(ag)
         if chain is None:
             continue
