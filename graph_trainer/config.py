@@ -64,6 +64,11 @@ class Compile:
     """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
     Empty: the measured default (graph_trainer.passes.annotate_rmsnorm)."""
 
+    rmsnorm_tune: bool = False
+    """Also compile each distinct RMSNorm region with coordinate-descent tuning, time both
+    on CUDA and keep the faster (DEFAULT_RMSNORM_CANDIDATE_CONFIGS). Costs a minute or
+    more of compile on Llama3 1B/8B for ~0.3 ms/step (docs/perf.md); no effect on CPU."""
+
     dump_graphs: bool = False
     """Write the graph before the first pass and after each pass to <dump_folder>/graphs/."""
 

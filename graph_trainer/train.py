@@ -236,7 +236,7 @@ def train(cfg) -> dict:
 
 
 def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extra, tpar):
-    from graph_trainer.passes import run_passes
+    from graph_trainer.passes import DEFAULT_RMSNORM_CANDIDATE_CONFIGS, run_passes
     from graph_trainer.trace import ops_by_kind
 
     pdtype = None if param_dtype == torch.float32 else param_dtype
@@ -255,6 +255,7 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         traced.example_inputs,
         pass_names,
         rmsnorm_inductor_configs=cfg.compile.rmsnorm_inductor_configs or None,
+        rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if cfg.compile.rmsnorm_tune else None,
         dump_folder=dump,
     )
     compile_s = time.perf_counter() - t0

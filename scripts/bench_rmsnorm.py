@@ -176,15 +176,23 @@ def build_make_fx(p: Problem) -> Callable[[], Outputs]:
 
 
 def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: Result) -> Callable[[], Outputs]:
-    """``inductor_configs=None``: the pass's shipped default (Inductor defaults, with
-    DEFAULT_RMSNORM_CANDIDATE_CONFIGS compiled and timed per region, fastest kept)."""
+    """``inductor_configs=None``: the guarded tuning of ``--compile.rmsnorm_tune``
+    (Inductor defaults and DEFAULT_RMSNORM_CANDIDATE_CONFIGS compiled and timed per
+    region, fastest kept); ``result.setup_s`` holds the compile cost."""
     try:
-        from graph_trainer.passes import annotate_rmsnorm_for_regional_inductor_pass, regional_inductor_pass
+        from graph_trainer.passes import (
+            DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
+            annotate_rmsnorm_for_regional_inductor_pass,
+            regional_inductor_pass,
+        )
     except ImportError as e:
         raise Unavailable(f"graph_trainer.passes does not export the regional passes yet: {e}") from e
     gm = trace_fwd_bwd(p)
     example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    gm = annotate_rmsnorm_for_regional_inductor_pass(gm, example_inputs, inductor_configs)
+    tune = inductor_configs is None
+    gm = annotate_rmsnorm_for_regional_inductor_pass(
+        gm, example_inputs, {} if tune else inductor_configs, DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None
+    )
     annotate_stats = dict(getattr(gm, "meta", {}).get("graph_trainer_pass_stats", {}))
     gm = regional_inductor_pass(gm, example_inputs)
     compile_stats = dict(getattr(gm, "meta", {}).get("graph_trainer_pass_stats", {}))
@@ -328,7 +336,7 @@ def compare(out: Outputs, ref: Outputs) -> tuple[dict[str, float], float]:
 def parse_inductor_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
     """``NAME=JSON``, ``JSON`` or ``guarded`` entries -> ordered ``{name: config}``.
 
-    ``guarded`` (config ``None``) is the pass's shipped default: Inductor's defaults
+    ``guarded`` (config ``None``) is ``--compile.rmsnorm_tune``: Inductor's defaults
     plus the candidate configs, timed per region, fastest kept. Nothing given:
     ``{"default": {}, "guarded": None}``."""
     if not values:
@@ -430,7 +438,10 @@ def run(args) -> dict[str, Any]:
         shape_results = []
         for name, builder in variant_builders(args.variants, configs, p):
             print(f"[{m}x{n}] {name} ...", file=sys.stderr, flush=True)
-            shape_results.append(run_variant(name, builder, p, ref, bench, copy["GBps"], tol))
+            r = run_variant(name, builder, p, ref, bench, copy["GBps"], tol)
+            shape_results.append(r)
+            if r.ms:  # one line per variant as it lands, so a run cut short still says something
+                print(f"[{m}x{n}] {name}: {r.ms:.3f} ms, {r.GBps:.0f} GB/s, rel {r.rel_err or 0:.1e}, setup {r.setup_s or 0:.1f} s", file=sys.stderr, flush=True)
         eager_ms = next((r.ms for r in shape_results if r.variant == "eager" and r.ms), None)
         for r in shape_results:
             if eager_ms and r.ms:

@@ -256,7 +256,7 @@ def _op(node: torch.fx.Node) -> str:
 
 
 def analyse_kernels(kernels: list[dict[str, Any]], graph: torch.fx.Graph) -> dict[str, Any]:
-    """Tag each kernel with ``phase`` and ``rms_norm_bwd`` (rule: module docstring) and
+    """Tag each kernel with ``phase`` (forward / backward / both: it fuses ops of the two) and ``rms_norm_bwd`` (rule: module docstring) and
     ``fused_with``; return the way's summary (counts, largest, norm-bwd kernels)."""
     from graph_trainer.passes import find_rmsnorm_instances
     from graph_trainer.passes._common import module_fqn_of, phase_of
@@ -265,7 +265,8 @@ def analyse_kernels(kernels: list[dict[str, Any]], graph: torch.fx.Graph) -> dic
     norm_bwd = {n.name for i in find_rmsnorm_instances(graph) if i["kind"] == "backward" for n in i["nodes"]}
     for k in kernels:
         src = [nodes[s] for s in k["source_nodes"] or () if s in nodes]
-        k["phase"] = ("backward" if any(phase_of(n) == "backward" for n in src) else "forward") if src else None
+        phases = {"backward" if phase_of(n) == "backward" else "forward" for n in src}
+        k["phase"] = (phases.pop() if len(phases) == 1 else "both") if src else None
         if k["source_nodes"] is None:
             k["rms_norm_bwd"] = "rms_norm_backward" in k["name"]
         else:
@@ -412,8 +413,13 @@ def run_way(name: str, built: dict[str, Any], directory: Path, args, ref) -> dic
     if device.type == "cuda":
         try:
             marked = name in ("none", "regional+rmsnorm") and insert_backward_marker(gm)
-            phases = None if marked else {k["name"]: k["phase"] for k in kernels if k["phase"]}
-            res["fwd_ms"], res["bwd_ms"] = profile_phase_ms(step, args.steps, phases)
+            mixed = [k["name"] for k in kernels if k["phase"] == "both"]
+            if marked or not mixed:
+                phases = None if marked else {k["name"]: k["phase"] for k in kernels if k["phase"]}
+                res["fwd_ms"], res["bwd_ms"] = profile_phase_ms(step, args.steps, phases)
+            else:  # one kernel computes forward and backward ops: no boundary between the phases
+                res["phase_split_error"] = f"{len(mixed)} kernel(s) mix forward and backward ops"
+
         except Exception as e:  # profiling is best effort: keep the step time
             res["phase_split_error"] = f"{type(e).__name__}: {e}"
     return res

@@ -52,8 +52,10 @@ def test_tiny_ways_and_kernels(tiny):
         assert w["origin_comments"] == w["kernels"], f"{name}: kernels without Source Nodes comments"
         assert w["largest_kernel"]["lines"] == max(k["lines"] for k in w["kernel_list"]) > 0
         assert w["rms_norm_bwd_kernels"], f"{name}: no kernel holds the rms_norm backward"
-        assert all(k["phase"] in ("forward", "backward") for k in w["kernel_list"])
-        assert all(k["phase"] == "backward" for k in w["kernel_list"] if k["rms_norm_bwd"])
+        assert all(k["phase"] in ("forward", "backward", "both") for k in w["kernel_list"])
+        assert all(k["phase"] in ("backward", "both") for k in w["kernel_list"] if k["rms_norm_bwd"])
+    # a region is one norm of one phase: regional kernels never mix forward and backward ops
+    assert all(k["phase"] in ("forward", "backward") for k in ways["regional+rmsnorm"]["kernel_list"])
 
 
 def test_tiny_fusion_differs_between_full_and_regional(tiny):

@@ -90,15 +90,13 @@ aten = torch.ops.aten
 DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 
 #: Config sets that ``regional_inductor_pass`` also tries for every *distinct* RMSNorm
-#: region (same ops and input shapes) when the user passes no configs and the region
-#: runs on CUDA: each candidate is compiled, all variants are timed on random inputs of
-#: the region's shapes, and the fastest is kept -- so the shipped default is never
-#: slower than Inductor's defaults at any shape (up to timing noise), yet takes
-#: coordinate-descent tuning where it wins. Why a guard and not a fixed setting: on
-#: 1x H100 / torch 2.11, ``coordinate_descent_tuning`` (+ all directions) reached
-#: 92-94 % of copy bandwidth at some Llama shapes but 40-68 % at others (a bad tuning
-#: pick), against 84-89 % for the defaults (issue 4; docs/perf.md has this project's
-#: own measurement).
+#: region (same ops and input shapes) when asked to tune (``--compile.rmsnorm_tune``):
+#: each candidate is compiled, all variants are timed on CUDA on random inputs of the
+#: region's shapes, and the fastest is kept -- never slower than Inductor's defaults
+#: (up to timing noise). Off by default because of its compile cost: measured
+#: 2026-11-22 (docs/perf.md), compiling the coordinate-descent RMSNorm regions of a
+#: Llama3 1B/8B step took over a minute, while tuning saved 0.004 ms per forward norm
+#: on Llama3 8B (0.043 -> 0.038 ms, ~0.3 ms of a 900 ms step).
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True},
 ]
@@ -300,9 +298,8 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     annotation as ``{"inductor_configs": {...}, "inductor_region": id}``.
     ``candidate_configs`` (each validated the same way) are stored as
     ``"candidate_inductor_configs"``: ``regional_inductor_pass`` compiles every
-    candidate too, times them and keeps the fastest (CUDA only). Default: when
-    ``inductor_configs`` is ``None``, :data:`DEFAULT_RMSNORM_CANDIDATE_CONFIGS`;
-    when the caller names ``inductor_configs``, none (exactly those are used).
+    candidate too, times them and keeps the fastest (CUDA only). Default: none
+    (pass :data:`DEFAULT_RMSNORM_CANDIDATE_CONFIGS` to tune).
     Region ids are ``rmsnorm_<kind>_<i>`` (kind: forward / backward /
     recompute, see :func:`find_rmsnorm_instances`). Stats
     (``gm.meta["graph_trainer_pass_stats"]``, also
@@ -314,9 +311,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     configs = validate_inductor_configs(
         DEFAULT_RMSNORM_INDUCTOR_CONFIGS if inductor_configs is None else inductor_configs
     )
-    if candidate_configs is None:
-        candidate_configs = DEFAULT_RMSNORM_CANDIDATE_CONFIGS if inductor_configs is None else []
-    candidates = [validate_inductor_configs(c) for c in candidate_configs]
+    candidates = [validate_inductor_configs(c) for c in candidate_configs or []]
     instances = find_rmsnorm_instances(gm.graph)
     counts = {"forward": 0, "backward": 0, "recompute": 0}
     tagged = 0

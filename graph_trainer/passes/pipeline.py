@@ -184,6 +184,7 @@ def run_passes(
     names: Iterable[str],
     *,
     rmsnorm_inductor_configs: dict[str, Any] | None = None,
+    rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -208,7 +209,9 @@ def run_passes(
     for i, name in enumerate(names, start=1):
         fn = PASSES[name]
         before = num_nodes(gm)
-        kwargs = {"inductor_configs": rmsnorm_inductor_configs} if name == ANNOTATE_RMSNORM else {}
+        kwargs = {}
+        if name == ANNOTATE_RMSNORM:
+            kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
         t0 = time.perf_counter()
         gm = fn(gm, example_inputs, **kwargs)
         elapsed = time.perf_counter() - t0

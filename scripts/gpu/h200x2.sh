@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml
 mkdir -p "$OUT"
-run() {  # name, timeout, flags...
+run() {  # name, timeout, flags...  (RUNS="name:timeout:flags;..." overrides the list below)
     local name=$1 t=$2; shift 2
     timeout "$t" ./run_train.sh --training.steps 12 --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
     echo "== $name rc=$? $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
@@ -15,6 +15,11 @@ import json,sys
 for l in sys.stdin:
     s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB loss %.4f trace %.0fs compile %.0fs" % (s["tps"], s["mfu"], s["max_memory_gib"], s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0))')" | tee -a "$OUT/summary.txt"
 }
+if [ -n "${RUNS:-}" ]; then  # e.g. RUNS="traced_rms:120:--compile.numerics_changing_optim;jit2:130:--compile.mode jit"
+    IFS=';' read -ra items <<< "$RUNS"
+    for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; run "$n" "$t" $f; done
+    exit 0
+fi
 # most important first; timeouts sum to 550 s (the device's per-call limit is 600 s)
 run traced 110                                                   # default pipeline (reshard + overlap)
 run jit 130 --compile.mode jit                                   # torchtitan torch.compile FSDP2
