@@ -72,6 +72,11 @@ class Compile:
     dump_graphs: bool = False
     """Write the graph before the first pass and after each pass to <dump_folder>/graphs/."""
 
+    pointwise_regions: bool = False
+    """With --compile.numerics_changing_optim: also compile every chain of pointwise ops
+    (SwiGLU, residual adds, casts, loss) inside one module and phase as its own region
+    (annotate_pointwise_for_regional_inductor)."""
+
     cudagraphs: bool = False
     """Append cudagraph_pass to the pipeline (CUDA only)."""
 

@@ -105,6 +105,7 @@ def train(cfg) -> dict:
                 inductor_compilation=cfg.compile.inductor_compilation,
                 uses_flex_attention=False,
                 cudagraphs=cfg.compile.cudagraphs,
+                pointwise_regions=cfg.compile.pointwise_regions,
             )
         except ValueError as e:
             raise UserError(str(e)) from None

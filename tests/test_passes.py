@@ -667,6 +667,7 @@ def test_registry_and_order():
         "overlap_collectives",
         "annotate_flex_attention_for_regional_inductor",
         "annotate_rmsnorm_for_regional_inductor",
+        "annotate_pointwise_for_regional_inductor",
         "regional_inductor",
         "full_inductor",
         "cudagraph",
@@ -690,7 +691,10 @@ def test_resolve_defaults():
     ]
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", uses_flex_attention=True, cudagraphs=True
-    ) == DEFAULT_ORDER[:7] + ["cudagraph"]
+    ) == DEFAULT_ORDER[:6] + ["regional_inductor", "cudagraph"]
+    assert resolve_pass_names(
+        **kw, numerics_changing_optim=True, inductor_compilation="regional", pointwise_regions=True
+    )[-3:] == ["annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
     # full inductor compiles every norm anyway: no annotation pass
     assert "annotate_rmsnorm_for_regional_inductor" not in resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="full"

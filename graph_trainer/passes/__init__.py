@@ -6,6 +6,7 @@ registry, the single default order and the runner.
 """
 
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
+from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass, find_pointwise_regions
 from graph_trainer.passes.annotate_rmsnorm import (
     DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
     DEFAULT_RMSNORM_INDUCTOR_CONFIGS,
@@ -36,9 +37,11 @@ __all__ = [
     "INDUCTOR_COMPILATION_MODES",
     "PASSES",
     "annotate_flex_attention_for_regional_inductor_pass",
+    "annotate_pointwise_for_regional_inductor_pass",
     "annotate_rmsnorm_for_regional_inductor_pass",
     "canonical_pass_name",
     "cudagraph_pass",
+    "find_pointwise_regions",
     "find_rmsnorm_instances",
     "full_inductor_pass",
     "overlap_collectives_pass",

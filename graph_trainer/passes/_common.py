@@ -96,6 +96,15 @@ def is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def packet_name(node: torch.fx.Node) -> str | None:
+    """The op packet name of a ``call_function`` OpOverload node (``"mm"`` for
+    ``aten.mm.default``), else None."""
+    t = node.target
+    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return None
+
+
 def op_namespace(target: Any) -> str | None:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return target.namespace

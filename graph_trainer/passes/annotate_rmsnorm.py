@@ -77,6 +77,7 @@ from graph_trainer.passes._common import (
     is_collective,
     is_getitem,
     module_fqn_of,
+    packet_name,
     phase_of,
     set_pass_summary,
     split_acyclic,
@@ -156,19 +157,12 @@ def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dic
     return dict(inductor_configs)
 
 
-def _packet_name(node: torch.fx.Node) -> str | None:
-    t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1]
-    return None
-
-
 def _is_heavy(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     if isinstance(node.target, torch._ops.HigherOrderOperator) or is_collective(node):
         return True
-    return _packet_name(node) in _HEAVY_PACKETS
+    return packet_name(node) in _HEAVY_PACKETS
 
 
 def _produces_tensors(node: torch.fx.Node) -> bool:
@@ -181,27 +175,27 @@ def _produces_tensors(node: torch.fx.Node) -> bool:
 
 
 def _skip_pass_through(node: Any) -> Any:
-    while isinstance(node, torch.fx.Node) and _packet_name(node) in _PASS_THROUGH_PACKETS:
+    while isinstance(node, torch.fx.Node) and packet_name(node) in _PASS_THROUGH_PACKETS:
         node = node.args[0] if node.args else None
     return node
 
 
 def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
     """``node`` is ``rsqrt([add(] mean(pow(x, 2) | mul(x, x)) [, eps)])``."""
-    if _packet_name(node) != "rsqrt" or not node.args:
+    if packet_name(node) != "rsqrt" or not node.args:
         return False
     arg = _skip_pass_through(node.args[0])
-    if isinstance(arg, torch.fx.Node) and _packet_name(arg) in ("add", "add_"):
+    if isinstance(arg, torch.fx.Node) and packet_name(arg) in ("add", "add_"):
         tensors = [a for a in arg.args if isinstance(a, torch.fx.Node)]
         if len(tensors) != 1:
             return False
         arg = _skip_pass_through(tensors[0])
-    if not (isinstance(arg, torch.fx.Node) and _packet_name(arg) == "mean" and arg.args):
+    if not (isinstance(arg, torch.fx.Node) and packet_name(arg) == "mean" and arg.args):
         return False
     sq = _skip_pass_through(arg.args[0])
     if not isinstance(sq, torch.fx.Node):
         return False
-    name = _packet_name(sq)
+    name = packet_name(sq)
     if name == "pow" and len(sq.args) >= 2 and sq.args[1] == 2:
         return True
     return name == "mul" and len(sq.args) >= 2 and sq.args[0] is sq.args[1]

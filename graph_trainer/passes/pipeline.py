@@ -7,6 +7,7 @@ Order (:data:`DEFAULT_ORDER`, the only place it is defined)::
       -> overlap_collectives                             (no-op without collectives)
       -> annotate_flex_attention_for_regional_inductor   (if flex attention is used)
       -> annotate_rmsnorm_for_regional_inductor          (if numerics_changing_optim)
+      -> annotate_pointwise_for_regional_inductor        (if also pointwise_regions)
       -> regional_inductor | full_inductor               (inductor_compilation)
       -> cudagraph                                       (if asked)
 
@@ -27,6 +28,7 @@ import torch
 
 from graph_trainer.passes._common import num_nodes, op_counts, pop_pass_summary
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
+from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
@@ -44,6 +46,7 @@ OVERLAP_COLLECTIVES = "overlap_collectives"
 RESHARD_AFTER_FORWARD = "reshard_after_forward"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
 ANNOTATE_RMSNORM = "annotate_rmsnorm_for_regional_inductor"
+ANNOTATE_POINTWISE = "annotate_pointwise_for_regional_inductor"
 REGIONAL_INDUCTOR = "regional_inductor"
 FULL_INDUCTOR = "full_inductor"
 CUDAGRAPH = "cudagraph"
@@ -57,6 +60,7 @@ PASSES: dict[str, Callable[..., Any]] = {
     OVERLAP_COLLECTIVES: overlap_collectives_pass,
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
     ANNOTATE_RMSNORM: annotate_rmsnorm_for_regional_inductor_pass,
+    ANNOTATE_POINTWISE: annotate_pointwise_for_regional_inductor_pass,
     REGIONAL_INDUCTOR: regional_inductor_pass,
     FULL_INDUCTOR: full_inductor_pass,
     CUDAGRAPH: cudagraph_pass,
@@ -71,6 +75,8 @@ ALIASES: dict[str, str] = {
     "annotate_flex_attention": ANNOTATE_FLEX_ATTENTION,
     "annotate_rmsnorm": ANNOTATE_RMSNORM,
     "rmsnorm": ANNOTATE_RMSNORM,
+    "annotate_pointwise": ANNOTATE_POINTWISE,
+    "pointwise": ANNOTATE_POINTWISE,
     "dce": REMOVE_DEAD_CODE,
     "full_inductor_compilation": FULL_INDUCTOR,
 }
@@ -96,6 +102,7 @@ def resolve_pass_names(
     inductor_compilation: str,
     uses_flex_attention: bool = False,
     cudagraphs: bool = False,
+    pointwise_regions: bool = False,
 ) -> list[str]:
     """The list of pass names to run, in :data:`DEFAULT_ORDER`.
 
@@ -105,6 +112,8 @@ def resolve_pass_names(
     FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
     annotation (if ``numerics_changing_optim`` and ``inductor_compilation ==
     "regional"``; with ``"full"`` Inductor compiles every norm anyway), the
+    pointwise-chain annotation (if ``pointwise_regions`` too; it changes numerics,
+    so ``pointwise_regions`` without ``numerics_changing_optim`` is a ValueError), the
     compile pass of ``inductor_compilation`` and ``cudagraph`` (if
     ``cudagraphs``). A given ``passes`` list replaces that list. Then
     ``disable_passes`` are removed.
@@ -124,8 +133,15 @@ def resolve_pass_names(
         names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
         if uses_flex_attention:
             names.append(ANNOTATE_FLEX_ATTENTION)
+        if pointwise_regions and not numerics_changing_optim:
+            raise ValueError(
+                "pointwise_regions changes numerics (Inductor fuses bf16 chains in fp32): "
+                "add numerics_changing_optim (--compile.numerics_changing_optim) to enable it"
+            )
         if numerics_changing_optim and inductor_compilation != "full":
             names.append(ANNOTATE_RMSNORM)
+            if pointwise_regions:
+                names.append(ANNOTATE_POINTWISE)
         if inductor_compilation == "regional":
             names.append(REGIONAL_INDUCTOR)
         elif inductor_compilation == "full":
@@ -137,13 +153,13 @@ def resolve_pass_names(
     disabled = {canonical_pass_name(n) for n in disable_passes}
     names = sorted({n for n in names if n not in disabled}, key=DEFAULT_ORDER.index)
 
-    if ANNOTATE_RMSNORM in names and (inductor_compilation == "none" or REGIONAL_INDUCTOR not in names):
-        raise ValueError(
-            "the RMSNorm annotation pass (annotate_rmsnorm_for_regional_inductor, enabled by "
-            "numerics_changing_optim) only has an effect when regional_inductor compiles the tagged "
-            f"regions, but inductor_compilation={inductor_compilation!r} and the resolved passes are "
-            f"{names}; use inductor_compilation='regional' or disable the RMSNorm pass"
-        )
+    for annotation in (ANNOTATE_RMSNORM, ANNOTATE_POINTWISE):
+        if annotation in names and (inductor_compilation == "none" or REGIONAL_INDUCTOR not in names):
+            raise ValueError(
+                f"the annotation pass {annotation} only has an effect when regional_inductor compiles "
+                f"the tagged regions, but inductor_compilation={inductor_compilation!r} and the resolved "
+                f"passes are {names}; use inductor_compilation='regional' or disable the annotation pass"
+            )
     if REGIONAL_INDUCTOR in names and FULL_INDUCTOR in names:
         raise ValueError("regional_inductor and full_inductor are mutually exclusive")
     return names

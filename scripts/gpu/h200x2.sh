@@ -20,6 +20,8 @@ if [ -n "${RUNS:-}" ]; then  # e.g. RUNS="traced_rms:120:--compile.numerics_chan
     for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; run "$n" "$t" $f; done
     exit 0
 fi
+# pending (docs/perf.md, "Not measured yet"), one call:
+# RUNS="traced:100:;full:200:--compile.inductor_compilation full;pointwise:140:--compile.numerics_changing_optim --compile.pointwise_regions;jit:130:--compile.mode jit" bash scripts/gpu/h200x2.sh
 # most important first; timeouts sum to 550 s (the device's per-call limit is 600 s)
 run traced 110                                                   # default pipeline (reshard + overlap)
 run jit 130 --compile.mode jit                                   # torchtitan torch.compile FSDP2

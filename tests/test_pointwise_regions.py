@@ -1,0 +1,98 @@
+"""annotate_pointwise_for_regional_inductor: what it matches, the cycle cut, numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+
+from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
+from graph_trainer.passes import (
+    annotate_pointwise_for_regional_inductor_pass,
+    find_pointwise_regions,
+    resolve_pass_names,
+    run_passes,
+)
+from graph_trainer.passes._common import is_collective, module_fqn_of, phase_of, split_acyclic
+from test_passes import _assert_close, _small_llama, _trace_step
+
+aten = torch.ops.aten
+
+
+def _region(n):
+    return n.meta.get("custom", {}).get(COMPILE_WITH_INDUCTOR_KEY, {}).get("inductor_region")
+
+
+def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched():
+    gm, example_inputs, _ = _trace_step(_small_llama(n_layers=2))
+    run_passes(gm, example_inputs, ["annotate_rmsnorm_for_regional_inductor"])
+    norm_regions = {n: _region(n) for n in gm.graph.nodes if _region(n)}
+    gm = annotate_pointwise_for_regional_inductor_pass(gm, example_inputs)
+    regions: dict[str, list] = {}
+    for n in gm.graph.nodes:
+        r = _region(n)
+        if r and r.startswith("pointwise_"):
+            regions.setdefault(r, []).append(n)
+    assert all(_region(n) == r for n, r in norm_regions.items())  # RMSNorm regions kept as they were
+    stats = gm.meta["graph_trainer_pass_stats"]
+    assert stats["regions"] == len(regions) > 0 and stats["nodes"] == sum(map(len, regions.values()))
+    for nodes in regions.values():
+        assert len({(phase_of(n), module_fqn_of(n)) for n in nodes}) == 1  # one phase, one module
+        assert not any(n.target in (aten.mm.default, aten.bmm.default) or is_collective(n) for n in nodes)
+        assert sum(n.target not in (aten.view.default, aten._unsafe_view.default) for n in nodes) >= 2
+        assert split_acyclic(nodes) == [nodes]
+    # the SwiGLU chain of every layer, forward (silu * w3) and backward (silu_backward with its mul)
+    for layer in ("layers.0.feed_forward", "layers.1.feed_forward"):
+        fwd = [ns for ns in regions.values() if module_fqn_of(ns[0]) == layer and phase_of(ns[0]) == "forward"]
+        bwd = [ns for ns in regions.values() if module_fqn_of(ns[0]) == layer and phase_of(ns[0]) == "backward"]
+        assert any({aten.silu.default, aten.mul.Tensor} <= {n.target for n in ns} for ns in fwd), layer
+        assert any(aten.silu_backward.default in {n.target for n in ns} for ns in bwd), layer
+
+
+def _node(g, target, args, phase="forward", fqn="block"):
+    n = g.call_function(target, args)
+    n.meta["custom"] = {PHASE_KEY: phase, MODULE_FQN_KEY: fqn}
+    return n
+
+
+def test_residual_cycle_is_cut_into_levels():
+    """h = x + relu(x); h2 = h * 2; out = h2 + h2 @ w: {h, h2, out} is connected but
+    `out` needs the matmul, which needs h2 -- one region would be a cycle."""
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    r = _node(g, aten.relu.default, (x,))
+    h = _node(g, aten.add.Tensor, (x, r))
+    h2 = _node(g, aten.mul.Tensor, (h, 2.0))
+    m = _node(g, aten.mm.default, (h2, w))
+    out = _node(g, aten.add.Tensor, (h2, m))
+    o2 = _node(g, aten.sigmoid.default, (out,))
+    other = _node(g, aten.neg.default, (o2,), phase="backward")  # other phase: never joined
+    g.output((other,))
+    for n in g.nodes:
+        n.meta["val"] = torch.empty(4, 4)
+    regions = find_pointwise_regions(g, min_ops=1)
+    assert [[n.name for n in ns] for ns in regions] == [[r.name, h.name, h2.name], [out.name, o2.name], [other.name]]
+    for ns in regions:
+        assert split_acyclic(ns) == [ns]
+    assert [[n.name for n in ns] for ns in find_pointwise_regions(g, min_ops=2)] == [[r.name, h.name, h2.name], [out.name, o2.name]]
+    with pytest.raises(ValueError, match="min_ops"):
+        annotate_pointwise_for_regional_inductor_pass(torch.fx.GraphModule(torch.nn.Module(), g), None, min_ops=0)
+
+
+def test_end_to_end_numerics_and_pipeline_gate():
+    model = _small_llama(n_layers=1)
+    gm, example_inputs, inputs = _trace_step(model)
+    ref = gm(*inputs)
+    names = resolve_pass_names(
+        passes=None, numerics_changing_optim=True, inductor_compilation="regional", pointwise_regions=True
+    )
+    assert names.index("annotate_pointwise_for_regional_inductor") == names.index("regional_inductor") - 1
+    cgm = run_passes(gm, example_inputs, names)
+    remaining = {n.target for n in cgm.graph.nodes if n.op == "call_function"}
+    assert aten.silu.default not in remaining and aten.silu_backward.default not in remaining  # compiled away
+    assert aten.mm.default in remaining  # matmuls stay eager
+    _assert_close(cgm(*inputs), ref)
+    with pytest.raises(ValueError, match="numerics_changing_optim"):
+        resolve_pass_names(passes=None, numerics_changing_optim=False, inductor_compilation="regional", pointwise_regions=True)
+    with pytest.raises(ValueError, match="only has an effect"):
+        resolve_pass_names(passes=["pointwise"], numerics_changing_optim=True, inductor_compilation="none")
