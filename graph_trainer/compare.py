@@ -972,6 +972,11 @@ def _main(args, extra, argv, holder) -> int:
     progress = Progress()
     state: dict = {"run": None}
     interrupted = False
+
+    def _sigterm(signum, frame):  # `timeout` / a job scheduler: report the finished runs like Ctrl-C
+        raise KeyboardInterrupt
+
+    previous_sigterm = signal.signal(signal.SIGTERM, _sigterm)
     try:
         skip: dict[str, str] = {}
         for run in runs:
@@ -1004,8 +1009,10 @@ def _main(args, extra, argv, holder) -> int:
     except KeyboardInterrupt:
         interrupted = True
         if state.get("run") is not None:
-            state["run"].status, state["run"].error = "interrupted", "interrupted (Ctrl-C)"
+            state["run"].status, state["run"].error = "interrupted", "interrupted (Ctrl-C or SIGTERM)"
         progress.done("\ninterrupted; reporting the finished runs")
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
 
     done = [r for r in runs if r.rows]
     results = build_results(sides, runs, args.repeats)

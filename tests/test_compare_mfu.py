@@ -244,7 +244,8 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
-def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl-C, and `timeout` around the script
+def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     import signal
     import time
 
@@ -257,7 +258,7 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path):
     deadline = time.time() + 60
     while not (worker_pid.exists() and worker_pid.read_text()) and time.time() < deadline:
         time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, signame))
     stdout, _ = p.communicate(timeout=60)
     assert p.returncode == 130, stdout
     assert "interrupted; reporting the finished runs" in stdout

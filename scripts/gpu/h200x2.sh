@@ -21,6 +21,8 @@ if [ -n "${RUNS:-}" ]; then  # e.g. RUNS="traced_rms:120:--compile.numerics_chan
     exit 0
 fi
 # pending (docs/perf.md, "Not measured yet"), one call:
+# (issue 6, another call) NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml timeout 560 python3 scripts/compare_mfu.py \
+#     --a-flags "" --b-flags "--compile.numerics_changing_optim" --repeats 2 --steps 12 --run-timeout 130 --out $OUT/cmp8b
 # RUNS="traced:100:;full:200:--compile.inductor_compilation full;pointwise:140:--compile.numerics_changing_optim --compile.pointwise_regions;jit:130:--compile.mode jit" bash scripts/gpu/h200x2.sh
 # most important first; timeouts sum to 550 s (the device's per-call limit is 600 s)
 run traced 110                                                   # default pipeline (reshard + overlap)
