@@ -10,6 +10,9 @@ of the traced graph in these ways:
 ``full``                  ``full_inductor_pass``: the whole graph through Inductor.
 ``regional+rmsnorm``      ``annotate_rmsnorm_for_regional_inductor_pass`` (Inductor
                           defaults, no candidate configs) + ``regional_inductor_pass``.
+``regional+rmsnorm+pointwise``  also ``annotate_pointwise_for_regional_inductor_pass``
+                          (``--compile.pointwise_regions``: SwiGLU, residual-gradient
+                          adds, loss as regions of one module and phase each).
 ``full, mix_order_reduction=False``  ``full`` with that Triton knob off; only when
                           ``torch._inductor.config.triton`` has it (the output says so).
 
@@ -39,8 +42,9 @@ Times: ``step ms`` is the median wall time of ``--steps`` steps (CUDA: synchroni
 ``torch.profiler``, median over ``--steps``; kernels launched before the
 forward/backward boundary are forward. Boundary: a ``record_function`` marker
 inserted before the first ``node.meta["custom"]["phase"] == "backward"`` node
-(``none``, ``regional+rmsnorm``), or the launch of the first generated kernel with a
-backward source node (``full`` ways, whose graph is opaque).
+(``none`` and the regional ways), or the launch of the first generated kernel with a
+backward source node (``full`` ways, whose graph is opaque); no split when a generated
+kernel mixes forward and backward ops (its ``phase`` is ``both``).
 
 Numerics: loss and grads of each way on the same batch vs ``none``; ``ok`` when
 ``max(|dloss|/|loss|, max|dgrad| / max|grad|) <= --tolerance``.
@@ -71,6 +75,7 @@ if str(REPO_ROOT) not in sys.path:  # allow running without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
 NOMIX = "full, mix_order_reduction=False"
+POINTWISE = "regional+rmsnorm+pointwise"
 MARKER, STEP_MARKER = "fusion_report::backward", "fusion_report::step"
 KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.(\w+)\(")
 ORIGINS = re.compile(r"Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
@@ -128,7 +133,12 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def compile_way(name: str, gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Apply way ``name`` to a copy of ``gm``; the result is called like ``gm``."""
-    from graph_trainer.passes import annotate_rmsnorm_for_regional_inductor_pass, full_inductor_pass, regional_inductor_pass
+    from graph_trainer.passes import (
+        annotate_pointwise_for_regional_inductor_pass,
+        annotate_rmsnorm_for_regional_inductor_pass,
+        full_inductor_pass,
+        regional_inductor_pass,
+    )
 
     gm = copy_graph_module(gm)
     if name == "none":
@@ -136,6 +146,8 @@ def compile_way(name: str, gm: torch.fx.GraphModule, example_inputs) -> torch.fx
     if name.startswith("full"):
         return full_inductor_pass(gm, example_inputs)
     gm = annotate_rmsnorm_for_regional_inductor_pass(gm, example_inputs, {})
+    if name == POINTWISE:
+        gm = annotate_pointwise_for_regional_inductor_pass(gm, example_inputs)
     return regional_inductor_pass(gm, example_inputs)
 
 
@@ -412,7 +424,7 @@ def run_way(name: str, built: dict[str, Any], directory: Path, args, ref) -> dic
     res.update(step_ms=statistics.median(times), step_ms_all=[round(t, 3) for t in times], fwd_ms=None, bwd_ms=None)
     if device.type == "cuda":
         try:
-            marked = name in ("none", "regional+rmsnorm") and insert_backward_marker(gm)
+            marked = name in ("none", "regional+rmsnorm", POINTWISE) and insert_backward_marker(gm)
             mixed = [k["name"] for k in kernels if k["phase"] == "both"]
             if marked or not mixed:
                 phases = None if marked else {k["name"]: k["phase"] for k in kernels if k["phase"]}
@@ -431,7 +443,7 @@ def run(args, extra_argv: list[str]) -> dict[str, Any]:
 
     built = build_traced_step(args, extra_argv)
     has_mix = hasattr(ic, "triton") and hasattr(ic.triton, "mix_order_reduction")
-    ways = ["none", "full", "regional+rmsnorm"] + ([NOMIX] if has_mix else [])
+    ways = ["none", "full", "regional+rmsnorm", POINTWISE] + ([NOMIX] if has_mix else [])
     root = Path(args.code_dir) if args.code_dir else Path(tempfile.mkdtemp(prefix="fusion_report_"))
     results, ref = [], None
     for i, name in enumerate(ways):

@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "fusion_report.py"
 NOMIX = "full, mix_order_reduction=False"
-COMPILED = ["full", "regional+rmsnorm"]
+POINTWISE = "regional+rmsnorm+pointwise"
+COMPILED = ["full", "regional+rmsnorm", POINTWISE]
 
 
 def _load():
@@ -37,9 +38,9 @@ def test_tiny_ways_and_kernels(tiny):
     _, report, ways = tiny
     assert report["device_type"] == "cpu" and report["n_layers"] == 1
     assert (report["seq_len"], report["batch"], report["steps"]) == (32, 1, 2)
-    assert list(ways)[:3] == ["none", "full", "regional+rmsnorm"]
+    assert list(ways)[:4] == ["none", "full", "regional+rmsnorm", POINTWISE]
     if report["mix_order_reduction"] == "present":
-        assert list(ways) == ["none", "full", "regional+rmsnorm", NOMIX]
+        assert list(ways) == ["none", "full", "regional+rmsnorm", POINTWISE, NOMIX]
     else:
         assert NOMIX not in ways and any("knob missing" in n for n in report["notes"])
     for w in ways.values():
@@ -54,8 +55,12 @@ def test_tiny_ways_and_kernels(tiny):
         assert w["rms_norm_bwd_kernels"], f"{name}: no kernel holds the rms_norm backward"
         assert all(k["phase"] in ("forward", "backward", "both") for k in w["kernel_list"])
         assert all(k["phase"] in ("backward", "both") for k in w["kernel_list"] if k["rms_norm_bwd"])
-    # a region is one norm of one phase: regional kernels never mix forward and backward ops
-    assert all(k["phase"] in ("forward", "backward") for k in ways["regional+rmsnorm"]["kernel_list"])
+    # a region lies in one phase: regional kernels never mix forward and backward ops
+    for name in ("regional+rmsnorm", POINTWISE):
+        assert all(k["phase"] in ("forward", "backward") for k in ways[name]["kernel_list"]), name
+    # the pointwise chains add kernels (SwiGLU, adds, loss) but keep the norm backward alone
+    assert ways[POINTWISE]["kernels"] > ways["regional+rmsnorm"]["kernels"]
+    assert all(k["fused_with"] == {} for k in ways[POINTWISE]["rms_norm_bwd_kernels"])
 
 
 def test_tiny_fusion_differs_between_full_and_regional(tiny):
