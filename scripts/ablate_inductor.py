@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import platform
 import shutil
@@ -262,13 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", type=_names(list(SETTINGS), "setting"), default=list(SETTINGS),
                     help=f"comma-separated subset of {', '.join(SETTINGS)}")  # fmt: skip
     ap.add_argument("--benchmarks", type=_names(BENCHMARKS, "benchmark"), default=BENCHMARKS, help=f"subset of {BENCHMARKS}")
-    ap.add_argument("--config-file", type=Path, default=REPO_ROOT / "train_configs" / "debug_model.toml")
-    ap.add_argument("--seq-len", type=int, default=None, help="override training.seq_len (tokens)")
-    ap.add_argument("--batch", type=int, default=None, help="override training.local_batch_size")
-    ap.add_argument("--layers", type=int, default=None, help="override the flavor's n_layers")
+    fr = load_script("fusion_report")
+    fr.add_step_args(ap, "CI mode: CPU, fp32, 1-layer debug model seq 32, norm 256x128, 3 iters")
     ap.add_argument("--norm-shape", type=_shape, default=None, help="RMSNorm MxN (default 32768x4096; 256x128 --tiny)")
     ap.add_argument("--norm-dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 CUDA, fp32 CPU")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (CPU / no triton; default 20, 3 --tiny)")
     ap.add_argument("--warmup", type=int, default=None, help="warmup iterations (CPU; default 3, 1 --tiny)")
     ap.add_argument("--rep-ms", type=float, default=200.0, help="do_bench measuring time (CUDA)")
@@ -277,38 +273,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="fresh: new Inductor cache dir + force_disable_caches per compile (default); shared: one "
                          "dir, FX-graph/AOT/autotune caches off, compiled binaries of identical kernel source "
                          "reused (default with --tiny)")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU intra-op threads (default: torch's; 1 with --tiny: CPU timings are noisy otherwise)")
-    ap.add_argument("--tiny", action="store_true", help="CI mode: CPU, fp32, 1-layer debug model seq 32, norm 256x128, 3 iters")
-    ap.add_argument("--json", type=Path, default=None, help="write the full report here")
     args, extra = ap.parse_known_args(argv)
     args.extra = extra  # --section.key value overrides for graph_trainer.config.parse_args
-    if args.tiny:
-        args.device = args.device or "cpu"
-        args.layers, args.seq_len, args.batch = args.layers or 1, args.seq_len or 32, args.batch or 1
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.threads or (args.tiny and args.device == "cpu"):
-        torch.set_num_threads(args.threads or 1)  # before any compile: Inductor's C++ kernels bake it in
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda but CUDA is not available")
+    fr.resolve_step_args(ap, args)
     args.norm_shape = args.norm_shape or ((256, 128) if args.tiny else (32768, 4096))
     args.norm_dtype = args.norm_dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.kernel_cache = args.kernel_cache or ("shared" if args.tiny else "fresh")
     args.iters = args.iters or (3 if args.tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
 
-    from graph_trainer.errors import UserError
-
-    try:
-        report = run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(report))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"\nwrote {args.json}", file=sys.stderr)
+    report = fr.run_and_print(lambda: run(args), markdown_table, args.json)
+    if isinstance(report, int):
+        return report
     failed = [r["setting"] for r in report["rows"] if r["status"] == "failed"]
     if failed:
         print(f"failed settings: {', '.join(failed)}", file=sys.stderr)

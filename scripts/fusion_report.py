@@ -503,46 +503,70 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1] + "\nOther --section.key value flags go to graph_trainer.config.parse_args.")  # fmt: skip
+def add_step_args(ap: argparse.ArgumentParser, tiny_help: str) -> None:
+    """The arguments of a traced-step script (also ``ablate_inductor.py``): config,
+    shape overrides, device, CPU threads, ``--tiny`` and ``--json``."""
     ap.add_argument("--config-file", type=Path, default=REPO_ROOT / "train_configs" / "debug_model.toml")
     ap.add_argument("--seq-len", type=int, default=None, help="override training.seq_len (tokens)")
     ap.add_argument("--batch", type=int, default=None, help="override training.local_batch_size")
     ap.add_argument("--layers", type=int, default=None, help="override the flavor's n_layers")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5, 2 with --tiny)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    ap.add_argument("--tolerance", type=float, default=None, help="max rel diff vs none (default 1e-3 fp32, 5e-2 bf16)")
-    ap.add_argument("--code-dir", default=None, help="keep the generated code here (default: a temp dir, removed)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU intra-op threads (default: torch's; 1 with --tiny: CPU timings are noisy otherwise)")
-    ap.add_argument("--tiny", action="store_true", help="CI mode: CPU, debug model, 1 layer, seq 32, batch 1, 2 steps")
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
     ap.add_argument("--json", type=Path, default=None, help="write the full report here")
-    args, extra = ap.parse_known_args(argv)
+
+
+def resolve_step_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the defaults of :func:`add_step_args` in place: ``--tiny`` means CPU, 1 layer,
+    seq 32, batch 1; the device defaults to CUDA when available; CPU threads are set
+    here, before any compile (Inductor's C++ kernels bake the count in). Exits through
+    ``ap.error`` for ``--device cuda`` without CUDA."""
     if args.tiny:
         args.device = args.device or "cpu"
         args.layers, args.seq_len, args.batch = args.layers or 1, args.seq_len or 32, args.batch or 1
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads or (args.tiny and args.device == "cpu"):
-        torch.set_num_threads(args.threads or 1)  # before any compile: Inductor's C++ kernels bake it in
+        torch.set_num_threads(args.threads or 1)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but CUDA is not available")
+
+
+def run_and_print(run_report: Callable[[], dict[str, Any]], table: Callable[[dict], str], json_path: Path | None):
+    """Run ``run_report``, print ``table(report)`` and write the report as JSON to
+    ``json_path`` (if given). Returns the report, or exit status 2 after printing a
+    ``UserError`` (bad config / flags)."""
+    from graph_trainer.errors import UserError
+
+    try:
+        report = run_report()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(report))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"\nwrote {json_path}", file=sys.stderr)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1] + "\nOther --section.key value flags go to graph_trainer.config.parse_args.")  # fmt: skip
+    add_step_args(ap, "CI mode: CPU, debug model, 1 layer, seq 32, batch 1, 2 steps")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5, 2 with --tiny)")
+    ap.add_argument("--tolerance", type=float, default=None, help="max rel diff vs none (default 1e-3 fp32, 5e-2 bf16)")
+    ap.add_argument("--code-dir", default=None, help="keep the generated code here (default: a temp dir, removed)")
+    args, extra = ap.parse_known_args(argv)
+    resolve_step_args(ap, args)
     args.steps = args.steps or (2 if args.tiny else 5)
     if args.tolerance is None:
         args.tolerance = 5e-2 if args.device == "cuda" else 1e-3
 
-    from graph_trainer.errors import UserError
-
-    try:
-        report = run(args, extra)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(markdown_table(report))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        print(f"\nwrote {args.json}", file=sys.stderr)
+    report = run_and_print(lambda: run(args, extra), markdown_table, args.json)
+    if isinstance(report, int):
+        return report
     bad = [f"{r['way']}: {r.get('reason', 'numerics mismatch')}" for r in report["ways"]
            if r["status"] != "ok" or not r["numerics"]["ok"]]  # fmt: skip
     if bad:

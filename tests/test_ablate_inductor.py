@@ -1,6 +1,5 @@
 """Tests for scripts/ablate_inductor.py: one --tiny CPU run, CLI validation, helpers."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -9,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "ablate_inductor.py"
@@ -18,11 +18,7 @@ BENCHMARKS = ["train_step", "rmsnorm"]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ablate_inductor", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("ablate_inductor", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ablate_inductor")
 
 
 def _run(*extra, timeout=300):

@@ -1,6 +1,5 @@
 """Tests for scripts/bench_rmsnorm.py (the RMSNorm microbenchmark), in --tiny CPU mode."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -8,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_rmsnorm.py"
@@ -84,11 +84,7 @@ def test_bad_inductor_config_fails_the_run(tmp_path):
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_rmsnorm", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_rmsnorm", mod)  # dataclasses look the module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_rmsnorm")
 
 
 def test_parse_inductor_configs():

@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 from collections import Counter
 
 import pytest

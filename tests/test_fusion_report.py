@@ -1,6 +1,5 @@
 """Tests for scripts/fusion_report.py: one --tiny CPU run + its parsing helpers."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -8,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "fusion_report.py"
@@ -17,11 +17,7 @@ COMPILED = ["full", "regional+rmsnorm", POINTWISE]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("fusion_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("fusion_report", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fusion_report")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ really run, so numerics before/after the pass are compared bit for bit)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from graph_trainer.passes import overlap_collectives_pass
 from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold, strip_holds

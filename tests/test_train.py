@@ -123,9 +123,6 @@ def test_run_train_sh_two_ranks_gloo(tmp_path):
 
 
 def test_stderr_filter_drops_torchrun_report_after_worker_error():
-    import subprocess
-    import sys
-
     text = (
         "[rank0]:warming up\n"
         "torchrun: something before the error\n"

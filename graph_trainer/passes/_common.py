@@ -92,6 +92,29 @@ def tag_for_inductor(
     node.meta["custom"] = custom
 
 
+class DisjointSet:
+    """Union-find over hashable items (nodes, storage keys): each item is its own set
+    until joined; ``find`` compresses paths."""
+
+    def __init__(self) -> None:
+        self.parent: dict[Any, Any] = {}
+
+    def find(self, item: Any) -> Any:
+        root = item
+        while (up := self.parent.get(root, root)) != root:
+            root = up
+        while item != root:  # path compression
+            up = self.parent.get(item, item)
+            self.parent[item] = root
+            item = up
+        return root
+
+    def union(self, a: Any, b: Any) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
 def is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 

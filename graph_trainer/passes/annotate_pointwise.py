@@ -10,18 +10,17 @@ pytorch issue 179423; ``scripts/fusion_report.py`` shows it for the joint graph)
 Matches: ``call_function`` nodes whose aten op is tagged ``pointwise`` or
 ``reduction`` (``torch.Tag``), plus ``_to_copy``, ``_log_softmax(_backward_data)``
 and ``nll_loss_forward/backward``; in-place, randomness-seeded and complex-valued
-ops excluded. A
-view-family op (view, reshape, expand, permute, transpose, ...) joins only when its
-input already did, so no region starts with a view of an outside tensor. Nodes
-already tagged for Inductor (e.g. by the RMSNorm pass, which runs first) and
+ops excluded. A view-family op (view, reshape, expand, permute, transpose, ...)
+joins only when its input already did: views of outside tensors stay outside.
+Nodes already tagged for Inductor (e.g. by the RMSNorm pass, which runs first) and
 collectives are never taken.
 
 Grouping: edges between matched nodes of the same ``(phase, module FQN)`` form
 connected components. A component that would form a cycle with the rest of the
 graph (the residual ``h = x + attn(x); out = h + ffn(norm(h))``: ``out`` needs
 ``ffn``, which needs ``h``) is cut by ``split_acyclic`` (as regional_inductor cuts
-norm regions), so every region is acyclic. Pieces with fewer than ``min_ops`` non-view ops are
-left eager (a lone cast gains nothing from a compiled call).
+norm regions), so every region is acyclic. Pieces with fewer than ``min_ops`` non-view
+ops are left eager (a lone cast gains nothing from a compiled call).
 
 Changes: sets ``node.meta["custom"]["compile_with_inductor"] =
 {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}`` on the
@@ -39,7 +38,7 @@ import torch
 import torch.fx
 
 from graph_trainer.passes._common import (
-    is_collective,
+    DisjointSet,
     is_tagged_for_inductor,
     module_fqn_of,
     packet_name,
@@ -67,7 +66,9 @@ def _is_real_tensor_node(node: torch.fx.Node) -> bool:
 def _kind(node: torch.fx.Node) -> str | None:
     """"compute", "view" or None (not eligible)."""
     name = packet_name(node)
-    if name is None or node.target.namespace != "aten" or not _is_real_tensor_node(node) or is_tagged_for_inductor(node) or is_collective(node):
+    if name is None or node.target.namespace != "aten" or is_tagged_for_inductor(node):
+        return None
+    if not _is_real_tensor_node(node):
         return None
     tags = set(node.target.tags)
     if torch.Tag.inplace in tags or torch.Tag.nondeterministic_seeded in tags:
@@ -88,15 +89,8 @@ def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2) -> list[list
     """
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    parent: dict[torch.fx.Node, torch.fx.Node] = {}
+    chains = DisjointSet()
     kind: dict[torch.fx.Node, str] = {}
-
-    def find(n):
-        while parent[n] is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
     for n in nodes:  # union matched neighbours of the same (phase, module)
         k = _kind(n)
         if k is None:
@@ -106,15 +100,12 @@ def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2) -> list[list
         if k == "view" and not ins:
             continue  # a view joins only a chain it continues
         kind[n] = k
-        parent[n] = n
         for u in ins:
-            ru, rn = find(u), find(n)
-            if ru is not rn:
-                parent[ru] = rn
+            chains.union(u, n)
     components: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
     for n in nodes:  # graph order within each component
         if n in kind:
-            components[find(n)].append(n)
+            components[chains.find(n)].append(n)
     pieces = [part for comp in components.values() for part in split_acyclic(comp, pos)]
     pieces.sort(key=lambda p: pos[p[0]])
     return [p for p in pieces if sum(kind[n] == "compute" for n in p) >= min_ops]

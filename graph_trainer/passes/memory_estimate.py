@@ -18,6 +18,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from graph_trainer.passes._common import DisjointSet
+
 
 def _storages(val) -> list:
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -54,19 +56,12 @@ def peak_breakdown(gm: torch.fx.GraphModule, top: int = 10) -> tuple[int, str | 
     # wait_tensor / hold return their input's buffer: one storage class (union-find)
     from graph_trainer.passes.overlap_collectives import _is_wait, hold
 
-    parent: dict = {}
-
-    def find(r):
-        while parent.get(r, r) != r:
-            r = parent[r]
-        return r
-
+    storages = DisjointSet()
+    find = storages.find
     for n in nodes:
         if (_is_wait(n) or n.target is hold) and n.args and isinstance(n.args[0], torch.fx.Node):
             for (a, _), (b, _) in zip(_storages(n.meta.get("val")), _storages(n.args[0].meta.get("val"))):
-                ra, rb = find(a), find(b)
-                if ra != rb:
-                    parent[ra] = rb
+                storages.union(a, b)
 
     def refs_of(n):
         return [(find(r), b) for r, b in _storages(n.meta.get("val"))]

@@ -36,7 +36,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from graph_trainer.passes._common import is_collective, set_pass_summary
+from graph_trainer.passes._common import DisjointSet, is_collective, set_pass_summary
 
 aten = torch.ops.aten
 
@@ -47,11 +47,11 @@ _SAME_SHAPE_VIEWS = {
 }
 
 
-class _AliasInfo:
+class _AliasInfo(DisjointSet):
     """Union-find over nodes that may share storage + the set of mutated groups."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
-        self.parent: dict[torch.fx.Node, torch.fx.Node] = {}
+        super().__init__()
         mutated: list[torch.fx.Node] = []
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
@@ -83,21 +83,6 @@ class _AliasInfo:
                     mutated.append(arg_node)
                     self.union(node, arg_node)
         self.mutated_roots = {self.find(n) for n in mutated}
-
-    def find(self, node: torch.fx.Node) -> torch.fx.Node:
-        root = node
-        while self.parent.get(root, root) is not root:
-            root = self.parent[root]
-        while node is not root:  # path compression
-            nxt = self.parent.get(node, node)
-            self.parent[node] = root
-            node = nxt
-        return root
-
-    def union(self, a: torch.fx.Node, b: torch.fx.Node) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra is not rb:
-            self.parent[ra] = rb
 
     def is_mutated(self, node: torch.fx.Node) -> bool:
         return self.find(node) in self.mutated_roots
