@@ -8,9 +8,11 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM
 export NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml
 mkdir -p "$OUT"
 run() {  # name, timeout, flags...  (RUNS="name:timeout:flags;..." overrides the list below)
-    local name=$1 t=$2; shift 2
-    timeout "$t" ./run_train.sh --training.steps 12 --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
-    echo "== $name rc=$? $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
+    local name=$1 t=$2 rc; shift 2
+    timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
+    rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback"; } >> "$OUT/failed_tails.txt"
+    { echo "### $name"; cat "/tmp/r_$name/metrics.jsonl" 2>/dev/null; } >> "$OUT/metrics_all.txt"
+    echo "== $name rc=$rc $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
 import json,sys
 for l in sys.stdin:
     s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB loss %.4f trace %.0fs compile %.0fs" % (s["tps"], s["mfu"], s["max_memory_gib"], s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0))')" | tee -a "$OUT/summary.txt"
