@@ -79,6 +79,24 @@ def test_residual_cycle_is_cut_into_levels():
         annotate_pointwise_for_regional_inductor_pass(torch.fx.GraphModule(torch.nn.Module(), g), None, min_ops=0)
 
 
+def test_mutating_and_random_ops_never_join_a_region():
+    """In-place / out= ops (found from the schema: torch 2.11 has no Tag.inplace) and
+    seeded random ops cut a chain: relu -> add_ -> mul -> rand_like -> sigmoid."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    r = _node(g, aten.relu.default, (x,))
+    a = _node(g, aten.add_.Tensor, (r, 1.0))
+    m = _node(g, aten.mul.Tensor, (a, 2.0))
+    n2 = _node(g, aten.neg.default, (m,))
+    rnd = _node(g, aten.rand_like.default, (n2,))
+    s = _node(g, aten.sigmoid.default, (rnd,))
+    g.output((s,))
+    for n in g.nodes:
+        n.meta["val"] = torch.empty(4, 4)
+    regions = find_pointwise_regions(g, min_ops=1)
+    assert [[n.name for n in ns] for ns in regions] == [[r.name], [m.name, n2.name], [s.name]]
+
+
 def test_end_to_end_numerics_and_pipeline_gate():
     model = _small_llama(n_layers=1)
     gm, example_inputs, inputs = _trace_step(model)

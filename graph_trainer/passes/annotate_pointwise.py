@@ -71,8 +71,8 @@ def _kind(node: torch.fx.Node) -> str | None:
     if not _is_real_tensor_node(node):
         return None
     tags = set(node.target.tags)
-    if torch.Tag.inplace in tags or torch.Tag.nondeterministic_seeded in tags:
-        return None
+    if node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in tags:
+        return None  # in-place / out= ops (torch 2.11 has no Tag.inplace)
     if name in _VIEW_OPS:
         return "view"
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags or name in _EXTRA_OPS:
