@@ -16,6 +16,7 @@ Node metadata written by :mod:`graph_trainer.trace` and read by passes:
 
 PHASE_KEY = "phase"
 MODULE_FQN_KEY = "module_fqn"
+AC_REGION_KEY = "ac_region"
 COMPILE_WITH_INDUCTOR_KEY = "compile_with_inductor"
 
-__all__ = ["PHASE_KEY", "MODULE_FQN_KEY", "COMPILE_WITH_INDUCTOR_KEY"]
+__all__ = ["PHASE_KEY", "MODULE_FQN_KEY", "AC_REGION_KEY", "COMPILE_WITH_INDUCTOR_KEY"]

@@ -80,6 +80,12 @@ class Compile:
     cudagraphs: bool = False
     """Append cudagraph_pass to the pipeline (CUDA only)."""
 
+    sac_save_matmuls: bool = False
+    """Op-level selective AC under aot_fx_trace: keep every matmul output of a block instead
+    of recomputing the ones torchtitan's policy leaves to recompute (wk, wo, w3); the
+    sac_recompute pass then recomputes only the cheap non-matmul ops. More memory, no
+    matmul recompute. Numerics unchanged."""
+
 
 @dataclass
 class Debug:

@@ -12,6 +12,7 @@ pipeline's graph-level passes (the compiling passes are skipped: they need real 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter, defaultdict
@@ -42,6 +43,49 @@ def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     return dict(out)
 
 
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    """Trace SDPA on meta tensors as a fused attention op, as a GPU runs it.
+
+    On the meta device ``F.scaled_dot_product_attention`` falls back to the math
+    backend, which materializes the ``[batch, heads, seq, seq]`` scores and their
+    softmax (Llama3 8B at seq 8192: 4 GiB per layer in bf16, saved for the backward);
+    on a GPU flash / cuDNN attention keeps only the output and a ``[batch, heads, seq]``
+    logsumexp. Inside this context a causal, mask-free, dropout-free SDPA call on meta
+    tensors becomes ``aten._scaled_dot_product_flash_attention_for_cpu`` (it has meta
+    kernels and an autograd formula), and selective AC saves its output as torchtitan's
+    save list does for the GPU fused attention ops; any other call is unchanged.
+    With GQA the key / value heads are repeated first (SDPA's math path does the same;
+    GPU kernels read them unrepeated), so the estimate keeps two ``[batch, heads, seq,
+    head_dim]`` tensors per layer that a GPU does not hold (8B, seq 8192: 2 x 64 MiB).
+    """
+    import torch.nn.functional as F
+    from torchtitan.models.llama3.infra import parallelize as tt_parallelize
+
+    orig = F.scaled_dot_product_attention
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta" or attn_mask is not None or dropout_p:
+            return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        if enable_gqa and k.shape[-3] != q.shape[-3]:  # as SDPA's math path does it
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return op(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+    save_list = tt_parallelize._op_sac_save_list
+    added = op not in save_list
+    save_list.add(op)
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+        if added:
+            save_list.discard(op)
+
+
 def dry_run(cfg) -> dict:
     """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; returns the summary.
 
@@ -67,12 +111,13 @@ def dry_run(cfg) -> dict:
     with torch.device("meta"):
         model = Transformer(args)
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
-    tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
-    pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
-    shards = tpar.params
-    b, s = cfg.training.local_batch_size, cfg.training.seq_len
-    tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
-    traced = tpar.trace(model, loss_fn, tokens, tokens, pdtype)
+    with fused_attention_on_meta():  # (SAC's save list is bound when distribute_for_trace applies AC)
+        tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
+        pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
+        shards = tpar.params
+        b, s = cfg.training.local_batch_size, cfg.training.seq_len
+        tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
+        traced = tpar.trace(model, loss_fn, tokens, tokens, pdtype)
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)
@@ -88,7 +133,10 @@ def dry_run(cfg) -> dict:
         numerics_changing_optim=False,
         inductor_compilation="none",
     )
-    gm = run_passes(gm, traced.example_inputs, names)
+    gm = run_passes(
+        gm, traced.example_inputs, names,
+        sac_save_ops=[torch.ops.aten.mm.default] if cfg.compile.sac_save_matmuls else (),
+    )
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
     summary = {

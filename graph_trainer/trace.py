@@ -29,11 +29,12 @@ from typing import Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from torch.nn.utils.stateless import _reparametrize_module
 
-from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
+from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY, PHASE_KEY
 
 
 def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
@@ -58,15 +59,18 @@ def annotate_module_fqns(model: torch.nn.Module):
 
     Registers forward pre/post hooks that enter/leave
     ``torch.fx.traceback.annotate({"module_fqn": fqn})``; nested modules override
-    the outer FQN and restore it on exit. Hooks are removed on exit.
+    the outer FQN and restore it on exit. Hooks are removed on exit. Nodes inside an
+    activation-checkpointed module (a ``CheckpointWrapper``) also get
+    ``{"ac_region": its fqn}``: the block whose inputs checkpointing saves (used by
+    :func:`graph_trainer.passes.sac_recompute_pass`).
     """
     handles = []
     stacks: list[contextlib.ExitStack] = []
 
-    def make_pre(fqn):
+    def make_pre(annotation):
         def pre(_mod, _args):
             stack = contextlib.ExitStack()
-            stack.enter_context(fx_traceback.annotate({MODULE_FQN_KEY: fqn}))
+            stack.enter_context(fx_traceback.annotate(annotation))
             stacks.append(stack)
 
         return pre
@@ -78,7 +82,10 @@ def annotate_module_fqns(model: torch.nn.Module):
         if not fqn:
             continue
         clean = fqn.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-        handles.append(mod.register_forward_pre_hook(make_pre(clean)))
+        annotation = {MODULE_FQN_KEY: clean}
+        if isinstance(mod, CheckpointWrapper):  # nested annotations keep it (annotate merges)
+            annotation[AC_REGION_KEY] = clean
+        handles.append(mod.register_forward_pre_hook(make_pre(annotation)))
         handles.append(mod.register_forward_hook(post, always_call=True))
     try:
         yield

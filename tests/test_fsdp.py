@@ -117,6 +117,11 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert 14.5 < s["collectives"]["all_gather_into_tensor"]["bytes"] / 2**30 < 15.5
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
     assert s["nodes"] > 10000 and s["nodes_by_phase"]["backward"] > 1000
+    # attention traced as a fused op (the math path held 4 GiB of scores per layer: > 300 GiB),
+    # and op-level SAC really recomputes (sac_recompute): well under half of the traced peak
+    assert "sac_recompute" in s["graph_passes"]
+    assert s["peak_graph_bytes_traced"] / 2**30 < 120
+    assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
 
 
 def test_fake_backend_dry_run_8b_fsdp4_tp2():

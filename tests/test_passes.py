@@ -509,6 +509,7 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog):
     assert names == [
         "remove_dead_code",
         "remove_noop_views",
+        "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
         "annotate_rmsnorm_for_regional_inductor",
@@ -516,6 +517,7 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog):
     ]
     names.remove("overlap_collectives")  # no collectives on one rank; keeps file numbers below
     names.remove("reshard_after_forward")
+    names.remove("sac_recompute")  # no AC here (a no-op)
     with caplog.at_level(logging.INFO, logger="graph_trainer"):
         cgm = run_passes(gm, example_inputs, names, dump_folder=str(tmp_path))
     lines = [r.getMessage() for r in caplog.records if r.name == "graph_trainer" and "graph pass" in r.getMessage()]
@@ -547,7 +549,10 @@ def test_end_to_end_full_inductor_cpu():
     gm, example_inputs, inputs = _trace_step(model)
     ref = gm(*inputs)
     names = resolve_pass_names(passes=None, disable_passes=[], numerics_changing_optim=False, inductor_compilation="full")
-    assert names == ["remove_dead_code", "remove_noop_views", "reshard_after_forward", "overlap_collectives", "full_inductor"]
+    assert names == [
+        "remove_dead_code", "remove_noop_views", "sac_recompute", "reshard_after_forward", "overlap_collectives",
+        "full_inductor",
+    ]
     cgm = run_passes(gm, example_inputs, names)
     assert isinstance(cgm, torch.fx.GraphModule) and callable(cgm.compiled_fn)
     out = cgm(*inputs)  # same pytree calling convention as the traced graph
@@ -663,6 +668,7 @@ def test_registry_and_order():
     assert DEFAULT_ORDER == [
         "remove_dead_code",
         "remove_noop_views",
+        "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
         "annotate_flex_attention_for_regional_inductor",
@@ -679,19 +685,21 @@ def test_resolve_defaults():
     assert resolve_pass_names(**kw, numerics_changing_optim=False, inductor_compilation="none") == [
         "remove_dead_code",
         "remove_noop_views",
+        "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
     ]
     assert resolve_pass_names(**kw, numerics_changing_optim=False, inductor_compilation="regional") == [
         "remove_dead_code",
         "remove_noop_views",
+        "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
         "regional_inductor",
     ]
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", uses_flex_attention=True, cudagraphs=True
-    ) == DEFAULT_ORDER[:6] + ["regional_inductor", "cudagraph"]
+    ) == DEFAULT_ORDER[:7] + ["regional_inductor", "cudagraph"]
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", pointwise_regions=True
     )[-3:] == ["annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
@@ -716,7 +724,7 @@ def test_resolve_replace_and_disable():
         numerics_changing_optim=True,
         inductor_compilation="regional",
     )
-    assert names == ["remove_dead_code", "regional_inductor"]
+    assert names == ["remove_dead_code", "sac_recompute", "regional_inductor"]
 
 
 def test_resolve_errors():

@@ -26,9 +26,14 @@ def _train(tmp_path, name, *flags):
     return [r for r in rows if "summary" not in r], rows[-1]["summary"]
 
 
-def test_aot_fx_trace_matches_eager_bitwise(tmp_path):
-    """fp32, no compile passes: the traced graph computes exactly eager's losses."""
-    steps = ["--training.steps", "4"]
+@pytest.mark.parametrize(
+    "ac", [[], ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]],
+    ids=["no_ac", "op_sac"],
+)
+def test_aot_fx_trace_matches_eager_bitwise(tmp_path, ac):
+    """fp32, no compile passes: the traced graph computes exactly eager's losses (with
+    op-level SAC too: eager recomputes, the traced graph after sac_recompute as well)."""
+    steps = ["--training.steps", "4", *ac]
     eager, _ = _train(tmp_path, "eager", "--compile.mode", "eager", *steps)
     traced, summary = _train(
         tmp_path, "traced", "--compile.mode", "aot_fx_trace",

@@ -29,6 +29,7 @@ from graph_trainer.passes.regional_inductor import propose_region_partitions, re
 from graph_trainer.passes.reshard_after_forward import reshard_after_forward_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
+from graph_trainer.passes.sac_recompute import sac_recompute_pass
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -51,6 +52,7 @@ __all__ = [
     "reshard_after_forward_pass",
     "remove_noop_views_pass",
     "resolve_pass_names",
+    "sac_recompute_pass",
     "run_passes",
     "validate_inductor_configs",
 ]

@@ -3,6 +3,7 @@
 Order (:data:`DEFAULT_ORDER`, the only place it is defined)::
 
     remove_dead_code -> remove_noop_views
+      -> sac_recompute                                   (memory policy; op-level selective AC only)
       -> reshard_after_forward                           (memory policy; FSDP only)
       -> overlap_collectives                             (no-op without collectives)
       -> annotate_flex_attention_for_regional_inductor   (if flex attention is used)
@@ -35,6 +36,7 @@ from graph_trainer.passes.full_inductor import full_inductor_pass
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import regional_inductor_pass
 from graph_trainer.passes.reshard_after_forward import reshard_after_forward_pass
+from graph_trainer.passes.sac_recompute import sac_recompute_pass
 from graph_trainer.passes.remove_dead_code import remove_dead_code_pass
 from graph_trainer.passes.remove_noop_views import remove_noop_views_pass
 
@@ -42,6 +44,7 @@ logger = logging.getLogger("graph_trainer")
 
 REMOVE_DEAD_CODE = "remove_dead_code"
 REMOVE_NOOP_VIEWS = "remove_noop_views"
+SAC_RECOMPUTE = "sac_recompute"
 OVERLAP_COLLECTIVES = "overlap_collectives"
 RESHARD_AFTER_FORWARD = "reshard_after_forward"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
@@ -56,6 +59,7 @@ PASSES: dict[str, Callable[..., Any]] = {
     REMOVE_DEAD_CODE: remove_dead_code_pass,
     REMOVE_NOOP_VIEWS: remove_noop_views_pass,
     # memory-policy passes
+    SAC_RECOMPUTE: sac_recompute_pass,
     RESHARD_AFTER_FORWARD: reshard_after_forward_pass,
     OVERLAP_COLLECTIVES: overlap_collectives_pass,
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
@@ -107,6 +111,7 @@ def resolve_pass_names(
     """The list of pass names to run, in :data:`DEFAULT_ORDER`.
 
     ``passes=None`` derives the list from the flags: the cleanup passes,
+    ``sac_recompute`` (a no-op without op-level selective AC),
     ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs without
     FSDP / collectives), the
     FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
@@ -130,7 +135,7 @@ def resolve_pass_names(
             f"got {inductor_compilation!r}"
         )
     if passes is None:
-        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
+        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, SAC_RECOMPUTE, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
         if uses_flex_attention:
             names.append(ANNOTATE_FLEX_ATTENTION)
         if pointwise_regions and not numerics_changing_optim:
@@ -201,6 +206,7 @@ def run_passes(
     *,
     rmsnorm_inductor_configs: dict[str, Any] | None = None,
     rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
+    sac_save_ops: Iterable[Any] = (),
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -210,7 +216,8 @@ def run_passes(
     ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one
     ``NN_<pass>.py`` per pass (readable code of the graph after it) and
     ``summary.json`` (per pass: time, node counts, summary, stats, op counts
-    per target; rewritten after each pass).
+    per target; rewritten after each pass). ``sac_save_ops``: ops that
+    ``sac_recompute`` keeps even where selective AC tagged them for recompute.
     """
     names = [canonical_pass_name(n) for n in names]
     graphs_dir = None
@@ -228,6 +235,8 @@ def run_passes(
         kwargs = {}
         if name == ANNOTATE_RMSNORM:
             kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
+        elif name == SAC_RECOMPUTE and sac_save_ops:
+            kwargs = {"save_ops": sac_save_ops}
         t0 = time.perf_counter()
         gm = fn(gm, example_inputs, **kwargs)
         elapsed = time.perf_counter() - t0

@@ -26,10 +26,11 @@ fi
 # (issue 6, another call) NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml timeout 560 python3 scripts/compare_mfu.py \
 #     --a-flags "" --b-flags "--compile.numerics_changing_optim" --repeats 2 --steps 12 --run-timeout 130 --out $OUT/cmp8b
 # RUNS="traced:100:;full:200:--compile.inductor_compilation full;pointwise:140:--compile.numerics_changing_optim --compile.pointwise_regions;jit:130:--compile.mode jit" bash scripts/gpu/h200x2.sh
-# most important first; timeouts sum to 550 s (the device's per-call limit is 600 s)
-run traced 110                                                   # default pipeline (reshard + overlap)
+# most important first; timeouts sum to 540 s (the device's per-call limit is 600 s)
+# (2026-11-22: op SAC did nothing in traced runs before sac_recompute -- docs/perf.md)
+run traced 110                                                   # default pipeline (sac_recompute, reshard, overlap)
 run jit 130 --compile.mode jit                                   # torchtitan torch.compile FSDP2
-run eager 110 --compile.mode eager
-run traced_no_overlap 100 --compile.disable_passes overlap_collectives
-run traced_no_reshard 100 --compile.disable_passes reshard_after_forward
+run traced_no_sac 100 --compile.disable_passes sac_recompute     # the old traced runs: no AC in effect
+run traced_save_mm 100 --compile.sac_save_matmuls                # recompute only the non-matmul ops
+run eager 100 --compile.mode eager
 tail -5 /tmp/traced.log > "$OUT/traced_tail.txt"; grep -h "graph pass" /tmp/traced.log >> "$OUT/traced_tail.txt"
