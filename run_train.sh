@@ -50,6 +50,11 @@ if (( VISIBLE_GPUS > 0 && NGPU > VISIBLE_GPUS )); then
 fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# As torchtitan's run_train.sh: the CUDA caching allocator with expandable segments (less
+# fragmentation; peak *reserved* memory, which metrics report, drops). Unless the caller set one.
+if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
+    export PYTORCH_ALLOC_CONF="expandable_segments:True"
+fi
 # Validate the command line once, before any process or model is started.
 if [[ " $* " != *" --help "* && " $* " != *" -h "* ]]; then
     if ! err=$(python3 -m graph_trainer.config --job.config_file "$CONFIG_FILE" "$@" 2>&1 >/dev/null); then
