@@ -65,6 +65,7 @@ def test_op_sac_recomputes_in_backward_and_keeps_numerics_bitwise(tmp_path):
     # backward needs wk, wo and w3 again (w2's output only feeds the saved residual add)
     assert stats["recomputed_mm"] == 3 * N_LAYERS == _n_mm(gm) - _n_mm(gm_none)
     assert all(phase_of(c) == "backward" for c in copies)
+    assert not any("recompute" in n.meta for n in gm.graph.nodes)  # consumed: compile_fx must not remat again
     # only ops inside a checkpointed block; recursion never crosses a block boundary
     assert all(custom_meta(c).get(AC_REGION_KEY) for c in copies)
     assert not any(custom_meta(c).get(MODULE_FQN_KEY) in (None, "norm", "output") for c in copies)
@@ -135,3 +136,19 @@ def test_save_matmuls_recomputes_only_the_cheap_ops(tmp_path):
     with torch.no_grad():
         out = gm(*flat)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
+    """With sac_recompute disabled the tags are still there; full_inductor drops them, so
+    torch >= 2.12's own remat inside compile_fx does not run: it rejected this graph (the
+    CPU flash-attention op is tagged for recompute and counts as a random op)."""
+    from test_train import _train
+
+    # a cached compile of the same graph would skip compile_fx's remat (the tags are not in the key)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
+             "--training.steps", "2", "--compile.inductor_compilation", "full"]
+    off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
+    on, _ = _train(tmp_path, "on", *flags)
+    assert [r["loss"] for r in off] == pytest.approx([r["loss"] for r in on], rel=1e-5)

@@ -53,8 +53,10 @@ def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.f
     Stats: ``compile_s``, ``nodes_compiled``.
     """
     from graph_trainer.passes.overlap_collectives import strip_holds
+    from graph_trainer.passes.sac_recompute import strip_recompute_tags
 
     strip_holds(gm)  # keep-alive identities of overlap_collectives (CPU): Inductor owns lifetimes
+    strip_recompute_tags(gm.graph)  # AC recompute is sac_recompute's job, not compile_fx's (torch >= 2.12)
     fake_inputs = fake_inputs_for(gm, example_inputs)
     fake_mode = detect_graph_fake_mode(gm, example_inputs)
     flat_gm, out_leaves, out_spec = _flat_copy(gm)

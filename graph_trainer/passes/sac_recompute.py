@@ -27,7 +27,13 @@ carry it). The forward node then dies after its last forward use. Copies are in 
 annotation passes treat them as recomputed forward ops. Not recomputed even when
 tagged: ops that mutate an input, random ops, and collectives. Numerics: the copies run
 the same ops on the same inputs, so every value equals the forward's bit for bit, and
-the step equals eager op-level SAC (which recomputes the same ops).
+the step equals eager op-level SAC (which recomputes the same ops). Afterwards the tags
+are removed from every node (:func:`strip_recompute_tags`).
+
+torch >= 2.12 has the same idea upstream for Inductor-compiled forward-loss-backward graphs
+(``remat_using_tags_for_fwd_loss_bwd_graph``, run inside ``compile_fx``); torch 2.11, the GPU
+machines' version, does not, and regional / uncompiled graphs never reach it: this pass does
+it for every torch version and compilation mode.
 """
 
 from __future__ import annotations
@@ -127,6 +133,21 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]  # fmt: skip
 
 
+def strip_recompute_tags(graph: torch.fx.Graph) -> int:
+    """Delete ``meta["recompute"]`` / ``meta["ac_graph_id"]`` from every node; returns how
+    many nodes had a tag. Once consumed they must go: torch >= 2.12's ``compile_fx`` runs
+    its own remat on tagged forward-loss-backward graphs
+    (``torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph``),
+    which would recompute a second time (and rejects graphs whose tagged ops it cannot
+    replay)."""
+    n = 0
+    for node in graph.nodes:
+        had = node.meta.pop("recompute", None) is not None
+        node.meta.pop("ac_graph_id", None)
+        n += had
+    return n
+
+
 def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=()) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
@@ -167,6 +188,7 @@ def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(
             copy_of(a, user)
         user.args = torch.fx.node.map_arg(user.args, lambda a: copies.get(a, a))
         user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: copies.get(a, a))
+    n_tags = strip_recompute_tags(graph)
     if copies:
         graph.lint()
         gm.recompile()
@@ -179,6 +201,7 @@ def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(
         f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
         if copies else "nothing tagged for recompute (no op-level selective AC)",
         recomputed=len(copies),
+        tags_removed=n_tags,
         recomputed_mm=n_mm,
         saved_bytes_before=saved_before,
         saved_bytes_after=saved_after,
