@@ -140,3 +140,29 @@ def test_fake_backend_dry_run_8b_fsdp4_tp2():
     assert c["reduce_scatter_tensor"]["count"] >= n_params + 2 * 32
     assert c["all_reduce"]["count"] >= 2 * 32 + 1  # norm-weight gradients (replicated under TP)
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+
+
+def test_fused_attention_on_meta_traces_one_op_and_restores_sdpa():
+    """The dry run's attention: a fused op (no [seq, seq] scores) saved by SAC, GQA heads
+    repeated; SDPA and torchtitan's save list are restored afterwards."""
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+    from graph_trainer.dry_run import fused_attention_on_meta
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    orig, saved = F.scaled_dot_product_attention, set(_op_sac_save_list)
+    q = torch.empty(1, 4, 64, 16, device="meta")
+    kv = torch.empty(1, 2, 64, 16, device="meta")
+
+    def attn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with fused_attention_on_meta():
+        assert op in _op_sac_save_list
+        g = make_fx(attn)(q, kv, kv)
+    targets = [n.target for n in g.graph.nodes if n.op == "call_function"]
+    assert op in targets and not any("softmax" in str(t) for t in targets)
+    assert F.scaled_dot_product_attention is orig and set(_op_sac_save_list) == saved
+    assert any("softmax" in str(n.target) for n in make_fx(attn)(q, kv, kv).graph.nodes)  # math path outside
