@@ -135,7 +135,7 @@ def dry_run(cfg) -> dict:
     )
     gm = run_passes(
         gm, traced.example_inputs, names,
-        sac_save_ops=[torch.ops.aten.mm.default] if cfg.compile.sac_save_matmuls else (),
+        sac_save_matmuls=cfg.compile.sac_save_matmuls,
     )
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)

@@ -257,7 +257,7 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         pass_names,
         rmsnorm_inductor_configs=cfg.compile.rmsnorm_inductor_configs or None,
         rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if cfg.compile.rmsnorm_tune else None,
-        sac_save_ops=[torch.ops.aten.mm.default] if cfg.compile.sac_save_matmuls else (),
+        sac_save_matmuls=cfg.compile.sac_save_matmuls,
         dump_folder=dump,
     )
     compile_s = time.perf_counter() - t0

@@ -206,7 +206,7 @@ def run_passes(
     *,
     rmsnorm_inductor_configs: dict[str, Any] | None = None,
     rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
-    sac_save_ops: Iterable[Any] = (),
+    sac_save_matmuls: bool = False,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -216,8 +216,8 @@ def run_passes(
     ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one
     ``NN_<pass>.py`` per pass (readable code of the graph after it) and
     ``summary.json`` (per pass: time, node counts, summary, stats, op counts
-    per target; rewritten after each pass). ``sac_save_ops``: ops that
-    ``sac_recompute`` keeps even where selective AC tagged them for recompute.
+    per target; rewritten after each pass). ``sac_save_matmuls``: ``sac_recompute``
+    keeps every ``aten.mm`` output even where selective AC tagged it for recompute.
     """
     names = [canonical_pass_name(n) for n in names]
     graphs_dir = None
@@ -235,8 +235,8 @@ def run_passes(
         kwargs = {}
         if name == ANNOTATE_RMSNORM:
             kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
-        elif name == SAC_RECOMPUTE and sac_save_ops:
-            kwargs = {"save_ops": sac_save_ops}
+        elif name == SAC_RECOMPUTE and sac_save_matmuls:
+            kwargs = {"save_ops": [torch.ops.aten.mm.default]}
         t0 = time.perf_counter()
         gm = fn(gm, example_inputs, **kwargs)
         elapsed = time.perf_counter() - t0

@@ -46,7 +46,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
-from graph_trainer.passes._common import custom_meta, phase_of, set_pass_summary
+from graph_trainer.passes._common import custom_meta, is_collective, phase_of, set_pass_summary
+from graph_trainer.passes.memory_estimate import _storages
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
 
@@ -76,14 +77,12 @@ def _is_recomputable(node: torch.fx.Node, policies, save_ops=frozenset()) -> boo
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    return target.namespace not in ("_c10d_functional", "c10d_functional", "_dtensor")
+    return not is_collective(node)
 
 
 def _saved_bytes(graph: torch.fx.Graph) -> int:
     """Bytes of the distinct storages (not views, not graph inputs) that the forward
     nodes used by the backward hold."""
-    from graph_trainer.passes.memory_estimate import _storages
-
     inputs = {ref for n in graph.nodes if n.op == "placeholder" for ref, _ in _storages(n.meta.get("val"))}
     seen: dict = {}
     for n in saved_for_backward(graph):
@@ -94,12 +93,8 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    try:
-        return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
-    except Exception:  # tensor subclasses without storage
-        return False
+    sa, sb = _storages(a), _storages(b)  # empty for tensor subclasses without storage
+    return bool(sa and sb) and sa[0][0] == sb[0][0]
 
 
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
