@@ -308,6 +308,24 @@ def test_candidate_configs_timed_and_fastest_kept(fastest):
     _assert_close([out, gi, gw], [ref, *torch.autograd.grad(o0, [xr, wr], go)])
 
 
+@pytest.mark.parametrize("candidate_ms,chosen", [(0.99, 0), (0.97, 1)])
+def test_candidate_must_beat_defaults_by_the_guard_margin(candidate_ms, chosen):
+    """A candidate 1 % faster than Inductor's defaults is noise (defaults kept); 3 % wins."""
+    from graph_trainer.passes.regional_inductor import MIN_CANDIDATE_GAIN
+
+    assert 0.01 < MIN_CANDIDATE_GAIN < 0.03
+    gm, fakes = _timed_fused_graph(n_norms=1, candidates=[{"max_autotune_gemm": False}])
+    calls = []
+
+    def timer(fn, inputs):
+        calls.append(fn)
+        return 1.0 if len(calls) % 2 else candidate_ms
+
+    gm = regional_inductor_pass(gm, fakes, select_candidates=True, timer=timer)
+    sel = gm.meta["graph_trainer_pass_stats"]["selections"]
+    assert sel and all(s["chosen"] == chosen for s in sel)
+
+
 def test_candidates_not_timed_on_cpu_by_default():
     gm, fakes = _timed_fused_graph(n_norms=2, candidates=[{"max_autotune_gemm": False}])
 

@@ -93,13 +93,22 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: Config sets that ``regional_inductor_pass`` also tries for every *distinct* RMSNorm
 #: region (same ops and input shapes) when asked to tune (``--compile.rmsnorm_tune``):
 #: each candidate is compiled, all variants are timed on CUDA on random inputs of the
-#: region's shapes, and the fastest is kept -- never slower than Inductor's defaults
-#: (up to timing noise). Off by default because of its compile cost: measured
-#: 2026-11-22 (docs/perf.md), compiling the coordinate-descent RMSNorm regions of a
-#: Llama3 1B/8B step took over a minute, while tuning saved 0.004 ms per forward norm
-#: on Llama3 8B (0.043 -> 0.038 ms, ~0.3 ms of a 900 ms step).
+#: region's shapes, and a candidate is kept only when it beats Inductor's defaults by
+#: more than ``regional_inductor.MIN_CANDIDATE_GAIN`` (the regression guard).
+#:
+#: The candidates are the split size of Inductor's mix-order reduction (the norm
+#: backward's ``dx`` row reduction fused with its ``dw`` column reduction). Inductor
+#: picks ``last_power_of_2(M / (8 * SMs))`` clamped to [16, 128] rows per split
+#: (torch 2.11 and 2.13, ``SIMDScheduling._codegen_mix_order_reduction``): 16 rows for
+#: M = 32768 on an H100, so the fp32 partial ``dw`` sums it writes and reads back are
+#: 2 * (M / 16) * N * 4 bytes = 5 % of the 10*M*N bytes the norm must move. Larger splits
+#: shrink that traffic at the cost of fewer blocks. Each candidate compiles in seconds;
+#: coordinate descent (``coordinate_descent_tuning``, which also tunes the split size,
+#: but times only the first of the two kernels) took 172 s per shape (docs/perf.md).
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
-    {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True},
+    {"triton.mix_order_reduction_split_size": 32},
+    {"triton.mix_order_reduction_split_size": 64},
+    {"triton.mix_order_reduction_split_size": 128},
 ]
 
 _PHASES = ("forward", "backward")
