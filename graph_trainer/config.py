@@ -64,10 +64,13 @@ class Compile:
     """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
     Empty: the measured default (graph_trainer.passes.annotate_rmsnorm)."""
 
-    rmsnorm_tune: bool = False
-    """Also compile each distinct RMSNorm region with coordinate-descent tuning, time both
-    on CUDA and keep the faster (DEFAULT_RMSNORM_CANDIDATE_CONFIGS). Costs a minute or
-    more of compile on Llama3 1B/8B for ~0.3 ms/step (docs/perf.md); no effect on CPU."""
+    rmsnorm_tune: bool = True
+    """RMSNorm regions (--compile.numerics_changing_optim): also compile each distinct
+    region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS (the norm backward's mix-order
+    reduction split size), time all on CUDA and keep a candidate only when it beats
+    Inductor's defaults by 2 %. About a second of compile per candidate and distinct region;
+    88 -> 92-94 % of copy bandwidth on an H100 (docs/perf.md). No effect on CPU, and off
+    with --debug.deterministic (the pick depends on timings)."""
 
     dump_graphs: bool = False
     """Write the graph before the first pass and after each pass to <dump_folder>/graphs/."""

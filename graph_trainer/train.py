@@ -251,12 +251,15 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
     )
     t0 = time.perf_counter()
     dump = os.path.join(cfg.job.dump_folder) if cfg.compile.dump_graphs else None
+    tune = cfg.compile.rmsnorm_tune and not cfg.debug.deterministic
+    if cfg.compile.rmsnorm_tune and cfg.debug.deterministic and any("rmsnorm" in n for n in pass_names):
+        logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
     traced.gm = run_passes(
         gm,
         traced.example_inputs,
         pass_names,
         rmsnorm_inductor_configs=cfg.compile.rmsnorm_inductor_configs or None,
-        rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if cfg.compile.rmsnorm_tune else None,
+        rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None,
         sac_save_matmuls=cfg.compile.sac_save_matmuls,
         dump_folder=dump,
     )

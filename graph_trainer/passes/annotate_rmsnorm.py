@@ -91,7 +91,8 @@ aten = torch.ops.aten
 DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 
 #: Config sets that ``regional_inductor_pass`` also tries for every *distinct* RMSNorm
-#: region (same ops and input shapes) when asked to tune (``--compile.rmsnorm_tune``):
+#: region (same ops and input shapes) when tuning (``--compile.rmsnorm_tune``, the default;
+#: off with ``--debug.deterministic``, since the pick depends on timings):
 #: each candidate is compiled, all variants are timed on CUDA on random inputs of the
 #: region's shapes, and a candidate is kept only when it beats Inductor's defaults by
 #: more than ``regional_inductor.MIN_CANDIDATE_GAIN`` (the regression guard).
@@ -102,13 +103,19 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: (torch 2.11 and 2.13, ``SIMDScheduling._codegen_mix_order_reduction``): 16 rows for
 #: M = 32768 on an H100, so the fp32 partial ``dw`` sums it writes and reads back are
 #: 2 * (M / 16) * N * 4 bytes = 5 % of the 10*M*N bytes the norm must move. Larger splits
-#: shrink that traffic at the cost of fewer blocks. Each candidate compiles in seconds;
-#: coordinate descent (``coordinate_descent_tuning``, which also tunes the split size,
-#: but times only the first of the two kernels) took 172 s per shape (docs/perf.md).
+#: shrink that traffic at the cost of fewer blocks. Measured on an H100 (docs/perf.md,
+#: 2026-11-23), fwd+bwd % of copy bandwidth, defaults / 32 / 64 / 128 rows / Inductor's own
+#: split-size autotuning: 32768x4096 88 / 90 / 85 / 94 / 90; 16384x8192 84 / 85 / 94 / **9** /
+#: 94; 65536x2048 89 / 89 / 92 / 92 / 93. No fixed size wins everywhere and one is 10x
+#: slower, hence timed per region with a guard rather than a new fixed default. Each
+#: candidate compiles in about a second; coordinate descent
+#: (``coordinate_descent_tuning``) took 172 s per shape for 92 %.
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction_split_size": 32},
     {"triton.mix_order_reduction_split_size": 64},
     {"triton.mix_order_reduction_split_size": 128},
+    {"triton.mix_order_reduction_split_size": 256},
+    {"triton.mix_order_reduction_autotune_split_size": True},
 ]
 
 _PHASES = ("forward", "backward")
