@@ -71,6 +71,8 @@ def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = F
 def _one_sha256(t) -> bytes:
     if t is None:
         return b"none"
+    if hasattr(t, "to_local"):  # DTensor (eager FSDP2 / TP): this rank's shard, no collective
+        t = t.to_local()
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     t = t.detach().reshape(-1).contiguous().cpu()
     if t.numel():
@@ -96,7 +98,8 @@ def tensor_sha256(tensors, threads: int = 8) -> str:
 def state_hashes(params, optimizer_states, group=None) -> dict[str, str]:
     """``{"weights", "grads", "optimizer"}`` sha256 digests of this run's final state.
 
-    ``params``: the trained tensors (FSDP: the local shards); ``optimizer_states``:
+    ``params``: the trained tensors (FSDP: the local shards; DTensors, as eager FSDP2 and TP
+    hold them, are hashed through ``to_local()``); ``optimizer_states``:
     the optimizer tensors (AdamW ``exp_avg`` / ``exp_avg_sq`` / ``step``) in a fixed
     order. With several ranks each rank hashes its own part and the result is the
     sha256 of the per-rank digests in rank order (same on every rank): equal layouts
