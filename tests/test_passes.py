@@ -296,6 +296,8 @@ def test_candidate_configs_timed_and_fastest_kept(fastest):
     assert len(sel) == 3 and stats["distinct_compiles"] == 6 and len(calls) == 6
     assert all(s["chosen"] == fastest and s["ms"][fastest] == 1.0 for s in sel)
     assert all(s["configs"] == [{}, cands[0]] for s in sel)
+    # each selection is named after its own region (not after a producer of an input)
+    assert sorted(s["region"] for s in sel) == ["rmsnorm_backward_0", "rmsnorm_forward_0", "rmsnorm_forward_1"]
     # the kept artifact computes the same thing as the reference
     torch.manual_seed(0)
     x, w, go = torch.randn(4, 8, D), torch.randn(D), torch.randn(4, 8, D)

@@ -151,8 +151,14 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
 
 
 def _annotation(gm: torch.fx.GraphModule) -> dict:
-    """The ``compile_with_inductor`` dict of the first annotated node of a region."""
+    """The ``compile_with_inductor`` dict of the first annotated op of a region.
+
+    Placeholders are skipped: they can carry the metadata of the node that produced the
+    value in the outer graph (the ``rstd`` getitem of a forward norm feeding a backward
+    region), which would name the wrong region."""
     for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
         cwi = custom_meta(n).get(COMPILE_WITH_INDUCTOR_KEY)
         if isinstance(cwi, dict):
             return cwi
