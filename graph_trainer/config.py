@@ -264,6 +264,12 @@ def validate(cfg) -> None:
         raise _choice_error("--model.flavor", cfg.model.flavor, sorted(llama3_args))
     if cfg.training.steps < 1:
         raise UserError(f"--training.steps must be >= 1, got {cfg.training.steps}.")
+    prof = cfg.profiling
+    if prof.enable_profiling and prof.profile_freq < prof.profiler_warmup + prof.profiler_active:
+        raise UserError(
+            f"--profiling.profile_freq ({prof.profile_freq}) must be >= --profiling.profiler_warmup "
+            f"({prof.profiler_warmup}) + --profiling.profiler_active ({prof.profiler_active})."
+        )
 
 
 def _check_main(argv: list[str]) -> int:

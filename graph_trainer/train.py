@@ -180,6 +180,9 @@ def train(cfg) -> dict:
         extra["resumed_from_step"] = start_step
     data_iter = iter(dataloader)
     loss = None
+    from graph_trainer.profiling import maybe_start_profiler
+
+    profiler = maybe_start_profiler(cfg.profiling, cfg.job.dump_folder, rank, start_step)
     for step in range(start_step + 1, cfg.training.steps + 1):
         t_data = time.perf_counter()
         input_dict, labels = next(data_iter)
@@ -223,6 +226,10 @@ def train(cfg) -> dict:
             lr = lr_schedulers.schedulers[0].get_last_lr()[0]
             metrics.log(step, loss_val, float(grad_norm), lr)
         checkpointer.save(step, last_step=last)
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
     checkpointer.close()
     if cfg.debug.state_hashes:
         from graph_trainer.determinism import optimizer_tensors, state_hashes

@@ -64,6 +64,7 @@ def test_metrics_jsonl_fields(tmp_path):
         (["--compile.mode", "fast"], "Valid values: eager, jit, aot_fx_trace"),
         (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
         (["--compile.inductor_compilation", "partial"], "regional, full, none"),
+        (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
     ],
 )
 def test_bad_config_is_rejected(flags, needle):

@@ -12,6 +12,9 @@ run() {  # name, timeout, flags...  (RUNS="name:timeout:flags;..." overrides the
     timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
     rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback"; } >> "$OUT/failed_tails.txt"
     { echo "### $name"; cat "/tmp/r_$name/metrics.jsonl" 2>/dev/null; } >> "$OUT/metrics_all.txt"
+    for k in /tmp/r_$name/profile_traces/iteration_*/rank0_kernels.md; do  # --profiling.enable_profiling
+        [ -f "$k" ] && { echo "### $name ($k)"; cat "$k"; } >> "$OUT/kernels_all.md"
+    done
     echo "== $name rc=$rc $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
 import json,sys
 for l in sys.stdin:
@@ -26,11 +29,13 @@ fi
 # (issue 6, another call) NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml timeout 560 python3 scripts/compare_mfu.py \
 #     --a-flags "" --b-flags "--compile.numerics_changing_optim" --repeats 2 --steps 12 --run-timeout 130 --out $OUT/cmp8b
 # RUNS="traced:100:;full:200:--compile.inductor_compilation full;pointwise:140:--compile.numerics_changing_optim --compile.pointwise_regions;jit:130:--compile.mode jit" bash scripts/gpu/h200x2.sh
-# most important first; timeouts sum to 540 s (the device's per-call limit is 600 s)
-# (2026-11-22: op SAC did nothing in traced runs before sac_recompute -- docs/perf.md)
-run traced 110                                                   # default pipeline (sac_recompute, reshard, overlap)
-run jit 130 --compile.mode jit                                   # torchtitan torch.compile FSDP2
-run traced_no_sac 100 --compile.disable_passes sac_recompute     # the old traced runs: no AC in effect
-run traced_save_mm 100 --compile.sac_save_matmuls                # recompute only the non-matmul ops
-run eager 100 --compile.mode eager
+# (2026-11-23, docs/perf.md: traced under op SAC is 0.96x jit, full-graph Inductor 0.957x; measured
+#  with: traced, jit, traced_no_sac, traced_save_mm, eager; then sac_full, save_mm_full, save_mm_rms, fullac.)
+# pending: where the traced step loses 4 % to jit under the same SAC -- kernel time by category,
+# one profiled step (step 10) per run, summaries appended to $OUT/kernels_all.md.
+P="--profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 2 --profiling.profiler_active 1"
+run jit 130 --compile.mode jit $P
+run traced_full 170 --compile.inductor_compilation full $P       # same SAC, everything compiled
+run traced 110 $P                                                # default pipeline (regional)
+run traced_no_sac 100 --compile.disable_passes sac_recompute $P  # no recompute: the matmul share it adds
 tail -5 /tmp/traced.log > "$OUT/traced_tail.txt"; grep -h "graph pass" /tmp/traced.log >> "$OUT/traced_tail.txt"

@@ -1,0 +1,187 @@
+"""``--profiling.enable_profiling``: torch.profiler traces plus a kernel-time summary.
+
+torchtitan's ``[profiling]`` fields are used as torchtitan's Trainer uses them
+(``profile_freq``, ``profiler_warmup``, ``profiler_active``, ``save_traces_folder``): every
+``profile_freq`` steps the profiler records ``profiler_active`` steps after
+``profiler_warmup`` warm-up steps. (torchtitan 0.2.2's ``maybe_enable_profiling`` calls
+``torch.distributed.get_rank()``, which fails on one GPU without a process group, so the
+schedule is rebuilt here with the same fields.)
+
+For each recorded window this writes, under
+``<dump_folder>/<save_traces_folder>/iteration_<step>/``:
+
+* ``rank<r>_trace.json``: the Chrome trace (Perfetto / chrome://tracing), as torchtitan;
+* ``rank<r>_kernels.md`` and ``rank<r>_kernels.json``: device time per step by kernel
+  category (matmul, attention, communication, Inductor Triton, eager ATen pointwise /
+  reduction, copy, other) and the top kernels, so two runs (``jit`` vs ``aot_fx_trace``,
+  a pass on vs off) can be compared without opening a trace. The table is also logged.
+
+On CPU (no CUDA) the summary counts CPU time of ATen ops instead of kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("graph_trainer")
+
+#: (category, regex over the kernel name), first match wins. Order matters: NCCL and
+#: attention kernels are matched before the generic GEMM / Triton patterns.
+KERNEL_CATEGORIES: list[tuple[str, re.Pattern]] = [
+    ("communication", re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d", re.I)),
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(?:tensorop|mma)|aten::mm|aten::addmm|aten::bmm", re.I)),
+    ("inductor triton", re.compile(r"^triton_|triton", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|CatArrayBatched|aten::_to_copy|aten::copy_", re.I)),
+    ("view / metadata (CPU)", re.compile(
+        r"^aten::(t|view|_unsafe_view|as_strided|reshape|expand|permute|transpose|detach|slice|select|"
+        r"unsqueeze|squeeze|split|split_with_sizes|alias|empty|empty_strided|resize_)$")),
+    ("eager pointwise / reduction", re.compile(r"elementwise|vectorized|reduce_kernel|unrolled|aten::", re.I)),
+]
+
+
+def kernel_category(name: str) -> str:
+    """Category of a kernel (or, on CPU, ATen op) name; ``"other"`` when nothing matches."""
+    for cat, pattern in KERNEL_CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int = 15) -> dict[str, Any]:
+    """Aggregate ``(name, self_time_us, calls)`` rows into per-step milliseconds.
+
+    Args:
+        events: one row per kernel name (device time, or CPU time on CPU), microseconds,
+            summed over the recorded window; ``calls`` = number of launches.
+        steps: steps in the window (>= 1); every time is divided by it.
+        top: how many kernels to list.
+
+    Returns:
+        ``{"steps", "total_ms", "categories": {cat: {"ms", "share", "calls"}},
+        "top": [{"name", "category", "ms", "calls"}]}`` (ms per step; ``share`` of
+        ``total_ms``, the summed kernel time, which counts overlapping streams twice).
+    """
+    steps = max(1, int(steps))
+    cats: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
+    rows = []
+    for name, us, calls in events:
+        if us <= 0:
+            continue
+        cat = kernel_category(name)
+        ms = us / 1e3 / steps
+        cats[cat]["ms"] += ms
+        cats[cat]["calls"] += calls / steps
+        rows.append({"name": name, "category": cat, "ms": ms, "calls": calls / steps})
+    total = sum(c["ms"] for c in cats.values())
+    categories = {
+        k: {"ms": v["ms"], "share": v["ms"] / total if total else 0.0, "calls": v["calls"]}
+        for k, v in sorted(cats.items(), key=lambda kv: -kv[1]["ms"])
+    }
+    rows.sort(key=lambda r: -r["ms"])
+    return {"steps": steps, "total_ms": total, "categories": categories, "top": rows[:top]}
+
+
+def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
+    """The summary of :func:`summarize_events` as two markdown tables."""
+    lines = [
+        f"{unit} time per step, {summary['steps']} recorded step(s); total {summary['total_ms']:.2f} ms "
+        "(self time summed over kernels / ops: work on overlapping streams counts twice)",
+        "",
+        "| category | ms/step | share | launches/step |",
+        "|---|---:|---:|---:|",
+    ]
+    for cat, c in summary["categories"].items():
+        lines.append(f"| {cat} | {c['ms']:.2f} | {100 * c['share']:.1f} % | {c['calls']:.0f} |")
+    lines += ["", "| top kernel | category | ms/step | launches/step |", "|---|---|---:|---:|"]
+    for r in summary["top"]:
+        name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
+        lines.append(f"| `{name}` | {r['category']} | {r['ms']:.3f} | {r['calls']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
+    on_device = torch.cuda.is_available()
+    out = []
+    for evt in prof.key_averages():
+        if on_device:
+            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:  # older torch
+                us = evt.self_cuda_time_total
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            us = evt.self_cpu_time_total
+        out.append((evt.key, float(us), int(evt.count)))
+    return out, ("device" if on_device else "CPU")
+
+
+class StepProfiler:
+    """torch.profiler on torchtitan's schedule; call :meth:`step` after every train step
+    and :meth:`stop` at the end. Created by :func:`maybe_start_profiler`."""
+
+    def __init__(self, cfg, dump_folder: str, rank: int, start_step: int = 0):
+        self.trace_dir = os.path.join(dump_folder, cfg.save_traces_folder)
+        self.rank = rank
+        self.active = cfg.profiler_active
+        wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
+        if wait < 0:  # graph_trainer.config.validate rejects this at start-up
+            raise ValueError("profile_freq must be >= profiler_warmup + profiler_active")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.summaries: list[dict[str, Any]] = []
+        self.prof = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
+            on_trace_ready=self._ready,
+            record_shapes=True,
+        )
+        self.prof.start()
+        self.prof.step_num = start_step
+        logger.info(f"Profiling every {cfg.profile_freq} steps; traces and kernel summaries in {self.trace_dir}")
+
+    def _ready(self, prof) -> None:
+        folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
+        events, unit = _events_of(prof)
+        summary = summarize_events(events, self.active)
+        if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
+            return
+        summary.update(step=prof.step_num, rank=self.rank, unit=unit)
+        self.summaries.append(summary)
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
+        md = summary_markdown(summary, unit)
+        with open(os.path.join(folder, f"rank{self.rank}_kernels.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(folder, f"rank{self.rank}_kernels.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        if self.rank == 0:
+            logger.info(f"profile at step {prof.step_num} ({folder}):\n{md}")
+
+    def step(self) -> None:
+        self.prof.step()
+
+    def stop(self) -> None:
+        self.prof.stop()
+
+
+def maybe_start_profiler(cfg, dump_folder: str, rank: int, start_step: int = 0) -> StepProfiler | None:
+    """A started :class:`StepProfiler` when ``cfg.enable_profiling`` (torchtitan's
+    ``[profiling]`` section), else ``None``.
+
+    Raises:
+        ValueError: ``profile_freq < profiler_warmup + profiler_active``.
+    """
+    if not cfg.enable_profiling:
+        return None
+    return StepProfiler(cfg, dump_folder, rank, start_step)

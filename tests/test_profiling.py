@@ -1,0 +1,61 @@
+"""--profiling.enable_profiling: trace + kernel-time summary (graph_trainer/profiling.py)."""
+
+import json
+
+import pytest
+
+from graph_trainer.profiling import kernel_category, summarize_events, summary_markdown
+
+
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_TNT", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+        ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+        ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
+        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),
+        ("Memcpy DtoD (Device -> Device)", "copy"),
+        ("aten::mm", "matmul"),
+        ("aten::view", "view / metadata (CPU)"),
+        ("some_custom_kernel", "other"),
+    ],
+)
+def test_kernel_category(name, category):
+    assert kernel_category(name) == category
+
+
+def test_summarize_events_per_step_and_shares():
+    events = [("nvjet_gemm", 6000.0, 30), ("triton_poi_fused_add_0", 2000.0, 20), ("ncclDevKernel_AllGather", 2000.0, 4),
+              ("aten::idle_zero", 0.0, 1)]
+    s = summarize_events(events, steps=2, top=2)
+    assert s["steps"] == 2 and s["total_ms"] == pytest.approx(5.0)  # 10 ms over 2 steps
+    cats = s["categories"]
+    assert list(cats)[0] == "matmul" and cats["matmul"]["ms"] == pytest.approx(3.0)
+    assert cats["matmul"]["calls"] == 15 and cats["communication"]["share"] == pytest.approx(0.2)
+    assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
+    assert [r["name"] for r in s["top"]] == ["nvjet_gemm", "triton_poi_fused_add_0"]
+    md = summary_markdown(s)
+    assert "| matmul | 3.00 | 60.0 % | 15 |" in md and "`nvjet_gemm`" in md
+
+
+def test_profiled_run_writes_trace_and_summary(tmp_path):
+    """2 CPU steps, the second recorded: a Chrome trace and a summary whose matmul time is > 0."""
+    from graph_trainer.config import parse_args
+    from graph_trainer.train import train
+    from test_train import DEBUG, TINY
+
+    out = tmp_path / "prof"
+    cfg = parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), *TINY, "--training.steps", "2",
+                      "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                      "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"])
+    train(cfg)
+    folder = out / "profile_traces" / "iteration_2"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0_kernels.json", "rank0_kernels.md", "rank0_trace.json"]
+    summary = json.loads((folder / "rank0_kernels.json").read_text())
+    assert summary["unit"] == "CPU" and summary["step"] == 2
+    assert summary["categories"]["matmul"]["ms"] > 0 and summary["categories"]["matmul"]["calls"] > 0
+    assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
