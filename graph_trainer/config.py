@@ -69,7 +69,7 @@ class Compile:
     region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS (the norm backward's mix-order
     reduction split size), time all on CUDA and keep a candidate only when it beats
     Inductor's defaults by 2 %. About a second of compile per candidate and distinct region;
-    88 -> 92-94 % of copy bandwidth on an H100 (docs/perf.md). No effect on CPU, and off
+    84-89 -> 93-94 % of copy bandwidth on an H100 (docs/perf.md). No effect on CPU, and off
     with --debug.deterministic (the pick depends on timings)."""
 
     dump_graphs: bool = False

@@ -105,7 +105,7 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: 2 * (M / 16) * N * 4 bytes = 5 % of the 10*M*N bytes the norm must move. Larger splits
 #: shrink that traffic at the cost of fewer blocks. Measured on an H100 (docs/perf.md,
 #: 2026-11-23), fwd+bwd % of copy bandwidth, defaults / 32 / 64 / 128 rows / Inductor's own
-#: split-size autotuning: 32768x4096 88 / 90 / 85 / 94 / 90; 16384x8192 84 / 85 / 94 / **9** /
+#: split-size autotuning: 32768x4096 88 / 90 / 85 / 94 / 90; 16384x8192 84 / 85 / 94 / 9 (!) /
 #: 94; 65536x2048 89 / 89 / 92 / 92 / 93. No fixed size wins everywhere and one is 10x
 #: slower, hence timed per region with a guard rather than a new fixed default. Each
 #: candidate compiles in about a second; coordinate descent

@@ -249,8 +249,9 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
       every variant on random inputs of the region's shapes (``timer(fn, inputs) ->
       ms``, default :func:`time_region_ms`) and keep the fastest -- but a candidate
       only when it is more than ``MIN_CANDIDATE_GAIN`` faster than the annotation's
-      own ``inductor_configs``, which otherwise win (a guard against timing noise). ``select_candidates=None`` selects only when the
-      region's inputs live on CUDA (CPU timings of Triton knobs mean nothing).
+      own ``inductor_configs``, which otherwise win (a guard against timing noise).
+      ``select_candidates=None`` selects only when the region's inputs live on CUDA
+      (CPU timings of Triton knobs mean nothing).
 
     Yields stats ``{"compiled", "reused", "selections": [...]}``; each selection is
     ``{"region", "inputs", "ms": [per variant], "chosen": index (0 = inductor_configs)}``.
