@@ -184,6 +184,10 @@ def _run(args, extra, sides, out) -> int:
     a_h = (a.summary or {}).get("state_hashes")
     b_h = (b.summary or {}).get("state_hashes")
     diff = None if failed else first_difference(a.rows, b.rows, a_h, b_h)
+    # steps both runs logged: with a failed run, still compared (a crash after the last
+    # step, or a timeout while hashing, leaves every step's loss in metrics.jsonl)
+    common = sorted({r["step"] for r in a.rows} & {r["step"] for r in b.rows})
+    a_common = [r for r in a.rows if r["step"] in common]
     result = {
         "sides": {n: sides[n].describe() for n in sides},
         "steps": args.steps,
@@ -191,13 +195,20 @@ def _run(args, extra, sides, out) -> int:
         "status": {n: r.status for n, r in runs.items()},
         "bitwise_equal": None if failed else diff is None,
         "first_difference": diff,
-        "max_rel_loss_diff": None if failed else max_rel_loss_diff(a.rows, b.rows),
+        "max_rel_loss_diff": (max_rel_loss_diff(a_common, b.rows) if common else None) if failed
+        else max_rel_loss_diff(a.rows, b.rows),
+        "compared_steps": common,
         "losses": {n: [r.get("loss") for r in runs[n].rows] for n in runs},
         "state_hashes": {"A": a_h, "B": b_h},
     }
     with open(os.path.join(out, "loss_compare.json"), "w") as f:
         json.dump(result, f, indent=1)
     if failed:
+        if common:
+            print(f"\npartial comparison (side {', '.join(failed)} failed): the {len(common)} step(s) both runs "
+                  f"logged, max relative loss difference {result['max_rel_loss_diff']:.3e}\n")
+            print(table(a_common, b.rows, a_h, b_h, labels))
+        print(f"results: {os.path.join(out, 'loss_compare.json')}")
         return 1
     print()
     print(table(a.rows, b.rows, a_h, b_h, labels))

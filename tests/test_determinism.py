@@ -185,3 +185,39 @@ def test_state_hash_of_a_dtensor_is_its_local_shard():
     out = subprocess.run([sys.executable, "-c", _DTENSOR_HASH], capture_output=True, text=True, timeout=120,
                          cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_loss_compare_failed_run_still_compares_logged_steps(tmp_path, monkeypatch, capsys):
+    """A run that crashes after logging its steps (8B eager, 2026-11-23: in the final state
+    hash) still gets its per-step losses compared; the exit code says it failed."""
+    import argparse
+
+    import graph_trainer.loss_compare as lc
+
+    losses = {"A": [8.0, 7.5, 7.25], "B": [8.0, 7.5, 7.0]}
+
+    def fake_execute(run, side, steps, warmup, prefix, verbose, timeout, progress):
+        run.rows = [{"step": i + 1, "loss": v, "grad_norm": 1.0} for i, v in enumerate(losses[run.side])]
+        run.status, run.wall_s = ("ok", 1.0) if run.side == "A" else ("failed", 1.0)
+        run.error = None if run.side == "A" else "exit code 1"
+        run.summary = {"state_hashes": {"weights": "x"}} if run.side == "A" else None
+
+    class FakeSide:
+        flags: list = []
+
+        def __init__(self, label):
+            self.label = label
+
+        def describe(self):
+            return {"label": self.label}
+
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    monkeypatch.setattr(lc, "tail", lambda path: "")
+    args = argparse.Namespace(steps=3, run_timeout=None, verbose=False, assert_equal=False, rtol=None)
+    rc = lc._run(args, [], {"A": FakeSide("a"), "B": FakeSide("b")}, str(tmp_path))
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "partial comparison (side B failed): the 3 step(s)" in out and "| 3 | 7.25 | 7.0 |" in out
+    res = json.load(open(tmp_path / "loss_compare.json"))
+    assert res["compared_steps"] == [1, 2, 3] and res["bitwise_equal"] is None
+    assert res["max_rel_loss_diff"] == pytest.approx(0.25 / 7.25)
