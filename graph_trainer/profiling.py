@@ -144,7 +144,7 @@ class StepProfiler:
             activities=activities,
             schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
             on_trace_ready=self._ready,
-            record_shapes=True,
+            record_shapes=False,  # torchtitan records shapes; an 8B step's trace is large enough without
         )
         self.prof.start()
         self.prof.step_num = start_step
