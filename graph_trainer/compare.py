@@ -632,6 +632,56 @@ def build_results(sides: dict, runs: list[Run], repeats: int) -> dict:
     }
 
 
+def profile_flags(step: int | None) -> list[str]:
+    """run_train.sh flags that record exactly step ``step`` (>= 2) with the profiler: wait
+    ``step - 2`` steps, warm up 1, record 1 (the window repeats every ``step`` steps)."""
+    if not step:
+        return []
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(step),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
+
+
+def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
+    """Device (CPU on CPU) milliseconds of the profiled step by kernel category, per side.
+
+    Reads ``<dump>/profile_traces/iteration_<step>/rank0_kernels.json`` of every finished
+    run (written by :mod:`graph_trainer.profiling`) and takes, per side and category, the
+    median over its runs. Returns ``{"step", "unit", "runs": {side: n}, "sides": {side:
+    {category: ms}}, "markdown"}``; a side without a readable summary has no entry.
+    """
+    found: dict[str, list[dict]] = {"A": [], "B": []}
+    for r in runs:
+        path = os.path.join(r.dump_folder, "profile_traces", f"iteration_{step}", "rank0_kernels.json")
+        try:
+            with open(path) as f:
+                found[r.side].append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    unit = next((k.get("unit", "device") for s in found.values() for k in s), "device")
+    cats = sorted({c for s in found.values() for k in s for c in k["categories"]})
+    sides = {
+        s: {c: statistics.median(k["categories"].get(c, {}).get("ms", 0.0) for k in ks) for c in cats}
+        for s, ks in found.items() if ks
+    }
+    for s in sides:
+        sides[s]["total"] = sum(sides[s][c] for c in cats)
+    order = sorted(cats, key=lambda c: -max(sides[s][c] for s in sides)) if sides else []
+    lines = [
+        f"{unit} ms of step {step} by kernel category (median over runs; "
+        f"runs with a profile: A {len(found['A'])}, B {len(found['B'])})",
+        "",
+        f"| category | A: {labels['A']} | B: {labels['B']} | Δ B − A |",
+        "|---|---:|---:|---:|",
+    ]
+    for c in order + ["total"]:
+        a, b = (sides.get(s, {}).get(c) for s in ("A", "B"))
+        d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
+        cell = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        lines.append(f"| {'**total**' if c == 'total' else c} | {cell(a)} | {cell(b)} | {d} |")
+    return {"step": step, "unit": unit, "runs": {s: len(v) for s, v in found.items()}, "sides": sides,
+            "markdown": "\n".join(lines)}
+
+
 def write_json(path: str, payload: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -736,6 +786,9 @@ was run); 130 interrupted.""",
                    "(runs the committed HEAD, not your changes)")
     p.add_argument("--run-timeout", type=float, default=None, metavar="S",
                    help="kill a run after S seconds and record it as failed")
+    p.add_argument("--profile-step", type=int, default=None, metavar="N",
+                   help="profile step N of every run (--profiling.*) and print device time per step by kernel "
+                        "category, A vs B (graph_trainer/profiling.py); the profiled step stays in the medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
     return p
@@ -773,6 +826,9 @@ def prepare(args: argparse.Namespace, extra: list[str], tmpdir_holder: list) -> 
             f"--steps {args.steps} leaves no step to measure: steps 1..{max(args.warmup, 1)} are "
             f"excluded (--warmup {args.warmup}; step 1 always). Use --steps > {max(args.warmup, 1)}."
         )
+    profile_step = getattr(args, "profile_step", None)
+    if profile_step is not None and not 2 <= profile_step <= args.steps:
+        raise CompareError(f"--profile-step must be in 2..--steps ({args.steps}), got {profile_step}.")
     if args.a is None and args.b is None and args.a_flags is None and args.b_flags is None:
         raise CompareError(
             "nothing to compare: give a ref (--a REF / --b REF) and/or flags (--a-flags / --b-flags) "
@@ -937,7 +993,7 @@ def _main(args, extra, argv, holder) -> int:
         dump = os.path.join(out, "runs", f"{s}{rep}")
         run = Run(side=s, repeat=rep, index=i, dump_folder=dump, log=dump + ".log")
         run.cmd = ["bash", os.path.join(side.root, "run_train.sh"), *side.flags, *extra,
-                   *forced_flags(args.steps, dump)]
+                   *forced_flags(args.steps, dump), *profile_flags(args.profile_step)]
         runs.append(run)
     if args.dry_run:
         print("dry run; would run:")
@@ -1024,6 +1080,8 @@ def _main(args, extra, argv, holder) -> int:
         print(f"warning: could not write the plot: {e}", file=sys.stderr)
     failed = [r for r in runs if r.status in ("failed", "skipped")]
     payload["ok"] = not failed and not interrupted
+    if args.profile_step:
+        payload["kernels"] = kernel_comparison(runs, {s: sides[s].label for s in sides}, args.profile_step)
     write_json(json_path, payload)
 
     print()
@@ -1036,6 +1094,9 @@ def _main(args, extra, argv, holder) -> int:
     else:
         print('"real": |Δ| exceeds the spread ((max - min) / median) of the repeats of either side; '
               'else "within noise".')
+    if payload.get("kernels"):
+        print()
+        print(payload["kernels"]["markdown"])
     print(f"\nwrote {json_path}" + (f" and {os.path.join(out, payload['plot'])}" if payload["plot"] else ""))
     if failed:
         print(f"{len(failed)} run(s) failed or skipped:", file=sys.stderr)

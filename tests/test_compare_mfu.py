@@ -298,6 +298,7 @@ def test_bad_flag_is_rejected_before_any_run(tmp_path):
         (["--a-flags", "", "--", "--training.steps", "5"], "use --steps instead"),
         (["--a-flags", "--job.dump_folder=/tmp/x"], "use --out instead"),
         (["--a-flags", "", "--steps", "3", "--warmup", "3"], "leaves no step to measure"),
+        (["--a-flags", "", "--steps", "3", "--warmup", "0", "--profile-step", "4"], "--profile-step must be in 2..--steps (3)"),
         (["--steps", "5"], "nothing to compare"),
         (["--a-flags", "'unbalanced"], "not a valid shell-quoted string"),
     ],
@@ -317,7 +318,7 @@ def test_usage_errors(args, needle, tmp_path):
 def test_real_flags_only(tmp_path):
     out = tmp_path / "cmp"
     r = _compare("--a-flags", "", "--b-flags", "--training.max_norm 0.5", "--repeats", "1",
-                 "--steps", "2", "--warmup", "0", "--out", str(out), "--", *TINY)
+                 "--steps", "2", "--warmup", "0", "--profile-step", "2", "--out", str(out), "--", *TINY)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| side | tps | tflops | MFU | memory |" in r.stdout
     assert "| A: working tree (1/1 runs) |" in r.stdout
@@ -336,6 +337,12 @@ def test_real_flags_only(tmp_path):
     assert data["table"]["delta_b_vs_a"]["mfu"]["verdict"] == "n/a"
     assert data["table"]["delta_b_vs_a"]["tps"]["pct"] is not None
     assert open(out / data["plot"], "rb").read(8) == PNG_MAGIC
+    # --profile-step 2: both runs profiled step 2; kernel time by category, A vs B
+    k = data["kernels"]
+    assert k["step"] == 2 and k["unit"] == "CPU" and k["runs"] == {"A": 1, "B": 1}
+    assert k["sides"]["A"]["matmul"] > 0 and k["sides"]["B"]["matmul"] > 0
+    assert k["sides"]["A"]["total"] >= k["sides"]["A"]["matmul"]
+    assert "CPU ms of step 2 by kernel category" in r.stdout and "| matmul |" in r.stdout
 
 
 @pytest.mark.slow
