@@ -35,6 +35,13 @@ Output (``--out DIR``, default ``./outputs/compare_<timestamp>``): ``comparison.
 ``tps_per_step.png``, ``runs/<side><k>/`` (each run's dump folder, metrics.jsonl) and
 ``runs/<side><k>.log`` (its full output).
 
+Kernels (``--profile-step N``): every run also records step N with the profiler
+(:mod:`graph_trainer.profiling`); the device (on CPU: CPU) milliseconds of that step by
+kernel category -- matmul, attention, communication, Inductor Triton, eager pointwise,
+copy -- are printed per side (median over its runs) with the difference, and stored as
+``comparison.json["kernels"]``. The profiled step stays in the tps medians (one slower
+step of many barely moves a median).
+
 Errors before any run starts (exit 2): an unknown ref, a ref that is HEAD while the
 working tree has uncommitted changes (you probably meant those changes: commit or
 stash, use a side without a ref to run the working tree, or ``--allow-dirty``), flags
