@@ -680,10 +680,10 @@ def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
         f"| category | A: {labels['A']} | B: {labels['B']} | Δ B − A |",
         "|---|---:|---:|---:|",
     ]
+    cell = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     for c in order + ["total"]:
         a, b = (sides.get(s, {}).get(c) for s in ("A", "B"))
         d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
-        cell = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"| {'**total**' if c == 'total' else c} | {cell(a)} | {cell(b)} | {d} |")
     return {"step": step, "unit": unit, "runs": {s: len(v) for s, v in found.items()}, "sides": sides,
             "markdown": "\n".join(lines)}

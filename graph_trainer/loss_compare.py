@@ -195,8 +195,7 @@ def _run(args, extra, sides, out) -> int:
         "status": {n: r.status for n, r in runs.items()},
         "bitwise_equal": None if failed else diff is None,
         "first_difference": diff,
-        "max_rel_loss_diff": (max_rel_loss_diff(a_common, b.rows) if common else None) if failed
-        else max_rel_loss_diff(a.rows, b.rows),
+        "max_rel_loss_diff": max_rel_loss_diff(a_common, b.rows) if common or not failed else None,
         "compared_steps": common,
         "losses": {n: [r.get("loss") for r in runs[n].rows] for n in runs},
         "state_hashes": {"A": a_h, "B": b_h},

@@ -139,7 +139,6 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.summaries: list[dict[str, Any]] = []
         self.prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=wait, warmup=cfg.profiler_warmup, active=cfg.profiler_active),
@@ -151,13 +150,12 @@ class StepProfiler:
         logger.info(f"Profiling every {cfg.profile_freq} steps; traces and kernel summaries in {self.trace_dir}")
 
     def _ready(self, prof) -> None:
-        folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
         events, unit = _events_of(prof)
         summary = summarize_events(events, self.active)
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
             return
+        folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
         summary.update(step=prof.step_num, rank=self.rank, unit=unit)
-        self.summaries.append(summary)
         os.makedirs(folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
         md = summary_markdown(summary, unit)

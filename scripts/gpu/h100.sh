@@ -5,10 +5,7 @@
 # Writes at most 8 files to $OUT (the device tool's limit); each step has its own timeout.
 # (The RMSNorm benchmark, fusion report and 1B pass off/on ran 2026-11-22: docs/perf.md.)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
 # (Determinism, its cost and the Inductor ablation ran 2026-11-22 night: docs/perf.md. The 1B
 #  determinism pytest needs ~260 s, mostly two 18 GB checkpoint saves: scripts/gpu/h200x2_checks.sh det.)

@@ -2,11 +2,8 @@
 # One device call on 2x H200 (<= 10 min): Llama3 8B FSDP2, seq 8192, selective AC (issues 3, 7).
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2.sh")
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml
-mkdir -p "$OUT"
 run() {  # name, timeout, flags...  (RUNS="name:timeout:flags;..." overrides the list below)
     local name=$1 t=$2 rc; shift 2
     timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1

@@ -7,10 +7,7 @@
 # cmp: issue 6 -- 8B FSDP2 RMSNorm pass off vs on (compare_mfu, 2 repeats, 20 steps, with plot);
 #      issue 3 -- the same 20-step traced runs against eager FSDP2 (loss tracking), and TP2 in bf16.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p "$OUT"
+source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 case "${1:-}" in
 det)
     NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml timeout 300 python3 scripts/loss_compare.py --steps 5 \

@@ -12,11 +12,8 @@
 # Reference (4x H200, torchtitan 0.2.2, torch 2.11): torch.compile FSDP2xTP2 7,819 tps/GPU (45.8 % MFU),
 # FSDP4 8,893 (52.1 %). .whl: MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=4 MODULE=graph_trainer.llama3 CONFIG=graph_trainer_llama3_8b
-mkdir -p "$OUT"
 SEED=(--dataloader.dataset c4_test --metrics.no-enable_tensorboard --profiler.no-enable_profiling --comm.trace_buf_size=0)
 TP=(--parallelism.data_parallel_shard_degree=2 --parallelism.tensor_parallel_degree=2)
 FSDP=(--parallelism.data_parallel_shard_degree=4 --parallelism.tensor_parallel_degree=1)
