@@ -14,7 +14,10 @@ For each recorded window this writes, under
 * ``rank<r>_kernels.md`` and ``rank<r>_kernels.json``: device time per step by kernel
   category (matmul, attention, communication, Inductor Triton, eager ATen pointwise /
   reduction, copy, other) and the top kernels, so two runs (``jit`` vs ``aot_fx_trace``,
-  a pass on vs off) can be compared without opening a trace. The table is also logged.
+  a pass on vs off) can be compared without opening a trace; and the step's timeline
+  (:func:`timeline_breakdown`): wall time, time with compute kernels running, time with
+  only communication running (exposed communication) and time with nothing running (the
+  GPU waiting on the CPU). The tables are also logged.
 
 On CPU (no CUDA) the summary counts CPU time of ATen ops instead of kernels.
 """
@@ -89,6 +92,56 @@ def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int 
     return {"steps": steps, "total_ms": total, "categories": categories, "top": rows[:top]}
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a step's wall time goes on the device, from kernel intervals.
+
+    Args:
+        kernels: ``(start_us, end_us, category)`` of every device kernel in the window,
+            ``category`` as :func:`kernel_category` returns it.
+        steps: ``(start_us, end_us)`` of each recorded step (the profiler's
+            ``ProfilerStep#N`` ranges, same clock); kernels are clipped to them.
+
+    Returns:
+        Milliseconds per step (mean over ``steps``): ``wall_ms``; ``compute_ms``, the union
+        of every non-communication kernel (time the GPU computes); ``comm_ms``, the union of
+        communication kernels; ``exposed_comm_ms``, communication while no compute kernel
+        runs; ``idle_ms``, time with no kernel at all (launch-bound or waiting on the host).
+        ``compute_ms + exposed_comm_ms + idle_ms == wall_ms``. All zero without ``steps``.
+    """
+    out = {"wall_ms": 0.0, "compute_ms": 0.0, "comm_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0}
+    if not steps:
+        return out
+    comp = _union([(a, b) for a, b, c in kernels if c != "communication"])
+    comm = _union([(a, b) for a, b, c in kernels if c == "communication"])
+    for lo, hi in steps:
+        c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
+        busy = _length(_union(c + m))
+        out["wall_ms"] += (hi - lo) / 1e3
+        out["compute_ms"] += _length(c) / 1e3
+        out["comm_ms"] += _length(m) / 1e3
+        out["exposed_comm_ms"] += (busy - _length(c)) / 1e3
+        out["idle_ms"] += (hi - lo - busy) / 1e3
+    return {k: v / len(steps) for k, v in out.items()}
+
+
 def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     """The summary of :func:`summarize_events` as two markdown tables."""
     lines = [
@@ -100,6 +153,13 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     ]
     for cat, c in summary["categories"].items():
         lines.append(f"| {cat} | {c['ms']:.2f} | {100 * c['share']:.1f} % | {c['calls']:.0f} |")
+    t = summary.get("timeline")
+    if t and t.get("wall_ms"):
+        lines += ["", "| step timeline | ms/step | share of wall |", "|---|---:|---:|"]
+        for key, label in [("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
+                           ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
+                           ("comm_ms", "(communication running, overlapped or not)")]:
+            lines.append(f"| {label} | {t[key]:.2f} | {100 * t[key] / t['wall_ms']:.1f} % |")
     lines += ["", "| top kernel | category | ms/step | launches/step |", "|---|---|---:|---:|"]
     for r in summary["top"]:
         name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
@@ -123,6 +183,21 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
             us = evt.self_cpu_time_total
         out.append((evt.key, float(us), int(evt.count)))
     return out, ("device" if on_device else "CPU")
+
+
+def _timeline_of(prof) -> dict[str, float]:
+    """:func:`timeline_breakdown` of the recorded window (device kernels; on CPU, ATen ops)."""
+    on_device = torch.cuda.is_available()
+    kernels, steps = [], []
+    for evt in prof.events():
+        tr = evt.time_range
+        if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", listed as "ProfilerStep*"
+            steps.append((tr.start, tr.end))
+        elif on_device and getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            kernels.append((tr.start, tr.end, kernel_category(evt.name)))
+        elif not on_device and evt.name.startswith("aten::"):  # nested ops: the union counts once
+            kernels.append((tr.start, tr.end, kernel_category(evt.name)))
+    return timeline_breakdown(kernels, steps)
 
 
 class StepProfiler:
@@ -155,7 +230,7 @@ class StepProfiler:
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
             return
         folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
-        summary.update(step=prof.step_num, rank=self.rank, unit=unit)
+        summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=_timeline_of(prof))
         os.makedirs(folder, exist_ok=True)
         prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
         md = summary_markdown(summary, unit)

@@ -58,4 +58,26 @@ def test_profiled_run_writes_trace_and_summary(tmp_path):
     summary = json.loads((folder / "rank0_kernels.json").read_text())
     assert summary["unit"] == "CPU" and summary["step"] == 2
     assert summary["categories"]["matmul"]["ms"] > 0 and summary["categories"]["matmul"]["calls"] > 0
+    t = summary["timeline"]  # on CPU: ATen op time inside the recorded step
+    assert 0 < t["compute_ms"] <= t["wall_ms"] and t["idle_ms"] >= 0
     assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
+
+
+def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
+    from graph_trainer.profiling import timeline_breakdown
+    # step 1 (0..100 us): gemm 0-40, comm 30-60 (10 overlapped, 20 exposed), triton 70-80, idle 20 us
+    # step 2 (100..200 us): gemm 100-200, comm 120-140 fully overlapped; a kernel past the step is clipped
+    kernels = [(0, 40, "matmul"), (30, 60, "communication"), (70, 80, "inductor triton"),
+               (100, 200, "matmul"), (120, 140, "communication"), (190, 250, "copy")]
+    t = timeline_breakdown(kernels, [(0, 100), (100, 200)])
+    assert t["wall_ms"] == pytest.approx(0.1)
+    assert t["compute_ms"] == pytest.approx((50 + 100) / 2 / 1e3)
+    assert t["comm_ms"] == pytest.approx((30 + 20) / 2 / 1e3)
+    assert t["exposed_comm_ms"] == pytest.approx(20 / 2 / 1e3)
+    assert t["idle_ms"] == pytest.approx(30 / 2 / 1e3)
+    assert t["compute_ms"] + t["exposed_comm_ms"] + t["idle_ms"] == pytest.approx(t["wall_ms"])
+    assert timeline_breakdown(kernels, [])["wall_ms"] == 0
+    s = summarize_events([("nvjet_gemm", 150.0, 2)], steps=2)
+    s["timeline"] = t
+    md = summary_markdown(s)
+    assert "| only communication running | 0.01 | 10.0 % |" in md and "| nothing running | 0.01 | 15.0 % |" in md

@@ -33,6 +33,6 @@ fi
 P="--profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 2 --profiling.profiler_active 1"
 # (timeouts include writing one step's Chrome trace per rank; sum 470 s of the 600 s limit)
 run jit 150 --compile.mode jit $P
-run traced_full 190 --compile.inductor_compilation full $P       # same SAC, everything compiled
-run traced 130 $P                                                # default pipeline (regional)
+run traced 130 $P                                                # default pipeline (regional), op SAC
+run save_mm_full 190 --compile.sac_save_matmuls --compile.inductor_compilation full $P   # best so far (1.033x jit)
 tail -5 /tmp/traced.log > "$OUT/traced_tail.txt"; grep -h "graph pass" /tmp/traced.log >> "$OUT/traced_tail.txt"
