@@ -648,13 +648,20 @@ def profile_flags(step: int | None) -> list[str]:
             "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
 
 
+#: rows of the step timeline (graph_trainer.profiling.timeline_breakdown), in print order
+TIMELINE_ROWS = [("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
+                 ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running")]
+
+
 def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
     """Device (CPU on CPU) milliseconds of the profiled step by kernel category, per side.
 
     Reads ``<dump>/profile_traces/iteration_<step>/rank0_kernels.json`` of every finished
     run (written by :mod:`graph_trainer.profiling`) and takes, per side and category, the
-    median over its runs. Returns ``{"step", "unit", "runs": {side: n}, "sides": {side:
-    {category: ms}}, "markdown"}``; a side without a readable summary has no entry.
+    median over its runs; likewise for the step timeline (wall, compute running, exposed
+    communication, idle). Returns ``{"step", "unit", "runs": {side: n}, "sides": {side:
+    {category: ms}}, "timeline": {side: {key: ms}}, "markdown"}``; a side without a
+    readable summary has no entry.
     """
     found: dict[str, list[dict]] = {"A": [], "B": []}
     for r in runs:
@@ -685,8 +692,18 @@ def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
         a, b = (sides.get(s, {}).get(c) for s in ("A", "B"))
         d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
         lines.append(f"| {'**total**' if c == 'total' else c} | {cell(a)} | {cell(b)} | {d} |")
+    timeline = {
+        s: {key: statistics.median(k["timeline"][key] for k in ks) for key, _ in TIMELINE_ROWS}
+        for s, ks in found.items() if ks and all(k.get("timeline", {}).get("wall_ms") for k in ks)
+    }
+    if timeline:
+        lines += ["", f"| step timeline | A: {labels['A']} | B: {labels['B']} | Δ B − A |", "|---|---:|---:|---:|"]
+        for key, label in TIMELINE_ROWS:
+            a, b = (timeline.get(s, {}).get(key) for s in ("A", "B"))
+            d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
+            lines.append(f"| {label} | {cell(a)} | {cell(b)} | {d} |")
     return {"step": step, "unit": unit, "runs": {s: len(v) for s, v in found.items()}, "sides": sides,
-            "markdown": "\n".join(lines)}
+            "timeline": timeline, "markdown": "\n".join(lines)}
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -343,6 +343,11 @@ def test_real_flags_only(tmp_path):
     assert k["sides"]["A"]["matmul"] > 0 and k["sides"]["B"]["matmul"] > 0
     assert k["sides"]["A"]["total"] >= k["sides"]["A"]["matmul"]
     assert "CPU ms of step 2 by kernel category" in r.stdout and "| matmul |" in r.stdout
+    for side in "AB":  # the step timeline: compute + exposed communication + idle = wall
+        t = k["timeline"][side]
+        assert 0 < t["compute_ms"] <= t["wall_ms"]
+        assert t["compute_ms"] + t["exposed_comm_ms"] + t["idle_ms"] == pytest.approx(t["wall_ms"])
+    assert "| nothing running |" in r.stdout
 
 
 @pytest.mark.slow
