@@ -80,6 +80,17 @@ class Compile:
     (SwiGLU, residual adds, casts, loss) inside one module and phase as its own region
     (annotate_pointwise_for_regional_inductor)."""
 
+    full_inductor_configs: str = ""
+    """--compile.inductor_compilation full: ``torch._inductor.config`` overrides for the
+    whole-graph compile, JSON on the CLI (a table in TOML), dotted keys, e.g.
+    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
+
+    pin_collectives: bool = False
+    """--compile.inductor_compilation full: keep overlap_collectives' placement of every
+    collective and wait (between the same two matmuls) inside Inductor's schedule
+    (graph_trainer.passes.pin_collectives). Without it, Inductor's peak-memory reordering
+    waits for each collective right after issuing it: no overlap."""
+
     cudagraphs: bool = False
     """Append cudagraph_pass to the pipeline (CUDA only)."""
 
@@ -165,7 +176,7 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     return argv
 
 
-def _parse_inductor_configs(value: Any) -> dict[str, Any]:
+def _parse_inductor_configs(value: Any, flag: str = "--compile.rmsnorm_inductor_configs") -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     if not value:
@@ -174,11 +185,11 @@ def _parse_inductor_configs(value: Any) -> dict[str, Any]:
         parsed = json.loads(value)
     except json.JSONDecodeError as e:
         raise UserError(
-            f"--compile.rmsnorm_inductor_configs must be a JSON object, e.g. "
+            f"{flag} must be a JSON object, e.g. "
             f"'{{\"coordinate_descent_tuning\": true}}'; got {value!r} ({e})."
         ) from None
     if not isinstance(parsed, dict):
-        raise UserError(f"--compile.rmsnorm_inductor_configs must be a JSON object, got {value!r}.")
+        raise UserError(f"{flag} must be a JSON object, got {value!r}.")
     return parsed
 
 
@@ -191,8 +202,9 @@ def _config_manager_cls():
         def _maybe_load_toml(self, args):
             values = super()._maybe_load_toml(args)
             comp = (values or {}).get("compile", {})
-            if isinstance(comp.get("rmsnorm_inductor_configs"), dict):
-                comp["rmsnorm_inductor_configs"] = json.dumps(comp["rmsnorm_inductor_configs"])
+            for key in ("rmsnorm_inductor_configs", "full_inductor_configs"):
+                if isinstance(comp.get(key), dict):
+                    comp[key] = json.dumps(comp[key])
             return values
 
     return _Manager
@@ -231,6 +243,9 @@ def parse_args(argv: list[str] | None = None):
         raise UserError(str(e)) from None
     cfg.compile.rmsnorm_inductor_configs = _parse_inductor_configs(
         cfg.compile.rmsnorm_inductor_configs
+    )
+    cfg.compile.full_inductor_configs = _parse_inductor_configs(
+        cfg.compile.full_inductor_configs, "--compile.full_inductor_configs"
     )
     validate(cfg)
     return cfg

@@ -167,12 +167,19 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _annotation(evt) -> bool:
+    """A GPU user annotation (``ProfilerStep*``, ``nccl:all_gather...``, ``Optimizer.step#...``):
+    a range on the device timeline spanning kernels, not a kernel; counting it would count
+    those kernels twice."""
+    return bool(getattr(evt, "is_user_annotation", False))
+
+
 def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     on_device = torch.cuda.is_available()
     out = []
     for evt in prof.key_averages():
         if on_device:
-            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA or _annotation(evt):
                 continue
             us = getattr(evt, "self_device_time_total", None)
             if us is None:  # older torch
@@ -193,7 +200,7 @@ def _timeline_of(prof) -> dict[str, float]:
         tr = evt.time_range
         if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", listed as "ProfilerStep*"
             steps.append((tr.start, tr.end))
-        elif on_device and getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA:
+        elif on_device and getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and not _annotation(evt):
             kernels.append((tr.start, tr.end, kernel_category(evt.name)))
         elif not on_device and evt.name.startswith("aten::"):  # nested ops: the union counts once
             kernels.append((tr.start, tr.end, kernel_category(evt.name)))

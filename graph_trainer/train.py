@@ -268,6 +268,8 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         rmsnorm_inductor_configs=cfg.compile.rmsnorm_inductor_configs or None,
         rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None,
         sac_save_matmuls=cfg.compile.sac_save_matmuls,
+        full_inductor_configs=cfg.compile.full_inductor_configs or None,
+        pin_collectives=cfg.compile.pin_collectives,
         dump_folder=dump,
     )
     compile_s = time.perf_counter() - t0

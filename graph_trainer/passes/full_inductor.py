@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from typing import Any
 
 import torch
 import torch.fx
@@ -47,8 +48,22 @@ def _flat_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list, py
     return flat_gm, leaves, spec
 
 
-def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
+def full_inductor_pass(
+    gm: torch.fx.GraphModule,
+    example_inputs=None,
+    inductor_configs: dict[str, Any] | None = None,
+    pin_collectives: bool = False,
+) -> torch.fx.GraphModule:
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``.
+
+    Args:
+        inductor_configs: ``torch._inductor.config`` overrides for this compile
+            (dotted keys, e.g. ``{"aten_distributed_optimizations.enable_overlap_scheduling":
+            true}``); unknown keys raise ``AttributeError`` from ``config.patch``.
+        pin_collectives: keep the issue / wait positions of the collectives between
+            the same two matmuls as in ``gm`` (:mod:`graph_trainer.passes.pin_collectives`,
+            as Inductor's ``post_grad_custom_post_pass``); without it Inductor's
+            peak-memory reordering puts each wait right after its collective.
 
     Stats: ``compile_s``, ``nodes_compiled``.
     """
@@ -64,12 +79,22 @@ def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.f
 
     from torch._inductor.compile_fx import compile_fx
 
+    patches = dict(inductor_configs or {})
+    if pin_collectives:
+        from graph_trainer.passes.pin_collectives import PinCollectivesPass
+
+        patches["post_grad_custom_post_pass"] = PinCollectivesPass()
+        # Inductor compiles the traced step as an inference graph, and for those its
+        # post-grad reorder_for_locality moves every wait_tensor right before its first
+        # user: the reduce-scatter waits (used only by the graph output) to the very end.
+        patches.setdefault("reorder_for_locality", False)
     t0 = time.perf_counter()
-    if fake_mode is not None:
-        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+    with torch._inductor.config.patch(patches):
+        if fake_mode is not None:
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                compiled = compile_fx(flat_gm, fake_inputs)
+        else:
             compiled = compile_fx(flat_gm, fake_inputs)
-    else:
-        compiled = compile_fx(flat_gm, fake_inputs)
     compile_s = time.perf_counter() - t0
 
     def inductor_compiled_graph(*args):
@@ -103,7 +128,9 @@ def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.f
     new_gm.compiled_fn = compiled
     set_pass_summary(
         new_gm,
-        f"compiled the whole graph ({n_compiled} nodes) with Inductor in {compile_s:.1f}s",
+        f"compiled the whole graph ({n_compiled} nodes) with Inductor in {compile_s:.1f}s"
+        + (" (collective schedule pinned)" if pin_collectives else "")
+        + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3),
         nodes_compiled=n_compiled,
     )

@@ -207,6 +207,8 @@ def run_passes(
     rmsnorm_inductor_configs: dict[str, Any] | None = None,
     rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
     sac_save_matmuls: bool = False,
+    full_inductor_configs: dict[str, Any] | None = None,
+    pin_collectives: bool = False,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -218,6 +220,7 @@ def run_passes(
     ``summary.json`` (per pass: time, node counts, summary, stats, op counts
     per target; rewritten after each pass). ``sac_save_matmuls``: ``sac_recompute``
     keeps every ``aten.mm`` output even where selective AC tagged it for recompute.
+    ``full_inductor_configs`` / ``pin_collectives``: passed to ``full_inductor``.
     """
     names = [canonical_pass_name(n) for n in names]
     graphs_dir = None
@@ -237,6 +240,8 @@ def run_passes(
             kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
         elif name == SAC_RECOMPUTE and sac_save_matmuls:
             kwargs = {"save_ops": [torch.ops.aten.mm.default]}
+        elif name == FULL_INDUCTOR:
+            kwargs = {"inductor_configs": full_inductor_configs, "pin_collectives": pin_collectives}
         t0 = time.perf_counter()
         gm = fn(gm, example_inputs, **kwargs)
         elapsed = time.perf_counter() - t0

@@ -28,11 +28,13 @@ fi
 # RUNS="traced:100:;full:200:--compile.inductor_compilation full;pointwise:140:--compile.numerics_changing_optim --compile.pointwise_regions;jit:130:--compile.mode jit" bash scripts/gpu/h200x2.sh
 # (2026-11-23, docs/perf.md: traced under op SAC is 0.96x jit, full-graph Inductor 0.957x; measured
 #  with: traced, jit, traced_no_sac, traced_save_mm, eager; then sac_full, save_mm_full, save_mm_rms, fullac.)
-# pending: where the traced step loses 4 % to jit under the same SAC -- kernel time by category,
-# one profiled step (step 10) per run, summaries appended to $OUT/kernels_all.md.
+# (2026-11-23, profiled: jit, traced, save_mm_full -> full-graph Inductor ran every collective
+#  exposed, 176 ms/step: Inductor's reorder_for_peak_memory / reorder_for_locality undo the
+#  overlap schedule.) pending: the same with the schedule pinned (--compile.pin_collectives),
+#  and Inductor's own overlap scheduler instead.
 P="--profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 2 --profiling.profiler_active 1"
-# (timeouts include writing one step's Chrome trace per rank; sum 470 s of the 600 s limit)
-run jit 150 --compile.mode jit $P
-run traced 130 $P                                                # default pipeline (regional), op SAC
-run save_mm_full 190 --compile.sac_save_matmuls --compile.inductor_compilation full $P   # best so far (1.033x jit)
-tail -5 /tmp/traced.log > "$OUT/traced_tail.txt"; grep -h "graph pass" /tmp/traced.log >> "$OUT/traced_tail.txt"
+F="--compile.inductor_compilation full"
+run jit 100 --compile.mode jit
+run pin_save_mm 180 $F --compile.sac_save_matmuls --compile.pin_collectives $P
+run pin_sac 160 $F --compile.pin_collectives
+run inductor_overlap 150 $F --compile.sac_save_matmuls --compile.full_inductor_configs '{"aten_distributed_optimizations.enable_overlap_scheduling":true,"aten_distributed_optimizations.collective_bucketing":true}'
