@@ -261,7 +261,8 @@ def validate(cfg) -> None:
     """Reject settings that cannot work, before anything is built.
 
     Raises:
-        UserError: unknown compile mode, inductor compilation, AC mode or flavor.
+        UserError: unknown compile mode, inductor compilation, AC mode or flavor;
+            full-graph-only flags without ``--compile.inductor_compilation full``.
     """
     if cfg.compile.mode not in COMPILE_MODES:
         raise _choice_error("--compile.mode", cfg.compile.mode, COMPILE_MODES)
@@ -279,6 +280,14 @@ def validate(cfg) -> None:
         raise _choice_error("--model.flavor", cfg.model.flavor, sorted(llama3_args))
     if cfg.training.steps < 1:
         raise UserError(f"--training.steps must be >= 1, got {cfg.training.steps}.")
+    full = cfg.compile.mode == "aot_fx_trace" and cfg.compile.inductor_compilation == "full"
+    for flag, value in (("--compile.pin_collectives", cfg.compile.pin_collectives),
+                        ("--compile.full_inductor_configs", cfg.compile.full_inductor_configs)):
+        if value and not full:
+            raise UserError(
+                f"{flag} applies to the whole-graph Inductor compile only: add "
+                f"--compile.inductor_compilation full (with --compile.mode aot_fx_trace)."
+            )
     prof = cfg.profiling
     if prof.enable_profiling and prof.profile_freq < prof.profiler_warmup + prof.profiler_active:
         raise UserError(
