@@ -38,7 +38,7 @@ fi
 # reshard_after_forward +2-3 % over it (1.08-1.10x) at 90-93 GiB; without AC (sac_recompute off)
 # +1.5-3 % over it at 92-96 GiB.
 F="--compile.inductor_compilation full --compile.pin_collectives"
-run jit 90 --compile.mode jit
-run pin_save_mm 170 $F --compile.sac_save_matmuls
-run pin_save_mm_noreshard 150 $F --compile.sac_save_matmuls --compile.disable_passes reshard_after_forward
-run pin_noac 150 $F --compile.disable_passes sac_recompute
+run jit 110 --compile.mode jit
+run pin_save_mm 160 $F --compile.sac_save_matmuls
+run pin_save_mm_noreshard 145 $F --compile.sac_save_matmuls --compile.disable_passes reshard_after_forward
+run pin_noac 145 $F --compile.disable_passes sac_recompute
