@@ -65,7 +65,6 @@ def test_metrics_jsonl_fields(tmp_path):
         (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
         (["--compile.inductor_compilation", "partial"], "regional, full, none"),
         (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
-        (["--compile.pin_collectives"], "--compile.pin_collectives applies to the whole-graph"),
         (["--compile.full_inductor_configs", '{"a": 1}', "--compile.mode", "jit"], "--compile.full_inductor_configs applies"),
         (["--compile.inductor_compilation", "full", "--compile.full_inductor_configs", "[1]"],
          "--compile.full_inductor_configs must be a JSON object"),

@@ -62,8 +62,9 @@ def full_inductor_pass(
             true}``); unknown keys raise ``AttributeError`` from ``config.patch``.
         pin_collectives: keep the issue / wait positions of the collectives between
             the same two matmuls as in ``gm`` (:mod:`graph_trainer.passes.pin_collectives`,
-            as Inductor's ``post_grad_custom_post_pass``); without it Inductor's
-            peak-memory reordering puts each wait right after its collective.
+            as Inductor's ``post_grad_custom_post_pass``, with ``reorder_for_locality``
+            off); without it Inductor's peak-memory reordering puts each wait right after
+            its collective. Nothing changes for a graph without collectives.
 
     Stats: ``compile_s``, ``nodes_compiled``.
     """
@@ -80,6 +81,9 @@ def full_inductor_pass(
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(inductor_configs or {})
+    pin_collectives = pin_collectives and any(
+        n.op == "call_function" and "_c10d_functional" in str(n.target) for n in gm.graph.nodes
+    )
     if pin_collectives:
         from graph_trainer.passes.pin_collectives import PinCollectivesPass
 

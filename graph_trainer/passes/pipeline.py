@@ -208,7 +208,7 @@ def run_passes(
     rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
     sac_save_matmuls: bool = False,
     full_inductor_configs: dict[str, Any] | None = None,
-    pin_collectives: bool = False,
+    pin_collectives: bool = True,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
