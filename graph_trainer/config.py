@@ -92,6 +92,12 @@ class Compile:
     Inductor's peak-memory reordering waits for each collective right after issuing it: no
     overlap (8B FSDP2, 2x H200: +6.4 % tps with it, docs/perf.md)."""
 
+    reshard_first_params: int = -1
+    """reshard_after_forward re-gathers only the first N FSDP parameters in forward order
+    (Llama3: the embedding, then 9 per block, so 1 + 9 * L covers the first L blocks); the
+    others keep their forward copy for the backward (more memory, fewer all-gathers).
+    -1: all of them."""
+
     cudagraphs: bool = False
     """Append cudagraph_pass to the pipeline (CUDA only)."""
 

@@ -270,6 +270,7 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         sac_save_matmuls=cfg.compile.sac_save_matmuls,
         full_inductor_configs=cfg.compile.full_inductor_configs or None,
         pin_collectives=cfg.compile.pin_collectives,
+        reshard_first_params=None if cfg.compile.reshard_first_params < 0 else cfg.compile.reshard_first_params,
         dump_folder=dump,
     )
     compile_s = time.perf_counter() - t0

@@ -79,6 +79,26 @@ def test_prefetch_distance(fsdp_step):
         reshard_after_forward_pass(gm, None, prefetch=-1)
 
 
+def test_first_params_reshards_only_the_earliest(fsdp_step):
+    """first_params=10: the embedding (no backward use) and layer 0's 9 parameters; the
+    rest keep the forward's gathered copy. Values unchanged."""
+    traced, inputs, n_params = fsdp_step
+    with torch.no_grad():
+        ref = traced.gm(*inputs)
+    gm = reshard_after_forward_pass(traced.gm, None, prefetch=2, first_params=10)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == 9
+    assert sum(1 for n in gm.graph.nodes if n.target is AG and _phase(n) == "backward") == 9
+    # per forward all-gather (graph = parameter order): does the backward still read it?
+    read = [any(_phase(u) == "backward" for n in closure for u in n.users)
+            for closure in _forward_gathered(gm).values()]
+    assert len(read) == n_params and not any(read[:10]) and all(read[10:])
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), ref))
+    with pytest.raises(ValueError, match="first_params"):
+        reshard_after_forward_pass(gm, None, first_params=-1)
+
+
 def test_no_fsdp_is_noop():
     def f(x):
         return (x.cos() + 1).sum()

@@ -209,6 +209,7 @@ def run_passes(
     sac_save_matmuls: bool = False,
     full_inductor_configs: dict[str, Any] | None = None,
     pin_collectives: bool = True,
+    reshard_first_params: int | None = None,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -220,7 +221,8 @@ def run_passes(
     ``summary.json`` (per pass: time, node counts, summary, stats, op counts
     per target; rewritten after each pass). ``sac_save_matmuls``: ``sac_recompute``
     keeps every ``aten.mm`` output even where selective AC tagged it for recompute.
-    ``full_inductor_configs`` / ``pin_collectives``: passed to ``full_inductor``.
+    ``full_inductor_configs`` / ``pin_collectives``: passed to ``full_inductor``;
+    ``reshard_first_params`` to ``reshard_after_forward`` (``first_params``; None: all).
     """
     names = [canonical_pass_name(n) for n in names]
     graphs_dir = None
@@ -240,6 +242,8 @@ def run_passes(
             kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
         elif name == SAC_RECOMPUTE and sac_save_matmuls:
             kwargs = {"save_ops": [torch.ops.aten.mm.default]}
+        elif name == RESHARD_AFTER_FORWARD and reshard_first_params is not None:
+            kwargs = {"first_params": reshard_first_params}
         elif name == FULL_INDUCTOR:
             kwargs = {"inductor_configs": full_inductor_configs, "pin_collectives": pin_collectives}
         t0 = time.perf_counter()

@@ -94,20 +94,31 @@ def _is_backward(node: torch.fx.Node) -> bool:
 
 
 def reshard_after_forward_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9, cpu_async: bool = False
+    gm: torch.fx.GraphModule,
+    example_inputs=None,
+    prefetch: int = 9,
+    cpu_async: bool = False,
+    first_params: int | None = None,
 ) -> torch.fx.GraphModule:
     """Re-gather FSDP parameters for the backward instead of keeping the forward's
     gathered copies (see the module docstring). ``prefetch`` >= 0: how many re-gathers
     ahead (in backward order) each is issued; for parameters on CPU it is 0 unless
     ``cpu_async`` (gloo collectives are never left in flight, see
-    :mod:`graph_trainer.passes.overlap_collectives`). Stats: ``resharded`` (parameters
-    re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
+    :mod:`graph_trainer.passes.overlap_collectives`). ``first_params``: only the first N
+    FSDP parameters in forward order (graph order of their all-gathers, i.e. the model's
+    parameter order: for Llama3 the embedding, then 9 per block) are resharded; the rest
+    keep their forward copy, as FSDP2 does for the last block. ``None``: all. The early
+    parameters are the ones held longest (used first in the forward, last in the backward),
+    so a few blocks buy back most of a block's weights in memory each. Stats: ``resharded``
+    (parameters re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
 
     Raises:
-        ValueError: ``prefetch < 0``.
+        ValueError: ``prefetch < 0`` or ``first_params < 0``.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if first_params is not None and first_params < 0:
+        raise ValueError(f"first_params must be >= 0 (or None for all), got {first_params}")
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
     groups = []
@@ -117,6 +128,8 @@ def reshard_after_forward_pass(
         if chain is None:
             continue
         n_fsdp += 1
+        if first_params is not None and n_fsdp > first_params:
+            continue
         closure, stack = {ag: None}, [ag]
         while stack:
             for u in stack.pop().users:
