@@ -92,6 +92,11 @@ class Compile:
     Inductor's peak-memory reordering waits for each collective right after issuing it: no
     overlap (8B FSDP2, 2x H200: +6.4 % tps with it, docs/perf.md)."""
 
+    bucket_collectives: int = 0
+    """> 1: add the bucket_collectives pass after overlap_collectives, merging up to N
+    consecutive FSDP all-gathers / reduce-scatters into one collective (9 = one Llama3
+    block, as FSDP2 groups them). 0 / 1: one collective per parameter."""
+
     reshard_first_params: int = -1
     """reshard_after_forward re-gathers only the first N FSDP parameters in forward order
     (Llama3: the embedding, then 9 per block, so 1 + 9 * L covers the first L blocks); the

@@ -132,10 +132,13 @@ def dry_run(cfg) -> dict:
         disable_passes=split_names(cfg.compile.disable_passes),
         numerics_changing_optim=False,
         inductor_compilation="none",
+        bucket_collectives=cfg.compile.bucket_collectives,
     )
     gm = run_passes(
         gm, traced.example_inputs, names,
         sac_save_matmuls=cfg.compile.sac_save_matmuls,
+        reshard_first_params=None if cfg.compile.reshard_first_params < 0 else cfg.compile.reshard_first_params,
+        bucket_size=cfg.compile.bucket_collectives if cfg.compile.bucket_collectives > 1 else None,
     )
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)

@@ -106,6 +106,7 @@ def train(cfg) -> dict:
                 uses_flex_attention=False,
                 cudagraphs=cfg.compile.cudagraphs,
                 pointwise_regions=cfg.compile.pointwise_regions,
+                bucket_collectives=cfg.compile.bucket_collectives,
             )
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -271,6 +272,7 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         full_inductor_configs=cfg.compile.full_inductor_configs or None,
         pin_collectives=cfg.compile.pin_collectives,
         reshard_first_params=None if cfg.compile.reshard_first_params < 0 else cfg.compile.reshard_first_params,
+        bucket_size=cfg.compile.bucket_collectives if cfg.compile.bucket_collectives > 1 else None,
         dump_folder=dump,
     )
     compile_s = time.perf_counter() - t0

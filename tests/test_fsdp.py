@@ -42,6 +42,16 @@ def _worker(rank, world, store_path, q):
             str(n.target).split(".")[1] for n in traced.gm.graph.nodes if "_c10d_functional" in str(n.target)
         )
         loss, grads = traced(shards, bufs, tokens, labels)
+        # bucket_collectives (4 per bucket) on the 2-rank layout: bitwise the same step
+        from graph_trainer.passes import bucket_collectives_pass, overlap_collectives_pass
+
+        with torch.no_grad():
+            gm = bucket_collectives_pass(overlap_collectives_pass(traced.gm), None, bucket_size=4)
+            out = gm(*shards, *bufs, tokens, labels)
+        bucketed = (
+            sum(1 for n in gm.graph.nodes if "reduce_scatter_tensor" in str(n.target)),
+            bool(torch.equal(out[0], loss)) and all(torch.equal(a, b) for a, b in zip(out[1:], grads)),
+        )
         max_err = 0.0
         for s, g in zip(specs, grads):
             parts = [torch.empty_like(g) for _ in range(world)]
@@ -53,7 +63,7 @@ def _worker(rank, world, store_path, q):
         norm = fsdp.sharded_grad_norm_(shards, 1e9, group)
         ref_norm = torch.stack([g.double().pow(2).sum() for g in ref.values()]).sum().sqrt()
         q.put((rank, float(loss), float(ref_loss), max_err, dict(colls), len(specs),
-               float(norm), float(ref_norm)))
+               float(norm), float(ref_norm), bucketed))
     finally:
         dist.destroy_process_group()
 
@@ -61,12 +71,14 @@ def _worker(rank, world, store_path, q):
 @pytest.mark.slow
 def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
     """2 ranks, same batch on both: in-graph all-gather/reduce-scatter(mean) reproduce the
-    unsharded gradients (fp32; the mean over identical grads is exact up to rounding)."""
+    unsharded gradients (fp32; the mean over identical grads is exact up to rounding); with
+    bucket_collectives the step is bitwise the unbucketed one."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), q), nprocs=2, join=True)
     results = [q.get(timeout=60) for _ in range(2)]
-    for rank, loss, ref_loss, max_err, colls, n_params, norm, ref_norm in results:
+    for rank, loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) in results:
+        assert n_rs_bucketed == -(-n_params // 4) and same  # bucketed: 4 params per collective, same values
         assert loss == ref_loss  # forward: gathered params are bitwise the originals
         assert max_err < 1e-6
         # one all-gather per parameter in the forward, one reduce-scatter in the backward

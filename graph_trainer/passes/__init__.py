@@ -14,6 +14,7 @@ from graph_trainer.passes.annotate_rmsnorm import (
     find_rmsnorm_instances,
     validate_inductor_configs,
 )
+from graph_trainer.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
 from graph_trainer.passes.pipeline import (
@@ -38,6 +39,7 @@ __all__ = [
     "INDUCTOR_COMPILATION_MODES",
     "PASSES",
     "annotate_flex_attention_for_regional_inductor_pass",
+    "bucket_collectives_pass",
     "annotate_pointwise_for_regional_inductor_pass",
     "annotate_rmsnorm_for_regional_inductor_pass",
     "canonical_pass_name",

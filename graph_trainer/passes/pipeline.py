@@ -31,6 +31,7 @@ from graph_trainer.passes._common import num_nodes, op_counts, pop_pass_summary
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
+from graph_trainer.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
@@ -47,6 +48,7 @@ REMOVE_NOOP_VIEWS = "remove_noop_views"
 SAC_RECOMPUTE = "sac_recompute"
 OVERLAP_COLLECTIVES = "overlap_collectives"
 RESHARD_AFTER_FORWARD = "reshard_after_forward"
+BUCKET_COLLECTIVES = "bucket_collectives"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
 ANNOTATE_RMSNORM = "annotate_rmsnorm_for_regional_inductor"
 ANNOTATE_POINTWISE = "annotate_pointwise_for_regional_inductor"
@@ -62,6 +64,7 @@ PASSES: dict[str, Callable[..., Any]] = {
     SAC_RECOMPUTE: sac_recompute_pass,
     RESHARD_AFTER_FORWARD: reshard_after_forward_pass,
     OVERLAP_COLLECTIVES: overlap_collectives_pass,
+    BUCKET_COLLECTIVES: bucket_collectives_pass,
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
     ANNOTATE_RMSNORM: annotate_rmsnorm_for_regional_inductor_pass,
     ANNOTATE_POINTWISE: annotate_pointwise_for_regional_inductor_pass,
@@ -107,6 +110,7 @@ def resolve_pass_names(
     uses_flex_attention: bool = False,
     cudagraphs: bool = False,
     pointwise_regions: bool = False,
+    bucket_collectives: int = 0,
 ) -> list[str]:
     """The list of pass names to run, in :data:`DEFAULT_ORDER`.
 
@@ -114,6 +118,7 @@ def resolve_pass_names(
     ``sac_recompute`` (a no-op without op-level selective AC),
     ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs without
     FSDP / collectives), the
+    ``bucket_collectives`` (if ``bucket_collectives > 1``, the bucket size), the
     FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
     annotation (if ``numerics_changing_optim`` and ``inductor_compilation ==
     "regional"``; with ``"full"`` Inductor compiles every norm anyway), the
@@ -136,6 +141,8 @@ def resolve_pass_names(
         )
     if passes is None:
         names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, SAC_RECOMPUTE, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
+        if bucket_collectives > 1:
+            names.append(BUCKET_COLLECTIVES)
         if uses_flex_attention:
             names.append(ANNOTATE_FLEX_ATTENTION)
         if pointwise_regions and not numerics_changing_optim:
@@ -210,6 +217,7 @@ def run_passes(
     full_inductor_configs: dict[str, Any] | None = None,
     pin_collectives: bool = True,
     reshard_first_params: int | None = None,
+    bucket_size: int | None = None,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes ``names`` in the given order and return the final module.
@@ -222,7 +230,8 @@ def run_passes(
     per target; rewritten after each pass). ``sac_save_matmuls``: ``sac_recompute``
     keeps every ``aten.mm`` output even where selective AC tagged it for recompute.
     ``full_inductor_configs`` / ``pin_collectives``: passed to ``full_inductor``;
-    ``reshard_first_params`` to ``reshard_after_forward`` (``first_params``; None: all).
+    ``reshard_first_params`` to ``reshard_after_forward`` (``first_params``; None: all);
+    ``bucket_size`` to ``bucket_collectives`` (None: its default).
     """
     names = [canonical_pass_name(n) for n in names]
     graphs_dir = None
@@ -244,6 +253,8 @@ def run_passes(
             kwargs = {"save_ops": [torch.ops.aten.mm.default]}
         elif name == RESHARD_AFTER_FORWARD and reshard_first_params is not None:
             kwargs = {"first_params": reshard_first_params}
+        elif name == BUCKET_COLLECTIVES and bucket_size is not None:
+            kwargs = {"bucket_size": bucket_size}
         elif name == FULL_INDUCTOR:
             kwargs = {"inductor_configs": full_inductor_configs, "pin_collectives": pin_collectives}
         t0 = time.perf_counter()
