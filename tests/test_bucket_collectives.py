@@ -45,3 +45,45 @@ def test_bucket_size_one_is_noop_and_validation(fsdp_step):
     assert [n.name for n in gm.graph.nodes] == before
     with pytest.raises(ValueError, match="bucket_size"):
         bucket_collectives_pass(gm, None, bucket_size=0)
+
+
+def test_bf16_shard_casts_move_with_their_bucket():
+    """Mixed precision: each all-gather reads a bf16 cast of its shard that overlap_collectives'
+    hold also reads; the casts move up to the bucket's issue and the step stays bitwise."""
+    import torch.distributed as dist
+
+    from graph_trainer import fsdp
+    from graph_trainer.llama3 import Transformer, llama3_args
+    from graph_trainer.trace import trace_train_step
+    from graph_trainer.train import loss_fn
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        args = llama3_args["debugmodel"]
+        model = Transformer(type(args)(**{**args.__dict__, "n_layers": 2}))
+        with torch.no_grad():
+            model.init_weights()
+        tokens, labels = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
+        bufs, group = list(model.buffers()), dist.group.WORLD
+        specs, shards = fsdp.shard_parameters(model, group)
+        traced = trace_train_step(
+            model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
+            materialize=lambda ps: [fsdp.all_gather_param(p, s, group, param_dtype=torch.bfloat16)
+                                    for p, s in zip(ps, specs)],
+        )
+        inputs = (*shards, *bufs, tokens, labels)
+        with torch.no_grad():
+            ref = traced.gm(*inputs)
+        gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
+        casts = [n.args[0] for n in gm.graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]
+        assert all(len(c.users) == 2 for c in casts)  # the all-gather and the wait's hold
+        gm = bucket_collectives_pass(gm, None, bucket_size=9)
+        n = len(specs)
+        assert _count(gm, "all_gather_into_tensor") == -(-n // 9)
+        gm.graph.lint()
+        with torch.no_grad():
+            out = gm(*inputs)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    finally:
+        dist.destroy_process_group()

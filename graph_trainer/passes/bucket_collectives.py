@@ -107,14 +107,16 @@ def _pos(graph):
 
 def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | None:
     """Nodes to move so that ``x`` is defined before position ``before``: ``x`` and its
-    inputs defined at or after ``before``, all single-user call_functions (the shard
-    cast chain); None when that is not the case."""
+    inputs defined at or after ``before``, all call_functions with one user besides
+    ``hold``s (the shard cast chain; ``overlap_collectives``' keep-alive ``hold`` of the
+    wait also reads it, and comes later); None when that is not the case."""
     chain, stack = [], [x]
     while stack:
         n = stack.pop()
         if pos[n] < before:
             continue
-        if n.op != "call_function" or len(n.users) != 1 or _collective_kind(n) or _is_wait(n):
+        users = [u for u in n.users if u.target is not hold]
+        if n.op != "call_function" or len(users) != 1 or _collective_kind(n) or _is_wait(n):
             return None
         chain.append(n)
         stack.extend(n.all_input_nodes)
