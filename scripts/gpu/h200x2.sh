@@ -32,13 +32,14 @@ fi
 #  exposed, 176 ms/step: Inductor's reorder_for_peak_memory / reorder_for_locality undo the
 #  overlap schedule.) pending: the same with the schedule pinned (--compile.pin_collectives),
 #  and Inductor's own overlap scheduler instead.
-# (call 2, measured: pin_save_mm 1.065x jit at 80.8 GiB, pin_sac 1.008x at 72.5 GiB; Inductor's
-#  overlap scheduler failed in its post-grad pass.) pending: spend the 10 GiB left under jit.
-# Predicted before the call: pin_save_mm again 1.05-1.08x jit at ~81 GiB; without
-# reshard_after_forward +2-3 % over it (1.08-1.10x) at 90-93 GiB; without AC (sac_recompute off)
-# +1.5-3 % over it at 92-96 GiB.
-F="--compile.inductor_compilation full --compile.pin_collectives"
+# (calls 2-4, docs/perf.md: pinned full-graph Inductor + sac_save_matmuls 1.058-1.073x jit at
+#  80.8 GiB; without reshard_after_forward 1.101x at 92.9 GiB; without AC 1.099x at 93.0 GiB.)
+# pending (docs/perf.md "Not measured yet"): per-block bucketing of the FSDP collectives, and
+# resharding only the first 8 blocks (73 parameters: the embedding + 9 per block) to buy the
+# 2 GiB back. Predictions: bucketing +1-4 % tps, +1-2 GiB; first-8-blocks reshard with
+# bucketing 1.09-1.11x jit at 89.5-91 GiB.
+F="--compile.inductor_compilation full --compile.sac_save_matmuls"
 run jit 110 --compile.mode jit
-run pin_save_mm 160 $F --compile.sac_save_matmuls
-run pin_save_mm_noreshard 145 $F --compile.sac_save_matmuls --compile.disable_passes reshard_after_forward
-run pin_noac 145 $F --compile.disable_passes sac_recompute
+run pin_save_mm_bucket 200 $F --compile.bucket_collectives 9
+run pin_save_mm_bucket_reshard8 200 $F --compile.bucket_collectives 9 --compile.reshard_first_params 73
+# next: RUNS="jit:110:--compile.mode jit;noreshard_bucket:200:$F --compile.bucket_collectives 9 --compile.disable_passes reshard_after_forward" bash scripts/gpu/h200x2.sh
