@@ -148,6 +148,12 @@ def _bucket_all_gather(graph, members) -> int:
             piece = _call(graph, operator.getitem, (parts, i), first_wait)
             piece = _call(graph, aten.clone.default, (piece,), first_wait, {"memory_format": torch.contiguous_format})
             results.append(_call(graph, aten.view.default, (piece, [-1]), first_wait))
+    return _replace_members(graph, members, results)
+
+
+def _replace_members(graph, members, results) -> int:
+    """Point every use of a member's result (its hold, else its wait) at ``results[i]``
+    and erase the member's hold, wait and issue; returns the number of members."""
     for (issue, wait, hld), res in zip(members, results):
         (hld or wait).replace_all_uses_with(res)
         for n in (hld, wait, issue):
@@ -168,25 +174,13 @@ def _bucket_reduce_scatter(graph, members) -> int:
         rs = _call(graph, _c10d.reduce_scatter_tensor.default, (flat, op, w, group), last_issue)
     pos = _pos(graph)
     last_wait = max((m[1] for m in members), key=pos.__getitem__)
-    with graph.inserting_after(last_wait):
+    with graph.inserting_before(last_wait.next):
         out = _call(graph, _c10d.wait_tensor.default, (rs,), last_wait)
-    with graph.inserting_after(out):
-        tail = out
         if any(m[2] is not None for m in members):
-            tail = _call(graph, hold, (out, flat), last_wait)
-    with graph.inserting_after(tail):
-        parts = _call(graph, aten.split_with_sizes.default, (tail, chunks), last_wait)
-    results, at = [], parts
-    for i in range(len(members)):
-        with graph.inserting_after(at):
-            at = _call(graph, operator.getitem, (parts, i), last_wait)
-        results.append(at)
-    for (issue, wait, hld), res in zip(members, results):
-        (hld or wait).replace_all_uses_with(res)
-        for n in (hld, wait, issue):
-            if n is not None:
-                graph.erase_node(n)
-    return len(members)
+            out = _call(graph, hold, (out, flat), last_wait)
+        parts = _call(graph, aten.split_with_sizes.default, (out, chunks), last_wait)
+        results = [_call(graph, operator.getitem, (parts, i), last_wait) for i in range(len(members))]
+    return _replace_members(graph, members, results)
 
 
 def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple]]:
