@@ -5,10 +5,11 @@ Why: ``overlap_collectives`` places every all-gather / reduce-scatter issue and 
 keep that order: its scheduler's ``reorder_for_peak_memory`` (on by default) picks the
 topological order with the smallest estimated peak, which issues each collective just
 before its wait. Measured on the 8B FSDP2 step (2x H200, docs/perf.md): 176 ms per step
-with only communication running, none of it overlapped. With ``reorder_for_peak_memory``
-off, the scheduler instead sinks every reduce-scatter wait to the end of the graph,
-keeping every unsharded fp32 gradient alive (Inductor holds a collective's input until
-its wait).
+with only communication running, none of it overlapped. Separately, the traced step is
+an inference graph to Inductor, and for those the post-grad ``reorder_for_locality``
+moves every wait right before its first user: each reduce-scatter wait to the end of the
+graph, keeping every unsharded fp32 gradient alive (Inductor holds a collective's input
+until its wait). ``full_inductor_pass(pin_collectives=True)`` turns that pass off.
 
 Matches (on Inductor's post-grad graph, through ``post_grad_custom_post_pass``):
 ``_c10d_functional`` collectives and their ``wait_tensor`` nodes, and the *anchors*:
