@@ -691,6 +691,7 @@ def test_registry_and_order():
         "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
+        "bucket_collectives",
         "annotate_flex_attention_for_regional_inductor",
         "annotate_rmsnorm_for_regional_inductor",
         "annotate_pointwise_for_regional_inductor",
@@ -719,7 +720,12 @@ def test_resolve_defaults():
     ]
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", uses_flex_attention=True, cudagraphs=True
-    ) == DEFAULT_ORDER[:7] + ["regional_inductor", "cudagraph"]
+    ) == DEFAULT_ORDER[:5] + DEFAULT_ORDER[6:8] + ["regional_inductor", "cudagraph"]
+    # bucketing only when asked for, right after overlap_collectives
+    assert resolve_pass_names(**kw, numerics_changing_optim=False, inductor_compilation="full",
+                              bucket_collectives=9)[-3:] == ["overlap_collectives", "bucket_collectives", "full_inductor"]
+    assert "bucket_collectives" not in resolve_pass_names(
+        **kw, numerics_changing_optim=False, inductor_compilation="full", bucket_collectives=1)
     assert resolve_pass_names(
         **kw, numerics_changing_optim=True, inductor_compilation="regional", pointwise_regions=True
     )[-3:] == ["annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
