@@ -7,7 +7,8 @@ export NGPU=2 CONFIG_FILE=train_configs/llama3_8b.toml
 run() {  # name, timeout, flags...  (RUNS="name:timeout:flags;..." overrides the list below)
     local name=$1 t=$2 rc; shift 2
     timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
-    rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback"; } >> "$OUT/failed_tails.txt"
+    rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback";
+        echo "--- last lines"; grep -v "^\[rank1\]" "/tmp/$name.log" | tail -12; } >> "$OUT/failed_tails.txt"  # the message
     { echo "### $name"; cat "/tmp/r_$name/metrics.jsonl" 2>/dev/null; } >> "$OUT/metrics_all.txt"
     for k in /tmp/r_$name/profile_traces/iteration_*/rank0_kernels.md; do  # --profiling.enable_profiling
         [ -f "$k" ] && { echo "### $name ($k)"; cat "$k"; } >> "$OUT/kernels_all.md"
