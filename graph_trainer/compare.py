@@ -648,11 +648,6 @@ def profile_flags(step: int | None) -> list[str]:
             "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
 
 
-#: rows of the step timeline (graph_trainer.profiling.timeline_breakdown), in print order
-TIMELINE_ROWS = [("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
-                 ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running")]
-
-
 def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
     """Device (CPU on CPU) milliseconds of the profiled step by kernel category, per side.
 
@@ -663,6 +658,8 @@ def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
     {category: ms}}, "timeline": {side: {key: ms}}, "markdown"}``; a side without a
     readable summary has no entry.
     """
+    from graph_trainer.profiling import TIMELINE_ROWS  # here: the launcher itself imports no torch
+
     found: dict[str, list[dict]] = {"A": [], "B": []}
     for r in runs:
         path = os.path.join(r.dump_folder, "profile_traces", f"iteration_{step}", "rank0_kernels.json")
@@ -687,21 +684,21 @@ def kernel_comparison(runs: list[Run], labels: dict, step: int) -> dict:
         f"| category | A: {labels['A']} | B: {labels['B']} | Δ B − A |",
         "|---|---:|---:|---:|",
     ]
-    cell = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    for c in order + ["total"]:
-        a, b = (sides.get(s, {}).get(c) for s in ("A", "B"))
+    def row(label: str, per_side: dict, key: str) -> str:
+        a, b = (per_side.get(s, {}).get(key) for s in ("A", "B"))
         d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
-        lines.append(f"| {'**total**' if c == 'total' else c} | {cell(a)} | {cell(b)} | {d} |")
+        cell = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+        return f"| {label} | {cell(a)} | {cell(b)} | {d} |"
+
+    for c in order + ["total"]:
+        lines.append(row("**total**" if c == "total" else c, sides, c))
     timeline = {
         s: {key: statistics.median(k["timeline"][key] for k in ks) for key, _ in TIMELINE_ROWS}
         for s, ks in found.items() if ks and all(k.get("timeline", {}).get("wall_ms") for k in ks)
     }
     if timeline:
         lines += ["", f"| step timeline | A: {labels['A']} | B: {labels['B']} | Δ B − A |", "|---|---:|---:|---:|"]
-        for key, label in TIMELINE_ROWS:
-            a, b = (timeline.get(s, {}).get(key) for s in ("A", "B"))
-            d = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
-            lines.append(f"| {label} | {cell(a)} | {cell(b)} | {d} |")
+        lines += [row(label, timeline, key) for key, label in TIMELINE_ROWS]
     return {"step": step, "unit": unit, "runs": {s: len(v) for s, v in found.items()}, "sides": sides,
             "timeline": timeline, "markdown": "\n".join(lines)}
 

@@ -135,6 +135,18 @@ def split_names(value: str) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
+def memory_pass_options(compile_cfg) -> dict[str, Any]:
+    """``run_passes`` keyword arguments of the graph-level memory / collective passes, from
+    ``[compile]``: ``sac_save_matmuls``, ``reshard_first_params`` (None for all, from -1)
+    and ``bucket_size`` (None unless ``bucket_collectives > 1``). Shared by training and
+    the dry run, so both run the same pipeline."""
+    return {
+        "sac_save_matmuls": compile_cfg.sac_save_matmuls,
+        "reshard_first_params": None if compile_cfg.reshard_first_params < 0 else compile_cfg.reshard_first_params,
+        "bucket_size": compile_cfg.bucket_collectives if compile_cfg.bucket_collectives > 1 else None,
+    }
+
+
 def rewrite_aliases(argv: list[str]) -> list[str]:
     """Map newer torchtitan flag spellings to torchtitan 0.2.2's.
 

@@ -122,7 +122,7 @@ def dry_run(cfg) -> dict:
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)
     # the graph-level passes of the configured pipeline (compiling passes need real tensors)
-    from graph_trainer.config import split_names
+    from graph_trainer.config import memory_pass_options, split_names
     from graph_trainer.passes import resolve_pass_names, run_passes
     from graph_trainer.passes.memory_estimate import estimate_peak_memory
 
@@ -134,12 +134,7 @@ def dry_run(cfg) -> dict:
         inductor_compilation="none",
         bucket_collectives=cfg.compile.bucket_collectives,
     )
-    gm = run_passes(
-        gm, traced.example_inputs, names,
-        sac_save_matmuls=cfg.compile.sac_save_matmuls,
-        reshard_first_params=None if cfg.compile.reshard_first_params < 0 else cfg.compile.reshard_first_params,
-        bucket_size=cfg.compile.bucket_collectives if cfg.compile.bucket_collectives > 1 else None,
-    )
+    gm = run_passes(gm, traced.example_inputs, names, **memory_pass_options(cfg.compile))
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
     summary = {

@@ -142,6 +142,13 @@ def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tupl
     return {k: v / len(steps) for k, v in out.items()}
 
 
+#: the rows of :func:`timeline_breakdown` that add up to the wall time, in print order
+TIMELINE_ROWS: list[tuple[str, str]] = [
+    ("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
+    ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
+]
+
+
 def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     """The summary of :func:`summarize_events` as two markdown tables."""
     lines = [
@@ -156,9 +163,7 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     t = summary.get("timeline")
     if t and t.get("wall_ms"):
         lines += ["", "| step timeline | ms/step | share of wall |", "|---|---:|---:|"]
-        for key, label in [("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
-                           ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
-                           ("comm_ms", "(communication running, overlapped or not)")]:
+        for key, label in TIMELINE_ROWS + [("comm_ms", "(communication running, overlapped or not)")]:
             lines.append(f"| {label} | {t[key]:.2f} | {100 * t[key] / t['wall_ms']:.1f} % |")
     lines += ["", "| top kernel | category | ms/step | launches/step |", "|---|---|---:|---:|"]
     for r in summary["top"]:

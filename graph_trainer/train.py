@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from graph_trainer.config import parse_args, split_names
+from graph_trainer.config import memory_pass_options, parse_args, split_names
 from graph_trainer.errors import UserError
 
 logger = logging.getLogger("graph_trainer")
@@ -268,12 +268,10 @@ def _trace_and_compile(model, tokens, labels, param_dtype, pass_names, cfg, extr
         pass_names,
         rmsnorm_inductor_configs=cfg.compile.rmsnorm_inductor_configs or None,
         rmsnorm_candidate_configs=DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None,
-        sac_save_matmuls=cfg.compile.sac_save_matmuls,
         full_inductor_configs=cfg.compile.full_inductor_configs or None,
         pin_collectives=cfg.compile.pin_collectives,
-        reshard_first_params=None if cfg.compile.reshard_first_params < 0 else cfg.compile.reshard_first_params,
-        bucket_size=cfg.compile.bucket_collectives if cfg.compile.bucket_collectives > 1 else None,
         dump_folder=dump,
+        **memory_pass_options(cfg.compile),
     )
     compile_s = time.perf_counter() - t0
     logger.info(f"Pass pipeline [{', '.join(pass_names)}] took {compile_s:.2f}s")

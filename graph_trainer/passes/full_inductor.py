@@ -68,7 +68,7 @@ def full_inductor_pass(
 
     Stats: ``compile_s``, ``nodes_compiled``.
     """
-    from graph_trainer.passes.overlap_collectives import strip_holds
+    from graph_trainer.passes.overlap_collectives import _collective_kind, strip_holds
     from graph_trainer.passes.sac_recompute import strip_recompute_tags
 
     strip_holds(gm)  # keep-alive identities of overlap_collectives (CPU): Inductor owns lifetimes
@@ -81,9 +81,7 @@ def full_inductor_pass(
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(inductor_configs or {})
-    pin_collectives = pin_collectives and any(
-        n.op == "call_function" and "_c10d_functional" in str(n.target) for n in gm.graph.nodes
-    )
+    pin_collectives = pin_collectives and any(_collective_kind(n) for n in gm.graph.nodes)
     if pin_collectives:
         from graph_trainer.passes.pin_collectives import PinCollectivesPass
 

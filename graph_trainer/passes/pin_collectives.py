@@ -37,11 +37,9 @@ import logging
 import torch
 import torch.fx
 
+from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
+
 logger = logging.getLogger("graph_trainer")
-
-
-def _is_collective(n: torch.fx.Node) -> bool:
-    return n.op == "call_function" and "_c10d_functional" in str(getattr(n.target, "namespace", "") or n.target)
 
 
 _ANCHORS = ("mm", "addmm", "bmm", "_scaled_mm")
@@ -71,10 +69,10 @@ def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch
             anchor_at[i] = n
     deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for w in graph.nodes:
-        if not (w.op == "call_function" and "wait_tensor" in str(w.target)):
+        if not _is_wait(w):
             continue
         c = w.args[0] if w.args else None
-        if not isinstance(c, torch.fx.Node) or not _is_collective(c) or c not in pos:
+        if not isinstance(c, torch.fx.Node) or _collective_kind(c) is None or c not in pos:
             continue
         lo = bisect.bisect_right(anchors, pos[c])
         hi = bisect.bisect_left(anchors, pos[w])
