@@ -197,14 +197,18 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     return out, ("device" if on_device else "CPU")
 
 
-def _timeline_of(prof) -> dict[str, float]:
-    """:func:`timeline_breakdown` of the recorded window (device kernels; on CPU, ATen ops)."""
-    on_device = torch.cuda.is_available()
+def _timeline_of(prof, on_device: bool | None = None) -> dict[str, float]:
+    """:func:`timeline_breakdown` of the recorded window (device kernels; on CPU, ATen ops).
+    ``on_device``: default ``torch.cuda.is_available()``."""
+    on_device = torch.cuda.is_available() if on_device is None else on_device
     kernels, steps = [], []
     for evt in prof.events():
         tr = evt.time_range
         if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", listed as "ProfilerStep*"
-            steps.append((tr.start, tr.end))
+            # the host-side range only: on CUDA the profiler also lists the step as a GPU
+            # annotation, which would make one recorded step count as two windows
+            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                steps.append((tr.start, tr.end))
         elif on_device and getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and not _annotation(evt):
             kernels.append((tr.start, tr.end, kernel_category(evt.name)))
         elif not on_device and evt.name.startswith("aten::"):  # nested ops: the union counts once

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from graph_trainer.profiling import kernel_category, summarize_events, summary_markdown
 
@@ -81,3 +82,28 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     s["timeline"] = t
     md = summary_markdown(s)
     assert "| only communication running | 0.01 | 10.0 % |" in md and "| nothing running | 0.01 | 15.0 % |" in md
+
+
+def test_timeline_of_device_events_one_window_per_step_no_annotations():
+    """On CUDA the profiler lists a step twice (host range + GPU annotation) and NCCL /
+    optimizer ranges as GPU annotations: one window per step, annotations are not kernels."""
+    from types import SimpleNamespace as NS
+
+    from graph_trainer.profiling import _timeline_of
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def evt(name, a, b, dev, ann=False):
+        return NS(name=name, time_range=NS(start=a, end=b), device_type=dev, is_user_annotation=ann)
+
+    events = [
+        evt("ProfilerStep#10", 0, 1000, cpu, ann=True),
+        evt("ProfilerStep*", 100, 900, cuda, ann=True),  # the GPU-side range of the same step
+        evt("nccl:all_gather", 100, 400, cuda, ann=True),
+        evt("nvjet_gemm", 200, 600, cuda),
+        evt("ncclDevKernel_AllGather", 100, 400, cuda),
+    ]
+    t = _timeline_of(NS(events=lambda: events), on_device=True)
+    assert t["wall_ms"] == pytest.approx(1.0)  # one window, the host step
+    assert t["compute_ms"] == pytest.approx(0.4) and t["exposed_comm_ms"] == pytest.approx(0.1)
+    assert t["idle_ms"] == pytest.approx(0.5)
