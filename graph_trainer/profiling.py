@@ -124,13 +124,19 @@ def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tupl
         of every non-communication kernel (time the GPU computes); ``comm_ms``, the union of
         communication kernels; ``exposed_comm_ms``, communication while no compute kernel
         runs; ``idle_ms``, time with no kernel at all (launch-bound or waiting on the host).
-        ``compute_ms + exposed_comm_ms + idle_ms == wall_ms``. All zero without ``steps``.
+        ``compute_ms + exposed_comm_ms + idle_ms == wall_ms``. Of ``exposed_comm_ms``:
+        ``exposed_head_ms`` lies before the step's first matmul kernel starts (e.g. the
+        first all-gather) and ``exposed_tail_ms`` after its last matmul ends (e.g. the last
+        reduce-scatters before the optimizer); the rest is exposed between matmuls. A step
+        without matmul kernels counts all of it as head. All zero without ``steps``.
     """
-    out = {"wall_ms": 0.0, "compute_ms": 0.0, "comm_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0}
+    out = {"wall_ms": 0.0, "compute_ms": 0.0, "comm_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0,
+           "exposed_head_ms": 0.0, "exposed_tail_ms": 0.0}
     if not steps:
         return out
     comp = _union([(a, b) for a, b, c in kernels if c != "communication"])
     comm = _union([(a, b) for a, b, c in kernels if c == "communication"])
+    mms = [(a, b) for a, b, c in kernels if c == "matmul"]
     for lo, hi in steps:
         c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
         busy = _length(_union(c + m))
@@ -139,6 +145,12 @@ def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tupl
         out["comm_ms"] += _length(m) / 1e3
         out["exposed_comm_ms"] += (busy - _length(c)) / 1e3
         out["idle_ms"] += (hi - lo - busy) / 1e3
+        mm = _clip(mms, lo, hi)
+        first = min((a for a, _ in mm), default=hi)
+        last = max((b for _, b in mm), default=hi)
+        for key, a, b in (("exposed_head_ms", lo, first), ("exposed_tail_ms", last, hi)):
+            cc, mc = _clip(c, a, b), _clip(m, a, b)
+            out[key] += (_length(_union(cc + mc)) - _length(cc)) / 1e3
     return {k: v / len(steps) for k, v in out.items()}
 
 
@@ -146,6 +158,11 @@ def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tupl
 TIMELINE_ROWS: list[tuple[str, str]] = [
     ("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
     ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
+]
+#: further rows (not part of the sum)
+TIMELINE_EXTRA_ROWS: list[tuple[str, str]] = [
+    ("exposed_head_ms", "(of it: before the first matmul)"), ("exposed_tail_ms", "(of it: after the last matmul)"),
+    ("comm_ms", "(communication running, overlapped or not)"),
 ]
 
 
@@ -163,7 +180,7 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
     t = summary.get("timeline")
     if t and t.get("wall_ms"):
         lines += ["", "| step timeline | ms/step | share of wall |", "|---|---:|---:|"]
-        for key, label in TIMELINE_ROWS + [("comm_ms", "(communication running, overlapped or not)")]:
+        for key, label in TIMELINE_ROWS + [r for r in TIMELINE_EXTRA_ROWS if r[0] in t]:
             lines.append(f"| {label} | {t[key]:.2f} | {100 * t[key] / t['wall_ms']:.1f} % |")
     lines += ["", "| top kernel | category | ms/step | launches/step |", "|---|---|---:|---:|"]
     for r in summary["top"]:

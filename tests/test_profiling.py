@@ -77,11 +77,17 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     assert t["exposed_comm_ms"] == pytest.approx(20 / 2 / 1e3)
     assert t["idle_ms"] == pytest.approx(30 / 2 / 1e3)
     assert t["compute_ms"] + t["exposed_comm_ms"] + t["idle_ms"] == pytest.approx(t["wall_ms"])
+    assert t["exposed_tail_ms"] == pytest.approx(20 / 2 / 1e3) and t["exposed_head_ms"] == 0  # after step 1's gemm
     assert timeline_breakdown(kernels, [])["wall_ms"] == 0
+    # exposed before the first matmul (0-10), between matmuls (30-35), after the last one (60-70)
+    t2 = timeline_breakdown([(0, 10, "communication"), (10, 30, "matmul"), (30, 35, "communication"),
+                            (35, 60, "matmul"), (55, 70, "communication")], [(0, 70)])
+    assert (t2["exposed_head_ms"], t2["exposed_comm_ms"], t2["exposed_tail_ms"]) == pytest.approx((0.01, 0.025, 0.01))
     s = summarize_events([("nvjet_gemm", 150.0, 2)], steps=2)
     s["timeline"] = t
     md = summary_markdown(s)
     assert "| only communication running | 0.01 | 10.0 % |" in md and "| nothing running | 0.01 | 15.0 % |" in md
+    assert "| (of it: after the last matmul) | 0.01 | 10.0 % |" in md
 
 
 def test_timeline_of_device_events_one_window_per_step_no_annotations():

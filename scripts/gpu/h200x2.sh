@@ -39,8 +39,13 @@ fi
 # resharding only the first 8 blocks (73 parameters: the embedding + 9 per block) to buy the
 # 2 GiB back. Predictions: bucketing +1-4 % tps, +1-2 GiB; first-8-blocks reshard with
 # bucketing 1.09-1.11x jit at 89.5-91 GiB.
+# (2026-11-23 third session, call 1, docs/perf.md: bucketed 1.094x jit at 82.0 GiB; bucketed +
+#  first-8-blocks reshard 1.106x but 99.5 GiB, 8.6 GiB above the dry-run estimate.)
+# call 2 predictions: bucketed again 1.07-1.11x at 82.0 GiB; profiled step 10: exposed
+# communication < 40 ms (pinned, unbucketed: 67), matmul kernels <= 520 ms (unbucketed 544);
+# bucket 18 (two blocks per collective): within +-1 % of bucket 9, +0.4-1 GiB.
 F="--compile.inductor_compilation full --compile.sac_save_matmuls"
+P="--profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 2 --profiling.profiler_active 1"
 run jit 110 --compile.mode jit
-run pin_save_mm_bucket 200 $F --compile.bucket_collectives 9
-run pin_save_mm_bucket_reshard8 200 $F --compile.bucket_collectives 9 --compile.reshard_first_params 73
-# next: RUNS="jit:110:--compile.mode jit;noreshard_bucket:200:$F --compile.bucket_collectives 9 --compile.disable_passes reshard_after_forward" bash scripts/gpu/h200x2.sh
+run pin_save_mm_bucket 200 $F --compile.bucket_collectives 9 $P
+run pin_save_mm_bucket18 200 $F --compile.bucket_collectives 18
