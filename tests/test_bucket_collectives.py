@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from graph_trainer.passes import bucket_collectives_pass, overlap_collectives_pass, reshard_after_forward_pass
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
+from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold
 
 
 def _count(gm, kind):
@@ -32,6 +32,12 @@ def test_buckets_bitwise(fsdp_step, bucket_size):
         if _collective_kind(n):
             waits = [u for u in n.users if _is_wait(u)]
             assert len(waits) == 1 and pos[waits[0]] > pos[n]
+    for n in gm.graph.nodes:  # a bucket's gathered buffer is read once, by the copy-out op
+        if _collective_kind(n) == "all_gather_into_tensor" and n.args[0].target is torch.ops.aten.cat.default:
+            (out,) = n.users  # the wait, or overlap_collectives' hold after it
+            out = next((u for u in out.users if u.target is hold), out)
+            readers = list(out.users)
+            assert [u.target for u in readers] == [torch.ops.graph_trainer.unbucket_all_gather.default]
     with torch.no_grad():
         for _ in range(2):
             out = gm(*inputs)

@@ -18,8 +18,8 @@ Changes, per bucket of ``n`` collectives of a ``W``-rank group:
 
 * **all-gather** (issued where the first member was issued, waited where the earliest
   member wait was): ``cat`` of the ``n`` shards -> one all-gather -> the ``[W * S]``
-  result viewed ``[W, S]``, split by shard size along dim 1 and each piece copied to the
-  ``[W * chunk]`` rank-major layout its member produced. Bit for bit the same values;
+  result copied out, by :func:`unbucket_all_gather` (one op, opaque to Inductor), to the
+  ``[W * chunk]`` rank-major layout each member produced. Bit for bit the same values;
   one extra copy of the gathered bytes (FSDP2's ``split_with_sizes_copy``). Member shard
   casts defined after the bucket's issue point are moved up to it (they depend only on
   placeholders); a member whose input cannot move ends the bucket.
@@ -50,6 +50,38 @@ from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait,
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+@torch.library.custom_op("graph_trainer::unbucket_all_gather", mutates_args=())
+def unbucket_all_gather(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
+    """Copy each member out of a bucketed all-gather result, as FSDP2's
+    ``split_with_sizes_copy`` does.
+
+    Args:
+        gathered: ``[world * sum(sizes)]``, rank-major: rank ``r``'s bucket (its shards
+            of every member, concatenated) at ``[r * sum(sizes), (r + 1) * sum(sizes))``.
+        world: number of ranks of the all-gather.
+        sizes: each member's shard size (elements per rank).
+
+    Returns:
+        One new ``[world * sizes[i]]`` tensor per member, rank-major, the layout the
+        member's own all-gather produced; same dtype and device as ``gathered``.
+
+    An opaque op on purpose: Inductor realizes its outputs as buffers of their own, so
+    the bucket buffer dies here. With plain ``split`` + ``clone``, Inductor inlined the
+    copy of pointwise-read members (the norm weights) into their backward consumers and
+    kept the whole bucket alive next to the copied matmul weights; with parameters kept
+    unsharded for the backward (``reshard_first_params``, no ``reshard_after_forward``)
+    that is 2x their bytes (8B, 24 kept blocks: 99.5 GiB peak, docs/perf.md).
+    """
+    outs = [gathered.new_empty(world * s) for s in sizes]
+    torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=[o.view(world, s) for o, s in zip(outs, sizes)])
+    return outs
+
+
+@unbucket_all_gather.register_fake
+def _(gathered, world, sizes):
+    return [gathered.new_empty(world * s) for s in sizes]
 
 
 def _member(issue: torch.fx.Node):
@@ -141,13 +173,8 @@ def _bucket_all_gather(graph, members) -> int:
         out = _call(graph, _c10d.wait_tensor.default, (ag,), first_wait)
         if any(m[2] is not None for m in members):
             out = _call(graph, hold, (out, flat), first_wait)
-        rows = _call(graph, aten.view.default, (out, [w, sum(sizes)]), first_wait)
-        parts = _call(graph, aten.split_with_sizes.default, (rows, sizes, 1), first_wait)
-        results = []
-        for i in range(len(members)):
-            piece = _call(graph, operator.getitem, (parts, i), first_wait)
-            piece = _call(graph, aten.clone.default, (piece,), first_wait, {"memory_format": torch.contiguous_format})
-            results.append(_call(graph, aten.view.default, (piece, [-1]), first_wait))
+        parts = _call(graph, torch.ops.graph_trainer.unbucket_all_gather.default, (out, w, sizes), first_wait)
+        results = [_call(graph, operator.getitem, (parts, i), first_wait) for i in range(len(members))]
     return _replace_members(graph, members, results)
 
 

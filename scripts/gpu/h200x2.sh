@@ -44,8 +44,14 @@ fi
 # call 2 predictions: bucketed again 1.07-1.11x at 82.0 GiB; profiled step 10: exposed
 # communication < 40 ms (pinned, unbucketed: 67), matmul kernels <= 520 ms (unbucketed 544);
 # bucket 18 (two blocks per collective): within +-1 % of bucket 9, +0.4-1 GiB.
+# (call 2, docs/perf.md: bucketed 1.079x at 82.0 GiB, exposed communication 17.7 ms, matmuls
+#  552 ms; bucket 18 1.091x at 84.9 GiB.) Then found on CPU: Inductor inlined the bucket copy-out
+#  of pointwise-read members into their backward users, keeping each bucket alive next to the
+#  copies (kept blocks cost 2x); fixed with the opaque unbucket_all_gather op.
+# call 3 predictions (peak = measured bucketed peak + dry-run difference of the kept blocks):
+#  bucket 18, last 12 blocks kept (reshard_first_params 181): 1.09-1.11x jit at <= 89.8 GiB;
+#  bucket 9, last 18 blocks kept (reshard_first_params 127): 1.08-1.10x jit at <= 89.4 GiB.
 F="--compile.inductor_compilation full --compile.sac_save_matmuls"
-P="--profiling.enable_profiling --profiling.profile_freq 10 --profiling.profiler_warmup 2 --profiling.profiler_active 1"
 run jit 110 --compile.mode jit
-run pin_save_mm_bucket 200 $F --compile.bucket_collectives 9 $P
-run pin_save_mm_bucket18 200 $F --compile.bucket_collectives 18
+run b18_keep12 200 $F --compile.bucket_collectives 18 --compile.reshard_first_params 181
+run b9_keep18 200 $F --compile.bucket_collectives 9 --compile.reshard_first_params 127
