@@ -55,6 +55,7 @@ fi
 #  1.102x at 88.3 GiB: the target, once.)
 # call 4 predictions: bucket 18 + 12 kept again 1.08-1.12x at 86.8 GiB; 16 kept
 #  (reshard_first_params 145) at 86.8 + 4 x 0.41 = 88.4 GiB, tps within +-1 % of 12 kept.
+# (call 4, docs/perf.md: 12 kept again 1.104x at 86.8 GiB; 16 kept 1.106x at 88.4 GiB.)
 F="--compile.inductor_compilation full --compile.sac_save_matmuls"
 run jit 110 --compile.mode jit
 run b18_keep12 170 $F --compile.bucket_collectives 18 --compile.reshard_first_params 181
