@@ -196,19 +196,27 @@ def _annotation(evt) -> bool:
     return bool(getattr(evt, "is_user_annotation", False))
 
 
+def _on_cuda(evt) -> bool:
+    return getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
+
+
+def _counted(evt, name: str, on_device: bool) -> bool:
+    """The events both summaries count: device kernels (not annotations) on CUDA, ATen ops
+    (by ``name``) on CPU."""
+    return (_on_cuda(evt) and not _annotation(evt)) if on_device else name.startswith("aten::")
+
+
 def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     on_device = torch.cuda.is_available()
     out = []
     for evt in prof.key_averages():
+        if not _counted(evt, evt.key, on_device):
+            continue
         if on_device:
-            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA or _annotation(evt):
-                continue
             us = getattr(evt, "self_device_time_total", None)
             if us is None:  # older torch
                 us = evt.self_cuda_time_total
         else:
-            if not evt.key.startswith("aten::"):
-                continue
             us = evt.self_cpu_time_total
         out.append((evt.key, float(us), int(evt.count)))
     return out, ("device" if on_device else "CPU")
@@ -224,11 +232,9 @@ def _timeline_of(prof, on_device: bool | None = None) -> dict[str, float]:
         if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", listed as "ProfilerStep*"
             # the host-side range only: on CUDA the profiler also lists the step as a GPU
             # annotation, which would make one recorded step count as two windows
-            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            if not _on_cuda(evt):
                 steps.append((tr.start, tr.end))
-        elif on_device and getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA and not _annotation(evt):
-            kernels.append((tr.start, tr.end, kernel_category(evt.name)))
-        elif not on_device and evt.name.startswith("aten::"):  # nested ops: the union counts once
+        elif _counted(evt, evt.name, on_device):  # CPU: nested ops, the union counts them once
             kernels.append((tr.start, tr.end, kernel_category(evt.name)))
     return timeline_breakdown(kernels, steps)
 

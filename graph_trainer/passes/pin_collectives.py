@@ -37,6 +37,7 @@ import logging
 import torch
 import torch.fx
 
+from graph_trainer.passes._common import packet_name
 from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
 
 logger = logging.getLogger("graph_trainer")
@@ -46,8 +47,7 @@ _ANCHORS = ("mm", "addmm", "bmm", "_scaled_mm")
 
 
 def _is_anchor(n: torch.fx.Node) -> bool:
-    packet = getattr(n.target, "overloadpacket", None)
-    return n.op == "call_function" and packet is not None and packet.__name__ in _ANCHORS
+    return packet_name(n) in _ANCHORS
 
 
 def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
