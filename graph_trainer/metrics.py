@@ -11,6 +11,11 @@ Definitions (torchtitan's, ``torchtitan/components/metrics.py``):
   peak (:func:`peak_bf16_flops`); unknown devices and CPU report ``None`` (n/a).
 * ``memory_gib``: CUDA max reserved GiB (``torch.cuda.max_memory_reserved``) and % of
   the device; CPU: peak RSS of this process (``ru_maxrss``).
+
+``metrics.jsonl`` (rank 0): one JSON object per logged step (:class:`StepMetrics`),
+then ``{"summary": {...}}`` (:meth:`MetricsLogger.summary`); :func:`read_metrics` reads
+it back. torch is imported inside the functions that use it, so that the comparison
+tools (:mod:`graph_trainer.tools`), which read ``metrics.jsonl``, stay torch-free.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("graph_trainer")
 
@@ -44,6 +51,8 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     """Dense bf16 peak FLOP/s of ``device``; ``None`` for CPU and unknown GPUs."""
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     for key, flops in _PEAK_BF16:
         if key in name:
@@ -54,6 +63,8 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 def memory_stats(device: torch.device) -> tuple[float, float | None]:
     """``(GiB, % of device or None)``: CUDA max reserved, or CPU peak RSS."""
     if device.type == "cuda":
+        import torch
+
         reserved = torch.cuda.max_memory_reserved(device)
         total = torch.cuda.get_device_properties(device).total_memory
         return reserved / 2**30, 100.0 * reserved / total
@@ -132,6 +143,8 @@ class MetricsLogger:
     def log(self, step: int, loss: float, grad_norm: float, lr: float | None = None) -> StepMetrics:
         """Close the current window and log it (averaged over its steps)."""
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.win_start
         tps = self.win_tokens / (elapsed * self.non_dp_size)
@@ -206,3 +219,21 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def read_metrics(path: str) -> tuple[list[dict], dict | None]:
+    """Read a ``metrics.jsonl``: (the per-step rows in order, the summary or None).
+
+    Raises OSError if the file cannot be read, ValueError on a line that is not JSON."""
+    rows, summary = [], None
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            obj = json.loads(line)
+            if "summary" in obj:
+                summary = obj["summary"]
+            else:
+                rows.append(obj)
+    return rows, summary

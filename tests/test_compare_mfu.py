@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from graph_trainer import compare
+from graph_trainer.tools import compare_mfu, runs, stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
@@ -386,41 +386,41 @@ def _row(step, tps, mfu=None, mem=1.0):
 
 def test_run_stats_excludes_step_one_and_warmup():
     rows = [_row(1, 1.0, mem=0.5), _row(2, 50.0), _row(3, 100.0, mem=2.0), _row(4, 120.0), _row(5, 110.0)]
-    s = compare.run_stats(rows, warmup=0)
+    s = stats.run_stats(rows, warmup=0)
     assert s["steady_steps"] == [2, 3, 4, 5] and s["tps"] == 105.0
-    s = compare.run_stats(rows, warmup=2)
+    s = stats.run_stats(rows, warmup=2)
     assert s["steady_steps"] == [3, 4, 5] and s["tps"] == 110.0
     assert s["mfu"] is None and s["memory_gib"] == 2.0  # max over all steps
 
 
 def test_delta_verdicts_and_table():
-    a = compare.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0},
+    a = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0},
                             {"tps": 102.0, "tflops": 1.02, "mfu": 10.2, "memory_gib": 30.0}])
-    b = compare.side_stats([{"tps": 110.0, "tflops": 1.1, "mfu": 10.0, "memory_gib": 30.0},
+    b = stats.side_stats([{"tps": 110.0, "tflops": 1.1, "mfu": 10.0, "memory_gib": 30.0},
                             {"tps": 111.0, "tflops": 1.11, "mfu": 10.4, "memory_gib": 30.0}])
     assert a["tps"]["spread_pct"] == pytest.approx(2 / 101 * 100)
-    d = compare.delta(a, b)
+    d = stats.delta(a, b)
     assert d["tps"]["verdict"] == "real" and d["tps"]["pct"] == pytest.approx((110.5 - 101) / 101 * 100)
     assert d["mfu"]["verdict"] == "within noise"  # +0.99% vs a 3.9% spread
     assert d["memory_gib"]["verdict"] == "no change"
-    md = compare.markdown_table({"A": "main", "B": "pr"}, {"A": a, "B": b}, d, {"A": 2, "B": 2}, 2)
+    md = stats.markdown_table({"A": "main", "B": "pr"}, {"A": a, "B": b}, d, {"A": 2, "B": 2}, 2)
     assert "| A: main (2/2 runs) | 101 (100–102) | 1.01 (1.00–1.02) | 10.10% (10.00–10.20) | 30.00 GiB (30.00–30.00) |" in md
     assert "+9.41% (real, spread 1.98%)" in md
-    line = compare.one_liner({"A": "main", "B": "pr"}, {"A": a, "B": b}, {"A": 2, "B": 2})
+    line = stats.one_liner({"A": "main", "B": "pr"}, {"A": a, "B": b}, {"A": 2, "B": 2})
     assert line.startswith("A (main): 101 tps, 1.01 tflops, 10.10% MFU, 30.00 GiB — B (pr): ")
 
 
 def test_flag_values_that_look_like_options():
-    args, extra = compare.parse(["--b-flags", "--compile.numerics_changing_optim", "--a", "main",
+    args, extra = compare_mfu.parse(["--b-flags", "--compile.numerics_changing_optim", "--a", "main",
                                  "--", "--compile.mode", "eager"])
     assert args.b_flags == "--compile.numerics_changing_optim" and args.a == "main"
     assert extra == ["--compile.mode", "eager"]
-    args, _ = compare.parse(["--a-flags", "", "--b-flags=--x 1"])
+    args, _ = compare_mfu.parse(["--a-flags", "", "--b-flags=--x 1"])
     assert args.a_flags == "" and args.b_flags == "--x 1"
 
 
 def test_step_line_regex():
     line = ("[rank0]:[graph_trainer] 2026-11-22 07:53:31,358 - INFO - step:  1  loss:  8.10024  "
             "grad_norm:  1.9553  memory: 0.66GiB  tps: 6,538  tflops: 0.00  mfu: 38.29%  step_time: 4.246s")
-    m = compare._STEP_RE.search(line)
+    m = runs.STEP_RE.search(line)
     assert m and m.group("step") == "1" and m.group("tps") == "6,538" and m.group("mfu") == "38.29%"

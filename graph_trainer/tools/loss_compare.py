@@ -3,7 +3,7 @@
 ``scripts/loss_compare.py`` (console entry point ``graph-trainer-loss-compare``)
 runs ``run_train.sh`` once for side A and once for side B -- each side is a git ref
 (run from a temporary worktree), extra flags on the current tree, or both, exactly as
-in :mod:`graph_trainer.compare` -- with ``--metrics.log_freq 1`` and
+in :mod:`graph_trainer.tools.compare_mfu` -- with ``--metrics.log_freq 1`` and
 ``--debug.state_hashes``, then compares:
 
 * the loss of every step (the fp32 value as logged in ``metrics.jsonl``, so equality
@@ -37,16 +37,13 @@ import os
 import shlex
 import sys
 
-from graph_trainer.compare import (
+from graph_trainer.tools.runs import Progress, Run, execute, tail
+from graph_trainer.tools.sides import (
     CompareError,
-    Progress,
-    Run,
-    _join_flag_values,
-    execute,
     forced_flags,
-    prepare,
+    join_flag_values,
+    resolve_sides,
     run_cli,
-    tail,
     validate_sides,
 )
 
@@ -75,6 +72,7 @@ def first_difference(a_rows: list[dict], b_rows: list[dict], a_hashes: dict | No
 
 
 def rel_diff(a: float | None, b: float | None) -> float | None:
+    """``|a - b| / max(|a|, |b|)``; 0 when equal, None when either is missing."""
     if a is None or b is None:
         return None
     if a == b:
@@ -109,6 +107,7 @@ def table(a_rows: list[dict], b_rows: list[dict], a_hashes: dict | None, b_hashe
 
 
 def max_rel_loss_diff(a_rows: list[dict], b_rows: list[dict]) -> float:
+    """The largest :func:`rel_diff` of the loss over A's steps (inf if none compares)."""
     b_by_step = {r["step"]: r for r in b_rows}
     diffs = [rel_diff(r.get("loss"), b_by_step.get(r["step"], {}).get("loss")) for r in a_rows]
     diffs = [d for d in diffs if d is not None]
@@ -116,6 +115,7 @@ def max_rel_loss_diff(a_rows: list[dict], b_rows: list[dict]) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's options (the arguments before ``--``)."""
     p = argparse.ArgumentParser(
         prog="loss_compare.py",
         description="Run two configurations and compare per-step loss and final weight/grad/optimizer hashes bit for bit.",
@@ -141,20 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI (``scripts/loss_compare.py``, ``graph-trainer-loss-compare``); the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    args = build_parser().parse_args(_join_flag_values(argv))
+    args = build_parser().parse_args(join_flag_values(argv))
 
     def body(holder):
         if args.steps < 2:
             raise CompareError(f"--steps must be >= 2 (step 1 traces and compiles), got {args.steps}.")
-        ns = argparse.Namespace(**vars(args), repeats=1, warmup=0)
+        ns = argparse.Namespace(**vars(args))
         if args.a is None and args.b is None and args.a_flags is None and args.b_flags is None:
             ns.a_flags = ns.b_flags = ""  # run-to-run comparison of the working tree
-        sides = prepare(ns, extra, holder)["sides"]
+        sides = resolve_sides(ns, extra, holder)["sides"]
         out = os.path.abspath(args.out or os.path.join(
             "outputs", "loss_compare_" + _dt.datetime.now().strftime("%Y%m%d_%H%M%S")))
         os.makedirs(out, exist_ok=True)
