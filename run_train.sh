@@ -19,18 +19,17 @@ if [[ "$MODULE" != "graph_trainer.llama3" ]]; then
     exit 2
 fi
 
-if [[ -z "${CONFIG_FILE:-}" ]]; then
-    case "${CONFIG:-}" in
-        "") CONFIG_FILE=train_configs/debug_model.toml ;;
-        graph_trainer_llama3_debugmodel|graph_trainer_llama3_debug_model) CONFIG_FILE=train_configs/debug_model.toml ;;
-        graph_trainer_llama3_1b) CONFIG_FILE=train_configs/llama3_1b.toml ;;
-        graph_trainer_llama3_8b) CONFIG_FILE=train_configs/llama3_8b.toml ;;
-        *) echo "error: CONFIG=$CONFIG is not a known config name (graph_trainer_llama3_debugmodel, graph_trainer_llama3_1b, graph_trainer_llama3_8b); or set CONFIG_FILE=path.toml." >&2; exit 2 ;;
-    esac
-fi
-if [[ ! -f "$CONFIG_FILE" ]]; then
-    echo "error: config file '$CONFIG_FILE' does not exist. Set CONFIG_FILE to one of: $(ls train_configs/*.toml | tr '\n' ' ')" >&2
-    exit 2
+# The config: CONFIG_FILE, else CONFIG (a name that graph_trainer.config.CONFIG_NAMES maps to a
+# file, resolved in Python from the environment), else the debug model.
+CONFIG_ARGS=()
+if [[ -n "${CONFIG_FILE:-}" ]]; then
+    if [[ ! -f "$CONFIG_FILE" ]]; then
+        echo "error: config file '$CONFIG_FILE' does not exist. Set CONFIG_FILE to one of: $(ls train_configs/*.toml | tr '\n' ' ')" >&2
+        exit 2
+    fi
+    CONFIG_ARGS=(--job.config_file "$CONFIG_FILE")
+elif [[ -z "${CONFIG:-}" ]]; then
+    CONFIG_ARGS=(--job.config_file train_configs/debug_model.toml)
 fi
 
 VISIBLE_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
@@ -41,7 +40,7 @@ export NGPU
 LOG_RANK=${LOG_RANK:-0}
 
 if [[ "${COMM_MODE:-}" == "fake_backend" ]]; then
-    exec python3 -m graph_trainer.train --job.config_file "$CONFIG_FILE" --comm.mode fake_backend "$@"
+    exec python3 -m graph_trainer.train "${CONFIG_ARGS[@]}" --comm.mode fake_backend "$@"
 fi
 
 if (( VISIBLE_GPUS > 0 && NGPU > VISIBLE_GPUS )); then
@@ -57,7 +56,7 @@ if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
 fi
 # Validate the command line once, before any process or model is started.
 if [[ " $* " != *" --help "* && " $* " != *" -h "* ]]; then
-    if ! err=$(python3 -m graph_trainer.config --job.config_file "$CONFIG_FILE" "$@" 2>&1 >/dev/null); then
+    if ! err=$(python3 -m graph_trainer.config "${CONFIG_ARGS[@]}" "$@" 2>&1 >/dev/null); then
         echo "$err" | grep -v "HF assets path" >&2
         exit 2
     fi
@@ -67,6 +66,6 @@ fi
 set +e
 { torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m graph_trainer.train --job.config_file "$CONFIG_FILE" "$@" 2>&1 1>&4 4>&- \
+    -m graph_trainer.train "${CONFIG_ARGS[@]}" "$@" 2>&1 1>&4 4>&- \
     | python3 -u -m graph_trainer.stderr_filter 4>&-; } 4>&1
 exit "${PIPESTATUS[0]}"

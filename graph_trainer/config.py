@@ -17,17 +17,20 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from graph_trainer.errors import UserError
 
-COMPILE_MODES = ("eager", "jit", "aot_fx_trace")
-INDUCTOR_COMPILATION = ("regional", "full", "none")
+CompileMode = Literal["eager", "jit", "aot_fx_trace"]
+InductorCompilation = Literal["regional", "full", "none"]
+COMPILE_MODES = get_args(CompileMode)
+INDUCTOR_COMPILATION = get_args(InductorCompilation)
 AC_MODES = ("none", "selective", "full")
 
 # CONFIG=<name> (run_train.sh) -> TOML file under train_configs/.
 CONFIG_NAMES = {
     "graph_trainer_llama3_debugmodel": "debug_model.toml",
+    "graph_trainer_llama3_debug_model": "debug_model.toml",
     "graph_trainer_llama3_1b": "llama3_1b.toml",
     "graph_trainer_llama3_8b": "llama3_8b.toml",
 }
@@ -36,83 +39,98 @@ TRAIN_CONFIGS = os.path.join(REPO_ROOT, "train_configs")
 
 
 @dataclass
+class RMSNorm:
+    """``[compile.rmsnorm]`` — options of ``annotate_rmsnorm_for_regional_inductor``
+    (enabled by ``--compile.numerics_changing_optim``)."""
+
+    inductor_configs: str = ""
+    """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
+    Empty: DEFAULT_RMSNORM_INDUCTOR_CONFIGS (graph_trainer.passes.annotate_rmsnorm)."""
+
+    tune: bool = True
+    """Also compile each distinct RMSNorm region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS
+    (split sizes of the norm backward's reduction), time them on CUDA and keep a candidate
+    only when it beats Inductor's defaults by 2 %. About a second of compile per candidate
+    and distinct region. No effect on CPU; off with --debug.deterministic (the pick depends
+    on timings). Measured: docs/perf.md."""
+
+
+@dataclass
+class FullInductor:
+    """``[compile.full_inductor]`` — options of ``full_inductor``
+    (``--compile.inductor_compilation full``)."""
+
+    configs: str = ""
+    """``torch._inductor.config`` overrides for the whole-graph compile: JSON on the CLI, a
+    table in TOML, dotted keys, e.g.
+    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
+
+    pin_collectives: bool = True
+    """Keep overlap_collectives' placement of every collective and wait (under the same
+    matmuls) inside Inductor's schedule (graph_trainer.passes.pin_collectives). Without it
+    Inductor's peak-memory reordering waits for each collective right after issuing it,
+    so nothing overlaps."""
+
+
+@dataclass
+class SAC:
+    """``[compile.sac]`` — options of ``sac_recompute`` (op-level selective AC)."""
+
+    save_matmuls: bool = False
+    """Keep every matmul output of a block instead of recomputing the ones torchtitan's
+    policy leaves to recompute (wk, wo, w3); only the cheap non-matmul ops are recomputed.
+    More memory, no matmul recompute. Numerics unchanged."""
+
+
+@dataclass
+class FSDP:
+    """``[compile.fsdp]`` — options of the traced FSDP collectives
+    (``reshard_after_forward``, ``bucket_collectives``)."""
+
+    bucket_blocks: int = 0
+    """> 0: add the bucket_collectives pass after overlap_collectives, merging the FSDP
+    all-gathers / reduce-scatters of up to N consecutive transformer blocks into one
+    collective each. 0: one collective per parameter. Numerics unchanged."""
+
+    keep_last_blocks: int = 0
+    """The last K transformer blocks (in forward order) keep their all-gathered parameters
+    from the forward for the backward instead of gathering them again (more memory, fewer
+    all-gathers). 0: every block is resharded after the forward."""
+
+
+@dataclass
 class Compile:
     """``[compile]`` — how the training step is captured and compiled.
 
-    torchtitan's own ``enable`` / ``components`` / ``backend`` stay as they are
-    and are used by ``mode = "jit"`` (per-TransformerBlock torch.compile).
+    torchtitan's own ``enable`` / ``components`` / ``backend`` are set by ``mode``
+    (``jit`` is torchtitan's per-TransformerBlock torch.compile).
     """
 
-    mode: str = "aot_fx_trace"
+    mode: CompileMode = "aot_fx_trace"
     """eager: compile nothing; jit: torchtitan's per-block torch.compile;
     aot_fx_trace: trace forward+loss+backward into one FX graph and run the pass pipeline."""
 
-    inductor_compilation: str = "regional"
+    inductor_compilation: InductorCompilation = "regional"
     """aot_fx_trace only. regional: compile regions tagged ``compile_with_inductor``;
     full: the whole graph through Inductor; none: run the traced graph uncompiled."""
 
     numerics_changing_optim: bool = False
-    """Enable passes that change numerics (the RMSNorm annotation pass)."""
+    """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
     passes: str = ""
-    """Comma-separated pass names replacing the default order (empty: the default)."""
+    """Comma-separated pass names added to the default order (e.g. annotate_pointwise,
+    cudagraph); every pass runs at its place in the one canonical order."""
 
     disable_passes: str = ""
     """Comma-separated pass names removed from the pipeline."""
 
-    rmsnorm_inductor_configs: str = ""
-    """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
-    Empty: the measured default (graph_trainer.passes.annotate_rmsnorm)."""
-
-    rmsnorm_tune: bool = True
-    """RMSNorm regions (--compile.numerics_changing_optim): also compile each distinct
-    region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS (the norm backward's mix-order
-    reduction split size), time all on CUDA and keep a candidate only when it beats
-    Inductor's defaults by 2 %. About a second of compile per candidate and distinct region;
-    84-89 -> 93-94 % of copy bandwidth on an H100 (docs/perf.md). No effect on CPU, and off
-    with --debug.deterministic (the pick depends on timings)."""
-
     dump_graphs: bool = False
     """Write the graph before the first pass and after each pass to <dump_folder>/graphs/."""
 
-    pointwise_regions: bool = False
-    """With --compile.numerics_changing_optim: also compile every chain of pointwise ops
-    (SwiGLU, residual adds, casts, loss) inside one module and phase as its own region
-    (annotate_pointwise_for_regional_inductor)."""
-
-    full_inductor_configs: str = ""
-    """--compile.inductor_compilation full: ``torch._inductor.config`` overrides for the
-    whole-graph compile, JSON on the CLI (a table in TOML), dotted keys, e.g.
-    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
-
-    pin_collectives: bool = True
-    """With --compile.inductor_compilation full (ignored otherwise): keep overlap_collectives'
-    placement of every collective and wait (under the same matmuls) inside Inductor's
-    schedule (graph_trainer.passes.pin_collectives). Without it (--compile.no-pin_collectives),
-    Inductor's peak-memory reordering waits for each collective right after issuing it: no
-    overlap (8B FSDP2, 2x H200: +6.4 % tps with it, docs/perf.md)."""
-
-    bucket_collectives: int = 0
-    """> 1: add the bucket_collectives pass after overlap_collectives, merging up to N
-    consecutive FSDP all-gathers / reduce-scatters into one collective (9 = one Llama3
-    block, as FSDP2 groups them). 0 / 1: one collective per parameter. 8B FSDP2, 2x H200,
-    full-graph Inductor: 9 gave about +2 % tps and +1.2 GiB, 18 another +1 % and +2.9 GiB
-    (docs/perf.md)."""
-
-    reshard_first_params: int = -1
-    """reshard_after_forward re-gathers only the first N FSDP parameters in forward order
-    (Llama3: the embedding, then 9 per block, so 1 + 9 * L covers the first L blocks); the
-    others keep their forward copy for the backward (more memory, fewer all-gathers; 8B:
-    0.41 GiB per kept block). -1: all of them."""
-
-    cudagraphs: bool = False
-    """Append cudagraph_pass to the pipeline (CUDA only)."""
-
-    sac_save_matmuls: bool = False
-    """Op-level selective AC under aot_fx_trace: keep every matmul output of a block instead
-    of recomputing the ones torchtitan's policy leaves to recompute (wk, wo, w3); the
-    sac_recompute pass then recomputes only the cheap non-matmul ops. More memory, no
-    matmul recompute. Numerics unchanged."""
+    rmsnorm: RMSNorm = field(default_factory=RMSNorm)
+    full_inductor: FullInductor = field(default_factory=FullInductor)
+    sac: SAC = field(default_factory=SAC)
+    fsdp: FSDP = field(default_factory=FSDP)
 
 
 @dataclass
@@ -137,23 +155,67 @@ def split_names(value: str) -> list[str]:
     return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
-def memory_pass_options(compile_cfg) -> dict[str, Any]:
-    """``run_passes`` keyword arguments of the graph-level memory / collective passes, from
-    ``[compile]``: ``sac_save_matmuls``, ``reshard_first_params`` (None for all, from -1)
-    and ``bucket_size`` (None unless ``bucket_collectives > 1``). Shared by training and
-    the dry run, so both run the same pipeline."""
-    return {
-        "sac_save_matmuls": compile_cfg.sac_save_matmuls,
-        "reshard_first_params": None if compile_cfg.reshard_first_params < 0 else compile_cfg.reshard_first_params,
-        "bucket_size": compile_cfg.bucket_collectives if compile_cfg.bucket_collectives > 1 else None,
-    }
+#: Flags of ``[compile]`` that moved into a group: old key -> new dotted key (accepted
+#: with a deprecation line on the CLI and in TOML).
+RENAMED_COMPILE_KEYS = {
+    "rmsnorm_inductor_configs": "rmsnorm.inductor_configs",
+    "rmsnorm_tune": "rmsnorm.tune",
+    "full_inductor_configs": "full_inductor.configs",
+    "pin_collectives": "full_inductor.pin_collectives",
+    "sac_save_matmuls": "sac.save_matmuls",
+}
+#: Flags of ``[compile]`` that were removed: old key -> what to use instead.
+REMOVED_COMPILE_KEYS = {
+    "pointwise_regions": "--compile.passes annotate_pointwise",
+    "cudagraphs": "--compile.passes cudagraph",
+    "bucket_collectives": (
+        "--compile.fsdp.bucket_blocks N (transformer blocks per bucket; the old value counted "
+        "collectives, 9 per Llama3 block, so 18 is now 2)"
+    ),
+    "reshard_first_params": (
+        "--compile.fsdp.keep_last_blocks K (blocks that keep their forward all-gather for the "
+        "backward; the old value counted parameters, 1 + 9 * (L - K) for L blocks, so 181 on "
+        "the 8B is now 12)"
+    ),
+}
+
+
+def _deprecated(old: str, new: str) -> None:
+    print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
+
+
+def _rewrite_compile_flag(key: str) -> str:
+    """``--compile.<old>`` / ``--compile.no-<old>`` -> its new spelling (see
+    :data:`RENAMED_COMPILE_KEYS`); other keys unchanged.
+
+    Raises:
+        UserError: a removed flag (:data:`REMOVED_COMPILE_KEYS`), naming its replacement.
+    """
+    if not key.startswith("--compile."):
+        return key
+    name = key[len("--compile."):]
+    neg = name.startswith("no-") or name.startswith("no_")
+    base = (name[3:] if neg else name).replace("-", "_")
+    if base in REMOVED_COMPILE_KEYS:
+        raise UserError(f"--compile.{base} was removed; use {REMOVED_COMPILE_KEYS[base]}.")
+    if base not in RENAMED_COMPILE_KEYS:
+        return key
+    group, _, leaf = RENAMED_COMPILE_KEYS[base].rpartition(".")
+    new = f"--compile.{group}.{'no-' if neg else ''}{leaf}"
+    _deprecated(key, new)
+    return new
 
 
 def rewrite_aliases(argv: list[str]) -> list[str]:
-    """Map newer torchtitan flag spellings to torchtitan 0.2.2's.
+    """Map other flag spellings to the ones this parser knows.
 
-    ``--dataloader.dataset`` / ``--dataloader.dataset_path`` -> ``--training.*``;
-    ``--profiler.X`` -> ``--profiling.X`` (``--profiler.no-enable_profiling`` too).
+    Newer torchtitan spellings: ``--dataloader.dataset`` / ``--dataloader.dataset_path`` ->
+    ``--training.*``; ``--profiler.X`` -> ``--profiling.X`` (``--profiler.no-enable_profiling``
+    too). Older ``[compile]`` flags of this project: :data:`RENAMED_COMPILE_KEYS` (with a
+    deprecation line on stderr).
+
+    Raises:
+        UserError: a flag listed in :data:`REMOVED_COMPILE_KEYS`.
     """
     out = []
     for arg in argv:
@@ -165,8 +227,31 @@ def rewrite_aliases(argv: list[str]) -> list[str]:
             if key.startswith(old):
                 key = new + key[len(old):]
                 break
-        out.append(key + eq + val)
+        out.append(_rewrite_compile_flag(key) + eq + val)
     return out
+
+
+def _upgrade_toml_compile(values: dict, path: str) -> None:
+    """Move old ``[compile]`` keys of a TOML file into their groups (in place), and turn
+    the Inductor config tables into the JSON strings the dataclass holds.
+
+    Raises:
+        UserError: a removed key (:data:`REMOVED_COMPILE_KEYS`).
+    """
+    comp = values.get("compile")
+    if not isinstance(comp, dict):
+        return
+    for old in list(comp):
+        if old in REMOVED_COMPILE_KEYS:
+            raise UserError(f"{path}: [compile] {old} was removed; use {REMOVED_COMPILE_KEYS[old]}.")
+        if old in RENAMED_COMPILE_KEYS:
+            group, _, leaf = RENAMED_COMPILE_KEYS[old].rpartition(".")
+            _deprecated(f"{path}: [compile] {old}", f"[compile.{group}] {leaf}")
+            comp.setdefault(group, {})[leaf] = comp.pop(old)
+    for group, leaf in (("rmsnorm", "inductor_configs"), ("full_inductor", "configs")):
+        table = comp.get(group)
+        if isinstance(table, dict) and isinstance(table.get(leaf), dict):
+            table[leaf] = json.dumps(table[leaf])
 
 
 def resolve_config_file(argv: list[str]) -> list[str]:
@@ -178,11 +263,7 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     Raises:
         UserError: the file does not exist, or CONFIG names no known config.
     """
-    path = None
-    for i, arg in enumerate(argv):
-        key, eq, val = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    path = _config_path(argv)
     if path is None and os.environ.get("CONFIG"):
         name = os.environ["CONFIG"]
         fname = CONFIG_NAMES.get(name) or (name if name.endswith(".toml") else None)
@@ -202,7 +283,7 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     return argv
 
 
-def _parse_inductor_configs(value: Any, flag: str = "--compile.rmsnorm_inductor_configs") -> dict[str, Any]:
+def _parse_inductor_configs(value: Any, flag: str) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     if not value:
@@ -223,17 +304,50 @@ def _config_manager_cls():
     from torchtitan.config import ConfigManager
 
     class _Manager(ConfigManager):
-        """torchtitan's ConfigManager, with TOML tables allowed for rmsnorm_inductor_configs."""
+        """torchtitan's ConfigManager, reading old ``[compile]`` keys and Inductor config tables;
+        merged sections also inherit from this project's dataclasses, so that ``--help``
+        shows the docstrings of this project's fields."""
+
+        @staticmethod
+        def _merge_configs(base, custom):
+            import dataclasses
+
+            merged = ConfigManager._merge_configs(base, custom)
+            return _with_docs(merged, custom, dataclasses)
 
         def _maybe_load_toml(self, args):
             values = super()._maybe_load_toml(args)
-            comp = (values or {}).get("compile", {})
-            for key in ("rmsnorm_inductor_configs", "full_inductor_configs"):
-                if isinstance(comp.get(key), dict):
-                    comp[key] = json.dumps(comp[key])
+            if values:
+                _upgrade_toml_compile(values, _config_path(args))
             return values
 
     return _Manager
+
+
+def _with_docs(merged, custom, dataclasses):
+    """``merged`` (torchtitan's merge of a section with ``custom``) re-made with ``custom``
+    among its bases, recursively: tyro looks field docstrings up along the MRO."""
+    if custom in merged.__mro__:  # merged twice (the TOML names this module too)
+        return merged
+    hints = {f.name: f.type for f in dataclasses.fields(merged)}
+    for f in dataclasses.fields(custom):
+        sub = hints.get(f.name)
+        if dataclasses.is_dataclass(sub) and sub is not f.type and dataclasses.is_dataclass(f.type):
+            hints[f.name] = _with_docs(sub, f.type, dataclasses)
+    fields = [(f.name, hints[f.name], dataclasses.field(default_factory=hints[f.name])
+               if dataclasses.is_dataclass(hints[f.name]) and hints[f.name] is not f.type else f)
+              for f in dataclasses.fields(merged)]
+    return dataclasses.make_dataclass(merged.__name__, fields, bases=(*merged.__bases__, custom))
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The value of ``--job.config_file`` in ``argv`` (last one wins), or None."""
+    path = None
+    for i, arg in enumerate(argv):
+        key, eq, val = arg.partition("=")
+        if key in ("--job.config_file", "--job.config-file"):
+            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return path
 
 
 def parse_args(argv: list[str] | None = None):
@@ -243,17 +357,18 @@ def parse_args(argv: list[str] | None = None):
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The merged JobConfig dataclass instance; ``cfg.compile.rmsnorm_inductor_configs``
-        is converted to a ``dict``.
+        The merged JobConfig dataclass instance; ``cfg.compile.rmsnorm.inductor_configs``
+        and ``cfg.compile.full_inductor.configs`` are converted to ``dict``s.
 
     Raises:
-        UserError: missing config file, unknown compile mode / inductor compilation /
-            AC mode / flavor, malformed JSON.
+        UserError: missing config file, bad value, malformed JSON, a removed flag, and
+            everything :func:`validate` rejects.
     """
     from torchtitan.config import JobConfig as TitanJobConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = resolve_config_file(rewrite_aliases(argv))
+    _check_choices(argv)
     manager_cls = _config_manager_cls()
     merged = manager_cls._merge_configs(TitanJobConfig, JobConfig)
     try:
@@ -267,14 +382,48 @@ def parse_args(argv: list[str] | None = None):
         raise
     except ValueError as e:  # TOML with unknown fields
         raise UserError(str(e)) from None
-    cfg.compile.rmsnorm_inductor_configs = _parse_inductor_configs(
-        cfg.compile.rmsnorm_inductor_configs
+    cfg.compile.rmsnorm.inductor_configs = _parse_inductor_configs(
+        cfg.compile.rmsnorm.inductor_configs, "--compile.rmsnorm.inductor_configs"
     )
-    cfg.compile.full_inductor_configs = _parse_inductor_configs(
-        cfg.compile.full_inductor_configs, "--compile.full_inductor_configs"
+    cfg.compile.full_inductor.configs = _parse_inductor_configs(
+        cfg.compile.full_inductor.configs, "--compile.full_inductor.configs"
     )
     validate(cfg)
     return cfg
+
+
+def _literal_flags(cls, prefix: str) -> dict[str, tuple]:
+    """``{"--compile.mode": ("eager", ...)}`` for every ``Literal``-typed field of the
+    dataclass ``cls`` and its nested dataclasses."""
+    import dataclasses
+    import typing
+
+    out: dict[str, tuple] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            out[f"{prefix}.{f.name}"] = get_args(hint)
+        elif dataclasses.is_dataclass(hint):
+            out.update(_literal_flags(hint, f"{prefix}.{f.name}"))
+    return out
+
+
+def _check_choices(argv: list[str]) -> None:
+    """Reject a bad value of a ``Literal``-typed project flag with the valid values (and a
+    close match), before tyro reports it in a box.
+
+    Raises:
+        UserError: naming the flag, the valid values and the closest one.
+    """
+    choices = _literal_flags(Compile, "--compile")
+    for i, arg in enumerate(argv):
+        key, eq, val = arg.partition("=")
+        key = key.replace("-", "_").replace("__", "--", 1)
+        if key in choices:
+            value = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value not in choices[key]:
+                raise _choice_error(key, value, choices[key])
 
 
 def _choice_error(what: str, value: str, valid) -> UserError:
@@ -283,19 +432,23 @@ def _choice_error(what: str, value: str, valid) -> UserError:
     return UserError(f"Unknown {what} '{value}'. Valid values: {', '.join(valid)}.{hint}")
 
 
-def validate(cfg) -> None:
-    """Reject settings that cannot work, before anything is built.
+def validate(cfg) -> list[str]:
+    """Reject settings that cannot work, before anything is built, and resolve the pass list.
+
+    Returns:
+        The pass names ``aot_fx_trace`` will run, in order
+        (:func:`graph_trainer.passes.pipeline.resolve_pass_names`); ``[]`` for other modes.
 
     Raises:
-        UserError: unknown compile mode, inductor compilation, AC mode or flavor;
-            full-graph-only flags without ``--compile.inductor_compilation full``.
+        UserError: unknown compile mode, inductor compilation, AC mode or flavor; a bad
+            pass list; ``[compile.fsdp]`` values out of range; full-graph-only flags
+            without ``--compile.inductor_compilation full``; a bad profiling schedule.
     """
-    if cfg.compile.mode not in COMPILE_MODES:
-        raise _choice_error("--compile.mode", cfg.compile.mode, COMPILE_MODES)
-    if cfg.compile.inductor_compilation not in INDUCTOR_COMPILATION:
-        raise _choice_error(
-            "--compile.inductor_compilation", cfg.compile.inductor_compilation, INDUCTOR_COMPILATION
-        )
+    comp = cfg.compile
+    if comp.mode not in COMPILE_MODES:
+        raise _choice_error("--compile.mode", comp.mode, COMPILE_MODES)
+    if comp.inductor_compilation not in INDUCTOR_COMPILATION:
+        raise _choice_error("--compile.inductor_compilation", comp.inductor_compilation, INDUCTOR_COMPILATION)
     if cfg.activation_checkpoint.mode not in AC_MODES:
         raise _choice_error("--activation_checkpoint.mode", cfg.activation_checkpoint.mode, AC_MODES)
     if cfg.model.name != "llama3":
@@ -306,10 +459,18 @@ def validate(cfg) -> None:
         raise _choice_error("--model.flavor", cfg.model.flavor, sorted(llama3_args))
     if cfg.training.steps < 1:
         raise UserError(f"--training.steps must be >= 1, got {cfg.training.steps}.")
-    full = cfg.compile.mode == "aot_fx_trace" and cfg.compile.inductor_compilation == "full"
-    if cfg.compile.full_inductor_configs and not full:
+    n_layers = llama3_args[cfg.model.flavor].n_layers
+    if comp.fsdp.bucket_blocks < 0:
+        raise UserError(f"--compile.fsdp.bucket_blocks must be >= 0, got {comp.fsdp.bucket_blocks}.")
+    if not 0 <= comp.fsdp.keep_last_blocks <= n_layers:
         raise UserError(
-            "--compile.full_inductor_configs applies to the whole-graph Inductor compile only: add "
+            f"--compile.fsdp.keep_last_blocks must be in [0, {n_layers}] (flavor '{cfg.model.flavor}' "
+            f"has {n_layers} blocks), got {comp.fsdp.keep_last_blocks}."
+        )
+    full = comp.mode == "aot_fx_trace" and comp.inductor_compilation == "full"
+    if comp.full_inductor.configs and not full:
+        raise UserError(
+            "--compile.full_inductor.configs applies to the whole-graph Inductor compile only: add "
             "--compile.inductor_compilation full (with --compile.mode aot_fx_trace)."
         )
     prof = cfg.profiling
@@ -318,6 +479,14 @@ def validate(cfg) -> None:
             f"--profiling.profile_freq ({prof.profile_freq}) must be >= --profiling.profiler_warmup "
             f"({prof.profiler_warmup}) + --profiling.profiler_active ({prof.profiler_active})."
         )
+    if comp.mode != "aot_fx_trace":
+        return []
+    from graph_trainer.passes.pipeline import resolve_pass_names
+
+    try:
+        return resolve_pass_names(comp)
+    except ValueError as e:
+        raise UserError(f"{e}.") from None
 
 
 def _check_main(argv: list[str]) -> int:

@@ -35,9 +35,10 @@ def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     """``{op name: {"count": n, "bytes": output bytes per rank}}`` for ``_c10d_functional``
     collectives in ``gm`` (``wait_tensor`` excluded)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
+    from graph_trainer.passes.common import collective_kind
+
     for n in gm.graph.nodes:
-        if n.op == "call_function" and "_c10d_functional" in str(n.target) and "wait_tensor" not in str(n.target):
-            name = str(n.target).split(".")[1]
+        if (name := collective_kind(n)) is not None:
             out[name]["count"] += 1
             out[name]["bytes"] += _bytes(n.meta.get("val"))
     return dict(out)
@@ -93,8 +94,9 @@ def dry_run(cfg) -> dict:
         UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`).
     """
     from graph_trainer import parallelize
-    from graph_trainer.llama3 import Transformer, llama3_args
-    from graph_trainer.train import build_model_args, build_tokenizer, loss_fn
+    from graph_trainer.model import block_layout, build_model, build_model_args, build_tokenizer, flavors, loss_fn
+    from graph_trainer.passes.memory_estimate import estimate_peak_memory
+    from graph_trainer.passes.pipeline import COMPILING, build_pipeline, run_pipeline
 
     world = int(os.environ.get("NGPU", "8"))
     if not dist.is_initialized():
@@ -104,13 +106,13 @@ def dry_run(cfg) -> dict:
             pass
         dist.init_process_group("fake", rank=0, world_size=world)
     parallelize._patch_torchtitan_device_type("cpu")
-    flavor = llama3_args[cfg.model.flavor]
+    flavor = flavors()[cfg.model.flavor]
     pdims = parallelize.build_parallel_dims(cfg, world, flavor.n_heads, flavor.n_kv_heads)
-    tokenizer = build_tokenizer(cfg)
-    args = build_model_args(cfg, tokenizer)
-    with torch.device("meta"):
-        model = Transformer(args)
+    args = build_model_args(cfg, build_tokenizer(cfg))
+    model = build_model(args, "meta")
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
+    # the graph-level passes of the configured pipeline (compiling passes need real tensors)
+    pipeline = [s for s in build_pipeline(cfg.compile, block_layout(model)) if s.name not in COMPILING]
     with fused_attention_on_meta():  # (SAC's save list is bound when distribute_for_trace applies AC)
         tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
         pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
@@ -121,20 +123,9 @@ def dry_run(cfg) -> dict:
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)
-    # the graph-level passes of the configured pipeline (compiling passes need real tensors)
-    from graph_trainer.config import memory_pass_options, split_names
-    from graph_trainer.passes import resolve_pass_names, run_passes
-    from graph_trainer.passes.memory_estimate import estimate_peak_memory
-
     peak_before, _ = estimate_peak_memory(gm)
-    names = resolve_pass_names(
-        passes=split_names(cfg.compile.passes) or None,
-        disable_passes=split_names(cfg.compile.disable_passes),
-        numerics_changing_optim=False,
-        inductor_compilation="none",
-        bucket_collectives=cfg.compile.bucket_collectives,
-    )
-    gm = run_passes(gm, traced.example_inputs, names, **memory_pass_options(cfg.compile))
+    gm = run_pipeline(gm, traced.example_inputs, pipeline)
+    names = [s.name for s in pipeline]
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
     summary = {

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Fusion report: what Inductor generates for the traced Llama3 training step.
 
-Builds the model of one config, traces forward + loss + backward once
-(``graph_trainer.trace.trace_train_step`` with ``graph_trainer.train.loss_fn``;
+Builds the model of one config (``graph_trainer.model``), traces forward + loss +
+backward once (``graph_trainer.trace.trace_train_step`` with ``graph_trainer.model.loss_fn``;
 parameters cast to bf16 inside the graph on CUDA, fp32 on CPU) and runs copies
 of the traced graph in these ways:
 
@@ -11,7 +11,7 @@ of the traced graph in these ways:
 ``regional+rmsnorm``      ``annotate_rmsnorm_for_regional_inductor_pass`` (Inductor
                           defaults, no candidate configs) + ``regional_inductor_pass``.
 ``regional+rmsnorm+pointwise``  also ``annotate_pointwise_for_regional_inductor_pass``
-                          (``--compile.pointwise_regions``: SwiGLU, residual-gradient
+                          (``--compile.passes annotate_pointwise``: SwiGLU, residual-gradient
                           adds, loss as regions of one module and phase each).
 ``full, mix_order_reduction=False``  ``full`` with that Triton knob off; only when
                           ``torch._inductor.config.triton`` has it (the output says so).
@@ -74,6 +74,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # allow running without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
+from graph_trainer.passes.common import module_fqn_of, phase_of  # noqa: E402
+
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
 MARKER, STEP_MARKER = "fusion_report::backward", "fusion_report::step"
@@ -93,9 +95,8 @@ def build_traced_step(args, extra_argv: list[str] = ()) -> dict[str, Any]:
     "param_dtype", "model_args"}``."""
     from graph_trainer import parallelize
     from graph_trainer.config import parse_args
-    from graph_trainer.llama3 import Transformer
+    from graph_trainer.model import build_model, build_model_args, build_tokenizer, loss_fn
     from graph_trainer.trace import trace_train_step
-    from graph_trainer.train import build_model_args, build_tokenizer, loss_fn
 
     argv = ["--job.config_file", str(args.config_file), *extra_argv]
     argv += ["--training.seq_len", str(args.seq_len)] if args.seq_len else []
@@ -105,12 +106,7 @@ def build_traced_step(args, extra_argv: list[str] = ()) -> dict[str, Any]:
     if args.layers:
         model_args.n_layers = args.layers
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(model_args)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
-    model.train()
+    model = build_model(model_args, device, seed=0)
     parallelize.apply_ac_for_trace(model, cfg)
     shape = (cfg.training.local_batch_size, cfg.training.seq_len)
     gen = torch.Generator().manual_seed(0)
@@ -271,7 +267,6 @@ def analyse_kernels(kernels: list[dict[str, Any]], graph: torch.fx.Graph) -> dic
     """Tag each kernel with ``phase`` (forward / backward / both: it fuses ops of the two) and ``rms_norm_bwd`` (rule: module docstring) and
     ``fused_with``; return the way's summary (counts, largest, norm-bwd kernels)."""
     from graph_trainer.passes import find_rmsnorm_instances
-    from graph_trainer.passes._common import module_fqn_of, phase_of
 
     nodes = {n.name: n for n in graph.nodes}
     norm_bwd = {n.name for i in find_rmsnorm_instances(graph) if i["kind"] == "backward" for n in i["nodes"]}
@@ -314,8 +309,6 @@ def _backward_marker() -> None:
 
 def insert_backward_marker(gm: torch.fx.GraphModule) -> bool:
     """Insert a profiler marker before the first backward-phase node of ``gm``."""
-    from graph_trainer.passes._common import phase_of
-
     first = next((n for n in gm.graph.nodes if phase_of(n) == "backward"), None)
     if first is None:
         return False

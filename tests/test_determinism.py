@@ -2,7 +2,7 @@
 the pass on vs off, on one rank and on 2 gloo ranks (traced FSDP); plus bad input.
 
 Every run is ``run_train.sh`` on the debug model (seq 64, batch 2, 4 steps) with
-``--debug.state_hashes``; runs are compared with :mod:`graph_trainer.loss_compare`.
+``--debug.state_hashes``; runs are compared with :mod:`graph_trainer.tools.loss_compare`.
 (trace vs eager bitwise: tests/test_train.py::test_aot_fx_trace_matches_eager_bitwise.)
 """
 
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from graph_trainer.checkpoint import META_FILE, check_resume_compatible, latest_step
-from graph_trainer.compare import read_metrics
+from graph_trainer.metrics import read_metrics
 from graph_trainer.errors import UserError
-from graph_trainer.loss_compare import first_difference
+from graph_trainer.tools.loss_compare import first_difference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -90,7 +90,7 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu):
     _run_to_run_and_resume(tmp_path, ngpu)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (issue 5's GPU check: Llama3 1B, 10 steps)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check: Llama3 1B, 10 steps)")
 def test_gpu_1b_run_to_run_and_resume_bitwise_with_pass(tmp_path):
     """Tests 1 and 3 on one GPU with the 1B config for 10 steps, --debug.deterministic."""
     _run_to_run_and_resume(
@@ -181,18 +181,17 @@ print("ok")
 
 def test_state_hash_of_a_dtensor_is_its_local_shard():
     """Eager FSDP2 parameters are DTensors: each rank hashes its own shard, without a
-    collective (8B eager FSDP2 on 2x H200 failed here at the end of the run, 2026-11-23)."""
+    collective (8B eager FSDP2 on 2x H200 once failed here at the end of the run)."""
     out = subprocess.run([sys.executable, "-c", _DTENSOR_HASH], capture_output=True, text=True, timeout=120,
                          cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def test_loss_compare_failed_run_still_compares_logged_steps(tmp_path, monkeypatch, capsys):
-    """A run that crashes after logging its steps (8B eager, 2026-11-23: in the final state
-    hash) still gets its per-step losses compared; the exit code says it failed."""
+    """A run that crashes after logging its steps (e.g. in the final state hash) still gets its per-step losses compared; the exit code says it failed."""
     import argparse
 
-    import graph_trainer.loss_compare as lc
+    import graph_trainer.tools.loss_compare as lc
 
     losses = {"A": [8.0, 7.5, 7.25], "B": [8.0, 7.5, 7.0]}
 

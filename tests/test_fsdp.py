@@ -17,15 +17,10 @@ def _worker(rank, world, store_path, q):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
         from graph_trainer import fsdp
-        from graph_trainer.llama3 import Transformer, llama3_args
+        from graph_trainer.model import build_model, loss_fn, model_args
         from graph_trainer.trace import trace_train_step
-        from graph_trainer.train import loss_fn
 
-        args = llama3_args["debugmodel"]
-        args = type(args)(**{**args.__dict__, "n_layers": 2})
-        model = Transformer(args)
-        with torch.no_grad():
-            model.init_weights()
+        model = build_model(model_args("debugmodel", n_layers=2))
         tokens = torch.randint(0, 2048, (2, 32))
         labels = torch.randint(0, 2048, (2, 32))
         ref_loss = loss_fn(model(tokens), labels)

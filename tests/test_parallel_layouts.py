@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_trainer.compare import read_metrics
+from graph_trainer.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,21 +63,16 @@ def _tp_worker(rank, world, store_path, q):
         from collections import Counter
 
         from graph_trainer.config import parse_args
-        from graph_trainer.llama3 import Transformer, llama3_args
+        from graph_trainer.model import build_model, loss_fn, model_args
         from graph_trainer.parallelize import _patch_torchtitan_device_type, build_parallel_dims, distribute_for_trace
         from graph_trainer.trace import trace_train_step
-        from graph_trainer.train import loss_fn
         from torch.distributed.tensor.parallel import loss_parallel
 
         _patch_torchtitan_device_type("cpu")
         cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
                           "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"])
-        args = llama3_args["debugmodel"]
-        args = type(args)(**{**args.__dict__, "n_layers": 2})
-        torch.manual_seed(0)
-        model = Transformer(args)
-        with torch.no_grad():
-            model.init_weights()
+        args = model_args("debugmodel", n_layers=2)
+        model = build_model(args, seed=0)
         pdims = build_parallel_dims(cfg, world, args.n_heads, args.n_kv_heads)
         tpar = distribute_for_trace(model, cfg, pdims, torch.device("cpu"), rank, world)
         tokens = torch.randint(0, 2048, (2, 16))

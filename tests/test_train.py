@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from graph_trainer.config import parse_args
-from graph_trainer.errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -56,49 +55,6 @@ def test_metrics_jsonl_fields(tmp_path):
         assert r["mfu"] is None  # CPU: n/a, never a made-up number
         assert r["tps"] > 0 and r["memory_gib"] > 0
     assert summary["steady_steps"] == [2, 3]
-
-
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--compile.mode", "fast"], "Valid values: eager, jit, aot_fx_trace"),
-        (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
-        (["--compile.inductor_compilation", "partial"], "regional, full, none"),
-        (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
-        (["--compile.full_inductor_configs", '{"a": 1}', "--compile.mode", "jit"], "--compile.full_inductor_configs applies"),
-        (["--compile.inductor_compilation", "full", "--compile.full_inductor_configs", "[1]"],
-         "--compile.full_inductor_configs must be a JSON object"),
-    ],
-)
-def test_bad_config_is_rejected(flags, needle):
-    with pytest.raises(UserError) as e:
-        parse_args(["--job.config_file", DEBUG, *flags])
-    assert needle in str(e.value)
-
-
-def test_missing_config_file():
-    with pytest.raises(UserError, match="does not exist"):
-        parse_args(["--job.config_file", "nope.toml"])
-
-
-def test_aliases_and_config_names(monkeypatch):
-    monkeypatch.setenv("CONFIG", "graph_trainer_llama3_8b")
-    cfg = parse_args(
-        ["--dataloader.dataset", "c4_test", "--profiler.no-enable_profiling",
-         "--metrics.no-enable_tensorboard", "--comm.trace_buf_size=0"]
-    )
-    assert cfg.model.flavor == "8B" and cfg.training.seq_len == 8192
-    assert cfg.training.dataset == "c4_test" and cfg.profiling.enable_profiling is False
-    assert cfg.compile.mode == "aot_fx_trace"
-
-
-def test_rmsnorm_inductor_configs_json():
-    cfg = parse_args(
-        ["--job.config_file", DEBUG, "--compile.rmsnorm_inductor_configs", '{"split_reductions": false}']
-    )
-    assert cfg.compile.rmsnorm_inductor_configs == {"split_reductions": False}
-    with pytest.raises(UserError, match="JSON object"):
-        parse_args(["--job.config_file", DEBUG, "--compile.rmsnorm_inductor_configs", "{oops"])
 
 
 def _run_sh(env_extra, *args):

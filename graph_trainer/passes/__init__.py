@@ -1,8 +1,19 @@
 """Compile-time passes over the traced training-step graph.
 
-One pass per module, each ``(gm: torch.fx.GraphModule, example_inputs) -> gm``
-(in the style of ``torch/_inductor/fx_passes``); :mod:`.pipeline` holds the
-registry, the single default order and the runner.
+* **The passes**, one per module, each ``(gm: torch.fx.GraphModule, example_inputs,
+  **options) -> gm`` (in the style of ``torch/_inductor/fx_passes``), in their default
+  order: :mod:`.remove_dead_code`, :mod:`.remove_noop_views`, :mod:`.sac_recompute`,
+  :mod:`.reshard_after_forward`, :mod:`.overlap_collectives`, :mod:`.bucket_collectives`,
+  :mod:`.annotate_flex_attention`, :mod:`.annotate_rmsnorm`, :mod:`.annotate_pointwise`,
+  :mod:`.regional_inductor`, :mod:`.full_inductor`, :mod:`.cudagraph`.
+* :mod:`.pipeline`: the registry (``PASSES``), the one default order (``DEFAULT_ORDER``),
+  ``build_pipeline`` (the ``[compile]`` config -> the passes with their options) and
+  ``run_pipeline`` (runs them, logs and dumps each).
+* :mod:`.common`: the helpers the passes share (not a pass); a pass imports from here,
+  never from another pass.
+* Two modules that are not passes: :mod:`.memory_estimate` (an analysis helper: the
+  static peak-memory estimate used by the dry run) and :mod:`.pin_collectives` (an
+  Inductor post-grad hook used by ``full_inductor``).
 """
 
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
@@ -21,9 +32,11 @@ from graph_trainer.passes.pipeline import (
     DEFAULT_ORDER,
     INDUCTOR_COMPILATION_MODES,
     PASSES,
+    PipelineStep,
+    build_pipeline,
     canonical_pass_name,
     resolve_pass_names,
-    run_passes,
+    run_pipeline,
 )
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
@@ -38,6 +51,8 @@ __all__ = [
     "DEFAULT_RMSNORM_INDUCTOR_CONFIGS",
     "INDUCTOR_COMPILATION_MODES",
     "PASSES",
+    "PipelineStep",
+    "build_pipeline",
     "annotate_flex_attention_for_regional_inductor_pass",
     "bucket_collectives_pass",
     "annotate_pointwise_for_regional_inductor_pass",
@@ -55,6 +70,6 @@ __all__ = [
     "remove_noop_views_pass",
     "resolve_pass_names",
     "sac_recompute_pass",
-    "run_passes",
+    "run_pipeline",
     "validate_inductor_configs",
 ]

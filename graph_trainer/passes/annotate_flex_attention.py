@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import is_getitem, set_pass_summary, tag_for_inductor
+from graph_trainer.passes.common import is_getitem, set_pass_summary, tag_for_inductor
 
 
 def _flex_targets() -> tuple:

@@ -1,11 +1,10 @@
 """Tag chains of pointwise ops as Inductor regions: SwiGLU, residual adds, casts, the loss.
 
-Issue 7's levers beyond the norms (measured elsewhere on 8x H100, Llama3 8B: SwiGLU
-chains +1.36 %, residual adds +0.26 %), generalised: every connected chain of cheap
-ops inside one module and one phase becomes one region, so Inductor fuses the chain
-into few kernels while matmuls, attention and collectives stay eager -- and, unlike
-``full_inductor``, no kernel mixes forward and backward ops (the over-fusion of
-pytorch issue 179423; ``scripts/fusion_report.py`` shows it for the joint graph).
+The norms' lever generalised: every connected chain of cheap ops inside one module and
+one phase becomes one region, so Inductor fuses the chain into few kernels while
+matmuls, attention and collectives stay eager -- and, unlike ``full_inductor``, no
+kernel mixes forward and backward ops (``scripts/fusion_report.py`` shows such kernels
+for the joint graph).
 
 Matches: ``call_function`` nodes whose aten op is tagged ``pointwise`` or
 ``reduction`` (``torch.Tag``), plus ``_to_copy``, ``_log_softmax(_backward_data)``
@@ -25,8 +24,8 @@ ops are left eager (a lone cast gains nothing from a compiled call).
 Changes: sets ``node.meta["custom"]["compile_with_inductor"] =
 {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}`` on the
 chosen nodes; no other node is touched. Changes numerics (Inductor computes fused
-bf16 chains in fp32), so the pipeline runs it only with
-``--compile.numerics_changing_optim --compile.pointwise_regions``.
+bf16 chains in fp32), so the pipeline runs it only when asked for, with
+``--compile.numerics_changing_optim --compile.passes annotate_pointwise``.
 """
 
 from __future__ import annotations
@@ -37,11 +36,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import (
+from graph_trainer.passes.common import (
+    PERMUTE_OPS,
+    RESHAPE_OPS,
     DisjointSet,
     is_tagged_for_inductor,
     module_fqn_of,
     packet_name,
+    packet_names,
     phase_of,
     set_pass_summary,
     split_acyclic,
@@ -51,7 +53,8 @@ from graph_trainer.passes._common import (
 aten = torch.ops.aten
 
 _EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"}
-_VIEW_OPS = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze"}
+# View-family ops (every overload) that join a chain they continue.
+_VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze"}
 
 
 def _is_real_tensor_node(node: torch.fx.Node) -> bool:
@@ -73,7 +76,7 @@ def _kind(node: torch.fx.Node) -> str | None:
     tags = set(node.target.tags)
     if node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in tags:
         return None  # in-place / out= ops (torch 2.11 has no Tag.inplace)
-    if name in _VIEW_OPS:
+    if name in _VIEW_PACKETS:
         return "view"
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags or name in _EXTRA_OPS:
         return "compute"

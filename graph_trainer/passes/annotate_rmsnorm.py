@@ -1,13 +1,14 @@
 """Tag every RMSNorm (forward and backward) for regional Inductor compilation.
 
 Eager RMSNorm is memory bound: the fused CUDA kernel reads the input several
-times and the decomposed form launches ~6 kernels. Compiling each norm with
+times and the decomposed form launches one kernel per op. Compiling each norm with
 Inductor gives one fused kernel per norm (forward) and one or two per norm
 backward. This changes numerics slightly (different reduction order / fp32
-intermediates), hence it is only enabled with ``numerics_changing_optim``.
+intermediates), hence the pipeline runs it only with ``--compile.numerics_changing_optim``
+(and regional Inductor).
 
-Forms matched
-=============
+Matches
+=======
 
 1. **Fused** (CUDA traces): every ``aten._fused_rms_norm.default`` node
    (returns ``(out, rstd)``) and every ``aten._fused_rms_norm_backward.default``
@@ -39,15 +40,19 @@ Forms matched
    (the matmuls consuming the norm output and the gradient-accumulation adds
    have other / no ``module_fqn``). A group that cannot be one region without
    a dependency cycle is split into the fewest cycle-free parts
-   (:func:`graph_trainer.passes._common.split_acyclic`), each its own instance:
+   (:func:`graph_trainer.passes.common.split_acyclic`), each its own instance:
    with activation checkpointing the backward group of a norm holds the
    recomputed forward norm and the norm backward, which become two backward
    instances. A module called several times in one phase is otherwise one
    instance per phase (documented limitation).
 
-Each node gets ``meta["custom"]["compile_with_inductor"] = {"inductor_configs":
-{...}, "inductor_region": "rmsnorm_<phase>_<i>"}``; existing ``custom`` entries
-are kept and every node gets its own dict copies.
+Changes
+=======
+
+Each tagged node gets ``meta["custom"]["compile_with_inductor"] = {"inductor_configs":
+{...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"``
+when tuning); existing ``custom`` entries are kept and every node gets its own dict
+copies. No node is added, removed or rewired.
 
 Separate regions
 ================
@@ -73,11 +78,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import (
+from graph_trainer.passes.common import (
+    CAST_OPS,
+    RESHAPE_OPS,
     is_collective,
     is_getitem,
     module_fqn_of,
     packet_name,
+    packet_names,
     phase_of,
     set_pass_summary,
     split_acyclic,
@@ -91,7 +99,7 @@ aten = torch.ops.aten
 DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 
 #: Config sets that ``regional_inductor_pass`` also tries for every *distinct* RMSNorm
-#: region (same ops and input shapes) when tuning (``--compile.rmsnorm_tune``, the default;
+#: region (same ops and input shapes) when tuning (``--compile.rmsnorm.tune``, the default;
 #: off with ``--debug.deterministic``, since the pick depends on timings):
 #: each candidate is compiled, all variants are timed on CUDA on random inputs of the
 #: region's shapes, and a candidate is kept only when it beats Inductor's defaults by
@@ -100,16 +108,12 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: The candidates are the split size of Inductor's mix-order reduction (the norm
 #: backward's ``dx`` row reduction fused with its ``dw`` column reduction). Inductor
 #: picks ``last_power_of_2(M / (8 * SMs))`` clamped to [16, 128] rows per split
-#: (torch 2.11 and 2.13, ``SIMDScheduling._codegen_mix_order_reduction``): 16 rows for
-#: M = 32768 on an H100, so the fp32 partial ``dw`` sums it writes and reads back are
-#: 2 * (M / 16) * N * 4 bytes = 5 % of the 10*M*N bytes the norm must move. Larger splits
-#: shrink that traffic at the cost of fewer blocks. Measured on an H100 (docs/perf.md,
-#: 2026-11-23), fwd+bwd % of copy bandwidth, defaults / 32 / 64 / 128 rows / Inductor's own
-#: split-size autotuning: 32768x4096 88 / 90 / 85 / 94 / 90; 16384x8192 84 / 85 / 94 / 9 (!) /
-#: 94; 65536x2048 89 / 89 / 92 / 92 / 93. No fixed size wins everywhere and one is 10x
-#: slower, hence timed per region with a guard rather than a new fixed default. Each
-#: candidate compiles in about a second; coordinate descent
-#: (``coordinate_descent_tuning``) took 172 s per shape for 92 %.
+#: (``SIMDScheduling._codegen_mix_order_reduction``), and the fp32 partial ``dw`` sums it
+#: writes and reads back, ``2 * (M / split) * N * 4`` bytes, add to the ``10 * M * N``
+#: bytes the norm must move. Larger splits shrink that traffic at the cost of fewer
+#: blocks. No fixed size wins on every shape and some sizes are much slower on others,
+#: hence timed per region with a guard rather than a new fixed default (measurements:
+#: docs/perf.md, "RMSNorm fwd+bwd: the split size of the backward's mix-order reduction").
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction_split_size": 32},
     {"triton.mix_order_reduction_split_size": 64},
@@ -138,7 +142,8 @@ _HEAVY_PACKETS = {
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
     "_grouped_mm", "scaled_dot_product_attention",
 }  # fmt: skip
-_PASS_THROUGH_PACKETS = {"_to_copy", "view", "_unsafe_view", "reshape", "clone", "detach", "convert_element_type"}
+# Ops (every overload) skipped between the steps of the RMS pattern.
+_PASS_THROUGH_PACKETS = packet_names(RESHAPE_OPS | CAST_OPS) | {"clone", "detach"}
 
 
 def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -303,13 +308,14 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     """Tag each RMSNorm instance (fused or decomposed, forward and backward) as
     its own ``compile_with_inductor`` region.
 
-    ``inductor_configs`` (validated against ``torch._inductor.config``; default
-    :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) is stored in every tagged node's
-    annotation as ``{"inductor_configs": {...}, "inductor_region": id}``.
-    ``candidate_configs`` (each validated the same way) are stored as
-    ``"candidate_inductor_configs"``: ``regional_inductor_pass`` compiles every
-    candidate too, times them and keeps the fastest (CUDA only). Default: none
-    (pass :data:`DEFAULT_RMSNORM_CANDIDATE_CONFIGS` to tune).
+    ``inductor_configs`` (``--compile.rmsnorm.inductor_configs``; validated against
+    ``torch._inductor.config``; default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) is
+    stored in every tagged node's annotation as ``{"inductor_configs": {...},
+    "inductor_region": id}``. ``candidate_configs`` (each validated the same way) are
+    stored as ``"candidate_inductor_configs"``: ``regional_inductor_pass`` compiles every
+    candidate too, times them and keeps the fastest (CUDA only). Default: none (the
+    pipeline passes :data:`DEFAULT_RMSNORM_CANDIDATE_CONFIGS` with
+    ``--compile.rmsnorm.tune``).
     Region ids are ``rmsnorm_<kind>_<i>`` (kind: forward / backward /
     recompute, see :func:`find_rmsnorm_instances`). Stats
     (``gm.meta["graph_trainer_pass_stats"]``, also

@@ -1,11 +1,12 @@
 """Bucket the traced FSDP collectives: one all-gather / reduce-scatter per group of
 parameters instead of one per parameter, after ``overlap_collectives`` placed them.
 
-Why: traceable FSDP (:mod:`graph_trainer.fsdp`) issues one collective per parameter.
-On the 8B FSDP2 step that is 581 all-gathers and 291 reduce-scatters per step, where
-FSDP2 under ``jit`` issues 67 and 34 (docs/perf.md, 2026-11-23). Each NCCL kernel holds
-SMs while it runs; with the schedule overlapped, matmuls took 11 % longer than without
-communication alongside.
+Why: traceable FSDP (:mod:`graph_trainer.fsdp`) issues one collective per parameter
+(9 per Llama3 block), where FSDP2 issues one per block. Each NCCL kernel holds SMs
+while it runs, so many small collectives overlapped with the matmuls slow them down
+(docs/perf.md, "bucketed collectives and kept blocks in full-graph Inductor"). The
+pipeline adds this pass with ``--compile.fsdp.bucket_blocks B`` (``bucket_size`` = B
+blocks' collectives).
 
 Matches: ``_c10d_functional.all_gather_into_tensor`` and ``reduce_scatter_tensor`` issue
 nodes with a 1-D input (FSDP shards and flat padded gradients; TP's collectives on
@@ -44,8 +45,7 @@ import operator
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import custom_meta, set_pass_summary
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold
+from graph_trainer.passes.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -71,8 +71,8 @@ def unbucket_all_gather(gathered: torch.Tensor, world: int, sizes: list[int]) ->
     the bucket buffer dies here. With plain ``split`` + ``clone``, Inductor inlined the
     copy of pointwise-read members (the norm weights) into their backward consumers and
     kept the whole bucket alive next to the copied matmul weights; with parameters kept
-    unsharded for the backward (``reshard_first_params``, no ``reshard_after_forward``)
-    that is 2x their bytes (8B, 24 kept blocks: 99.5 GiB peak, docs/perf.md).
+    unsharded for the backward (``--compile.fsdp.keep_last_blocks``, or no
+    ``reshard_after_forward``) that is twice their bytes.
     """
     outs = [gathered.new_empty(world * s) for s in sizes]
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=[o.view(world, s) for o, s in zip(outs, sizes)])
@@ -86,7 +86,7 @@ def _(gathered, world, sizes):
 
 def _member(issue: torch.fx.Node):
     """``(issue, wait, hold_or_None)`` for a bucketable collective, else ``None``."""
-    waits = [u for u in issue.users if _is_wait(u)]
+    waits = [u for u in issue.users if is_wait(u)]
     if len(waits) != 1 or len(issue.users) != 1:
         return None
     x = issue.args[0]
@@ -102,7 +102,7 @@ def _member(issue: torch.fx.Node):
 
 def _key(issue: torch.fx.Node):
     x = issue.args[0]
-    if _collective_kind(issue) == "all_gather_into_tensor":  # (input, group_size, group_name)
+    if collective_kind(issue) == "all_gather_into_tensor":  # (input, group_size, group_name)
         return ("ag", issue.args[1], issue.args[2], x.meta["val"].dtype)
     return ("rs", issue.args[1], issue.args[2], issue.args[3], x.meta["val"].dtype)  # (input, op, size, name)
 
@@ -148,7 +148,7 @@ def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | 
         if pos[n] < before:
             continue
         users = [u for u in n.users if u.target is not hold]
-        if n.op != "call_function" or len(users) != 1 or _collective_kind(n) or _is_wait(n):
+        if n.op != "call_function" or len(users) != 1 or collective_kind(n) or is_wait(n):
             return None
         chain.append(n)
         stack.extend(n.all_input_nodes)
@@ -214,7 +214,7 @@ def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple
     """Buckets of consecutive bucketable issues of ``kind`` with one key, <= bucket_size,
     whose members' results are first read after the bucket's wait point."""
     pos = _pos(graph)
-    issues = [m for n in graph.nodes if _collective_kind(n) == kind and (m := _member(n)) is not None]
+    issues = [m for n in graph.nodes if collective_kind(n) == kind and (m := _member(n)) is not None]
     runs: list[list[tuple]] = []
     for m in issues:
         cur = runs[-1] if runs else None
@@ -251,7 +251,8 @@ def bucket_collectives_pass(
     """Bucket consecutive FSDP all-gathers and reduce-scatters (see the module docstring).
 
     Args:
-        bucket_size: most collectives per bucket (>= 1; 9 = one Llama3 block).
+        bucket_size: most collectives per bucket (>= 1; 9 = one Llama3 block). The
+            pipeline passes ``--compile.fsdp.bucket_blocks`` times the parameters per block.
 
     Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
 
@@ -261,7 +262,7 @@ def bucket_collectives_pass(
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
     graph = gm.graph
-    before = {k: sum(1 for n in graph.nodes if _collective_kind(n) == k) for k in _KINDS}
+    before = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
     if bucket_size > 1:
         for run in _runs(graph, "all_gather_into_tensor", bucket_size):
             _bucket_all_gather(graph, run)
@@ -269,7 +270,7 @@ def bucket_collectives_pass(
             _bucket_reduce_scatter(graph, run)
         graph.lint()
         gm.recompile()
-    after = {k: sum(1 for n in graph.nodes if _collective_kind(n) == k) for k in _KINDS}
+    after = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
     set_pass_summary(
         gm,
         f"all-gathers {before['all_gather_into_tensor']} -> {after['all_gather_into_tensor']}, "

@@ -1,4 +1,5 @@
-"""Replay the (compiled) training step as a CUDA graph. CUDA only, optional.
+"""Replay the (compiled) training step as a CUDA graph. CUDA only, optional
+(``--compile.passes cudagraph``).
 
 Matches: the whole module (no node is inspected).
 
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graph_trainer.passes._common import set_pass_summary
+from graph_trainer.passes.common import set_pass_summary
 
 logger = logging.getLogger("graph_trainer")
 
@@ -106,7 +107,7 @@ def cudagraph_pass(
     if not torch.cuda.is_available():
         raise RuntimeError(
             "cudagraph_pass needs CUDA (torch.cuda.is_available() is False); "
-            "disable it (disable_passes=['cudagraph']) on CPU"
+            "leave cudagraph out of --compile.passes on CPU"
         )
     leaves = [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
     if any(x.device.type != "cuda" for x in leaves):

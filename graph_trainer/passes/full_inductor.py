@@ -2,7 +2,11 @@
 
 Matches: the entire graph (every node; no annotation needed).
 
-Changes: the graph is copied with flat inputs / a tuple output and compiled by
+Changes: the keep-alive ``hold`` nodes of ``overlap_collectives`` and the recompute tags
+of selective AC are removed (:func:`~graph_trainer.passes.common.strip_holds`,
+:func:`~graph_trainer.passes.common.strip_recompute_tags`: Inductor owns buffer lifetimes,
+and ``sac_recompute`` owns recomputation). Then the graph is copied with flat inputs /
+a tuple output and compiled by
 ``torch._inductor.compile_fx.compile_fx`` (AOTAutograd functionalization +
 Inductor decompositions + codegen; ``compile_fx_inner`` alone rejects the
 un-decomposed aten graph that make_fx produces, e.g. ``aten.t``). Compilation
@@ -30,7 +34,14 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graph_trainer.passes._common import detect_graph_fake_mode, fake_inputs_for, set_pass_summary
+from graph_trainer.passes.common import (
+    collective_kind,
+    detect_graph_fake_mode,
+    fake_inputs_for,
+    set_pass_summary,
+    strip_holds,
+    strip_recompute_tags,
+)
 
 logger = logging.getLogger("graph_trainer")
 
@@ -58,20 +69,19 @@ def full_inductor_pass(
 
     Args:
         inductor_configs: ``torch._inductor.config`` overrides for this compile
-            (dotted keys, e.g. ``{"aten_distributed_optimizations.enable_overlap_scheduling":
-            true}``); unknown keys raise ``AttributeError`` from ``config.patch``.
+            (``--compile.full_inductor.configs``; dotted keys, e.g.
+            ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``);
+            unknown keys raise ``AttributeError`` from ``config.patch``.
         pin_collectives: keep the issue / wait positions of the collectives between
-            the same two matmuls as in ``gm`` (:mod:`graph_trainer.passes.pin_collectives`,
-            as Inductor's ``post_grad_custom_post_pass``, with ``reorder_for_locality``
-            off); without it Inductor's peak-memory reordering puts each wait right after
-            its collective. Nothing changes for a graph without collectives.
+            the same two matmuls as in ``gm`` (``--compile.full_inductor.pin_collectives``:
+            the hook of :mod:`graph_trainer.passes.pin_collectives` as Inductor's
+            ``post_grad_custom_post_pass``, with ``reorder_for_locality`` off); without it
+            Inductor's peak-memory reordering puts each wait right after its collective.
+            Nothing changes for a graph without collectives.
 
     Stats: ``compile_s``, ``nodes_compiled``.
     """
-    from graph_trainer.passes.overlap_collectives import _collective_kind, strip_holds
-    from graph_trainer.passes.sac_recompute import strip_recompute_tags
-
-    strip_holds(gm)  # keep-alive identities of overlap_collectives (CPU): Inductor owns lifetimes
+    strip_holds(gm)  # keep-alive identities of overlap_collectives: Inductor owns lifetimes
     strip_recompute_tags(gm.graph)  # AC recompute is sac_recompute's job, not compile_fx's (torch >= 2.12)
     fake_inputs = fake_inputs_for(gm, example_inputs)
     fake_mode = detect_graph_fake_mode(gm, example_inputs)
@@ -81,7 +91,7 @@ def full_inductor_pass(
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(inductor_configs or {})
-    pin_collectives = pin_collectives and any(_collective_kind(n) for n in gm.graph.nodes)
+    pin_collectives = pin_collectives and any(collective_kind(n) for n in gm.graph.nodes)
     if pin_collectives:
         from graph_trainer.passes.pin_collectives import PinCollectivesPass
 

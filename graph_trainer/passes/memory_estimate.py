@@ -1,12 +1,17 @@
 """Static estimate of a graph's peak activation memory, from the fake tensors in
-``node.meta["val"]`` (used to check memory-policy passes without running them).
+``node.meta["val"]``.
+
+Not a pipeline pass: an analysis helper (it never changes the graph), used by the dry
+run (:mod:`graph_trainer.dry_run`, peak before / after the passes) and by the tests of
+the memory-policy passes (``sac_recompute``, ``reshard_after_forward``) to check them
+without running them.
 
 Model: nodes run in graph order; every storage (fake tensors that are views share their
 base's storage) is allocated by the first node producing it and freed after the last
 node that uses any tensor on it, as the FX-generated code frees a value after its last
 use. Graph inputs (parameters, buffers, batch) are held by the caller and not counted;
 values returned by the graph live to the end. Collectives allocate their output at the
-issue node, and ``wait_tensor`` (like :func:`~graph_trainer.passes.overlap_collectives.hold`)
+issue node, and ``wait_tensor`` (like :func:`~graph_trainer.passes.common.hold`)
 returns that same buffer: at run time it is an alias, although its fake value is a
 separate tensor. Not modelled: the allocator's fragmentation and caching, kernel workspaces,
 and Inductor regions' internal buffers.
@@ -16,23 +21,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
-from graph_trainer.passes._common import DisjointSet
-
-
-def _storages(val) -> list:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    out = []
-    for t in pytree.tree_leaves(val):
-        if isinstance(t, torch.Tensor):
-            try:
-                st = t.untyped_storage()
-            except Exception:  # tensor subclasses without storage
-                continue
-            out.append((StorageWeakRef(st), st.nbytes()))
-    return out
+from graph_trainer.passes.common import DisjointSet, hold, is_wait, storages
 
 
 def estimate_peak_memory(gm: torch.fx.GraphModule) -> tuple[int, str | None]:
@@ -48,23 +38,21 @@ def peak_breakdown(gm: torch.fx.GraphModule, top: int = 10) -> tuple[int, str | 
     peak as ``(producing node, its first user / "output", last user, bytes)``."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    inputs = {ref for n in nodes if n.op == "placeholder" for ref, _ in _storages(n.meta.get("val"))}
+    inputs = {ref for n in nodes if n.op == "placeholder" for ref, _ in storages(n.meta.get("val"))}
     size: dict = {}
     born: dict = {}
     last: dict = {}
     end = len(nodes)
     # wait_tensor / hold return their input's buffer: one storage class (union-find)
-    from graph_trainer.passes.overlap_collectives import _is_wait, hold
-
-    storages = DisjointSet()
-    find = storages.find
+    same_buffer = DisjointSet()
+    find = same_buffer.find
     for n in nodes:
-        if (_is_wait(n) or n.target is hold) and n.args and isinstance(n.args[0], torch.fx.Node):
-            for (a, _), (b, _) in zip(_storages(n.meta.get("val")), _storages(n.args[0].meta.get("val"))):
-                storages.union(a, b)
+        if (is_wait(n) or n.target is hold) and n.args and isinstance(n.args[0], torch.fx.Node):
+            for (a, _), (b, _) in zip(storages(n.meta.get("val")), storages(n.args[0].meta.get("val"))):
+                same_buffer.union(a, b)
 
     def refs_of(n):
-        return [(find(r), b) for r, b in _storages(n.meta.get("val"))]
+        return [(find(r), b) for r, b in storages(n.meta.get("val"))]
 
     inputs = {find(r) for r in inputs}
     for n in nodes:

@@ -7,9 +7,9 @@ followed at once by its wait, so the compute stream blocks on each all-gather an
 reduce-scatter in turn and no communication overlaps with compute.
 
 Changes: the positions of waits and of reduce-scatters (with their cast / pad chain),
-plus a :func:`hold` identity after every wait that no longer follows its collective; no
-computation is added, removed or rewired, so the values computed are bit for bit those
-of the input graph (a test checks it).
+plus a :func:`~graph_trainer.passes.common.hold` identity after every wait that no
+longer follows its collective; no computation is added, removed or rewired, so the
+values computed are bit for bit those of the input graph (a test checks it).
 
 * A wait on an **all-gather** moves to just before its first user. The traced
   step issues every parameter's all-gather at the start of the forward (traceable
@@ -40,10 +40,10 @@ with regional Inductor. (Full-graph Inductor schedules collectives itself.)
 Buffer lifetime: the generated Python frees every value after its last use, which is
 now the collective's *issue*. The pass does not rely on the process group keeping an
 in-flight collective's input alive: every wait that no longer follows its collective
-goes through :func:`hold`, an identity that also takes the collective's input, so the
+goes through ``hold``, an identity that also takes the collective's input, so the
 input lives until the wait (for a reduce-scatter: one unsharded gradient per collective
 in flight, bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes
-before compiling.
+before compiling (:func:`~graph_trainer.passes.common.strip_holds`).
 
 CPU (gloo): with 2 gloo ranks, collectives left in flight while the main thread computes
 intermittently corrupted the heap (``malloc(): unaligned tcache chunk``), with or without
@@ -57,64 +57,36 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import set_pass_summary
+from graph_trainer.passes.common import (
+    CAST_OPS,
+    RESHAPE_OPS,
+    SLICE_OPS,
+    collective_kind,
+    hold,
+    is_wait,
+    set_pass_summary,
+    shard_chain,
+)
 
-_C10D = "_c10d_functional"
+aten = torch.ops.aten
 
+# Ops that may be hoisted together with the collective they feed (cheap, single use):
+# the cast / view / pad chain of a gradient before its reduce-scatter.
+_HOISTABLE = (
+    CAST_OPS | RESHAPE_OPS
+    | {aten.t.default, aten.permute.default, aten.clone.default, aten.constant_pad_nd.default, aten.pad.default}
+)
 
-def hold(x, *keep_alive):
-    """Identity on ``x``; ``keep_alive`` only extends the lifetime of its arguments
-    (the inputs of an in-flight CPU collective) to this call in the generated code."""
-    return x
-
-
-def strip_holds(gm: torch.fx.GraphModule) -> int:
-    """Replace every :func:`hold` node by its first argument; returns how many."""
-    n = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is hold:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            n += 1
-    if n:
-        gm.recompile()
-    return n
-
-
-def _is_wait(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).startswith(f"{_C10D}.wait_tensor")
-
-
-def _collective_kind(node: torch.fx.Node) -> str | None:
-    """``"all_gather_into_tensor"`` etc. for a functional collective issue node, else None."""
-    if node.op != "call_function":
-        return None
-    name = str(node.target)
-    if not name.startswith(f"{_C10D}.") or name.startswith(f"{_C10D}.wait_tensor"):
-        return None
-    return name.split(".")[1]
-
-
-# Ops that may be hoisted together with the collective they feed (cheap, single use).
-_HOISTABLE = {
-    "aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.constant_pad_nd.default", "aten.pad.default", "aten.clone.default", "aten.t.default",
-    "aten.permute.default", "aten.convert_element_type.default", "prims.convert_element_type.default",
-}  # fmt: skip
-
-
-# View ops that move together with the wait whose output they view.
-_VIEWS = {
-    "aten.slice.Tensor", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.alias.default", "aten.as_strided.default",
-}  # fmt: skip
+# View ops that move together with the wait whose output they view (FSDP: slice -> view
+# of the gathered buffer).
+_WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
 
 
 def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
     """Collective issue nodes grouped by kind, in graph order."""
     out: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        kind = _collective_kind(node)
+        kind = collective_kind(node)
         if kind is not None:
             out.setdefault(kind, []).append(node)
     return out
@@ -127,7 +99,7 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
     cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
     while (
         cur is not None and cur.op == "call_function" and len(cur.users) == 1
-        and str(cur.target) in _HOISTABLE
+        and cur.target in _HOISTABLE
     ):
         chain.append(cur)
         nxt = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
@@ -156,18 +128,16 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     """Delay each parameter all-gather (with its shard cast, its wait and the views
     before its first real use) to just before the first real use of the parameter
     ``window`` places earlier in use order. Returns how many were moved."""
-    from graph_trainer.passes.reshard_after_forward import _shard_chain
-
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups = []
-    for ag in [n for n in graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]:
-        chain = _shard_chain(ag)
+    for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
+        chain = shard_chain(ag)
         if chain is None or any(len(c.users) != 1 for c in chain):
             continue
         closure, stack = [ag], [ag]
         while stack:  # wait, hold, slice / view ... up to the first real use
             for u in stack.pop().users:
-                if _is_wait(u) or u.target is hold or str(u.target) in _VIEWS:
+                if is_wait(u) or u.target is hold or u.target in _WAIT_VIEWS:
                     closure.append(u)
                     stack.append(u)
         users = [u for c in closure for u in c.users if u not in closure]
@@ -221,7 +191,7 @@ def overlap_collectives_pass(
         issues_by_kind = _issues_by_kind(graph)
     index_in_kind = {n: (k, i) for k, ns in issues_by_kind.items() for i, n in enumerate(ns)}
 
-    waits = [n for n in graph.nodes if _is_wait(n) and n.args and isinstance(n.args[0], torch.fx.Node)
+    waits = [n for n in graph.nodes if is_wait(n) and n.args and isinstance(n.args[0], torch.fx.Node)
              and n.args[0] in index_in_kind]
     moved = 0
     counts = {"all_gather": 0, "other": 0}
@@ -237,7 +207,7 @@ def overlap_collectives_pass(
         # the wait travels with its single-use view chain (FSDP: slice -> view of the
         # gathered buffer), so it lands before the first real use, not the first view
         chain = [wait]
-        while len(chain[-1].users) == 1 and str(next(iter(chain[-1].users)).target) in _VIEWS:
+        while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in _WAIT_VIEWS:
             chain.append(next(iter(chain[-1].users)))
         users = sorted(chain[-1].users, key=order.__getitem__)
         target = users[0] if users else None

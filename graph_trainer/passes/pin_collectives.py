@@ -1,15 +1,19 @@
 """Keep the collective schedule of the traced graph when Inductor compiles all of it.
 
+Not a pipeline pass: an Inductor post-grad hook (:class:`PinCollectivesPass`, installed
+as ``post_grad_custom_post_pass``) that ``full_inductor_pass`` uses when called with
+``pin_collectives=True`` (``--compile.full_inductor.pin_collectives``, the default).
+
 Why: ``overlap_collectives`` places every all-gather / reduce-scatter issue and its
 ``wait_tensor`` so that communication runs under compute. Full-graph Inductor does not
 keep that order: its scheduler's ``reorder_for_peak_memory`` (on by default) picks the
 topological order with the smallest estimated peak, which issues each collective just
-before its wait. Measured on the 8B FSDP2 step (2x H200, docs/perf.md): 176 ms per step
-with only communication running, none of it overlapped. Separately, the traced step is
-an inference graph to Inductor, and for those the post-grad ``reorder_for_locality``
-moves every wait right before its first user: each reduce-scatter wait to the end of the
-graph, keeping every unsharded fp32 gradient alive (Inductor holds a collective's input
-until its wait). ``full_inductor_pass(pin_collectives=True)`` turns that pass off.
+before its wait, so none of the communication overlaps (docs/perf.md, "The fix:
+pin_collectives"). Separately, the traced step is an inference graph to Inductor, and
+for those the post-grad ``reorder_for_locality`` moves every wait right before its
+first user: each reduce-scatter wait to the end of the graph, keeping every unsharded
+fp32 gradient alive (Inductor holds a collective's input until its wait).
+``full_inductor_pass(pin_collectives=True)`` turns that pass off.
 
 Matches (on Inductor's post-grad graph, through ``post_grad_custom_post_pass``):
 ``_c10d_functional`` collectives and their ``wait_tensor`` nodes, and the *anchors*:
@@ -37,8 +41,7 @@ import logging
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import packet_name
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
+from graph_trainer.passes.common import collective_kind, is_wait, packet_name
 
 logger = logging.getLogger("graph_trainer")
 
@@ -69,10 +72,10 @@ def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch
             anchor_at[i] = n
     deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for w in graph.nodes:
-        if not _is_wait(w):
+        if not is_wait(w):
             continue
         c = w.args[0] if w.args else None
-        if not isinstance(c, torch.fx.Node) or _collective_kind(c) is None or c not in pos:
+        if not isinstance(c, torch.fx.Node) or collective_kind(c) is None or c not in pos:
             continue
         lo = bisect.bisect_right(anchors, pos[c])
         hi = bisect.bisect_left(anchors, pos[w])

@@ -1,19 +1,22 @@
-"""The ordered graph-pass pipeline: registry, the one default order, and the runner.
+"""The ordered graph-pass pipeline: registry, the one default order, the builder, the runner.
 
-Order (:data:`DEFAULT_ORDER`, the only place it is defined)::
+Order (:data:`DEFAULT_ORDER`, the only place it is defined; ``[compile]`` flags in brackets)::
 
     remove_dead_code -> remove_noop_views
       -> sac_recompute                                   (memory policy; op-level selective AC only)
       -> reshard_after_forward                           (memory policy; FSDP only)
       -> overlap_collectives                             (no-op without collectives)
-      -> annotate_flex_attention_for_regional_inductor   (if flex attention is used)
-      -> annotate_rmsnorm_for_regional_inductor          (if numerics_changing_optim)
-      -> annotate_pointwise_for_regional_inductor        (if also pointwise_regions)
-      -> regional_inductor | full_inductor               (inductor_compilation)
-      -> cudagraph                                       (if asked)
+      -> bucket_collectives                              [fsdp.bucket_blocks > 0]
+      -> annotate_flex_attention_for_regional_inductor   (if FlexAttention is used)
+      -> annotate_rmsnorm_for_regional_inductor          [numerics_changing_optim]
+      -> annotate_pointwise_for_regional_inductor        [passes = annotate_pointwise]
+      -> regional_inductor | full_inductor               [inductor_compilation]
+      -> cudagraph                                       [passes = cudagraph]
 
-Every pass has the signature ``(gm, example_inputs) -> gm`` and reports a
-short summary via ``gm.meta`` (see :mod:`graph_trainer.passes._common`).
+:func:`build_pipeline` is the only place where a ``[compile]`` field becomes a pass
+argument; :func:`run_pipeline` runs the result in a plain loop. Every pass has the
+signature ``(gm, example_inputs, **options) -> gm`` and reports a short summary via
+``gm.meta`` (:func:`graph_trainer.passes.common.set_pass_summary`).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graph_trainer.passes._common import num_nodes, op_counts, pop_pass_summary
+from graph_trainer.passes.common import num_nodes, op_counts, pop_pass_summary
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
@@ -90,9 +94,18 @@ ALIASES: dict[str, str] = {
 
 INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
 
+#: Passes that change numerics: they need ``--compile.numerics_changing_optim``.
+NUMERICS_CHANGING: frozenset[str] = frozenset({ANNOTATE_RMSNORM, ANNOTATE_POINTWISE})
+#: Passes that compile the graph (they need real tensors; the dry run skips them).
+COMPILING: frozenset[str] = frozenset({REGIONAL_INDUCTOR, FULL_INDUCTOR, CUDAGRAPH})
+
 
 def canonical_pass_name(name: str) -> str:
-    """Canonical registry name for ``name`` (or an alias); ValueError if unknown."""
+    """Canonical registry name for ``name`` (or an alias).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
     key = name.strip()
     if key in PASSES:
         return key
@@ -101,80 +114,134 @@ def canonical_pass_name(name: str) -> str:
     raise ValueError(f"unknown graph pass {name!r}; valid passes: {', '.join(DEFAULT_ORDER)}")
 
 
-def resolve_pass_names(
-    *,
-    passes: list[str] | None,
-    disable_passes: Iterable[str] = (),
-    numerics_changing_optim: bool,
-    inductor_compilation: str,
-    uses_flex_attention: bool = False,
-    cudagraphs: bool = False,
-    pointwise_regions: bool = False,
-    bucket_collectives: int = 0,
-) -> list[str]:
-    """The list of pass names to run, in :data:`DEFAULT_ORDER`.
+def split_names(value: str | Iterable[str] | None) -> list[str]:
+    """``"a, b,,c"`` (or a list of names) -> ``["a", "b", "c"]``."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    return [v.strip() for v in items if v.strip()]
 
-    ``passes=None`` derives the list from the flags: the cleanup passes,
-    ``sac_recompute`` (a no-op without op-level selective AC),
-    ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs without
-    FSDP / collectives), the
-    ``bucket_collectives`` (if ``bucket_collectives > 1``, the bucket size), the
-    FlexAttention annotation (if ``uses_flex_attention``), the RMSNorm
-    annotation (if ``numerics_changing_optim`` and ``inductor_compilation ==
-    "regional"``; with ``"full"`` Inductor compiles every norm anyway), the
-    pointwise-chain annotation (if ``pointwise_regions`` too; it changes numerics,
-    so ``pointwise_regions`` without ``numerics_changing_optim`` is a ValueError), the
-    compile pass of ``inductor_compilation`` and ``cudagraph`` (if
-    ``cudagraphs``). A given ``passes`` list replaces that list. Then
-    ``disable_passes`` are removed.
 
-    Raises ``ValueError`` for unknown names, an invalid ``inductor_compilation``,
-    the RMSNorm annotation without a later ``regional_inductor`` pass (the
-    annotation only has an effect when regional_inductor compiles the tagged
-    regions; in particular with ``inductor_compilation == "none"``), and for
-    ``regional_inductor`` together with ``full_inductor``.
+def resolve_pass_names(compile_cfg: Any, *, uses_flex_attention: bool = False) -> list[str]:
+    """The pass names ``compile_cfg`` (the ``[compile]`` section) runs, in :data:`DEFAULT_ORDER`.
+
+    The default list: the cleanup passes, ``sac_recompute`` (a no-op without op-level
+    selective AC), ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs
+    without FSDP / collectives), ``bucket_collectives`` (``fsdp.bucket_blocks > 0``), the
+    FlexAttention annotation (``uses_flex_attention``), the RMSNorm annotation
+    (``numerics_changing_optim`` with ``inductor_compilation = "regional"``; with ``"full"``
+    Inductor compiles every norm anyway) and the compile pass of ``inductor_compilation``.
+    Then the passes named in ``passes`` are added and those in ``disable_passes`` removed.
+
+    Raises:
+        ValueError: unknown names or ``inductor_compilation``; a pass of
+            :data:`NUMERICS_CHANGING` without ``numerics_changing_optim``; an annotation
+            pass without a later ``regional_inductor`` (it only tags regions for it);
+            ``regional_inductor`` together with ``full_inductor``.
     """
-    if inductor_compilation not in INDUCTOR_COMPILATION_MODES:
+    inductor = compile_cfg.inductor_compilation
+    if inductor not in INDUCTOR_COMPILATION_MODES:
         raise ValueError(
-            f"inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; "
-            f"got {inductor_compilation!r}"
+            f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; got {inductor!r}"
         )
-    if passes is None:
-        names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, SAC_RECOMPUTE, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
-        if bucket_collectives > 1:
-            names.append(BUCKET_COLLECTIVES)
-        if uses_flex_attention:
-            names.append(ANNOTATE_FLEX_ATTENTION)
-        if pointwise_regions and not numerics_changing_optim:
-            raise ValueError(
-                "pointwise_regions changes numerics (Inductor fuses bf16 chains in fp32): "
-                "add numerics_changing_optim (--compile.numerics_changing_optim) to enable it"
-            )
-        if numerics_changing_optim and inductor_compilation != "full":
-            names.append(ANNOTATE_RMSNORM)
-            if pointwise_regions:
-                names.append(ANNOTATE_POINTWISE)
-        if inductor_compilation == "regional":
-            names.append(REGIONAL_INDUCTOR)
-        elif inductor_compilation == "full":
-            names.append(FULL_INDUCTOR)
-        if cudagraphs:
-            names.append(CUDAGRAPH)
-    else:
-        names = [canonical_pass_name(n) for n in passes]
-    disabled = {canonical_pass_name(n) for n in disable_passes}
-    names = sorted({n for n in names if n not in disabled}, key=DEFAULT_ORDER.index)
+    names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, SAC_RECOMPUTE, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
+    if compile_cfg.fsdp.bucket_blocks > 0:
+        names.append(BUCKET_COLLECTIVES)
+    if uses_flex_attention:
+        names.append(ANNOTATE_FLEX_ATTENTION)
+    if compile_cfg.numerics_changing_optim and inductor == "regional":
+        names.append(ANNOTATE_RMSNORM)
+    if inductor == "regional":
+        names.append(REGIONAL_INDUCTOR)
+    elif inductor == "full":
+        names.append(FULL_INDUCTOR)
+    added = [canonical_pass_name(n) for n in split_names(compile_cfg.passes)]
+    disabled = {canonical_pass_name(n) for n in split_names(compile_cfg.disable_passes)}
+    names = sorted({n for n in names + added if n not in disabled}, key=DEFAULT_ORDER.index)
 
+    changing = [n for n in names if n in NUMERICS_CHANGING]
+    if changing and not compile_cfg.numerics_changing_optim:
+        raise ValueError(
+            f"{', '.join(changing)} changes numerics (Inductor fuses bf16 chains in fp32): add "
+            f"--compile.numerics_changing_optim to enable it"
+        )
     for annotation in (ANNOTATE_RMSNORM, ANNOTATE_POINTWISE):
-        if annotation in names and (inductor_compilation == "none" or REGIONAL_INDUCTOR not in names):
+        if annotation in names and REGIONAL_INDUCTOR not in names:
             raise ValueError(
                 f"the annotation pass {annotation} only has an effect when regional_inductor compiles "
-                f"the tagged regions, but inductor_compilation={inductor_compilation!r} and the resolved "
-                f"passes are {names}; use inductor_compilation='regional' or disable the annotation pass"
+                f"the tagged regions, but --compile.inductor_compilation is {inductor!r} and the passes "
+                f"are {names}; use --compile.inductor_compilation regional or disable the annotation pass"
             )
     if REGIONAL_INDUCTOR in names and FULL_INDUCTOR in names:
         raise ValueError("regional_inductor and full_inductor are mutually exclusive")
     return names
+
+
+@dataclass
+class PipelineStep:
+    """One pass of a pipeline with its options: ``step(gm, example_inputs)`` runs
+    ``fn(gm, example_inputs, **options)``."""
+
+    name: str
+    fn: Callable[..., Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        return self.fn(gm, example_inputs, **self.options)
+
+
+def build_pipeline(
+    compile_cfg: Any,
+    layout: Any = None,
+    *,
+    deterministic: bool = False,
+    uses_flex_attention: bool = False,
+) -> list[PipelineStep]:
+    """The passes of ``compile_cfg`` (the ``[compile]`` section) with their options: the
+    only place where a config field becomes a pass argument.
+
+    Args:
+        compile_cfg: ``graph_trainer.config.Compile`` (Inductor config fields may be
+            dicts, as after ``parse_args``, or JSON strings; empty means the default).
+        layout: the model's ``graph_trainer.model.BlockLayout``; needed when
+            ``fsdp.bucket_blocks`` or ``fsdp.keep_last_blocks`` is set (they count
+            blocks, the passes count parameters / collectives).
+        deterministic: ``--debug.deterministic``; turns off the timed RMSNorm config pick.
+        uses_flex_attention: add the FlexAttention annotation.
+
+    Raises:
+        ValueError: as :func:`resolve_pass_names`; block options without ``layout``.
+    """
+    from graph_trainer.passes.annotate_rmsnorm import DEFAULT_RMSNORM_CANDIDATE_CONFIGS
+
+    fsdp = compile_cfg.fsdp
+    if layout is None and (fsdp.bucket_blocks > 0 or fsdp.keep_last_blocks > 0):
+        raise ValueError("--compile.fsdp.bucket_blocks / keep_last_blocks need the model's block layout")
+    options: dict[str, dict[str, Any]] = {
+        ANNOTATE_RMSNORM: {
+            "inductor_configs": _configs(compile_cfg.rmsnorm.inductor_configs),
+            "candidate_configs": (
+                DEFAULT_RMSNORM_CANDIDATE_CONFIGS if compile_cfg.rmsnorm.tune and not deterministic else None
+            ),
+        },
+        FULL_INDUCTOR: {
+            "inductor_configs": _configs(compile_cfg.full_inductor.configs),
+            "pin_collectives": compile_cfg.full_inductor.pin_collectives,
+        },
+    }
+    if compile_cfg.sac.save_matmuls:
+        options[SAC_RECOMPUTE] = {"save_ops": [torch.ops.aten.mm.default]}
+    if fsdp.keep_last_blocks > 0:
+        first = layout.params_of_first_blocks(layout.n_blocks - fsdp.keep_last_blocks)
+        options[RESHARD_AFTER_FORWARD] = {"first_params": first}
+    if fsdp.bucket_blocks > 0:
+        options[BUCKET_COLLECTIVES] = {"bucket_size": fsdp.bucket_blocks * layout.params_per_block}
+    names = resolve_pass_names(compile_cfg, uses_flex_attention=uses_flex_attention)
+    return [PipelineStep(n, PASSES[n], dict(options.get(n, {}))) for n in names]
+
+
+def _configs(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, str):
+        return json.loads(value) if value.strip() else None
+    return dict(value) if value else None
 
 
 def _readable(gm: Any) -> str:
@@ -206,34 +273,27 @@ def _jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
-def run_passes(
+def run_pipeline(
     gm: torch.fx.GraphModule,
     example_inputs: Any,
-    names: Iterable[str],
+    pipeline: Iterable[PipelineStep | str],
     *,
-    rmsnorm_inductor_configs: dict[str, Any] | None = None,
-    rmsnorm_candidate_configs: list[dict[str, Any]] | None = None,
-    sac_save_matmuls: bool = False,
-    full_inductor_configs: dict[str, Any] | None = None,
-    pin_collectives: bool = True,
-    reshard_first_params: int | None = None,
-    bucket_size: int | None = None,
     dump_folder: str | None = None,
 ) -> torch.fx.GraphModule:
-    """Run the passes ``names`` in the given order and return the final module.
+    """Run the passes of ``pipeline`` in order and return the final module.
 
-    Logs one line per pass on the ``graph_trainer`` logger: name, wall time,
-    node count before -> after and the pass's own summary. With
-    ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one
-    ``NN_<pass>.py`` per pass (readable code of the graph after it) and
-    ``summary.json`` (per pass: time, node counts, summary, stats, op counts
-    per target; rewritten after each pass). ``sac_save_matmuls``: ``sac_recompute``
-    keeps every ``aten.mm`` output even where selective AC tagged it for recompute.
-    ``full_inductor_configs`` / ``pin_collectives``: passed to ``full_inductor``;
-    ``reshard_first_params`` to ``reshard_after_forward`` (``first_params``; None: all);
-    ``bucket_size`` to ``bucket_collectives`` (None: its default).
+    ``pipeline``: :class:`PipelineStep` s (:func:`build_pipeline`) or pass names (run with
+    their default options). Logs one line per pass on the ``graph_trainer`` logger: name,
+    wall time, node count before -> after and the pass's own summary. With
+    ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py`` per
+    pass (readable code of the graph after it) and ``summary.json`` (per pass: time, node
+    counts, summary, stats, op counts per target; rewritten after each pass).
+
+    Raises:
+        ValueError: an unknown pass name; whatever a pass raises.
     """
-    names = [canonical_pass_name(n) for n in names]
+    steps = [s if isinstance(s, PipelineStep) else PipelineStep(canonical_pass_name(s), PASSES[canonical_pass_name(s)])
+             for s in pipeline]
     graphs_dir = None
     records: list[dict[str, Any]] = []
     if dump_folder is not None:
@@ -243,39 +303,27 @@ def run_passes(
         records.append({"index": 0, "pass": "input", "nodes": num_nodes(gm), "ops": op_counts(gm)})
 
     pop_pass_summary(gm)
-    for i, name in enumerate(names, start=1):
-        fn = PASSES[name]
+    for i, step in enumerate(steps, start=1):
         before = num_nodes(gm)
-        kwargs = {}
-        if name == ANNOTATE_RMSNORM:
-            kwargs = {"inductor_configs": rmsnorm_inductor_configs, "candidate_configs": rmsnorm_candidate_configs}
-        elif name == SAC_RECOMPUTE and sac_save_matmuls:
-            kwargs = {"save_ops": [torch.ops.aten.mm.default]}
-        elif name == RESHARD_AFTER_FORWARD and reshard_first_params is not None:
-            kwargs = {"first_params": reshard_first_params}
-        elif name == BUCKET_COLLECTIVES and bucket_size is not None:
-            kwargs = {"bucket_size": bucket_size}
-        elif name == FULL_INDUCTOR:
-            kwargs = {"inductor_configs": full_inductor_configs, "pin_collectives": pin_collectives}
         t0 = time.perf_counter()
-        gm = fn(gm, example_inputs, **kwargs)
+        gm = step(gm, example_inputs)
         elapsed = time.perf_counter() - t0
         after = num_nodes(gm)
         summary, stats = pop_pass_summary(gm)
         logger.info(
             "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
-            name,
+            step.name,
             elapsed,
             "n/a" if before is None else before,
             "n/a" if after is None else after,
             summary,
         )
         if graphs_dir is not None:
-            _write(os.path.join(graphs_dir, f"{i:02d}_{name}.py"), _readable(gm))
+            _write(os.path.join(graphs_dir, f"{i:02d}_{step.name}.py"), _readable(gm))
             records.append(
                 {
                     "index": i,
-                    "pass": name,
+                    "pass": step.name,
                     "time_s": round(elapsed, 4),
                     "nodes_before": before,
                     "nodes_after": after,

@@ -46,7 +46,7 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.passes._common import (
+from graph_trainer.passes.common import (
     custom_meta,
     detect_graph_fake_mode,
     is_getitem,
@@ -233,8 +233,8 @@ def time_region_ms(fn, inputs) -> float:
 
 
 #: A candidate Inductor config is kept only when it is more than this fraction faster
-#: than the region's own ``inductor_configs`` (do_bench medians of two identical kernels
-#: differ by up to ~1 % on an H100).
+#: than the region's own ``inductor_configs`` (above the noise between do_bench medians
+#: of two identical kernels).
 MIN_CANDIDATE_GAIN = 0.02
 
 
@@ -343,8 +343,8 @@ def regional_inductor_pass(
     per region), keep the rest eager, and return ``gm`` with its original
     calling convention.
 
-    Identical regions (same ops and input shapes/dtypes, e.g. the 64 attention/FFN
-    norms of a Llama3 8B) are compiled once and share the artifact. Regions with
+    Identical regions (same ops and input shapes/dtypes, e.g. the attention / FFN
+    norms of every block) are compiled once and share the artifact. Regions with
     ``candidate_inductor_configs`` are compiled once per candidate and the fastest
     measured variant is kept (see :func:`_dedupe_and_select_region_compiles`;
     ``select_candidates`` / ``timer`` are passed through).

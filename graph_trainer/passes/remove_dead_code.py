@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes._common import is_collective, num_nodes, set_pass_summary
+from graph_trainer.passes.common import is_collective, num_nodes, set_pass_summary
 
 
 def _is_impure(node: torch.fx.Node) -> bool:

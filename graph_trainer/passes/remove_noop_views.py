@@ -36,15 +36,12 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from graph_trainer.passes._common import DisjointSet, is_collective, set_pass_summary
+from graph_trainer.passes.common import RESHAPE_OPS, DisjointSet, is_collective, set_pass_summary
 
 aten = torch.ops.aten
 
-_SAME_SHAPE_VIEWS = {
-    aten.view.default: "view",
-    aten.reshape.default: "reshape",
-    aten._unsafe_view.default: "_unsafe_view",
-}
+# reshape views (-> their kind in the stats: "view", "reshape", "_unsafe_view")
+_SAME_SHAPE_VIEWS = {op: op._schema.name.split("::")[-1] for op in RESHAPE_OPS}
 
 
 class _AliasInfo(DisjointSet):

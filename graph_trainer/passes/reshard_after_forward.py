@@ -16,44 +16,38 @@ copy's wait and views sit right before the first backward use; its all-gather is
 issued ``prefetch`` re-gathers earlier in backward order (default 9: one Llama3
 transformer block), so it overlaps the backward of the layers before. Values are bit
 for bit the same (an all-gather of the same shard); the cost is one more all-gather
-of every parameter per step. Saves up to one unsharded bf16 copy of the model per rank
-(16 GB for Llama3 8B), less the parameters of the layers in flight.
+of every parameter per step. Saves up to one unsharded copy of the model's parameters
+per rank, less the parameters of the layers in flight. FSDP parameter all-gathers are
+recognised by :func:`~graph_trainer.passes.common.shard_chain`; ``first_params`` limits
+the pass to the earliest parameters (the pipeline derives it from
+``--compile.fsdp.keep_last_blocks K``: the last K blocks keep their forward copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 
-import contextlib
-
 from graph_trainer import PHASE_KEY
-from graph_trainer.passes._common import custom_meta, set_pass_summary
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold
+from graph_trainer.passes.common import (
+    CAST_OPS,
+    VIEW_OPS,
+    collective_kind,
+    custom_meta,
+    hold,
+    is_wait,
+    set_pass_summary,
+    shard_chain,
+)
 
-_PASS_OPS = {
-    "_c10d_functional.wait_tensor.default", "aten._to_copy.default", "aten.slice.Tensor", "aten.view.default",
-    "aten._unsafe_view.default", "aten.reshape.default", "aten.t.default", "aten.transpose.int",
-    "aten.permute.default", "aten.expand.default", "aten.alias.default", "aten.detach.default",
-    "aten.as_strided.default", "prims.convert_element_type.default",
-}  # fmt: skip
+# Views and casts of a gathered parameter: with its wait and hold, the view closure.
+_VIEW_OR_CAST = VIEW_OPS | CAST_OPS
 
 
 def _is_closure_op(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (node.target is hold or str(node.target) in _PASS_OPS)
-
-
-def _shard_chain(ag: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """Nodes between a placeholder and the all-gather (casts / views), earliest first;
-    None if the all-gather's input does not come from a placeholder that way."""
-    chain = []
-    cur = ag.args[0] if ag.args and isinstance(ag.args[0], torch.fx.Node) else None
-    while cur is not None and cur.op == "call_function" and str(cur.target) in _PASS_OPS:
-        chain.append(cur)
-        cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
-    if cur is None or cur.op != "placeholder":
-        return None
-    return list(reversed(chain))
+    return node.op == "call_function" and (node.target is hold or is_wait(node) or node.target in _VIEW_OR_CAST)
 
 
 def _fresh_val(new: torch.fx.Node, val):
@@ -63,9 +57,9 @@ def _fresh_val(new: torch.fx.Node, val):
         return val
     args = torch.fx.node.map_arg(new.args, lambda a: a.meta.get("val"))
     kwargs = torch.fx.node.map_arg(new.kwargs, lambda a: a.meta.get("val"))
-    if _is_wait(new) and isinstance(args[0], torch.Tensor):
+    if is_wait(new) and isinstance(args[0], torch.Tensor):
         return args[0]  # a wait returns its collective's buffer
-    if not _is_wait(new) and str(new.target) in _PASS_OPS:
+    if new.target in _VIEW_OR_CAST:
         try:  # views / casts of the copied parent, computed by the fake mode
             return new.target(*args, **kwargs)
         except Exception:
@@ -80,7 +74,7 @@ def _refresh_views(node: torch.fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.op != "call_function" or str(n.target) not in _PASS_OPS or _is_wait(n):
+        if n.op != "call_function" or n.target not in _VIEW_OR_CAST:
             continue
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -123,8 +117,8 @@ def reshard_after_forward_pass(
     pos = {n: i for i, n in enumerate(graph.nodes)}
     groups = []
     n_fsdp = 0
-    for ag in [n for n in graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]:
-        chain = _shard_chain(ag)
+    for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
+        chain = shard_chain(ag)
         if chain is None:
             continue
         n_fsdp += 1

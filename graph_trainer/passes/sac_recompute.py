@@ -10,8 +10,8 @@ Why it is needed: under make_fx ``torch.utils.checkpoint``'s SAC sees a tracing
 ("compiling") dispatch mode and does not recompute; it saves every op's output and
 only tags the nodes, leaving recomputation to a partitioner (AOTAutograd's min-cut
 partitioner does it for torch.compile). The traced joint graph has no partitioner, so
-without this pass op-level SAC keeps all activations, like no AC at all (measured: the
-8B step's saved activations, and the same number of ``mm`` as ``mode = "none"``).
+without this pass op-level SAC keeps all activations, like no AC at all (the traced
+graph has as many ``mm`` as with ``mode = "none"``; a test checks it).
 Layer-level AC (``full``, or ``selective`` with an integer option) really recomputes
 under make_fx and carries no tags: this pass then does nothing.
 
@@ -28,7 +28,7 @@ annotation passes treat them as recomputed forward ops. Not recomputed even when
 tagged: ops that mutate an input, random ops, and collectives. Numerics: the copies run
 the same ops on the same inputs, so every value equals the forward's bit for bit, and
 the step equals eager op-level SAC (which recomputes the same ops). Afterwards the tags
-are removed from every node (:func:`strip_recompute_tags`).
+are removed from every node (:func:`~graph_trainer.passes.common.strip_recompute_tags`).
 
 torch >= 2.12 has the same idea upstream for Inductor-compiled forward-loss-backward graphs
 (``remat_using_tags_for_fwd_loss_bwd_graph``, run inside ``compile_fx``); torch 2.11, the GPU
@@ -46,8 +46,14 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
-from graph_trainer.passes._common import custom_meta, is_collective, phase_of, set_pass_summary
-from graph_trainer.passes.memory_estimate import _storages
+from graph_trainer.passes.common import (
+    custom_meta,
+    is_collective,
+    phase_of,
+    set_pass_summary,
+    storages,
+    strip_recompute_tags,
+)
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
 
@@ -83,17 +89,17 @@ def _is_recomputable(node: torch.fx.Node, policies, save_ops=frozenset()) -> boo
 def _saved_bytes(graph: torch.fx.Graph) -> int:
     """Bytes of the distinct storages (not views, not graph inputs) that the forward
     nodes used by the backward hold."""
-    inputs = {ref for n in graph.nodes if n.op == "placeholder" for ref, _ in _storages(n.meta.get("val"))}
+    inputs = {ref for n in graph.nodes if n.op == "placeholder" for ref, _ in storages(n.meta.get("val"))}
     seen: dict = {}
     for n in saved_for_backward(graph):
-        for ref, nbytes in _storages(n.meta.get("val")):
+        for ref, nbytes in storages(n.meta.get("val")):
             if ref not in inputs:
                 seen[ref] = max(seen.get(ref, 0), nbytes)
     return sum(seen.values())
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    sa, sb = _storages(a), _storages(b)  # empty for tensor subclasses without storage
+    sa, sb = storages(a), storages(b)  # empty for tensor subclasses without storage
     return bool(sa and sb) and sa[0][0] == sb[0][0]
 
 
@@ -128,26 +134,11 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]  # fmt: skip
 
 
-def strip_recompute_tags(graph: torch.fx.Graph) -> int:
-    """Delete ``meta["recompute"]`` / ``meta["ac_graph_id"]`` from every node; returns how
-    many nodes had a tag. Once consumed they must go: torch >= 2.12's ``compile_fx`` runs
-    its own remat on tagged forward-loss-backward graphs
-    (``torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph``),
-    which would recompute a second time (and rejects graphs whose tagged ops it cannot
-    replay)."""
-    n = 0
-    for node in graph.nodes:
-        had = node.meta.pop("recompute", None) is not None
-        node.meta.pop("ac_graph_id", None)
-        n += had
-    return n
-
-
 def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=()) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
     ``save_ops``: OpOverloads kept as saved even where tagged for recompute (e.g.
-    ``aten.mm.default``: ``--compile.sac_save_matmuls``, no matmul recompute).
+    ``aten.mm.default``: ``--compile.sac.save_matmuls``, no matmul recompute).
 
     Stats: ``recomputed`` (copies made), ``recomputed_mm`` (of them ``aten.mm``),
     ``saved_bytes_before`` / ``saved_bytes_after`` (bytes of the distinct storages the

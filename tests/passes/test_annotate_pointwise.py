@@ -7,14 +7,17 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
+from graph_trainer.config import Compile
 from graph_trainer.passes import (
     annotate_pointwise_for_regional_inductor_pass,
+    build_pipeline,
     find_pointwise_regions,
     resolve_pass_names,
-    run_passes,
+    run_pipeline,
 )
-from graph_trainer.passes._common import is_collective, module_fqn_of, phase_of, split_acyclic
-from test_passes import _assert_close, _small_llama, _trace_step
+from graph_trainer.passes.common import is_collective, module_fqn_of, phase_of, split_acyclic
+
+from .conftest import assert_close, trace_step
 
 aten = torch.ops.aten
 
@@ -23,9 +26,9 @@ def _region(n):
     return n.meta.get("custom", {}).get(COMPILE_WITH_INDUCTOR_KEY, {}).get("inductor_region")
 
 
-def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched():
-    gm, example_inputs, _ = _trace_step(_small_llama(n_layers=2))
-    run_passes(gm, example_inputs, ["annotate_rmsnorm_for_regional_inductor"])
+def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
+    gm, example_inputs, _ = trace_step(tiny_llama(2))
+    run_pipeline(gm, example_inputs, ["annotate_rmsnorm_for_regional_inductor"])
     norm_regions = {n: _region(n) for n in gm.graph.nodes if _region(n)}
     gm = annotate_pointwise_for_regional_inductor_pass(gm, example_inputs)
     regions: dict[str, list] = {}
@@ -97,20 +100,21 @@ def test_mutating_and_random_ops_never_join_a_region():
     assert [[n.name for n in ns] for ns in regions] == [[r.name], [m.name, n2.name], [s.name]]
 
 
-def test_end_to_end_numerics_and_pipeline_gate():
-    model = _small_llama(n_layers=1)
-    gm, example_inputs, inputs = _trace_step(model)
+def test_end_to_end_numerics_and_pipeline_gate(tiny_llama):
+    model = tiny_llama(1)
+    gm, example_inputs, inputs = trace_step(model)
     ref = gm(*inputs)
-    names = resolve_pass_names(
-        passes=None, numerics_changing_optim=True, inductor_compilation="regional", pointwise_regions=True
+    steps = build_pipeline(
+        Compile(numerics_changing_optim=True, inductor_compilation="regional", passes="annotate_pointwise")
     )
+    names = [s.name for s in steps]
     assert names.index("annotate_pointwise_for_regional_inductor") == names.index("regional_inductor") - 1
-    cgm = run_passes(gm, example_inputs, names)
+    cgm = run_pipeline(gm, example_inputs, steps)
     remaining = {n.target for n in cgm.graph.nodes if n.op == "call_function"}
     assert aten.silu.default not in remaining and aten.silu_backward.default not in remaining  # compiled away
     assert aten.mm.default in remaining  # matmuls stay eager
-    _assert_close(cgm(*inputs), ref)
+    assert_close(cgm(*inputs), ref)
     with pytest.raises(ValueError, match="numerics_changing_optim"):
-        resolve_pass_names(passes=None, numerics_changing_optim=False, inductor_compilation="regional", pointwise_regions=True)
+        resolve_pass_names(Compile(inductor_compilation="regional", passes="annotate_pointwise"))
     with pytest.raises(ValueError, match="only has an effect"):
-        resolve_pass_names(passes=["pointwise"], numerics_changing_optim=True, inductor_compilation="none")
+        resolve_pass_names(Compile(numerics_changing_optim=True, inductor_compilation="none", passes="pointwise"))

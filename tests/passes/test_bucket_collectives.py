@@ -1,15 +1,15 @@
-"""bucket_collectives_pass on a traced FSDP step (1-rank gloo group, fixture in conftest.py;
-the 2-rank layout is checked end to end in test_fsdp.py)."""
+"""bucket_collectives_pass on a traced FSDP step (1-rank gloo group, fixtures in
+tests/conftest.py; the 2-rank layout is checked end to end in tests/test_fsdp.py)."""
 
 import pytest
 import torch
 
 from graph_trainer.passes import bucket_collectives_pass, overlap_collectives_pass, reshard_after_forward_pass
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold
+from graph_trainer.passes.common import collective_kind, hold, is_wait
 
 
 def _count(gm, kind):
-    return sum(1 for n in gm.graph.nodes if _collective_kind(n) == kind)
+    return sum(1 for n in gm.graph.nodes if collective_kind(n) == kind)
 
 
 @pytest.mark.parametrize("bucket_size", [4, 9])
@@ -29,11 +29,11 @@ def test_buckets_bitwise(fsdp_step, bucket_size):
     gm.graph.lint()
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in gm.graph.nodes:  # every collective keeps exactly one wait, after it
-        if _collective_kind(n):
-            waits = [u for u in n.users if _is_wait(u)]
+        if collective_kind(n):
+            waits = [u for u in n.users if is_wait(u)]
             assert len(waits) == 1 and pos[waits[0]] > pos[n]
     for n in gm.graph.nodes:  # a bucket's gathered buffer is read once, by the copy-out op
-        if _collective_kind(n) == "all_gather_into_tensor" and n.args[0].target is torch.ops.aten.cat.default:
+        if collective_kind(n) == "all_gather_into_tensor" and n.args[0].target is torch.ops.aten.cat.default:
             (out,) = n.users  # the wait, or overlap_collectives' hold after it
             out = next((u for u in out.users if u.target is hold), out)
             readers = list(out.users)
@@ -53,43 +53,18 @@ def test_bucket_size_one_is_noop_and_validation(fsdp_step):
         bucket_collectives_pass(gm, None, bucket_size=0)
 
 
-def test_bf16_shard_casts_move_with_their_bucket():
+def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
     """Mixed precision: each all-gather reads a bf16 cast of its shard that overlap_collectives'
     hold also reads; the casts move up to the bucket's issue and the step stays bitwise."""
-    import torch.distributed as dist
-
-    from graph_trainer import fsdp
-    from graph_trainer.llama3 import Transformer, llama3_args
-    from graph_trainer.trace import trace_train_step
-    from graph_trainer.train import loss_fn
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        args = llama3_args["debugmodel"]
-        model = Transformer(type(args)(**{**args.__dict__, "n_layers": 2}))
-        with torch.no_grad():
-            model.init_weights()
-        tokens, labels = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
-        bufs, group = list(model.buffers()), dist.group.WORLD
-        specs, shards = fsdp.shard_parameters(model, group)
-        traced = trace_train_step(
-            model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
-            materialize=lambda ps: [fsdp.all_gather_param(p, s, group, param_dtype=torch.bfloat16)
-                                    for p, s in zip(ps, specs)],
-        )
-        inputs = (*shards, *bufs, tokens, labels)
-        with torch.no_grad():
-            ref = traced.gm(*inputs)
-        gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
-        casts = [n.args[0] for n in gm.graph.nodes if _collective_kind(n) == "all_gather_into_tensor"]
-        assert all(len(c.users) == 2 for c in casts)  # the all-gather and the wait's hold
-        gm = bucket_collectives_pass(gm, None, bucket_size=9)
-        n = len(specs)
-        assert _count(gm, "all_gather_into_tensor") == -(-n // 9)
-        gm.graph.lint()
-        with torch.no_grad():
-            out = gm(*inputs)
-        assert all(torch.equal(a, b) for a, b in zip(out, ref))
-    finally:
-        dist.destroy_process_group()
+    traced, inputs, n_params = fsdp_trace(param_dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = traced.gm(*inputs)
+    gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
+    casts = [n.args[0] for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
+    assert all(len(c.users) == 2 for c in casts)  # the all-gather and the wait's hold
+    gm = bucket_collectives_pass(gm, None, bucket_size=9)
+    assert _count(gm, "all_gather_into_tensor") == -(-n_params // 9)
+    gm.graph.lint()
+    with torch.no_grad():
+        out = gm(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))

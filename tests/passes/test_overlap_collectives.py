@@ -5,17 +5,17 @@ import pytest
 import torch
 
 from graph_trainer.passes import overlap_collectives_pass
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait, hold, strip_holds
+from graph_trainer.passes.common import collective_kind, hold, is_wait, strip_holds
 
 
 def _pending_max(gm, kind):
     """Largest number of issued-but-not-yet-waited collectives of ``kind`` at any point."""
     pending, worst = set(), 0
     for n in gm.graph.nodes:
-        if _collective_kind(n) == kind:
+        if collective_kind(n) == kind:
             pending.add(n)
             worst = max(worst, len(pending))
-        elif _is_wait(n):
+        elif is_wait(n):
             pending.discard(n.args[0])
     return worst
 
@@ -25,7 +25,7 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     gm = traced.gm
     with torch.no_grad():
         ref = gm(*inputs)
-    waits = [n for n in gm.graph.nodes if _is_wait(n)]
+    waits = [n for n in gm.graph.nodes if is_wait(n)]
     assert len(waits) == 2 * n_params
     # as traced, every wait directly follows its collective: nothing overlaps; and
     # autograd ran all reduce-scatters after the last matmul of the backward
@@ -33,7 +33,7 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     assert _pending_max(gm, "reduce_scatter_tensor") == 1
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     last_mm = max(pos[n] for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
-    rs = [n for n in gm.graph.nodes if _collective_kind(n) == "reduce_scatter_tensor"]
+    rs = [n for n in gm.graph.nodes if collective_kind(n) == "reduce_scatter_tensor"]
     assert min(pos[n] for n in rs) > last_mm
 
     gm = overlap_collectives_pass(gm, None, max_in_flight=2, cpu_async=True, ag_window=2)
@@ -45,10 +45,10 @@ def test_waits_sunk_numerics_bitwise(fsdp_step):
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     # most reduce-scatters are now issued while backward matmuls remain to run
     last_mm = max(pos[n] for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
-    rs = [n for n in gm.graph.nodes if _collective_kind(n) == "reduce_scatter_tensor"]
+    rs = [n for n in gm.graph.nodes if collective_kind(n) == "reduce_scatter_tensor"]
     assert sum(pos[n] < last_mm for n in rs) > n_params // 2
     for w in gm.graph.nodes:
-        if _is_wait(w) and _collective_kind(w.args[0]) == "all_gather_into_tensor":
+        if is_wait(w) and collective_kind(w.args[0]) == "all_gather_into_tensor":
             # the wait, the keep-alive hold, its slice -> view chain, the first real use
             assert w.next.target is hold and w.next.args == (w, w.args[0].args[0])
             end = w.next
@@ -107,6 +107,6 @@ def test_cpu_collectives_never_left_in_flight_by_default(fsdp_step):
     traced, inputs, n_params = fsdp_step
     gm = overlap_collectives_pass(traced.gm)
     assert gm.meta["graph_trainer_pass_stats"]["hoisted"] > n_params // 2
-    waits = [n for n in gm.graph.nodes if _is_wait(n)]
+    waits = [n for n in gm.graph.nodes if is_wait(n)]
     assert waits and all(w.prev is w.args[0] for w in waits)
     assert not any(n.target is hold for n in gm.graph.nodes)

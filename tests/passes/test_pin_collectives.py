@@ -8,7 +8,7 @@ import torch
 
 from graph_trainer.passes import overlap_collectives_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
-from graph_trainer.passes.overlap_collectives import _collective_kind, _is_wait
+from graph_trainer.passes.common import collective_kind, is_wait
 from graph_trainer.passes.pin_collectives import _is_anchor, collective_pin_deps
 
 _ISSUE = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)")
@@ -20,9 +20,9 @@ def _schedule(gm):
     """The FX graph as tokens: ('issue', kind, node) / ('wait', node of the collective) / ('mm',)."""
     out = []
     for n in gm.graph.nodes:
-        if _collective_kind(n):
-            out.append(("issue", _collective_kind(n), n))
-        elif _is_wait(n):
+        if collective_kind(n):
+            out.append(("issue", collective_kind(n), n))
+        elif is_wait(n):
             out.append(("wait", n.args[0]))
         elif n.target == torch.ops.aten.mm.default:
             out.append(("mm",))
@@ -67,7 +67,7 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
     anchors = [pos[n] for n in gm.graph.nodes if _is_anchor(n)]
     pinned = 0
     for w in gm.graph.nodes:
-        if not _is_wait(w):
+        if not is_wait(w):
             continue
         c = w.args[0]
         inside = [a for a in anchors if pos[c] < a < pos[w]]

@@ -1,5 +1,5 @@
 """reshard_after_forward_pass (FSDP2's reshard_after_forward as a graph pass) on a traced
-FSDP step whose collectives really run (1-rank gloo group, fixture in conftest.py)."""
+FSDP step whose collectives really run (1-rank gloo group, fixture in tests/conftest.py)."""
 
 import pytest
 import torch

@@ -10,22 +10,22 @@ import torch
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
 from graph_trainer.passes import remove_noop_views_pass, sac_recompute_pass
-from graph_trainer.passes._common import custom_meta, phase_of
+from graph_trainer.passes.common import custom_meta, phase_of
 from graph_trainer.passes.memory_estimate import estimate_peak_memory
 from graph_trainer.passes.sac_recompute import RECOMPUTED_FROM_KEY, saved_for_backward
-from test_passes import _small_llama
 
 MM = torch.ops.aten.mm.default
 N_LAYERS = 3
 
 
-def _traced(tmp_path, mode, option="op", seq=16):
+def _traced(tiny_llama, tmp_path, mode, option="op", seq=16):
     from torchtitan.config import ActivationCheckpoint
 
+    from graph_trainer.model import loss_fn
     from graph_trainer.parallelize import apply_ac_for_trace
     from graph_trainer.trace import trace_train_step
 
-    model = _small_llama(n_layers=N_LAYERS)
+    model = tiny_llama(N_LAYERS)
     cfg = SimpleNamespace(
         activation_checkpoint=ActivationCheckpoint(mode=mode, selective_ac_option=option),
         job=SimpleNamespace(dump_folder=str(tmp_path)),
@@ -33,9 +33,6 @@ def _traced(tmp_path, mode, option="op", seq=16):
     apply_ac_for_trace(model, cfg)
     torch.manual_seed(1)
     tokens, labels = torch.randint(0, 64, (2, seq)), torch.randint(0, 64, (2, seq))
-
-    def loss_fn(logits, lab):
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(0, 1))
 
     traced = trace_train_step(model, loss_fn, tokens, labels)
     flat = [p for p in model.parameters()] + [b for b in model.buffers()] + [tokens, labels]
@@ -47,9 +44,9 @@ def _n_mm(gm, phase=None):
     return sum(n.target is MM and (phase is None or phase_of(n) == phase) for n in gm.graph.nodes)
 
 
-def test_op_sac_recomputes_in_backward_and_keeps_numerics_bitwise(tmp_path):
-    gm_none, _, _ = _traced(tmp_path / "none", "none")
-    gm, example_inputs, flat = _traced(tmp_path / "op", "selective")
+def test_op_sac_recomputes_in_backward_and_keeps_numerics_bitwise(tiny_llama, tmp_path):
+    gm_none, _, _ = _traced(tiny_llama, tmp_path / "none", "none")
+    gm, example_inputs, flat = _traced(tiny_llama, tmp_path / "op", "selective")
     # as traced, op-level SAC recomputes nothing: the same matmuls as without AC
     assert _n_mm(gm) == _n_mm(gm_none)
     with torch.no_grad():
@@ -84,9 +81,9 @@ def test_op_sac_recomputes_in_backward_and_keeps_numerics_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "2")])
-def test_no_op_without_op_level_sac(tmp_path, mode, option):
+def test_no_op_without_op_level_sac(tiny_llama, tmp_path, mode, option):
     """Layer-level AC really recomputes under make_fx (no tags); no AC has nothing to do."""
-    gm, example_inputs, _ = _traced(tmp_path, mode, option)
+    gm, example_inputs, _ = _traced(tiny_llama, tmp_path, mode, option)
     n = len(gm.graph.nodes)
     gm = sac_recompute_pass(gm, example_inputs)
     assert gm.meta["graph_trainer_pass_stats"]["recomputed"] == 0 and len(gm.graph.nodes) == n
@@ -121,14 +118,14 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
     assert out.args == (b, c) and out2.args == (copies[e.name], out)
 
 
-def test_save_matmuls_recomputes_only_the_cheap_ops(tmp_path):
-    """--compile.sac_save_matmuls: no mm recomputed, the other tagged ops still are;
+def test_save_matmuls_recomputes_only_the_cheap_ops(tiny_llama, tmp_path):
+    """--compile.sac.save_matmuls: no mm recomputed, the other tagged ops still are;
     it keeps more than plain op SAC and less than no recompute; numerics unchanged."""
-    gm_sac, example_inputs, flat = _traced(tmp_path / "a", "selective")
+    gm_sac, example_inputs, flat = _traced(tiny_llama, tmp_path / "a", "selective")
     with torch.no_grad():
         ref = gm_sac(*flat)
     gm_sac = sac_recompute_pass(gm_sac, example_inputs)
-    gm, example_inputs, _ = _traced(tmp_path / "b", "selective")
+    gm, example_inputs, _ = _traced(tiny_llama, tmp_path / "b", "selective")
     gm = sac_recompute_pass(gm, example_inputs, save_ops=[MM])
     stats, sac = gm.meta["graph_trainer_pass_stats"], gm_sac.meta["graph_trainer_pass_stats"]
     assert stats["recomputed_mm"] == 0 and 0 < stats["recomputed"] < sac["recomputed"]

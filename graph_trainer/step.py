@@ -1,0 +1,144 @@
+"""The training step as an object: what one call of the train loop does to produce gradients.
+
+``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward
+into one FX graph (:mod:`graph_trainer.trace`), runs the pass pipeline over it
+(:func:`graph_trainer.passes.pipeline.run_pipeline`) and keeps the result; every call
+replays it::
+
+    loss, grads = graph(params, buffers, tokens, labels)   # one FX graph
+    p.grad = g                                             # for the optimizer
+
+``eager`` / ``jit`` (:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()``
+on the torchtitan-parallelized model.
+
+Both have the same interface: ``step(tokens, labels) -> loss``, ``step.clip_grad_norm_(max_norm)``,
+``step.params`` (what the optimizer updates), ``step.opt_module`` (what the optimizer builder
+and the checkpointer see) and ``step.stats`` (trace / compile times for the run summary).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from graph_trainer.model import loss_fn
+
+logger = logging.getLogger("graph_trainer")
+
+
+class TracedTrainStep:
+    """``aot_fx_trace``: trace once, run the pass pipeline, replay.
+
+    Args:
+        model: the model prepared by :func:`graph_trainer.parallelize.distribute_for_trace`.
+        tpar: its :class:`graph_trainer.parallelize.TraceParallel` (placeholders, FSDP / TP).
+        pipeline: :class:`graph_trainer.passes.pipeline.PipelineStep` s to run on the graph.
+        param_dtype: compute dtype of the parameters inside the graph (``None``: their own).
+        dump_folder: with ``--compile.dump_graphs``, where ``graphs/`` is written.
+    """
+
+    def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None):
+        self.model, self.tpar, self.pipeline = model, tpar, list(pipeline)
+        self.param_dtype, self.dump_folder = param_dtype, dump_folder
+        self.params = tpar.params
+        self.opt_module = tpar.opt_module
+        self.buffers = list(model.buffers())
+        self.graph = None  # graph_trainer.trace.TracedStep after the first call
+        self.stats: dict = {}
+
+    def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Trace the step for batches shaped like ``tokens`` / ``labels`` ``[B, S]`` int64 and
+        run the pipeline over the graph (the first call does it)."""
+        from graph_trainer.passes.pipeline import run_pipeline
+        from graph_trainer.trace import ops_by_kind
+
+        traced = self.tpar.trace(self.model, loss_fn, tokens, labels, self.param_dtype)
+        n_nodes = len(traced.gm.graph.nodes)
+        top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
+        logger.info(
+            f"Traced the training step in {traced.trace_time_s:.2f}s: one graph, {n_nodes} nodes "
+            f"({len(traced.param_names)} params -> {len(traced.param_names)} grads); top ops: {top}"
+        )
+        t0 = time.perf_counter()
+        traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder)
+        compile_s = time.perf_counter() - t0
+        logger.info(f"Pass pipeline [{', '.join(s.name for s in self.pipeline)}] took {compile_s:.2f}s")
+        self.stats.update(trace_time_s=traced.trace_time_s, compile_time_s=compile_s, graph_nodes=n_nodes)
+        self.graph = traced
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Run the step: sets ``p.grad`` of every parameter in :attr:`params`; returns this
+        rank's loss (0-d fp32)."""
+        if self.graph is None:
+            self.compile(tokens, labels)
+        loss, grads = self.graph(self.params, self.buffers, tokens, labels)
+        if not self.tpar.sharded:
+            from graph_trainer.parallelize import all_reduce_grads
+
+            all_reduce_grads(grads)  # replicated DP (no-op on one rank)
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (over all ranks when sharded); returns it."""
+        return self.tpar.clip_grad_norm_(max_norm)
+
+
+class EagerTrainStep:
+    """``eager`` / ``jit``: autograd on the torchtitan-parallelized ``model``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt_module = model
+        self.stats: dict = {}
+
+    def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward, loss, backward (``p.grad`` accumulates); returns this rank's loss."""
+        loss = loss_fn(self.model(tokens), labels)
+        loss.backward()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torchtitan's ``clip_grad_norm_`` over :attr:`params`; returns the total norm."""
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        return clip_grad_norm_(self.params, max_norm, foreach=True)
+
+
+def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
+    """The step of ``cfg.compile.mode`` for ``model`` (built on ``device``, weights initialised).
+
+    ``aot_fx_trace``: TP plan, AC wrappers and traceable FSDP shards
+    (:func:`graph_trainer.parallelize.distribute_for_trace`), and the pass pipeline of
+    ``[compile]`` (:func:`graph_trainer.passes.pipeline.build_pipeline`). ``eager`` / ``jit``:
+    torchtitan's parallelization (per-block torch.compile for ``jit``).
+
+    Returns:
+        :class:`TracedTrainStep` or :class:`EagerTrainStep`.
+    """
+    from graph_trainer import parallelize
+
+    if cfg.compile.mode != "aot_fx_trace":
+        cfg.compile.enable = cfg.compile.mode == "jit"
+        cfg.compile.components = ["model"]
+        return EagerTrainStep(parallelize.parallelize_eager(model, parallel_dims, cfg, device))
+
+    from graph_trainer.model import block_layout
+    from graph_trainer.passes.pipeline import ANNOTATE_RMSNORM, build_pipeline
+
+    pipeline = build_pipeline(cfg.compile, block_layout(model), deterministic=cfg.debug.deterministic)
+    if cfg.debug.deterministic and cfg.compile.rmsnorm.tune and any(s.name == ANNOTATE_RMSNORM for s in pipeline):
+        logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
+    tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
+    pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
+    return TracedTrainStep(
+        model,
+        tpar,
+        pipeline,
+        None if pdtype == torch.float32 else pdtype,
+        dump_folder=cfg.job.dump_folder if cfg.compile.dump_graphs else None,
+    )

@@ -1,0 +1,67 @@
+"""graph_trainer.passes.common: the one way the passes recognise collectives, the one
+``hold`` target, and what makes an all-gather an FSDP parameter all-gather."""
+
+import torch
+import torch.fx
+
+from graph_trainer.passes import bucket_collectives, memory_estimate, overlap_collectives, reshard_after_forward
+from graph_trainer.passes.common import (
+    collective_kind,
+    hold,
+    is_collective,
+    is_wait,
+    shard_chain,
+    strip_holds,
+)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _graph():
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    cast = g.call_function(aten._to_copy.default, (w,), {"dtype": torch.bfloat16})
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (cast, 2, "0"))
+    ag_wait = g.call_function(c10d.wait_tensor.default, (ag,))
+    held = g.call_function(hold, (ag_wait, cast))
+    mm = g.call_function(aten.mm.default, (x, held))
+    act_ag = g.call_function(c10d.all_gather_into_tensor.default, (mm, 2, "0"))  # an activation (TP)
+    ar = g.call_function(c10d.all_reduce.default, (mm, "sum", "0"))
+    ar_wait = g.call_function(c10d.wait_tensor.default, (ar,))
+    autograd_ag = g.call_function(torch.ops._c10d_functional_autograd.all_gather_into_tensor.default, (x, 2, "0"))
+    g.output((ar_wait, act_ag, autograd_ag))
+    return torch.fx.GraphModule(torch.nn.Module(), g), dict(
+        cast=cast, ag=ag, ag_wait=ag_wait, held=held, mm=mm, act_ag=act_ag, ar=ar, ar_wait=ar_wait,
+        autograd_ag=autograd_ag,
+    )
+
+
+def test_collective_kind_is_wait_is_collective():
+    _, n = _graph()
+    kinds = {k: collective_kind(v) for k, v in n.items()}
+    assert kinds == {
+        "cast": None, "ag": "all_gather_into_tensor", "ag_wait": None, "held": None, "mm": None,
+        "act_ag": "all_gather_into_tensor", "ar": "all_reduce", "ar_wait": None,
+        "autograd_ag": None,  # not a functional collective with a wait_tensor
+    }
+    assert {k for k, v in n.items() if is_wait(v)} == {"ag_wait", "ar_wait"}
+    assert {k for k, v in n.items() if is_collective(v)} == {"ag", "ag_wait", "act_ag", "ar", "ar_wait", "autograd_ag"}
+
+
+def test_shard_chain_tells_parameter_all_gathers_from_activation_ones():
+    _, n = _graph()
+    assert shard_chain(n["ag"]) == [n["cast"]]
+    assert shard_chain(n["act_ag"]) is None
+
+
+def test_one_hold_and_strip_holds():
+    # every pass that inserts or recognises hold uses this one function object
+    for mod in (overlap_collectives, bucket_collectives, reshard_after_forward, memory_estimate):
+        assert mod.hold is hold
+    assert hold(3, 4, 5) == 3
+    gm, n = _graph()
+    assert strip_holds(gm) == 1
+    assert n["mm"].args == (n["mm"].args[0], n["ag_wait"])
+    assert not any(node.target is hold for node in gm.graph.nodes)
+    assert strip_holds(gm) == 0

@@ -1,0 +1,174 @@
+"""The pipeline layer: registry and order, pass-list resolution from ``[compile]``,
+``build_pipeline`` (config -> pass options, the only place) and the ``run_pipeline`` loop."""
+
+import json
+import logging
+
+import pytest
+import torch
+from passes.conftest import fused_norm_graph, inductor_tag, tagged_nodes  # tests/ is on sys.path
+
+from graph_trainer.config import Compile
+from graph_trainer.model import BlockLayout, block_layout_of_args, model_args
+from graph_trainer.passes.pipeline import (
+    COMPILING,
+    DEFAULT_ORDER,
+    NUMERICS_CHANGING,
+    PASSES,
+    PipelineStep,
+    build_pipeline,
+    resolve_pass_names,
+    run_pipeline,
+)
+
+
+def _compile(**groups):
+    """A ``Compile`` with top-level fields and ``group={field: value}`` overrides."""
+    cfg = Compile(**{k: v for k, v in groups.items() if not isinstance(v, dict)})
+    for group, values in groups.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                setattr(getattr(cfg, group), key, value)
+    return cfg
+
+
+def test_block_options_become_the_pass_arguments_of_the_8b():
+    """keep_last_blocks / bucket_blocks count blocks; the passes count parameters /
+    collectives (Llama3: the embedding, then 9 per block)."""
+    layout = block_layout_of_args(model_args("8B"))
+    assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
+    cfg = _compile(inductor_compilation="full", sac={"save_matmuls": True},
+                   fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})
+    steps = {s.name: s.options for s in build_pipeline(cfg, layout)}
+    assert steps["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
+    assert steps["bucket_collectives"] == {"bucket_size": 18}
+    assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
+    assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
+    assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
+    # defaults: every block resharded, no buckets, torchtitan's SAC policy
+    default = {s.name: s.options for s in build_pipeline(Compile(), layout)}
+    assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
+    assert "bucket_collectives" not in default
+    with pytest.raises(ValueError, match="block layout"):
+        build_pipeline(cfg)
+
+
+def test_rmsnorm_options_and_deterministic_pick():
+    cfg = _compile(numerics_changing_optim=True, rmsnorm={"inductor_configs": {"split_reductions": False}})
+    opts = {s.name: s.options for s in build_pipeline(cfg)}["annotate_rmsnorm_for_regional_inductor"]
+    assert opts["inductor_configs"] == {"split_reductions": False} and opts["candidate_configs"]
+    for off in (dict(deterministic=True), dict()):
+        c = _compile(numerics_changing_optim=True, rmsnorm={"tune": bool(off)})  # tune on only with deterministic
+        steps = build_pipeline(c, **off)
+        assert {s.name: s.options for s in steps}["annotate_rmsnorm_for_regional_inductor"]["candidate_configs"] is None
+    # JSON strings (a Compile built without parse_args) are read too
+    c = _compile(inductor_compilation="full", full_inductor={"configs": '{"max_autotune": false}'})
+    assert {s.name: s.options for s in build_pipeline(c)}["full_inductor"]["inductor_configs"] == {"max_autotune": False}
+
+
+def test_passes_adds_and_disable_removes():
+    assert resolve_pass_names(_compile(passes="cudagraph")) == resolve_pass_names(Compile()) + ["cudagraph"]
+    names = resolve_pass_names(_compile(numerics_changing_optim=True, passes="pointwise, dce",
+                                        disable_passes="remove_noop_views"))
+    assert names == ["remove_dead_code", "sac_recompute", "reshard_after_forward", "overlap_collectives",
+                     "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor",
+                     "regional_inductor"]
+    assert NUMERICS_CHANGING <= set(PASSES) and COMPILING <= set(PASSES)
+
+
+# ---- registry, resolution and the run loop (ported from the old resolve_pass_names(**kw) API) ----
+
+def test_registry_and_order():
+    assert list(PASSES) == DEFAULT_ORDER
+    assert DEFAULT_ORDER == [
+        "remove_dead_code",
+        "remove_noop_views",
+        "sac_recompute",
+        "reshard_after_forward",
+        "overlap_collectives",
+        "bucket_collectives",
+        "annotate_flex_attention_for_regional_inductor",
+        "annotate_rmsnorm_for_regional_inductor",
+        "annotate_pointwise_for_regional_inductor",
+        "regional_inductor",
+        "full_inductor",
+        "cudagraph",
+    ]
+
+
+def test_resolve_defaults():
+    assert resolve_pass_names(_compile(inductor_compilation="none")) == [
+        "remove_dead_code",
+        "remove_noop_views",
+        "sac_recompute",
+        "reshard_after_forward",
+        "overlap_collectives",
+    ]
+    assert resolve_pass_names(_compile(inductor_compilation="regional")) == [
+        "remove_dead_code",
+        "remove_noop_views",
+        "sac_recompute",
+        "reshard_after_forward",
+        "overlap_collectives",
+        "regional_inductor",
+    ]
+    assert resolve_pass_names(
+        _compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True
+    ) == DEFAULT_ORDER[:5] + DEFAULT_ORDER[6:8] + ["regional_inductor", "cudagraph"]
+    # bucketing only when asked for, right after overlap_collectives
+    assert resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 1}))[-3:] == [
+        "overlap_collectives", "bucket_collectives", "full_inductor"]
+    assert "bucket_collectives" not in resolve_pass_names(_compile(inductor_compilation="full"))
+    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="annotate_pointwise"))[-3:] == [
+        "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
+    # full inductor compiles every norm anyway: no annotation pass
+    assert "annotate_rmsnorm_for_regional_inductor" not in resolve_pass_names(
+        _compile(numerics_changing_optim=True, inductor_compilation="full"))
+
+
+def test_resolve_aliases_and_disable():
+    names = resolve_pass_names(_compile(numerics_changing_optim=True,
+                                        passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass"))
+    assert names == resolve_pass_names(_compile(numerics_changing_optim=True))
+    assert names[-2:] == ["annotate_rmsnorm_for_regional_inductor", "regional_inductor"]
+    names = resolve_pass_names(_compile(
+        numerics_changing_optim=True,
+        disable_passes="remove_noop_views,annotate_rmsnorm_for_regional_inductor,overlap_collectives,"
+                       "reshard_after_forward",
+    ))
+    assert names == ["remove_dead_code", "sac_recompute", "regional_inductor"]
+
+
+def test_resolve_errors():
+    with pytest.raises(ValueError, match="unknown graph pass 'nope'.*remove_dead_code"):
+        resolve_pass_names(_compile(passes="nope"))
+    with pytest.raises(ValueError, match="unknown graph pass"):
+        resolve_pass_names(_compile(disable_passes="nope"))
+    with pytest.raises(ValueError, match="inductor_compilation must be one of"):
+        resolve_pass_names(_compile(inductor_compilation="max"))
+    with pytest.raises(ValueError, match="only has an effect when regional_inductor compiles"):
+        resolve_pass_names(_compile(numerics_changing_optim=True, inductor_compilation="none", passes="rmsnorm"))
+    with pytest.raises(ValueError, match="only has an effect when regional_inductor compiles"):
+        resolve_pass_names(_compile(numerics_changing_optim=True, disable_passes="regional_inductor"))
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        resolve_pass_names(_compile(passes="regional_inductor,full_inductor"))
+    with pytest.raises(ValueError, match="changes numerics"):
+        resolve_pass_names(_compile(passes="annotate_rmsnorm"))
+
+
+def test_run_pipeline_dump_without_compile(tmp_path, caplog):
+    gm, fakes = fused_norm_graph(n_norms=2)
+    steps = ["remove_dead_code", "remove_noop_views",
+             PipelineStep("annotate_rmsnorm_for_regional_inductor", PASSES["annotate_rmsnorm_for_regional_inductor"],
+                          {"inductor_configs": {"max_autotune": False}})]
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        gm = run_pipeline(gm, fakes, steps, dump_folder=str(tmp_path))
+    assert all(inductor_tag(n)["inductor_configs"] == {"max_autotune": False} for n in tagged_nodes(gm))
+    msgs = [r.getMessage() for r in caplog.records if "graph pass" in r.getMessage()]
+    assert len(msgs) == 3 and all(" -> " in m and "s  nodes" in m for m in msgs)
+    graphs = tmp_path / "graphs"
+    assert (graphs / "00_input.py").read_text().strip()
+    assert "_fused_rms_norm" in (graphs / "03_annotate_rmsnorm_for_regional_inductor.py").read_text()
+    summary = json.loads((graphs / "summary.json").read_text())
+    assert summary[3]["stats"]["regions"] == 3
+    assert summary[3]["ops"]["aten._fused_rms_norm.default"] == 2
