@@ -2,8 +2,8 @@
 
 Saved per checkpoint (``<dump_folder>/<checkpoint.folder>/step-N/``):
 
-* ``model``: the trained tensors -- one rank: the model's fp32 parameters; FSDP
-  (``aot_fx_trace``): each rank's local shards, under rank-specific keys
+* ``model``: the trained tensors -- one rank: the model's fp32 parameters; FSDP and / or
+  TP under ``aot_fx_trace``: each rank's local shards, under rank-specific keys
   (:class:`graph_trainer.fsdp.ShardedParams`), so DCP keeps every rank's part;
 * ``optimizer`` and ``lr_scheduler`` (torchtitan's containers), ``dataloader``
   (torchtitan's stateful dataloader: position in the text stream, per DP rank);
@@ -90,8 +90,8 @@ def check_resume_compatible(folder: str, step: int, meta: dict) -> None:
     layout, before anything is loaded.
 
     Raises:
-        UserError: the recorded ``flavor`` / ``mode`` / ``layout`` / ``param_dtype``
-            differ from ``meta`` (names the checkpoint and both values).
+        UserError: the recorded ``flavor`` / ``mode`` / ``layout`` differ from ``meta``
+            (names the checkpoint and both values).
     """
     path = os.path.join(folder, f"step-{step}", META_FILE)
     if not os.path.isfile(path):

@@ -17,8 +17,11 @@ We write this instead of reusing ``torchtitan.experiments.simple_fsdp`` because 
 one parametrizes modules with DTensors, which make_fx does not trace as plain
 placeholders; here the placeholders are the local shards.
 
-The all-gathered parameters are saved for the backward by autograd (no reshard after
-forward), which costs one unsharded bf16 copy of the model per rank.
+As traced, autograd saves the all-gathered parameters for the backward: one unsharded
+bf16 copy of the model per rank for the whole step. The ``reshard_after_forward`` pass
+(:mod:`graph_trainer.passes`) rewires the backward to a second all-gather of each shard,
+so the forward copy dies after its last forward use (``--compile.fsdp.keep_last_blocks K``
+keeps the forward copy of the last K blocks instead).
 """
 
 from __future__ import annotations

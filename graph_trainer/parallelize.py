@@ -4,11 +4,15 @@
   torch.compile, FSDP2). On one rank FSDP2 is still applied over a 1-rank mesh when
   ``mixed_precision_param = "bfloat16"``, so the baselines train in bf16 like the
   traced step (torchtitan would silently train in fp32 there).
-* ``aot_fx_trace``: activation checkpointing wrappers only (torchtitan's ``apply_ac``;
-  make_fx traces the recomputation into the backward). Mixed precision is a cast of
-  the parameters inside the graph (:mod:`graph_trainer.trace`). With several ranks
-  the parameters are replicated and gradients all-reduced (mean) after the graph;
-  traceable FSDP / TP (collectives inside the graph) is a later step.
+* ``aot_fx_trace`` (:func:`distribute_for_trace`): torchtitan's Llama3 TP plan (with
+  ``tensor_parallel_degree > 1``), activation checkpointing wrappers (torchtitan's
+  ``apply_ac``; make_fx traces layer-level recomputation into the backward, op-level SAC
+  only tags nodes for the ``sac_recompute`` pass), then traceable FSDP over the
+  ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`). The FSDP and TP collectives are nodes of
+  the traced graph. Mixed precision is a cast of the parameters inside the graph
+  (:mod:`graph_trainer.trace`). Replicated data parallelism (``dp_replicate`` alone)
+  all-reduces the gradients (mean) after the graph (:func:`all_reduce_grads`); HSDP and
+  replicate x TP are rejected (:func:`check_trace_layout`).
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ def apply_ac_for_trace(model, cfg) -> None:
     # Under make_fx, op-level SAC's cache sees version-counter bumps that eager does
     # not (a spurious "Tensor cached during selective activation checkpoint has been
     # mutated"); the traced step stays bitwise equal to eager op-SAC with the check off
-    # (tests/test_trace.py). torchtitan binds the function when apply_ac runs.
+    # (tests/test_train.py, tests/passes/test_sac_recompute.py). torchtitan binds the function
+    # when apply_ac runs.
     orig = ckpt.create_selective_checkpoint_contexts
     ckpt.create_selective_checkpoint_contexts = functools.partial(orig, allow_cache_entry_mutation=True)
     try:

@@ -6,17 +6,21 @@ used for activations while tracing) over a function of the *flattened* inputs::
     step(*params, *buffers, tokens, labels) -> (loss, *grads)      # one grad per param
 
 so graph placeholders are, in order, the parameters (``named_parameters`` order),
-the buffers, ``tokens`` and ``labels``; the output is a flat tuple. Inside,
-``torch.func.functional_call`` runs the model on the placeholders and
-``torch.autograd.grad`` produces the gradients, so the backward is traced by
-autograd itself (activation checkpointing wrappers recompute inside the backward).
+the buffers, ``tokens`` and ``labels``; the output is a flat tuple. Inside, the model
+runs re-parametrized with the placeholders (``torch.nn.utils.stateless``, kept through
+the backward) and ``torch.autograd.grad`` produces the gradients, so the backward is traced by
+autograd itself. Layer-level activation checkpointing recomputes inside the traced
+backward; op-level selective AC only tags the nodes it would recompute
+(``node.meta["recompute"]``) and the ``sac_recompute`` pass does the recomputation.
 
 Mixed precision (``param_dtype``): floating parameters are cast to ``param_dtype``
-at the start of the forward (``aten._to_copy`` in the graph); autograd casts their
-gradients back, so gradients and the optimizer stay in the parameters' dtype (fp32).
+at the start of the forward (``aten._to_copy`` in the graph; with ``materialize``, the
+FSDP all-gather / TP ``DTensor`` wrap of :mod:`graph_trainer.parallelize` happen there too);
+autograd casts their gradients back, so gradients and the optimizer stay in the
+parameters' dtype (fp32).
 
-Metadata written on every node: see :mod:`graph_trainer` (``custom["phase"]``,
-``custom["module_fqn"]``).
+Metadata written on the nodes: see :mod:`graph_trainer` (``custom["phase"]``,
+``custom["module_fqn"]``, ``custom["ac_region"]``).
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def build_make_fx(p: Problem) -> Callable[[], Outputs]:
 
 
 def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: Result) -> Callable[[], Outputs]:
-    """``inductor_configs=None``: the guarded tuning of ``--compile.rmsnorm_tune``
+    """``inductor_configs=None``: the guarded tuning of ``--compile.rmsnorm.tune``
     (Inductor defaults and DEFAULT_RMSNORM_CANDIDATE_CONFIGS compiled and timed per
     region, fastest kept); ``result.setup_s`` holds the compile cost."""
     try:
@@ -336,7 +336,7 @@ def compare(out: Outputs, ref: Outputs) -> tuple[dict[str, float], float]:
 def parse_inductor_configs(values: list[str] | None) -> dict[str, dict[str, Any]]:
     """``NAME=JSON``, ``JSON`` or ``guarded`` entries -> ordered ``{name: config}``.
 
-    ``guarded`` (config ``None``) is ``--compile.rmsnorm_tune``: Inductor's defaults
+    ``guarded`` (config ``None``) is ``--compile.rmsnorm.tune``: Inductor's defaults
     plus the candidate configs, timed per region, fastest kept. Nothing given:
     ``{"default": {}, "guarded": None}``."""
     if not values:

@@ -1,6 +1,7 @@
 """Llama3 model flavors for graph_trainer (``MODULE=graph_trainer.llama3``).
 
-Reuses torchtitan's Llama3 ``Transformer`` and flavors and registers one more:
+Reuses torchtitan's Llama3 ``Transformer`` and flavors and registers one more (models are
+built through :mod:`graph_trainer.model`, not from here):
 
 * ``"1B"``: dim 2048, 16 layers, 32 heads, 8 KV heads, vocab 128256, FFN hidden 8192
   (``ffn_dim_multiplier=1.5``, ``multiple_of=256``), rope theta 500000 — the shape of

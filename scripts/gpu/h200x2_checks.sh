@@ -2,10 +2,10 @@
 # Two device calls on 2x H200 (each <= 10 min), the checks that are not throughput runs:
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh det")
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh cmp")
-# det: issue 5 on GPU -- 8B FSDP2 run-to-run bitwise (5 steps, --debug.deterministic, RMSNorm
-#      pass) and the 1B single-GPU tests 1+3 (pytest -k gpu_1b, on GPU 0 only).
-# cmp: issue 6 -- 8B FSDP2 RMSNorm pass off vs on (compare_mfu, 2 repeats, 20 steps, with plot);
-#      issue 3 -- the same 20-step traced runs against eager FSDP2 (loss tracking), and TP2 in bf16.
+# det: 8B FSDP2 run-to-run bitwise (5 steps, --debug.deterministic, RMSNorm pass) and the
+#      1B single-GPU determinism tests (pytest -k gpu_1b, on GPU 0 only).
+# cmp: 8B FSDP2 RMSNorm pass off vs on (compare_mfu, 2 repeats, 20 steps, with plot); then
+#      20-step eager FSDP2 (loss tracking against the traced runs) and TP2 in bf16.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 case "${1:-}" in

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 on 4x H200 (when `status` lends nvidia-h200-x4), one device call per mode, each <= 10 min:
+# Llama3 8B on 4x H200 (when `status` lends nvidia-h200-x4), one device call per mode, each <= 10 min:
 #   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash scripts/gpu/h200x4.sh runs")
 #   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash scripts/gpu/h200x4.sh cmp_tp")
 #   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash scripts/gpu/h200x4.sh cmp_fsdp")
@@ -9,8 +9,7 @@
 # cmp_tp:   RMSNorm pass off vs on, FSDP2 x TP2, compare_mfu 3 repeats (alternating), with plot.
 # cmp_fsdp: the same for FSDP4.
 # det:      run-to-run bitwise with the pass on (FSDP2 x TP2, --debug.deterministic, 5 steps).
-# Reference (4x H200, torchtitan 0.2.2, torch 2.11): torch.compile FSDP2xTP2 7,819 tps/GPU (45.8 % MFU),
-# FSDP4 8,893 (52.1 %). .whl: MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl
+# .whl: MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl  (here, before the call)
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=4 MODULE=graph_trainer.llama3 CONFIG=graph_trainer_llama3_8b
