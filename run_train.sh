@@ -32,7 +32,21 @@ elif [[ -z "${CONFIG:-}" ]]; then
     CONFIG_ARGS=(--job.config_file train_configs/debug_model.toml)
 fi
 
-VISIBLE_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+# --help: the flag reference, printed without starting torchrun
+for arg in "$@"; do
+    if [[ "$arg" == "--help" || "$arg" == "-h" ]]; then
+        exec python3 -m graph_trainer.config --help
+    fi
+done
+
+# GPUs this process may use (CUDA_VISIBLE_DEVICES, else nvidia-smi), without importing torch
+if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
+    VISIBLE_GPUS=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)
+elif command -v nvidia-smi > /dev/null; then
+    VISIBLE_GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+else
+    VISIBLE_GPUS=0
+fi
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$(( VISIBLE_GPUS > 0 ? VISIBLE_GPUS : 1 ))
 fi
@@ -54,18 +68,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
     export PYTORCH_ALLOC_CONF="expandable_segments:True"
 fi
-# Validate the command line once, before any process or model is started.
-if [[ " $* " != *" --help "* && " $* " != *" -h "* ]]; then
-    if ! err=$(python3 -m graph_trainer.config "${CONFIG_ARGS[@]}" "$@" 2>&1 >/dev/null); then
-        echo "$err" | grep -v "HF assets path" >&2
-        exit 2
-    fi
+# Validate the command line and what it points at (data, tokenizer, degrees vs NGPU,
+# checkpoint folder) once, before any process or model is started.
+if ! err=$(python3 -m graph_trainer.config "${CONFIG_ARGS[@]}" "$@" 2>&1 >/dev/null); then
+    echo "$err" >&2
+    exit 2
 fi
 # torchrun's own failure report is dropped after a worker's one-paragraph "error: ..."
-# (graph_trainer/stderr_filter.py); the exit code is torchrun's.
+# (graph_trainer/stderr_filter.py); the exit code is torchrun's, or 2 when a worker stopped
+# on such a user error (bad data met late, a non-finite loss, a checkpoint that fails to load).
 set +e
 { torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     -m graph_trainer.train "${CONFIG_ARGS[@]}" "$@" 2>&1 1>&4 4>&- \
     | python3 -u -m graph_trainer.stderr_filter 4>&-; } 4>&1
-exit "${PIPESTATUS[0]}"
+rc=(${PIPESTATUS[@]})
+if (( rc[0] != 0 && rc[1] == 3 )); then exit 2; fi
+exit "${rc[0]}"

@@ -143,11 +143,22 @@ class Debug:
 
 
 @dataclass
+class Checkpoint:
+    """Defaults this project changes in torchtitan's ``[checkpoint]``."""
+
+    last_save_model_only: bool = False
+    """Save only the model (no optimizer, LR schedule, data position) at the last step.
+    Off here, so that every checkpoint, the last one included, resumes with the same command;
+    on, the last checkpoint is for export and a rerun cannot continue from it."""
+
+
+@dataclass
 class JobConfig:
     """The fields this project adds to torchtitan's JobConfig (merged by torchtitan)."""
 
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
 
 
 def split_names(value: str) -> list[str]:
@@ -316,10 +327,22 @@ def _config_manager_cls():
             return _with_docs(merged, custom, dataclasses)
 
         def _maybe_load_toml(self, args):
-            values = super()._maybe_load_toml(args)
-            if values:
-                _upgrade_toml_compile(values, _config_path(args))
+            path = _config_path(args)
+            if path is None:
+                return None
+            values = _load_toml(path)
+            _upgrade_toml_compile(values, path)
             return values
+
+        def _validate_config(self):
+            # torchtitan warns that hf_assets_path does not exist; "embedded" is not a path
+            model = self.config.model
+            embedded = model.hf_assets_path in ("", "embedded")
+            saved, model.hf_assets_path = model.hf_assets_path, ("." if embedded else model.hf_assets_path)
+            try:
+                super()._validate_config()
+            finally:
+                model.hf_assets_path = saved if embedded else model.hf_assets_path
 
     return _Manager
 
@@ -338,6 +361,25 @@ def _with_docs(merged, custom, dataclasses):
                if dataclasses.is_dataclass(hints[f.name]) and hints[f.name] is not f.type else f)
               for f in dataclasses.fields(merged)]
     return dataclasses.make_dataclass(merged.__name__, fields, bases=(*merged.__bases__, custom))
+
+
+def _load_toml(path: str) -> dict:
+    """The TOML file at ``path`` as a dict.
+
+    Raises:
+        UserError: the file cannot be read or is not valid TOML (names the file, line and column).
+    """
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise UserError(f"Config file '{path}' cannot be read: {e.strerror}.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML: {e}. Fix the file (see train_configs/ for examples).") from None
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -367,6 +409,11 @@ def parse_args(argv: list[str] | None = None):
     from torchtitan.config import JobConfig as TitanJobConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        from torchtitan.config import JobConfig as TitanJobConfig
+
+        sys.stdout.write(help_text(_config_manager_cls()._merge_configs(TitanJobConfig, JobConfig)))
+        raise SystemExit(0)
     argv = resolve_config_file(rewrite_aliases(argv))
     _check_choices(argv)
     manager_cls = _config_manager_cls()
@@ -445,6 +492,11 @@ def validate(cfg) -> list[str]:
             without ``--compile.inductor_compilation full``; a bad profiling schedule.
     """
     comp = cfg.compile
+    if comp.enable:
+        raise UserError(
+            "--compile.enable is set by --compile.mode (jit: torchtitan's per-block torch.compile); "
+            "use --compile.mode jit instead."
+        )
     if comp.mode not in COMPILE_MODES:
         raise _choice_error("--compile.mode", comp.mode, COMPILE_MODES)
     if comp.inductor_compilation not in INDUCTOR_COMPILATION:
@@ -489,14 +541,119 @@ def validate(cfg) -> list[str]:
         raise UserError(f"{e}.") from None
 
 
+#: ``--help`` lists these sections first: the ones this project adds or changes.
+PROJECT_SECTIONS = ("compile", "compile.rmsnorm", "compile.full_inductor", "compile.sac", "compile.fsdp")
+#: Flags left out of ``--help``: set from other flags.
+HIDDEN_FLAGS = ("compile.enable",)
+
+
+def _flag_doc(cls, name: str) -> str:
+    try:
+        from tyro._docstrings import get_field_docstring
+
+        return " ".join((get_field_docstring(cls, name, ()) or "").split())
+    except Exception:  # help text is best effort; the flag itself is still listed
+        return ""
+
+
+def _type_name(hint) -> str:
+    import typing
+
+    if typing.get_origin(hint) is Literal:
+        return "{" + ",".join(map(str, get_args(hint))) + "}"
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def help_text(merged_cls) -> str:
+    """``--help``: every flag of the merged JobConfig, grouped by section, this project's
+    sections (:data:`PROJECT_SECTIONS`) and fields first, each with its type or allowed
+    values, default and description, spelled ``--section.key`` as the README spells them."""
+    import dataclasses
+    import textwrap
+    import typing
+
+    sections: dict[str, tuple[list[str], list[str]]] = {}  # section -> (own flags, torchtitan's)
+    own = {f"compile.{f.name}" for f in dataclasses.fields(Compile)} | {
+        f"debug.{f.name}" for f in dataclasses.fields(Debug)} | {
+        f"checkpoint.{f.name}" for f in dataclasses.fields(Checkpoint)}
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            hint = hints[f.name]
+            if dataclasses.is_dataclass(hint):
+                walk(hint, key)
+                continue
+            if key in HIDDEN_FLAGS:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            flag = f"--{key}" + ("" if hint is bool else f" {_type_name(hint)}")
+            if hint is bool:
+                flag += f" / --{prefix}.no-{f.name}"
+            doc = _flag_doc(cls, f.name)
+            body = textwrap.fill(f"{doc} (default: {default!r})".strip(), 96,
+                                 initial_indent="      ", subsequent_indent="      ")
+            mine, theirs = sections.setdefault(prefix, ([], []))
+            (mine if key in own else theirs).extend([f"  {flag}", body])
+
+    walk(merged_cls, "")
+    order = [s for s in PROJECT_SECTIONS if s in sections] + [s for s in sections if s not in PROJECT_SECTIONS]
+    out = [
+        "usage: ./run_train.sh [--section.key VALUE ...]   (NGPU, CONFIG_FILE / CONFIG, LOG_RANK, COMM_MODE: see README)",
+        "Precedence: command line > TOML file (--job.config_file) > defaults. Booleans: --section.key / --section.no-key.",
+    ]
+    for name in order:
+        out += ["", f"[{name}]", *sections[name][0], *sections[name][1]]
+    return "\n".join(out) + "\n"
+
+
+def preflight(cfg, world_size: int) -> None:
+    """Everything knowable before any process starts, beyond :func:`validate`: the data and
+    tokenizer (:func:`graph_trainer.data.preflight`), the parallel degrees against
+    ``world_size`` (NGPU), the layout ``aot_fx_trace`` traces, and the checkpoint folder a
+    resume would load (its recorded flavor / mode / layout; a ``--checkpoint.load_step``
+    that does not exist).
+
+    Raises:
+        UserError: naming the flag or file and what to do.
+    """
+    import types
+
+    from graph_trainer import checkpoint, data, parallelize
+    from graph_trainer.llama3 import llama3_args
+
+    data.preflight(cfg)
+    flavor = llama3_args[cfg.model.flavor]
+    rep, shard, tp = parallelize.check_parallel_degrees(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
+    if cfg.compile.mode == "aot_fx_trace":
+        parallelize.check_trace_layout(types.SimpleNamespace(dp_replicate=rep, dp_shard=shard, tp=tp))
+    if not cfg.checkpoint.enable:
+        return
+    folder = checkpoint.checkpoint_folder(cfg)
+    load_step = cfg.checkpoint.load_step
+    step = checkpoint.latest_step(folder) if load_step == -1 else load_step
+    if load_step != -1 and not os.path.isfile(os.path.join(folder, f"step-{load_step}", ".metadata")):
+        found = checkpoint.latest_step(folder)
+        raise UserError(
+            f"--checkpoint.load_step {load_step}: {folder}/step-{load_step} is not a complete checkpoint"
+            + (f"; the latest complete one is step-{found}." if found > 0 else "; there is none.")
+        )
+    if step > 0:
+        meta = {"flavor": cfg.model.flavor, "mode": cfg.compile.mode, "layout": parallelize.layout_key(rep, shard, tp)}
+        checkpoint.check_resume_compatible(folder, step, meta)
+
+
 def _check_main(argv: list[str]) -> int:
-    """``python -m graph_trainer.config ARGS``: validate a command line; exit 2 on errors.
+    """``python -m graph_trainer.config ARGS``: validate a command line (:func:`parse_args`)
+    and what it points at (:func:`preflight`, with ``NGPU`` ranks, default 1); exit 2 on errors.
 
     run_train.sh calls this before torchrun so bad input gives one paragraph, not a
     wall of per-rank failures.
     """
     try:
-        parse_args(argv)
+        preflight(parse_args(argv), int(os.environ.get("NGPU") or 1))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

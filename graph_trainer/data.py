@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import ast
 import fcntl
+import gzip
 import json
+import logging
 import os
 import shutil
 import sysconfig
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from graph_trainer.errors import UserError
 
@@ -42,6 +45,14 @@ _TEXT_SUFFIXES = {
     ".jsonl.gz": "json",
     ".parquet": "parquet",
 }
+#: The names ``--training.dataset`` accepts (case-insensitive): what
+#: :func:`register_datasets` leaves in torchtitan's ``DATASETS`` table.
+DATASET_NAMES = ("c4", "c4_test", "c4_validation", "local")
+#: Files torchtitan's ``HuggingFaceTokenizer`` loads a tokenizer from (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
+_PREFLIGHT_RECORDS = 5  # records read per data file by preflight()
+_PREFLIGHT_FILES = 8  # data files of a folder read by preflight()
+_PREFLIGHT_DOCUMENT_BYTES = 16 << 20  # larger one-document JSON files are left to load time
 
 
 # --------------------------------------------------------------------------- #
@@ -229,6 +240,64 @@ def ensure_tokenizer(vocab_size: int) -> Path:
     return _build_once(cache_dir() / f"tokenizer_{vocab_size}", build)
 
 
+def is_embedded_tokenizer(hf_assets_path: str | None) -> bool:
+    """Whether ``--model.hf_assets_path`` asks for the built-in tokenizer.
+
+    Returns:
+        True for None, "" and "embedded".
+    """
+    return not hf_assets_path or hf_assets_path == EMBEDDED
+
+
+def check_tokenizer_folder(hf_assets_path: str) -> Path:
+    """Check that ``--model.hf_assets_path`` is a folder torchtitan can load a tokenizer from.
+
+    Cheap: looks at file names and parses ``tokenizer_config.json`` if there is one; the
+    tokenizer itself is not loaded.
+
+    Args:
+        hf_assets_path: The folder (not one of the embedded spellings).
+
+    Returns:
+        The folder, with ``~`` expanded.
+
+    Raises:
+        UserError: the folder does not exist, is a file, holds none of
+            :data:`TOKENIZER_FILES`, or its ``tokenizer_config.json`` is not valid JSON.
+    """
+    flag = f"--model.hf_assets_path {hf_assets_path}"
+    embedded_hint = "or set --model.hf_assets_path embedded for the built-in offline tokenizer."
+    path = Path(hf_assets_path).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"{flag}: this tokenizer folder does not exist. Download the model's tokenizer there "
+            f"(torchtitan's scripts/download_hf_assets.py --assets tokenizer), {embedded_hint}"
+        )
+    if not path.is_dir():
+        raise UserError(f"{flag}: is a file, not a tokenizer folder. Point it at the folder holding "
+                        f"tokenizer.json, {embedded_hint}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        found = sorted(p.name for p in path.iterdir())
+        listed = ", ".join(found[:10]) + (", ..." if len(found) > 10 else "") if found else "nothing"
+        sentencepiece = (" (tokenizer.model alone, a SentencePiece model, is not loadable by "
+                         "torchtitan's HuggingFaceTokenizer)" if "tokenizer.model" in found else "")
+        raise UserError(
+            f"{flag}: contains none of {', '.join(TOKENIZER_FILES)} (found: {listed}){sentencepiece}.\n"
+            f"Put your model's tokenizer files in this folder, {embedded_hint}"
+        )
+    config = path / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+            raise UserError(
+                f"{config}{line}: not valid JSON ({_reason(e)}) ({flag}). Fix the file, or delete it "
+                f"to let torchtitan infer the special tokens."
+            ) from None
+    return path
+
+
 def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
     """Return the tokenizer folder to load for ``--model.hf_assets_path``.
 
@@ -241,28 +310,12 @@ def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
         Path of a folder that ``HuggingFaceTokenizer`` can load.
 
     Raises:
-        UserError: if the folder does not exist or holds no tokenizer file.
+        UserError: if the folder does not exist or holds no tokenizer file
+            (:func:`check_tokenizer_folder`).
     """
-    if not hf_assets_path or hf_assets_path == EMBEDDED:
+    if is_embedded_tokenizer(hf_assets_path):
         return str(ensure_tokenizer(vocab_size))
-    path = Path(hf_assets_path).expanduser()
-    if not path.is_dir():
-        raise UserError(
-            f"Tokenizer folder '{hf_assets_path}' (--model.hf_assets_path) does not "
-            f"exist. Download the model's tokenizer there (e.g. with torchtitan's "
-            f"scripts/download_hf_assets.py --assets tokenizer), or set "
-            f"--model.hf_assets_path embedded to use the built-in offline tokenizer."
-        )
-    known = ("tokenizer.json", "tokenizer.model", "vocab.json")
-    if not any((path / name).is_file() for name in known):
-        found = sorted(p.name for p in path.iterdir())[:20]
-        raise UserError(
-            f"Tokenizer folder '{hf_assets_path}' (--model.hf_assets_path) contains "
-            f"none of {', '.join(known)} (found: {found or 'nothing'}). Put the "
-            f"tokenizer files of your model there, or set --model.hf_assets_path "
-            f"embedded to use the built-in offline tokenizer."
-        )
-    return str(path)
+    return str(check_tokenizer_folder(hf_assets_path))
 
 
 # --------------------------------------------------------------------------- #
@@ -307,6 +360,228 @@ def _data_files(path: str) -> tuple[str, list[str]]:
     return kinds.pop(), [str(f) for f in builders]
 
 
+_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number",
+               float: "a number", bool: "true/false", type(None): "null"}
+_JSONL_FIX = ("fix or delete that line (--training.dataset_path wants one JSON object with a "
+              "'text' string per line)")
+
+
+def _reason(e: Exception) -> str:
+    """A short reason for a JSON decoding error, without the position already reported."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg.removesuffix(' at')}, column {e.colno}"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {e.start + 1}"
+    return str(e)
+
+
+def _record_problem(record: Any, strings_ok: bool = False) -> str | None:
+    """What is wrong with one decoded record, or None if it carries a ``text`` string."""
+    if strings_ok and isinstance(record, str):
+        return None  # a JSON array of strings: datasets reads them as the text column
+    if not isinstance(record, dict):
+        return f"{_JSON_KINDS.get(type(record), 'a value')}, not an object with a 'text' field"
+    if "text" not in record:
+        keys = ", ".join(repr(k) for k in list(record)[:6]) or "none"
+        return f"no 'text' field (keys: {keys})"
+    if not isinstance(record["text"], str):
+        return f"'text' is {_JSON_KINDS.get(type(record['text']), 'a value')}, not a string"
+    return None
+
+
+def _open_data(file: str):
+    """Open a (possibly gzipped) data file for reading bytes."""
+    return gzip.open(file, "rb") if file.lower().endswith(".gz") else open(file, "rb")
+
+
+def _too_big_to_parse(file: str, max_records: int | None) -> bool:
+    """Whether a limited check (``max_records``) skips parsing ``file`` as one document."""
+    if max_records is None:
+        return False
+    limit = _PREFLIGHT_DOCUMENT_BYTES // (8 if file.lower().endswith(".gz") else 1)
+    return os.path.getsize(file) > limit
+
+
+def _check_json_array(file: str, max_records: int | None) -> int:
+    """:func:`check_json_file` for a file holding one JSON array of records."""
+    if _too_big_to_parse(file, max_records):
+        return 0  # load_local_text checks it when it loads
+    try:
+        with _open_data(file) as f:
+            records = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise UserError(
+            f"{file}{line}: not valid JSON ({_reason(e)}); fix the file (--training.dataset_path wants "
+            f"a JSON array of objects with a 'text' string, or one such object per line)."
+        ) from None
+    except (OSError, EOFError) as e:
+        raise UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).") from None
+    if not isinstance(records, list):
+        return 0
+    for i, record in enumerate(records[:max_records] if max_records else records):
+        if problem := _record_problem(record, strings_ok=True):
+            raise UserError(
+                f"{file}: record {i + 1} of the JSON array: {problem}; fix that record "
+                f"(--training.dataset_path wants a 'text' string in every record)."
+            )
+    return len(records)
+
+
+def check_json_file(file: str, max_records: int | None = None, allow_empty: bool = True) -> int:
+    """Check that a JSON / JSON Lines data file (optionally gzipped) holds text records.
+
+    A JSON Lines file is read line by line: every non-empty line must be a JSON object
+    with a ``text`` string. A file whose first character is ``[`` is parsed as one JSON
+    array of such objects (or of strings). Empty lines are skipped while reading; in a
+    full check (``max_records=None``) the first one is reported if nothing else is wrong,
+    since the ``datasets`` JSON loader can refuse them.
+
+    Args:
+        file: Path of a ``.json``, ``.jsonl``, ``.json.gz`` or ``.jsonl.gz`` file.
+        max_records: Stop after this many records (None: read the whole file). With a
+            limit, a JSON array file larger than 16 MiB (2 MiB gzipped) is not parsed.
+        allow_empty: Accept a file without any record (the ``datasets`` loader cannot
+            read a folder whose first file is empty).
+
+    Returns:
+        The number of records checked.
+
+    Raises:
+        UserError: ``<file>:<line>: not valid JSON (...)`` for a line that does not
+            parse (or is not UTF-8), ``<file>:<line>: ...`` for a record without a
+            ``text`` string, an empty line (full check only), an unreadable file, or
+            (``allow_empty=False``) a file without records.
+    """
+    checked, first_blank = 0, None
+    try:
+        with _open_data(file) as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
+                    first_blank = first_blank or lineno
+                    continue
+                if checked == 0 and raw.lstrip().startswith(b"["):
+                    return _check_json_array(file, max_records)
+                try:
+                    record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    if checked == 0 and _is_one_json_document(file, max_records):
+                        return 0  # one (pretty-printed) JSON object: left to the datasets loader
+                    raise UserError(f"{file}:{lineno}: not valid JSON ({_reason(e)}); {_JSONL_FIX}.") from None
+                if problem := _record_problem(record):
+                    raise UserError(f"{file}:{lineno}: {problem}; {_JSONL_FIX}.")
+                checked += 1
+                if max_records is not None and checked >= max_records:
+                    return checked
+    except (OSError, EOFError) as e:
+        raise UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).") from None
+    if checked == 0 and not allow_empty:
+        raise UserError(f"{file}: holds no records (--training.dataset_path). Fill it with one JSON object "
+                        f"with a 'text' string per line, or remove it.")
+    if max_records is None and first_blank is not None:
+        raise UserError(f"{file}:{first_blank}: empty line; delete it (--training.dataset_path wants one "
+                        f"JSON object with a 'text' string per line, no empty lines).")
+    return checked
+
+
+def _is_one_json_document(file: str, max_records: int | None) -> bool:
+    """Whether a ``.json`` file is one multi-line JSON object (not JSON Lines)."""
+    name = file.lower()
+    if not (name.endswith(".json") or name.endswith(".json.gz")):
+        return False
+    if _too_big_to_parse(file, max_records):
+        return False
+    try:
+        with _open_data(file) as f:
+            return isinstance(json.loads(f.read().decode("utf-8")), dict)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def check_parquet_file(file: str) -> None:
+    """Check that a Parquet file is readable and has a string ``text`` column (schema only).
+
+    Args:
+        file: Path of a ``.parquet`` file.
+
+    Raises:
+        UserError: the footer cannot be read, or there is no ``text`` string column.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(file)
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{file}: not a readable Parquet file ({e}) (--training.dataset_path).") from None
+    if "text" not in schema.names:
+        raise UserError(f"{file}: no 'text' column (columns: {', '.join(schema.names[:10])}) "
+                        f"(--training.dataset_path). Store one document per row under 'text'.")
+    kind = schema.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise UserError(f"{file}: column 'text' holds {kind}, not strings (--training.dataset_path).")
+
+
+def _check_data_files(builder: str, files: list[str], max_records: int | None, max_files: int | None) -> None:
+    """Run :func:`check_json_file` / :func:`check_parquet_file` over ``files``.
+
+    Raises:
+        UserError: the first problem found, or a first JSON file without records.
+    """
+    for i, file in enumerate(files[:max_files] if max_files else files):
+        if builder == "parquet":
+            check_parquet_file(file)
+        else:
+            check_json_file(file, max_records, allow_empty=i > 0)
+
+
+@contextmanager
+def _quiet_datasets_json() -> Iterator[None]:
+    """Mute the ``datasets`` JSON loader's own error log (its failures are reported by us)."""
+    log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _load_files(path: str, builder: str, files: list[str], hf_cache: str | None):
+    """``datasets.load_dataset`` over local files; a failure names the file and line.
+
+    The files are only read by our own checks when ``datasets`` fails or leaves the
+    ``text`` column unusable, so good files load exactly as ``datasets`` loads them.
+
+    Raises:
+        UserError: ``<file>:<line>: ...`` for the first bad record, or the loader's error
+            with the path if no bad record is found.
+    """
+    from datasets import load_dataset
+
+    try:
+        with _quiet_datasets_json():
+            ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow / pandas / datasets errors of every type
+        _check_data_files(builder, files, max_records=None, max_files=None)
+        cause = e.__cause__ or e.__context__ or e
+        raise UserError(
+            f"Dataset path '{path}' (--training.dataset_path) could not be loaded: "
+            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        ) from None
+    if "text" in ds.column_names:
+        feature = ds.features["text"]
+        bad_kind = getattr(feature, "dtype", None) not in ("string", "large_string")
+        if bad_kind or ds.data.column("text").null_count:
+            _check_data_files(builder, files, max_records=None, max_files=None)
+            what = f"holds {feature}" if bad_kind else "is missing in some records"
+            raise UserError(f"Dataset path '{path}' (--training.dataset_path): column 'text' {what}; "
+                            f"every record needs a 'text' string.")
+    return ds
+
+
 def load_local_text(path: str | None, hf_cache: str | None = None):
     """Load a local JSON / JSONL / Parquet file or folder as a ``datasets.Dataset``.
 
@@ -320,17 +595,16 @@ def load_local_text(path: str | None, hf_cache: str | None = None):
 
     Raises:
         UserError: if the path is None or missing, holds no supported files, or
-            its records have no ``text`` column.
+            its records have no ``text`` column; ``<file>:<line>: ...`` for a record
+            that is not valid JSON or has no ``text`` string (:func:`check_json_file`).
     """
-    from datasets import load_dataset
-
     if path is None:
         raise UserError(
             "Dataset 'local' needs a file or folder: set --training.dataset_path to "
             "a .json/.jsonl/.parquet file or a folder of them with a 'text' column."
         )
     builder, files = _data_files(path)
-    ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache)
+    ds = _load_files(path, builder, files, hf_cache)
     if "text" not in ds.column_names:
         raise UserError(
             f"Dataset path '{path}' has no 'text' column (columns: {ds.column_names}). "
@@ -425,3 +699,62 @@ def check_dataset(name: str, path: str | None) -> None:
     if key in ("c4", "c4_validation") and p.is_dir():
         return  # may also be a local clone of the hub dataset
     _data_files(path)  # raises UserError if missing or unusable
+
+
+def preflight(cfg) -> None:
+    """Check what the config says about data and tokenizer, fast, before anything starts.
+
+    Imports neither torch nor torchtitan and trains nothing, so it can run in the
+    launcher's config check. It checks:
+
+    * ``--training.dataset`` is one of :data:`DATASET_NAMES`;
+    * ``--training.dataset_path``: given for ``local``; exists; is a supported file, or a
+      folder of supported files of one kind (as :func:`load_local_text` loads them);
+      the first records of its first files are valid JSON objects with a ``text``
+      string (:func:`check_json_file`), or, for Parquet, the schema has a ``text``
+      string column (:func:`check_parquet_file`);
+    * ``--model.hf_assets_path`` is ``embedded`` (or empty), or a folder holding a
+      tokenizer torchtitan can load (:func:`check_tokenizer_folder`).
+
+    Not checked here: records past the first few (a bad line deep in a file is named
+    when the dataset is loaded, by :func:`load_local_text`), hub datasets (``c4``
+    without a local path), and the vocabulary size the embedded tokenizer is built for.
+
+    Args:
+        cfg: The parsed JobConfig (``training.dataset``, ``training.dataset_path``,
+            ``model.hf_assets_path`` are read).
+
+    Raises:
+        UserError: one or two lines naming the flag and the file (``<file>:<line>`` for
+            a bad record).
+    """
+    name = cfg.training.dataset or ""
+    path = cfg.training.dataset_path or None
+    key = name.lower()
+    if key not in DATASET_NAMES:
+        import difflib
+
+        close = difflib.get_close_matches(key, DATASET_NAMES, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise UserError(
+            f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}.{hint}\n"
+            f"Use c4_test for the built-in offline corpus, or local with --training.dataset_path for your own files."
+        )
+    if path is None:
+        if key == "local":
+            raise UserError(
+                "--training.dataset local needs --training.dataset_path: a .json/.jsonl/.parquet file "
+                "or a folder of them with a 'text' column."
+            )
+    else:
+        p = Path(path).expanduser()
+        local = not (
+            (key == "c4_test" and p == corpus_dir())  # the embedded corpus, built on first use
+            or (key in ("c4", "c4_validation") and p.is_dir() and not any(_builder_for(f) for f in p.iterdir()))
+        )  # the second: a local clone of the hub dataset, loaded by datasets itself
+        if local:
+            builder, files = _data_files(path)
+            _check_data_files(builder, files, max_records=_PREFLIGHT_RECORDS, max_files=_PREFLIGHT_FILES)
+    hf_assets_path = cfg.model.hf_assets_path
+    if not is_embedded_tokenizer(hf_assets_path):
+        check_tokenizer_folder(hf_assets_path)

@@ -74,16 +74,15 @@ def _patch_torchtitan_device_type(device_type: str) -> None:
         mod.device_type = device_type
 
 
-def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | None):
-    """torchtitan ``ParallelDims`` from ``[parallelism]``, validated before any allocation.
+def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int, int]:
+    """The ``(replicate, shard, tp)`` degrees of ``[parallelism]`` for ``world_size`` ranks
+    (``data_parallel_shard_degree = -1`` resolved); no process group or device needed.
 
     Raises:
         UserError: degrees whose product is not the world size, a TP degree that does
             not divide the (KV) heads, an FSDP degree larger than the world, or
             parallelisms this trainer does not support (PP, CP, EP).
     """
-    from torchtitan.distributed import ParallelDims
-
     p = cfg.parallelism
     for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) != 1:
@@ -108,6 +107,23 @@ def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | No
     for what, h in (("heads", n_heads), ("KV heads", n_kv_heads or n_heads)):
         if h % tp:
             raise UserError(f"tensor_parallel_degree={tp} does not divide the model's {h} {what}.")
+    return rep, shard, tp
+
+
+def layout_key(replicate: int, shard: int, tp: int) -> str:
+    """The layout a checkpoint records and resume checks, e.g. ``dp_shard2_dp_replicate1_tp1``."""
+    return f"dp_shard{shard}_dp_replicate{replicate}_tp{tp}"
+
+
+def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | None):
+    """torchtitan ``ParallelDims`` from ``[parallelism]``, validated before any allocation.
+
+    Raises:
+        UserError: as :func:`check_parallel_degrees`.
+    """
+    from torchtitan.distributed import ParallelDims
+
+    rep, shard, tp = check_parallel_degrees(cfg, world_size, n_heads, n_kv_heads)
     return ParallelDims(
         dp_replicate=rep, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size
     )

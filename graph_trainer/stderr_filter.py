@@ -5,13 +5,15 @@ Once a worker has printed this project's one-paragraph ``error: ...`` (a
 the lines torchrun itself adds afterwards -- its ``ChildFailedError`` traceback and
 failure report, which say nothing more -- are dropped. Worker lines (``[rankN]:``
 prefixed) always pass, and nothing is dropped before such an error, so torchrun's own
-failures stay visible.
+failures stay visible. The exit status is :data:`SAW_USER_ERROR` when such an error was
+seen (run_train.sh then exits 2, the code of a user error, instead of torchrun's 1), else 0.
 """
 
 import re
 import sys
 
 _WORKER = re.compile(r"^\[(rank|default)\d*\]:")
+SAW_USER_ERROR = 3
 
 
 def main() -> int:
@@ -24,7 +26,7 @@ def main() -> int:
             continue
         sys.stderr.write(line)
         sys.stderr.flush()
-    return 0
+    return SAW_USER_ERROR if seen_error else 0
 
 
 if __name__ == "__main__":

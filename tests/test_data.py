@@ -269,3 +269,196 @@ def test_missing_tokenizer_folder(tmp_path):
         data.resolve_tokenizer_path(str(tmp_path), VOCAB)
     (tmp_path / "tokenizer.json").write_text("{}")
     assert data.resolve_tokenizer_path(str(tmp_path), VOCAB) == str(tmp_path)
+
+
+# --------------------------------------------------------------------------- #
+# preflight: data and tokenizer checked before anything starts
+# --------------------------------------------------------------------------- #
+
+REPO = Path(__file__).resolve().parent.parent
+DEBUG_TOML = REPO / "train_configs" / "debug_model.toml"
+
+
+def _cfg(dataset="c4_test", path=None, tokenizer="embedded"):
+    """The three fields preflight reads, as a parsed JobConfig holds them."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        training=SimpleNamespace(dataset=dataset, dataset_path=None if path is None else str(path)),
+        model=SimpleNamespace(hf_assets_path=None if tokenizer is None else str(tokenizer)),
+    )
+
+
+def _preflight_error(cfg) -> str:
+    with pytest.raises(UserError) as e:
+        data.preflight(cfg)
+    msg = str(e.value)
+    assert 1 <= len(msg.splitlines()) <= 2, msg
+    return msg
+
+
+def _jsonl(path: Path, n: int, bad_line: int | None = None, bad: str = "this is not json: true") -> Path:
+    """``n`` lines of ``{"text": ...}``, line ``bad_line`` (1-based) replaced by ``bad``."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(1, n + 1):
+            f.write((bad if i == bad_line else json.dumps({"text": f"Line {i} is about the sea."})) + "\n")
+    return path
+
+
+def test_preflight_rejects_missing_dataset_path(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    for name in ("c4_test", "local", "c4"):
+        msg = _preflight_error(_cfg(name, missing))
+        assert str(missing) in msg and "--training.dataset_path" in msg
+    msg = _preflight_error(_cfg("local"))
+    assert "--training.dataset_path" in msg
+
+
+def test_preflight_rejects_bad_jsonl_line(tmp_path):
+    bad = _jsonl(tmp_path / "bad.jsonl", 10, bad_line=2, bad='{"text": tru')
+    msg = _preflight_error(_cfg("c4_test", bad))
+    assert msg.startswith(f"{bad}:2: not valid JSON") and "--training.dataset_path" in msg
+    no_text = _jsonl(tmp_path / "no_text.jsonl", 10, bad_line=3, bad='{"body": "x"}')
+    assert _preflight_error(_cfg("local", no_text)).startswith(f"{no_text}:3: no 'text' field")
+    # A folder: its files are read too.
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _jsonl(folder / "a.jsonl", 3)
+    _jsonl(folder / "b.jsonl", 3, bad_line=1)
+    assert _preflight_error(_cfg("local", folder)).startswith(f"{folder / 'b.jsonl'}:1: not valid JSON")
+
+
+def test_preflight_rejects_invalid_json_array(tmp_path):
+    bad = tmp_path / "docs.json"
+    bad.write_text('[\n  {"text": "a"},\n  {"text": "b"\n')
+    msg = _preflight_error(_cfg("local", bad))
+    assert msg.startswith(f"{bad}:") and "not valid JSON" in msg
+    ints = tmp_path / "ints.json"
+    ints.write_text('[{"text": "a"}, {"text": 2}]')
+    assert "record 2 of the JSON array: 'text' is a number" in _preflight_error(_cfg("local", ints))
+
+
+def test_preflight_rejects_bad_tokenizer_folder(tmp_path):
+    empty = tmp_path / "tok"
+    empty.mkdir()
+    msg = _preflight_error(_cfg(tokenizer=empty))
+    assert msg.startswith(f"--model.hf_assets_path {empty}: contains none of tokenizer.json")
+    assert "embedded" in msg
+    missing = tmp_path / "missing"
+    assert str(missing) in _preflight_error(_cfg(tokenizer=missing))
+    # tokenizer.model alone (SentencePiece) is not loadable by HuggingFaceTokenizer.
+    (empty / "tokenizer.model").write_bytes(b"\0")
+    assert "SentencePiece" in _preflight_error(_cfg(tokenizer=empty))
+    with pytest.raises(UserError, match="SentencePiece"):
+        data.resolve_tokenizer_path(str(empty), VOCAB)
+    (empty / "tokenizer.json").write_text("{}")
+    (empty / "tokenizer_config.json").write_text('{"bos_token": "<s>",\n "eos_token": }\n')
+    assert _preflight_error(_cfg(tokenizer=empty)).startswith(f"{empty / 'tokenizer_config.json'}:2: not valid JSON")
+
+
+def test_preflight_rejects_unknown_dataset():
+    msg = _preflight_error(_cfg("c4_tset"))
+    assert "'c4_tset'" in msg and "--training.dataset" in msg and "Did you mean 'c4_test'" in msg
+
+
+def test_dataset_names_match_registry(cache):
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    data.register_datasets()
+    assert sorted(data.DATASET_NAMES) == sorted(DATASETS)
+
+
+def test_preflight_accepts_defaults_and_good_files(local_files, tmp_path):
+    from graph_trainer.config import parse_args
+
+    data.preflight(parse_args(["--job.config_file", str(DEBUG_TOML)]))
+    for tokenizer in (None, "", "embedded"):
+        data.preflight(_cfg(tokenizer=tokenizer))
+    _, paths = local_files
+    for name in ("local", "c4_test", "c4"):
+        for path in paths.values():
+            data.preflight(_cfg(name, path))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    data.preflight(_cfg(tokenizer=tok))
+
+
+def test_preflight_imports_neither_torch_nor_torchtitan(tmp_path):
+    good = _jsonl(tmp_path / "good.jsonl", 10)
+    code = (
+        "import sys\n"
+        "from types import SimpleNamespace as N\n"
+        "from graph_trainer import data\n"
+        f"data.preflight(N(training=N(dataset='local', dataset_path={str(good)!r}),"
+        " model=N(hf_assets_path='embedded')))\n"
+        "print(sorted(m for m in ('torch', 'torchtitan', 'datasets') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- #
+# bad records deep in a file: named with file and line when the dataset loads
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("this is not json: true", "not valid JSON"),
+        ('{"text": "cut off', "not valid JSON"),
+        ('{"body": "x"}', "no 'text' field"),
+        ('{"text": null}', "'text' is null"),
+        ('{"text": 7}', "'text' is a number"),
+        ("", "empty line"),
+    ],
+    ids=["garbage", "truncated", "no_text", "null_text", "number_text", "empty"],
+)
+def test_bad_line_deep_in_file_named_on_load(cache, tmp_path, bad, problem):
+    good = _jsonl(tmp_path / "good.jsonl", 2500)  # control: the same file without the bad line
+    assert data.load_local_text(str(good))["text"][1999] == "Line 2000 is about the sea."
+    path = _jsonl(tmp_path / "docs.jsonl", 2500, bad_line=2000, bad=bad)
+    data.preflight(_cfg("local", path))  # past the records preflight reads
+    with pytest.raises(UserError) as e:
+        data.load_local_text(str(path))
+    assert str(e.value).startswith(f"{path}:2000: {problem}"), str(e.value)
+
+
+def test_empty_first_file_named(cache, tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")
+    _jsonl(folder / "b.jsonl", 3)
+    with pytest.raises(UserError, match=f"{folder / 'a.jsonl'}: holds no records"):
+        data.load_local_text(str(folder))
+    assert _preflight_error(_cfg("local", folder)).startswith(f"{folder / 'a.jsonl'}: holds no records")
+
+
+@pytest.mark.slow
+def test_training_stops_at_bad_line_deep_in_file(tmp_path):
+    """A corrupt line past what preflight reads stops the trainer with one `error: file:line`
+    line, exit 2, no traceback; through run_train.sh (torchrun) too."""
+    path = _jsonl(tmp_path / "docs.jsonl", 2500, bad_line=2000)
+    # The local file is loaded whole before step 1, so few steps reach every line.
+    flags = ["--training.dataset_path", str(path), "--training.steps", "3", "--training.seq_len", "64",
+             "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""}
+    needle = f"error: {path}:2000: not valid JSON"
+    direct = subprocess.run(
+        [sys.executable, "-m", "graph_trainer.train", "--job.config_file", str(DEBUG_TOML),
+         "--job.dump_folder", str(tmp_path / "direct"), *flags],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
+    )
+    text = direct.stdout + direct.stderr
+    assert direct.returncode == 2, text[-3000:]
+    assert needle in direct.stderr and "Traceback" not in text, text[-3000:]
+    launched = subprocess.run(
+        ["bash", str(REPO / "run_train.sh"), "--job.dump_folder", str(tmp_path / "launched"), *flags],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
+    )
+    text = launched.stdout + launched.stderr
+    assert launched.returncode == 2, text[-3000:]  # run_train.sh: a worker's user error is exit 2
+    assert needle in launched.stderr and "Traceback" not in text, text[-3000:]
+    assert sum(needle in line for line in launched.stderr.splitlines()) == 1

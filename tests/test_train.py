@@ -104,3 +104,4 @@ def test_stderr_filter_drops_torchrun_report_after_worker_error():
         "[rank0]:error: Loss is nan at step 3; stopping.",
         "[rank1]:still shown",
     ]
+    assert r.returncode == 3  # run_train.sh turns torchrun's failure into exit 2
