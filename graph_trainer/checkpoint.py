@@ -14,6 +14,14 @@ Atomicity: DCP writes ``.metadata`` last and torchtitan only loads ``step-N`` fo
 that have it, so a save that is interrupted never replaces the last good checkpoint.
 ``graph_trainer_meta.json`` beside it records flavor, layout and mode; it is checked
 before anything is loaded (:func:`check_resume_compatible`).
+
+Every checkpoint, the last one included, holds the full training state (this project sets
+``--checkpoint.last_save_model_only`` off), so rerunning a finished run's command finds it
+complete and trains nothing, and a larger ``--training.steps`` continues from it. A
+model-only checkpoint (written with ``--checkpoint.last_save_model_only``) is recognised
+from its ``.metadata`` and refused with its name (:func:`is_model_only`). A complete
+checkpoint of an earlier run at a step this run saves is moved aside to ``step-N.<K>``
+(:func:`graph_trainer.metrics.keep_previous`), never written over.
 """
 
 from __future__ import annotations
@@ -114,9 +122,12 @@ def check_resume_compatible(folder: str, step: int, meta: dict) -> None:
             )
 
 
-def verify_checkpoint_files(ckpt: str) -> None:
+def verify_checkpoint_files(ckpt: str):
     """Check that every data file a DCP checkpoint's ``.metadata`` refers to exists and
     is long enough (catches truncated copies and interrupted writes of data files).
+
+    Returns:
+        The checkpoint's DCP ``Metadata``.
 
     Raises:
         UserError: unreadable ``.metadata``, or a missing / truncated data file (named).
@@ -145,6 +156,58 @@ def verify_checkpoint_files(ckpt: str) -> None:
                 f"Checkpoint {ckpt} is truncated: data file {path} has {have} bytes, its metadata "
                 f"needs {size}."
             )
+    return md
+
+
+def require_complete(folder: str, step: int) -> None:
+    """Check that ``--checkpoint.load_step step`` names a complete checkpoint in ``folder``.
+
+    Raises:
+        UserError: ``step-<step>`` does not exist or its save did not finish (no ``.metadata``);
+            names the latest complete one.
+    """
+    ckpt = os.path.join(folder, f"step-{step}")
+    if not os.path.isfile(os.path.join(ckpt, ".metadata")):
+        what = "is incomplete (no .metadata: its save did not finish)" if os.path.isdir(ckpt) else "does not exist"
+        have = latest_step(folder)
+        raise UserError(f"--checkpoint.load_step {step}: checkpoint {ckpt} {what}. "
+                        + (f"The latest complete one is step-{have}." if have > 0 else "No complete one exists."))
+
+
+def is_model_only(md) -> bool:
+    """True when the DCP ``Metadata`` ``md`` (``FileSystemReader(path).read_metadata()``)
+    is a model-only checkpoint: it lists no ``train_state`` (torchtitan's
+    ``--checkpoint.last_save_model_only`` saves the model's tensors alone)."""
+    return not any(k == "train_state" or k.startswith("train_state.") for k in md.state_dict_metadata)
+
+
+def _full_steps(folder: str, below: int) -> list[int]:
+    """Steps ``< below`` of complete, readable checkpoints in ``folder`` that can resume
+    training (not model-only), ascending."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = []
+    for s in range(below):
+        ckpt = os.path.join(folder, f"step-{s}")
+        if os.path.isfile(os.path.join(ckpt, ".metadata")):
+            try:
+                if not is_model_only(FileSystemReader(ckpt).read_metadata()):
+                    out.append(s)
+            except Exception:  # an unreadable one is no resume point
+                pass
+    return out
+
+
+def _first_cause(e: BaseException) -> BaseException:
+    """The first real exception inside DCP's ``CheckpointException`` (its ``failures``
+    map ranks to ``(exception, traceback summary)`` pairs), else ``e``."""
+    for _ in range(4):  # nested CheckpointExceptions
+        failures = getattr(e, "failures", None)
+        if not failures:
+            break
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first and isinstance(first[0], BaseException) else first
+    return e
 
 
 class Checkpointer:
@@ -182,52 +245,88 @@ class Checkpointer:
         loaded (0 when there is nothing to resume).
 
         Raises:
-            UserError: incompatible checkpoint (see :func:`check_resume_compatible`), or
-                a truncated / corrupt one (names the folder and DCP's error; older
-                checkpoints are left in place).
+            UserError: ``--checkpoint.load_step`` names no complete checkpoint; an
+                incompatible checkpoint (see :func:`check_resume_compatible`); a model-only
+                one (``--checkpoint.last_save_model_only``), which cannot resume training; a
+                truncated / corrupt one (names the folder and the first error DCP raised).
+                Each names the older checkpoint to resume from instead; all are left in place.
         """
         if not self.enabled:
             return 0
         step = latest_step(self.folder) if load_step == -1 else load_step
         if step <= 0:
             return 0
-        check_resume_compatible(self.folder, step, self.meta)
         ckpt = os.path.join(self.folder, f"step-{step}")
-        older = sorted(s for s in range(step) if os.path.isfile(os.path.join(self.folder, f"step-{s}", ".metadata")))
-        hint = (f" Older checkpoints are kept: resume from one with --checkpoint.load_step {older[-1]}"
-                if older else " No older checkpoint exists")
+        require_complete(self.folder, step)  # only an explicit load_step can name an incomplete one
+        check_resume_compatible(self.folder, step, self.meta)
+
+        def hint() -> str:
+            older = _full_steps(self.folder, step)
+            where = "point --job.dump_folder / --checkpoint.folder elsewhere to start over."
+            if older:
+                return f"resume from step-{older[-1]} with --checkpoint.load_step {older[-1]}, or {where}"
+            return f"no older checkpoint in {self.folder} can resume training: {where}"
+
         try:
-            verify_checkpoint_files(ckpt)
-            self.manager.load(step=step)
+            md = verify_checkpoint_files(ckpt)
         except UserError as e:
-            raise UserError(f"{e}{hint}, or delete {ckpt} to start over.") from None
+            raise UserError(f"{e} It is left in place; {hint()}") from None
+        if is_model_only(md):
+            raise UserError(f"Checkpoint {ckpt} holds only the model (--checkpoint.last_save_model_only): "
+                            f"it cannot resume training; {hint()}")
+        try:
+            self.manager.load(step=step)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
-            cause = next(iter(failures.values())) if failures else e
+            cause = _first_cause(e)
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
             raise UserError(
-                f"Checkpoint {ckpt} could not be loaded; it is truncated or corrupt "
-                f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}).{hint}, "
-                f"or delete {ckpt} to start over."
+                f"Checkpoint {ckpt} could not be loaded ({type(cause).__name__}: {first}); it may be truncated "
+                f"or corrupt. It is left in place; {hint()}"
             ) from None
         logger.info("Resumed from %s (step %d)", ckpt, self.train_state.step)
         return self.train_state.step
 
     def save(self, step: int, last_step: bool) -> None:
-        """Save at ``step`` if torchtitan's policy says so (interval / last step)."""
+        """Save at ``step`` if torchtitan's policy says so (interval / last step). A complete
+        ``step-<step>`` of an earlier run is moved aside first (rank 0), never written over.
+
+        Raises:
+            UserError: that earlier checkpoint cannot be moved aside (names it).
+        """
         if not self.enabled:
             return
         self.train_state.step = step
+        if self.manager._should_save(step, last_step):
+            self._keep_earlier(os.path.join(self.folder, f"step-{step}"))
         self.manager.save(step, last_step=last_step)
         ckpt = os.path.join(self.folder, f"step-{step}")
         if self.rank == 0 and os.path.isfile(os.path.join(ckpt, ".metadata")):
             with open(os.path.join(ckpt, META_FILE), "w") as f:
                 json.dump({**self.meta, "step": step}, f, indent=1, sort_keys=True)
 
+    def _keep_earlier(self, ckpt: str) -> None:
+        import torch.distributed as dist
+
+        from graph_trainer.metrics import keep_previous
+
+        if self.rank == 0 and os.path.isfile(os.path.join(ckpt, ".metadata")):
+            try:
+                kept = keep_previous(ckpt)
+            except OSError as e:
+                raise UserError(f"Cannot move the earlier checkpoint {ckpt} aside before saving this step "
+                                f"({e.strerror or e}); it was not written over.") from None
+            logger.info("An earlier run's checkpoint %s is kept as %s", ckpt, kept)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # no rank writes into the folder before it is moved
+            dist.barrier(device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None)
+
     def close(self) -> None:
+        """Stop torchtitan's checkpoint threads (no-op when disabled)."""
         if self.enabled:
             self.manager.close()
 
 
-__all__ = ["Checkpointer", "TrainState", "RNGState", "check_resume_compatible", "latest_step"]
+__all__ = ["Checkpointer", "TrainState", "RNGState", "check_resume_compatible", "is_model_only", "latest_step",
+           "require_complete", "verify_checkpoint_files"]

@@ -634,12 +634,8 @@ def preflight(cfg, world_size: int) -> None:
     folder = checkpoint.checkpoint_folder(cfg)
     load_step = cfg.checkpoint.load_step
     step = checkpoint.latest_step(folder) if load_step == -1 else load_step
-    if load_step != -1 and not os.path.isfile(os.path.join(folder, f"step-{load_step}", ".metadata")):
-        found = checkpoint.latest_step(folder)
-        raise UserError(
-            f"--checkpoint.load_step {load_step}: {folder}/step-{load_step} is not a complete checkpoint"
-            + (f"; the latest complete one is step-{found}." if found > 0 else "; there is none.")
-        )
+    if load_step != -1:
+        checkpoint.require_complete(folder, load_step)
     if step > 0:
         meta = {"flavor": cfg.model.flavor, "mode": cfg.compile.mode, "layout": parallelize.layout_key(rep, shard, tp)}
         checkpoint.check_resume_compatible(folder, step, meta)

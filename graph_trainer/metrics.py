@@ -16,6 +16,18 @@ Definitions (torchtitan's, ``torchtitan/components/metrics.py``):
 then ``{"summary": {...}}`` (:meth:`MetricsLogger.summary`); :func:`read_metrics` reads
 it back. torch is imported inside the functions that use it, so that the comparison
 tools (:mod:`graph_trainer.tools`), which read ``metrics.jsonl``, stay torch-free.
+
+No record is lost (rank 0; nothing changes on disk before a run logs its first step):
+
+* a resumed run (from a checkpoint at step ``K > 0``) appends to ``metrics.jsonl``. Rows
+  the earlier run logged stay, also those of steps after ``K`` that the resumed run
+  measures again; readers take the last row written for each step (:func:`read_metrics`)
+  and the last summary;
+* a fresh run (``K == 0``) into a folder that holds ``metrics.jsonl`` or a TensorBoard
+  folder first moves them aside with :func:`keep_previous` (``metrics.jsonl`` ->
+  ``metrics.<N>.jsonl``, ``tb`` -> ``tb.<N>``, ``N`` one above the highest already
+  used, so a larger ``N`` is always a later record) and logs where they went. A resumed
+  run adds its TensorBoard event file beside the earlier ones.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import statistics
 import time
@@ -58,6 +71,34 @@ def peak_bf16_flops(device: torch.device) -> float | None:
         if key in name:
             return flops
     return None
+
+
+def keep_previous(path: str) -> str | None:
+    """Move an existing file or folder ``path`` aside, so that a new record can be written
+    there without replacing it.
+
+    The new name is ``<stem>.<N><suffix>`` beside it: for a file, ``suffix`` is its
+    extension (``metrics.jsonl`` -> ``metrics.1.jsonl``); for a folder it is empty
+    (``graphs`` -> ``graphs.1``). ``N`` is one above the highest ``N`` already used there
+    (1 if none), so existing names are never overwritten and a larger ``N`` is a later one.
+
+    Returns:
+        The new path, or ``None`` when nothing exists at ``path`` (then nothing is done).
+
+    Raises:
+        OSError: the folder holding ``path`` cannot be listed or the rename fails.
+    """
+    if not os.path.lexists(path):
+        return None
+    parent, name = os.path.split(os.path.normpath(path))
+    stem, suffix = os.path.splitext(name) if not os.path.isdir(path) else (name, "")
+    pattern = re.compile(re.escape(stem) + r"\.(\d+)" + re.escape(suffix))
+    used = [int(m.group(1)) for n in os.listdir(parent or ".") if (m := pattern.fullmatch(n))]
+    n = max(used, default=0) + 1
+    while os.path.lexists(new := os.path.join(parent, f"{stem}.{n}{suffix}")):
+        n += 1
+    os.rename(path, new)
+    return new
 
 
 def memory_stats(device: torch.device) -> tuple[float, float | None]:
@@ -96,8 +137,16 @@ class MetricsLogger:
         flops_per_token: model FLOPs per token (see module docstring).
         non_dp_size: TP degree (ranks that see the same tokens), for ``tps``.
         dump_folder: ``metrics.jsonl`` goes here (rank 0 only).
-        enable_tensorboard: also write TensorBoard scalars under ``dump_folder/tb``.
+        enable_tensorboard: also write TensorBoard scalars under ``dump_folder/tb_folder``.
+        tb_folder: TensorBoard folder inside ``dump_folder``.
         rank: global rank; only rank 0 writes files.
+        resume_step: the checkpoint step this run resumed from (0: a fresh run). Files are
+            opened at the first write: appended to when resuming, else earlier records are
+            moved aside first (see the module docstring).
+
+    Raises (at the first write):
+        UserError: an earlier record cannot be moved aside or ``metrics.jsonl`` cannot be
+            opened (names the file).
     """
 
     def __init__(
@@ -109,6 +158,7 @@ class MetricsLogger:
         enable_tensorboard: bool = False,
         tb_folder: str = "tb",
         rank: int = 0,
+        resume_step: int = 0,
     ):
         self.device = device
         self.flops_per_token = flops_per_token
@@ -118,15 +168,52 @@ class MetricsLogger:
         self.rows: list[StepMetrics] = []
         self.jsonl = None
         self.tb = None
-        if rank == 0:
-            os.makedirs(dump_folder, exist_ok=True)
-            self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
-            self.jsonl = open(self.jsonl_path, "w")
-            if enable_tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(os.path.join(dump_folder, tb_folder))
+        self.dump_folder = dump_folder
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self.tb_path = os.path.join(dump_folder, tb_folder) if enable_tensorboard else None
+        self.resume_step = resume_step
+        self._opened = rank != 0  # only rank 0 writes files
         self._reset_window()
+
+    def _open(self) -> None:
+        """Open the record files at the first write (see the module docstring)."""
+        from graph_trainer.errors import UserError
+
+        self._opened = True
+        for path in (self.jsonl_path, self.tb_path):
+            if path is None or self.resume_step:
+                continue
+            try:
+                kept = keep_previous(path)
+            except OSError as e:
+                raise UserError(f"Cannot move the earlier {path} aside ({e.strerror or e}); "
+                                "nothing was written there.") from None
+            if kept:
+                logger.info(f"A fresh run: the earlier {path} is kept as {kept}")
+        try:
+            os.makedirs(self.dump_folder, exist_ok=True)
+            self.jsonl = open(self.jsonl_path, "a")
+            if self.jsonl.tell() and not _ends_with_newline(self.jsonl_path):  # an earlier run cut off mid-line
+                self.jsonl.write("\n")
+        except OSError as e:
+            raise UserError(f"Cannot write {self.jsonl_path} ({e.strerror or e}); check --job.dump_folder.") from None
+        if self.tb_path:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(self.tb_path)
+
+    @staticmethod
+    def outputs(cfg, checkpoint_folder: str | None) -> list[str]:
+        """Where this run writes its records (``"metrics <path>"``, ``"TensorBoard <path>"``,
+        ``"graphs <path>"``, ``"checkpoints <path>"``, ``"profiles <path>"``), for the
+        start-up log line; ``checkpoint_folder`` None when checkpointing is off."""
+        d = cfg.job.dump_folder
+        out = [f"metrics {d}/metrics.jsonl"]
+        out += [f"TensorBoard {d}/{cfg.metrics.save_tb_folder}"] * bool(cfg.metrics.enable_tensorboard)
+        out += [f"graphs {d}/graphs"] * bool(cfg.compile.dump_graphs and cfg.compile.mode == "aot_fx_trace")
+        out += [f"checkpoints {checkpoint_folder}"] * bool(checkpoint_folder)
+        out += [f"profiles {d}/{cfg.profiling.save_traces_folder}"] * bool(cfg.profiling.enable_profiling)
+        return out
 
     def _reset_window(self):
         self.win_tokens = 0
@@ -172,16 +259,19 @@ class MetricsLogger:
     def _emit(self, m: StepMetrics) -> None:
         mem = f"{m.memory_gib:.2f}GiB" + (f"({m.memory_pct:.2f}%)" if m.memory_pct is not None else "")
         mfu = f"{m.mfu:.2f}%" if m.mfu is not None else "n/a"
+        if not self._opened:
+            self._open()
         logger.info(
             f"step: {m.step:2}  loss: {m.loss:8.5f}  grad_norm: {m.grad_norm:7.4f}  "
-            f"memory: {mem}  tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  "
+            + (f"lr: {m.lr:.3e}  " if m.lr is not None else "")
+            + f"memory: {mem}  tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  "
             f"step_time: {m.step_time_s:.3f}s  data: {m.data_time_s * 1e3:.1f}ms"
         )
         if self.jsonl:
             self.jsonl.write(json.dumps(asdict(m)) + "\n")
             self.jsonl.flush()
         if self.tb:
-            for k in ("loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib", "step_time_s"):
+            for k in ("loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "step_time_s"):
                 v = getattr(m, k)
                 if v is not None:
                     self.tb.add_scalar(f"train/{k}", v, m.step)
@@ -209,6 +299,8 @@ class MetricsLogger:
                 f"tps: {round(s['tps']):,}  tflops: {s['tflops']:,.2f}  mfu: {mfu}  "
                 f"memory: {s['max_memory_gib']:.2f}GiB  step_time: {s['step_time_s']:.3f}s"
             )
+        if not self._opened:
+            self._open()
         if self.jsonl:
             self.jsonl.write(json.dumps({"summary": s}) + "\n")
             self.jsonl.flush()
@@ -221,11 +313,23 @@ class MetricsLogger:
             self.tb.close()
 
 
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def read_metrics(path: str) -> tuple[list[dict], dict | None]:
-    """Read a ``metrics.jsonl``: (the per-step rows in order, the summary or None).
+    """Read a ``metrics.jsonl``: (the per-step rows by step, the last summary or None).
+
+    A resumed run appends to the file and may log again steps that the earlier run had
+    logged after its last checkpoint: for each step the last row written is returned (the
+    newer measurement), once, in step order; rows without an integer ``step`` follow, as
+    written.
 
     Raises OSError if the file cannot be read, ValueError on a line that is not JSON."""
-    rows, summary = [], None
+    by_step: dict = {}
+    other, summary = [], None
     with open(path) as f:
         for line in f:
             line = line.strip()
@@ -234,6 +338,8 @@ def read_metrics(path: str) -> tuple[list[dict], dict | None]:
             obj = json.loads(line)
             if "summary" in obj:
                 summary = obj["summary"]
+            elif isinstance(obj.get("step"), int):
+                by_step[obj["step"]] = obj
             else:
-                rows.append(obj)
-    return rows, summary
+                other.append(obj)
+    return [by_step[k] for k in sorted(by_step)] + other, summary

@@ -20,6 +20,12 @@ For each recorded window this writes, under
   GPU waiting on the CPU). The tables are also logged.
 
 On CPU (no CUDA) the summary counts CPU time of ATen ops instead of kernels.
+
+Nothing recorded earlier is written over: a fresh run (not resumed from a checkpoint)
+moves an existing ``<save_traces_folder>`` aside to ``<save_traces_folder>.<N>`` (rank 0,
+before the first step), and a file that a resumed run would write again
+(``iteration_<step>/rank<r>_*``) is first renamed to ``rank<r>_trace.<N>.json`` etc.
+(:func:`graph_trainer.metrics.keep_previous`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+
+from graph_trainer.metrics import keep_previous
 
 logger = logging.getLogger("graph_trainer")
 
@@ -245,6 +253,8 @@ class StepProfiler:
 
     def __init__(self, cfg, dump_folder: str, rank: int, start_step: int = 0):
         self.trace_dir = os.path.join(dump_folder, cfg.save_traces_folder)
+        if rank == 0 and start_step == 0 and (kept := keep_previous(self.trace_dir)):
+            logger.info(f"A fresh run: the earlier {self.trace_dir} is kept as {kept}")
         self.rank = rank
         self.active = cfg.profiler_active
         wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
@@ -271,11 +281,15 @@ class StepProfiler:
         folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
         summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=_timeline_of(prof))
         os.makedirs(folder, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(folder, f"rank{self.rank}_trace.json"))
+        names = ("trace.json", "kernels.md", "kernels.json")
+        paths = [os.path.join(folder, f"rank{self.rank}_{name}") for name in names]
+        for path in paths:  # a resumed run profiling a step again
+            keep_previous(path)
+        prof.export_chrome_trace(paths[0])
         md = summary_markdown(summary, unit)
-        with open(os.path.join(folder, f"rank{self.rank}_kernels.md"), "w") as f:
+        with open(paths[1], "w") as f:
             f.write(md)
-        with open(os.path.join(folder, f"rank{self.rank}_kernels.json"), "w") as f:
+        with open(paths[2], "w") as f:
             json.dump(summary, f, indent=1)
         if self.rank == 0:
             logger.info(f"profile at step {prof.step_num} ({folder}):\n{md}")

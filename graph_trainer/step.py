@@ -19,6 +19,7 @@ and the checkpointer see) and ``step.stats`` (trace / compile times for the run 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -54,6 +55,7 @@ class TracedTrainStep:
         from graph_trainer.passes.pipeline import run_pipeline
         from graph_trainer.trace import ops_by_kind
 
+        logger.info("Tracing the training step (forward + loss + backward) into one FX graph ...")
         traced = self.tpar.trace(self.model, loss_fn, tokens, labels, self.param_dtype)
         n_nodes = len(traced.gm.graph.nodes)
         top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
@@ -135,10 +137,11 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
     tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
-    return TracedTrainStep(
-        model,
-        tpar,
-        pipeline,
-        None if pdtype == torch.float32 else pdtype,
-        dump_folder=cfg.job.dump_folder if cfg.compile.dump_graphs else None,
-    )
+    dump = None
+    if cfg.compile.dump_graphs and rank == 0:  # one rank writes the graphs; an older dump is kept
+        from graph_trainer.metrics import keep_previous
+
+        dump = cfg.job.dump_folder
+        if kept := keep_previous(os.path.join(dump, "graphs")):
+            logger.info(f"The earlier {os.path.join(dump, 'graphs')} is kept as {kept}")
+    return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump)

@@ -68,10 +68,13 @@ def train(cfg) -> dict:
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
 
     # Model: built whole on the device, then sharded / wrapped by the step builder.
+    t0 = time.perf_counter()
     tokenizer = build_tokenizer(cfg)
     model_args = build_model_args(cfg, tokenizer)
     dp_rank, dp_size = rank // parallel_dims.tp, world_size // parallel_dims.tp  # TP ranks share a batch
     dataloader = build_text_dataloader(dp_size, dp_rank, tokenizer, cfg)
+    logger.info(f"Tokenizer ({tokenizer.get_vocab_size():,} tokens) and data ({cfg.training.dataset}) "
+                f"ready in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
     model = build_model(model_args, device)
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
@@ -85,21 +88,19 @@ def train(cfg) -> dict:
     # Optimizer, schedule, metrics and checkpoints see what the step updates.
     optimizers = build_optimizers([step_fn.opt_module], cfg.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
-    metrics = MetricsLogger(
-        device,
-        flops_per_token,
-        non_dp_size=parallel_dims.tp,
-        dump_folder=cfg.job.dump_folder,
-        enable_tensorboard=cfg.metrics.enable_tensorboard,
-        tb_folder=cfg.metrics.save_tb_folder,
-        rank=rank,
-    )
-    layout = f"dp_shard{parallel_dims.dp_shard}_dp_replicate{parallel_dims.dp_replicate}_tp{parallel_dims.tp}"
+    layout = parallelize.layout_key(parallel_dims.dp_replicate, parallel_dims.dp_shard, parallel_dims.tp)
     meta = {"flavor": cfg.model.flavor, "mode": mode, "layout": layout}
-    checkpointer = Checkpointer(
-        cfg, dataloader, step_fn.opt_module, optimizers, lr_schedulers, device, rank, meta
-    )
+    checkpointer = Checkpointer(cfg, dataloader, step_fn.opt_module, optimizers, lr_schedulers, device, rank, meta)
     start_step = checkpointer.load_latest(cfg.checkpoint.load_step)
+    if start_step >= cfg.training.steps:  # a finished run's command again: nothing to train, nothing written
+        checkpointer.close()
+        logger.info(f"The run is already complete at step {start_step} (--training.steps {cfg.training.steps}); its "
+                    f"checkpoint is {checkpointer.folder}/step-{start_step}. Raise --training.steps to train further.")
+        return {"resumed_from_step": start_step, "already_complete": True}
+    metrics = MetricsLogger(device, flops_per_token, non_dp_size=parallel_dims.tp, dump_folder=cfg.job.dump_folder,
+                            enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
+                            rank=rank, resume_step=start_step)
+    logger.info("Outputs: " + "; ".join(metrics.outputs(cfg, checkpointer.folder if checkpointer.enabled else None)))
     extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism}
     if start_step:
         extra["resumed_from_step"] = start_step

@@ -50,11 +50,12 @@ def test_metrics_jsonl_fields(tmp_path):
     )
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        for key in ("step", "loss", "grad_norm", "tps", "tflops", "mfu", "memory_gib", "step_time_s"):
+        for key in ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "step_time_s"):
             assert key in r
         assert r["mfu"] is None  # CPU: n/a, never a made-up number
-        assert r["tps"] > 0 and r["memory_gib"] > 0
+        assert r["tps"] > 0 and r["memory_gib"] > 0 and r["lr"] >= 0
     assert summary["steady_steps"] == [2, 3]
+    assert any(r["lr"] > 0 for r in rows)
 
 
 def _run_sh(env_extra, *args):
