@@ -321,10 +321,7 @@ def _config_manager_cls():
 
         @staticmethod
         def _merge_configs(base, custom):
-            import dataclasses
-
-            merged = ConfigManager._merge_configs(base, custom)
-            return _with_docs(merged, custom, dataclasses)
+            return _with_docs(ConfigManager._merge_configs(base, custom), custom)
 
         def _maybe_load_toml(self, args):
             path = _config_path(args)
@@ -347,16 +344,18 @@ def _config_manager_cls():
     return _Manager
 
 
-def _with_docs(merged, custom, dataclasses):
+def _with_docs(merged, custom):
     """``merged`` (torchtitan's merge of a section with ``custom``) re-made with ``custom``
     among its bases, recursively: tyro looks field docstrings up along the MRO."""
+    import dataclasses
+
     if custom in merged.__mro__:  # merged twice (the TOML names this module too)
         return merged
     hints = {f.name: f.type for f in dataclasses.fields(merged)}
     for f in dataclasses.fields(custom):
         sub = hints.get(f.name)
         if dataclasses.is_dataclass(sub) and sub is not f.type and dataclasses.is_dataclass(f.type):
-            hints[f.name] = _with_docs(sub, f.type, dataclasses)
+            hints[f.name] = _with_docs(sub, f.type)
     fields = [(f.name, hints[f.name], dataclasses.field(default_factory=hints[f.name])
                if dataclasses.is_dataclass(hints[f.name]) and hints[f.name] is not f.type else f)
               for f in dataclasses.fields(merged)]

@@ -290,11 +290,8 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
         try:
             json.loads(config.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-            raise UserError(
-                f"{config}{line}: not valid JSON ({_reason(e)}) ({flag}). Fix the file, or delete it "
-                f"to let torchtitan infer the special tokens."
-            ) from None
+            raise _json_error(config, e, f" ({flag}). Fix the file, or delete it to let torchtitan infer "
+                                         f"the special tokens.") from None
     return path
 
 
@@ -366,6 +363,13 @@ _JSONL_FIX = ("fix or delete that line (--training.dataset_path wants one JSON o
               "'text' string per line)")
 
 
+def _json_error(path, e: Exception, advice: str) -> UserError:
+    """``UserError("<path>[:<line>]: not valid JSON (<reason>)<advice>")`` for a decoding error
+    of a whole JSON file (the line only for ``JSONDecodeError``)."""
+    line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
+    return UserError(f"{path}{line}: not valid JSON ({_reason(e)}){advice}")
+
+
 def _reason(e: Exception) -> str:
     """A short reason for a JSON decoding error, without the position already reported."""
     if isinstance(e, json.JSONDecodeError):
@@ -410,11 +414,8 @@ def _check_json_array(file: str, max_records: int | None) -> int:
         with _open_data(file) as f:
             records = json.loads(f.read().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise UserError(
-            f"{file}{line}: not valid JSON ({_reason(e)}); fix the file (--training.dataset_path wants "
-            f"a JSON array of objects with a 'text' string, or one such object per line)."
-        ) from None
+        raise _json_error(file, e, "; fix the file (--training.dataset_path wants a JSON array of objects "
+                                   "with a 'text' string, or one such object per line).") from None
     except (OSError, EOFError) as e:
         raise UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).") from None
     if not isinstance(records, list):

@@ -238,6 +238,10 @@ def build_pipeline(
     return [PipelineStep(n, PASSES[n], dict(options.get(n, {}))) for n in names]
 
 
+def _default_step(name: str) -> PipelineStep:
+    return PipelineStep(name, PASSES[name])
+
+
 def _configs(value: Any) -> dict[str, Any] | None:
     if isinstance(value, str):
         return json.loads(value) if value.strip() else None
@@ -292,8 +296,7 @@ def run_pipeline(
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
     """
-    steps = [s if isinstance(s, PipelineStep) else PipelineStep(canonical_pass_name(s), PASSES[canonical_pass_name(s)])
-             for s in pipeline]
+    steps = [s if isinstance(s, PipelineStep) else _default_step(canonical_pass_name(s)) for s in pipeline]
     graphs_dir = None
     records: list[dict[str, Any]] = []
     if dump_folder is not None:
