@@ -72,14 +72,19 @@ class FullInductor:
     so nothing overlaps."""
 
 
+SacSave = Literal["auto", "recompute", "matmuls", "all"]
+
+
 @dataclass
 class SAC:
     """``[compile.sac]`` — options of ``sac_recompute`` (op-level selective AC)."""
 
-    save_matmuls: bool = False
-    """Keep every matmul output of a block instead of recomputing the ones torchtitan's
-    policy leaves to recompute (wk, wo, w3); only the cheap non-matmul ops are recomputed.
-    More memory, no matmul recompute. Numerics unchanged."""
+    save: SacSave = "auto"
+    """What op-level selective AC keeps from the forward for the backward. recompute:
+    torchtitan's policy (every other matmul and the cheap ops are recomputed); matmuls:
+    every matmul output is kept, only the cheap ops are recomputed; all: nothing is
+    recomputed; auto: the memory policy picks within --compile.memory_budget_gib
+    (graph_trainer/passes/memory_policy.py). Numerics unchanged in every case."""
 
 
 @dataclass
@@ -87,15 +92,16 @@ class FSDP:
     """``[compile.fsdp]`` — options of the traced FSDP collectives
     (``reshard_after_forward``, ``bucket_collectives``)."""
 
-    bucket_blocks: int = 0
-    """> 0: add the bucket_collectives pass after overlap_collectives, merging the FSDP
-    all-gathers / reduce-scatters of up to N consecutive transformer blocks into one
-    collective each. 0: one collective per parameter. Numerics unchanged."""
+    bucket_blocks: int = -1
+    """> 0: the bucket_collectives pass merges the FSDP all-gathers / reduce-scatters of up
+    to N consecutive transformer blocks into one collective each. 0: one collective per
+    parameter. -1: the memory policy picks (2 when it fits). Numerics unchanged."""
 
-    keep_last_blocks: int = 0
+    keep_last_blocks: int = -1
     """The last K transformer blocks (in forward order) keep their all-gathered parameters
     from the forward for the backward instead of gathering them again (more memory, fewer
-    all-gathers). 0: every block is resharded after the forward."""
+    all-gathers). 0: every block is resharded after the forward. -1: the memory policy
+    picks as many as fit. Numerics unchanged."""
 
 
 @dataclass
@@ -116,6 +122,12 @@ class Compile:
 
     numerics_changing_optim: bool = False
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""
+
+    memory_budget_gib: float = 0.0
+    """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy
+    plans for when it picks the [compile.sac] / [compile.fsdp] levers left on auto.
+    0: the device's total memory less 10 % (16 GiB without CUDA; the dry run plans for
+    80 GB and 141 GB devices). The choice and its predicted peak are logged."""
 
     passes: str = ""
     """Comma-separated pass names added to the default order (e.g. annotate_pointwise,
@@ -175,6 +187,9 @@ RENAMED_COMPILE_KEYS = {
     "pin_collectives": "full_inductor.pin_collectives",
     "sac_save_matmuls": "sac.save_matmuls",
 }
+#: Boolean flags that became a choice: dotted key -> (new dotted key, value when set,
+#: value when negated). Accepted with a deprecation line on the CLI and in TOML.
+BOOL_TO_CHOICE_KEYS = {"sac.save_matmuls": ("sac.save", "matmuls", "recompute")}
 #: Flags of ``[compile]`` that were removed: old key -> what to use instead.
 REMOVED_COMPILE_KEYS = {
     "pointwise_regions": "--compile.passes annotate_pointwise",
@@ -238,7 +253,17 @@ def rewrite_aliases(argv: list[str]) -> list[str]:
             if key.startswith(old):
                 key = new + key[len(old):]
                 break
-        out.append(_rewrite_compile_flag(key) + eq + val)
+        key = _rewrite_compile_flag(key)
+        name = key[len("--compile."):] if key.startswith("--compile.") else ""
+        group, _, leaf = name.rpartition(".")
+        neg = leaf.startswith(("no-", "no_"))
+        dotted = f"{group}.{leaf[3:] if neg else leaf}"
+        if dotted in BOOL_TO_CHOICE_KEYS and not eq:
+            new, on, off = BOOL_TO_CHOICE_KEYS[dotted]
+            _deprecated(key, f"--compile.{new} {off if neg else on}")
+            out += [f"--compile.{new}", off if neg else on]
+            continue
+        out.append(key + eq + val)
     return out
 
 
@@ -259,6 +284,13 @@ def _upgrade_toml_compile(values: dict, path: str) -> None:
             group, _, leaf = RENAMED_COMPILE_KEYS[old].rpartition(".")
             _deprecated(f"{path}: [compile] {old}", f"[compile.{group}] {leaf}")
             comp.setdefault(group, {})[leaf] = comp.pop(old)
+    for dotted, (new, on, off) in BOOL_TO_CHOICE_KEYS.items():
+        group, _, leaf = dotted.rpartition(".")
+        table = comp.get(group)
+        if isinstance(table, dict) and leaf in table:
+            value = on if table.pop(leaf) else off
+            _deprecated(f"{path}: [compile.{group}] {leaf}", f"[compile.{group}] {new.rpartition('.')[2]} = \"{value}\"")
+            table[new.rpartition(".")[2]] = value
     for group, leaf in (("rmsnorm", "inductor_configs"), ("full_inductor", "configs")):
         table = comp.get(group)
         if isinstance(table, dict) and isinstance(table.get(leaf), dict):
@@ -511,13 +543,15 @@ def validate(cfg) -> list[str]:
     if cfg.training.steps < 1:
         raise UserError(f"--training.steps must be >= 1, got {cfg.training.steps}.")
     n_layers = llama3_args[cfg.model.flavor].n_layers
-    if comp.fsdp.bucket_blocks < 0:
-        raise UserError(f"--compile.fsdp.bucket_blocks must be >= 0, got {comp.fsdp.bucket_blocks}.")
-    if not 0 <= comp.fsdp.keep_last_blocks <= n_layers:
+    if comp.fsdp.bucket_blocks < -1:
+        raise UserError(f"--compile.fsdp.bucket_blocks must be >= 0 (or -1: auto), got {comp.fsdp.bucket_blocks}.")
+    if not -1 <= comp.fsdp.keep_last_blocks <= n_layers:
         raise UserError(
-            f"--compile.fsdp.keep_last_blocks must be in [0, {n_layers}] (flavor '{cfg.model.flavor}' "
-            f"has {n_layers} blocks), got {comp.fsdp.keep_last_blocks}."
+            f"--compile.fsdp.keep_last_blocks must be in [0, {n_layers}] or -1 (auto) (flavor "
+            f"'{cfg.model.flavor}' has {n_layers} blocks), got {comp.fsdp.keep_last_blocks}."
         )
+    if comp.memory_budget_gib < 0:
+        raise UserError(f"--compile.memory_budget_gib must be >= 0 (0: the device's memory), got {comp.memory_budget_gib}.")
     full = comp.mode == "aot_fx_trace" and comp.inductor_compilation == "full"
     if comp.full_inductor.configs and not full:
         raise UserError(

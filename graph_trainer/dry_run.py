@@ -5,7 +5,9 @@ on the meta device (the 8B costs no memory), applies TP and traceable FSDP exact
 training does (:func:`graph_trainer.parallelize.distribute_for_trace`),
 traces forward + loss + backward with make_fx, and prints a graph summary:
 node count, collectives by kind with bytes per rank, parameter / gradient /
-optimizer-state bytes per rank, and the estimated peak of the step's intermediate
+optimizer-state bytes per rank, the memory policy's choice for ``--compile.memory_budget_gib``
+(or for an 80 GB and a 141 GB device when it is 0) with its predicted peak
+(:mod:`graph_trainer.passes.memory_policy`), and the estimated peak of the step's intermediate
 tensors (:mod:`graph_trainer.passes.memory_estimate`) as traced and after the
 pipeline's graph-level passes (the compiling passes are skipped: they need real tensors). Nothing is executed and no GPU is needed.
 """
@@ -96,7 +98,8 @@ def dry_run(cfg) -> dict:
     from graph_trainer import parallelize
     from graph_trainer.model import block_layout, build_model, build_model_args, build_tokenizer, flavors, loss_fn
     from graph_trainer.passes.memory_estimate import estimate_peak_memory
-    from graph_trainer.passes.pipeline import COMPILING, build_pipeline, run_pipeline
+    from graph_trainer.passes.memory_policy import DRY_RUN_DEVICES_GIB, HEADROOM, GiB
+    from graph_trainer.passes.pipeline import COMPILING, plan_pipeline, run_pipeline
 
     world = int(os.environ.get("NGPU", "8"))
     if not dist.is_initialized():
@@ -111,8 +114,7 @@ def dry_run(cfg) -> dict:
     args = build_model_args(cfg, build_tokenizer(cfg))
     model = build_model(args, "meta")
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
-    # the graph-level passes of the configured pipeline (compiling passes need real tensors)
-    pipeline = [s for s in build_pipeline(cfg.compile, block_layout(model)) if s.name not in COMPILING]
+    layout = block_layout(model)
     with fused_attention_on_meta():  # (SAC's save list is bound when distribute_for_trace applies AC)
         tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
         pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
@@ -124,6 +126,20 @@ def dry_run(cfg) -> dict:
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)
     peak_before, _ = estimate_peak_memory(gm)
+    # the memory policy for the configured budget, or for each device size of DRY_RUN_DEVICES_GIB
+    budgets = (
+        [(cfg.compile.memory_budget_gib * GiB, "--compile.memory_budget_gib")] if cfg.compile.memory_budget_gib > 0
+        else [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB]
+    )
+    policies = []
+    for budget, source in budgets:
+        logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
+        pipeline, policy = plan_pipeline(cfg.compile, layout, gm, budget_bytes=int(budget), state_bytes=3 * shard_bytes,
+                                         has_fsdp=tpar.sharded)
+        policies.append({"budget_gib": round(budget / GiB, 2), "levers": policy.levers.flags(),
+                         "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2)})
+    # the graph-level passes of the last plan (compiling passes need real tensors)
+    pipeline = [s for s in pipeline if s.name not in COMPILING]
     gm = run_pipeline(gm, traced.example_inputs, pipeline)
     names = [s.name for s in pipeline]
     peak_after, peak_node = estimate_peak_memory(gm)
@@ -144,6 +160,7 @@ def dry_run(cfg) -> dict:
         "graph_passes": names,
         "peak_graph_bytes_traced": peak_before,
         "peak_graph_bytes": peak_after,
+        "memory_policies": policies,
     }
     gib = 2**30
     lines = [
@@ -162,6 +179,9 @@ def dry_run(cfg) -> dict:
         f"{peak_before / gib:.2f} GiB as traced, {peak_after / gib:.2f} GiB after "
         f"[{', '.join(names)}] (peak at {peak_node})"
     )
+    for p in policies:
+        lines.append(f"  memory policy for {p['budget_gib']:.1f} GiB per rank: {p['levers']} "
+                     f"(predicted peak {p['predicted_peak_gib']:.1f} GiB)")
     for line in lines:
         logger.info(line)
     return summary

@@ -35,13 +35,16 @@ class TracedTrainStep:
     Args:
         model: the model prepared by :func:`graph_trainer.parallelize.distribute_for_trace`.
         tpar: its :class:`graph_trainer.parallelize.TraceParallel` (placeholders, FSDP / TP).
-        pipeline: :class:`graph_trainer.passes.pipeline.PipelineStep` s to run on the graph.
+        pipeline: :class:`graph_trainer.passes.pipeline.PipelineStep` s to run on the graph,
+            or a function of the traced graph returning them
+            (:func:`graph_trainer.passes.pipeline.plan_pipeline`'s result).
         param_dtype: compute dtype of the parameters inside the graph (``None``: their own).
         dump_folder: with ``--compile.dump_graphs``, where ``graphs/`` is written.
     """
 
     def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None):
-        self.model, self.tpar, self.pipeline = model, tpar, list(pipeline)
+        self.model, self.tpar = model, tpar
+        self.pipeline = pipeline if callable(pipeline) else list(pipeline)
         self.param_dtype, self.dump_folder = param_dtype, dump_folder
         self.params = tpar.params
         self.opt_module = tpar.opt_module
@@ -64,6 +67,14 @@ class TracedTrainStep:
             f"({len(traced.param_names)} params -> {len(traced.param_names)} grads); top ops: {top}"
         )
         t0 = time.perf_counter()
+        if callable(self.pipeline):
+            self.pipeline, policy = self.pipeline(traced.gm)
+            gib = 2**30
+            self.stats.update(
+                memory_policy=policy.levers.flags(), memory_budget_gib=round(policy.budget_bytes / gib, 2),
+                predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
+                graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2), state_gib=round(policy.state_bytes / gib, 2),
+            )
         traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder)
         compile_s = time.perf_counter() - t0
         logger.info(f"Pass pipeline [{', '.join(s.name for s in self.pipeline)}] took {compile_s:.2f}s")
@@ -129,13 +140,25 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         cfg.compile.components = ["model"]
         return EagerTrainStep(parallelize.parallelize_eager(model, parallel_dims, cfg, device))
 
-    from graph_trainer.model import block_layout
-    from graph_trainer.passes.pipeline import ANNOTATE_RMSNORM, build_pipeline
+    import functools
 
-    pipeline = build_pipeline(cfg.compile, block_layout(model), deterministic=cfg.debug.deterministic)
-    if cfg.debug.deterministic and cfg.compile.rmsnorm.tune and any(s.name == ANNOTATE_RMSNORM for s in pipeline):
+    from graph_trainer.model import block_layout
+    from graph_trainer.passes.memory_policy import GiB, default_budget_bytes, state_bytes
+    from graph_trainer.passes.pipeline import ANNOTATE_RMSNORM, plan_pipeline, resolve_pass_names
+
+    if cfg.debug.deterministic and cfg.compile.rmsnorm.tune and ANNOTATE_RMSNORM in resolve_pass_names(cfg.compile):
         logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
+    layout = block_layout(model)
     tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
+    if cfg.compile.memory_budget_gib > 0:
+        budget, source = int(cfg.compile.memory_budget_gib * GiB), "--compile.memory_budget_gib"
+    else:
+        budget, source = default_budget_bytes(device)
+    logger.info(f"Memory budget {budget / GiB:.1f} GiB per rank ({source})")
+    pipeline = functools.partial(
+        plan_pipeline, cfg.compile, layout, budget_bytes=budget, state_bytes=state_bytes(tpar.params),
+        has_fsdp=tpar.sharded, deterministic=cfg.debug.deterministic,
+    )
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None
     if cfg.compile.dump_graphs and rank == 0:  # one rank writes the graphs; an older dump is kept

@@ -145,6 +145,8 @@ def train(cfg) -> dict:
         profiler.stop()
     checkpointer.close()
     extra.update(step_fn.stats)
+    if device.type == "cuda":  # next to the reserved peak of every row: the allocated one
+        extra["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if cfg.debug.state_hashes:
         from graph_trainer.determinism import optimizer_tensors, state_hashes
 

@@ -11,6 +11,7 @@ import pytest
 
 from graph_trainer.config import (
     REMOVED_COMPILE_KEYS,
+    BOOL_TO_CHOICE_KEYS,
     RENAMED_COMPILE_KEYS,
     Compile,
     parse_args,
@@ -39,8 +40,10 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
         (["--compile.numerics_changing_optim", "--compile.inductor_compilation", "none",
           "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor"),
         (["--compile.passes", "full_inductor"], "mutually exclusive"),
-        (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6]"),
-        (["--compile.fsdp.bucket_blocks", "-1"], "must be >= 0"),
+        (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
+        (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
+        (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
+        (["--compile.sac.save", "some"], "recompute, matmuls, all"),
     ],
 )
 def test_bad_config_is_rejected(flags, needle):
@@ -100,7 +103,7 @@ def test_validate_returns_the_pass_list():
     assert validate(parse_args(["--job.config_file", DEBUG, "--compile.mode", "eager"])) == []
 
 
-@pytest.mark.parametrize("old", sorted(RENAMED_COMPILE_KEYS))
+@pytest.mark.parametrize("old", sorted(k for k, v in RENAMED_COMPILE_KEYS.items() if v not in BOOL_TO_CHOICE_KEYS))
 def test_renamed_flags_still_work_with_a_deprecation_line(old, capsys):
     group, _, leaf = RENAMED_COMPILE_KEYS[old].rpartition(".")
     field = next(f for f in dataclasses.fields(Compile) if f.name == group)
@@ -133,9 +136,19 @@ def test_old_toml_keys_move_into_their_groups(tmp_path, capsys):
     toml.write_text(open(DEBUG).read().replace(
         "[compile]", '[compile]\nsac_save_matmuls = true\nrmsnorm_inductor_configs = { "split_reductions" = false }'))
     cfg = parse_args(["--job.config_file", str(toml)])
-    assert cfg.compile.sac.save_matmuls is True
+    assert cfg.compile.sac.save == "matmuls"
     assert cfg.compile.rmsnorm.inductor_configs == {"split_reductions": False}
-    assert "[compile.sac] save_matmuls" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[compile.sac] save_matmuls" in err and '[compile.sac] save = "matmuls"' in err
+
+
+@pytest.mark.parametrize("flag, save", [("--compile.sac.save_matmuls", "matmuls"),
+                                        ("--compile.sac.no-save_matmuls", "recompute"),
+                                        ("--compile.sac_save_matmuls", "matmuls")])
+def test_save_matmuls_flag_becomes_a_save_level(flag, save, capsys):
+    cfg = parse_args(["--job.config_file", DEBUG, flag])
+    assert cfg.compile.sac.save == save
+    assert f"use --compile.sac.save {save}" in capsys.readouterr().err
 
 
 # ---- every command line shown to users ----------------------------------------------

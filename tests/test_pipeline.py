@@ -10,6 +10,7 @@ from passes.conftest import fused_norm_graph, inductor_tag, tagged_nodes  # test
 
 from graph_trainer.config import Compile
 from graph_trainer.model import BlockLayout, block_layout_of_args, model_args
+from graph_trainer.passes.memory_policy import Levers
 from graph_trainer.passes.pipeline import (
     COMPILING,
     DEFAULT_ORDER,
@@ -37,7 +38,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     collectives (Llama3: the embedding, then 9 per block)."""
     layout = block_layout_of_args(model_args("8B"))
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
-    cfg = _compile(inductor_compilation="full", sac={"save_matmuls": True},
+    cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
                    fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})
     steps = {s.name: s.options for s in build_pipeline(cfg, layout)}
     assert steps["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
@@ -45,10 +46,14 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
-    # defaults: every block resharded, no buckets, torchtitan's SAC policy
+    # levers on auto without the policy's choice: the leanest (every block resharded, no
+    # buckets, torchtitan's SAC policy); with it: the choice
     default = {s.name: s.options for s in build_pipeline(Compile(), layout)}
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default
+    chosen = {s.name: s.options for s in build_pipeline(Compile(), layout, levers=Levers("all", 32, 2))}
+    assert chosen["sac_recompute"] == {"save_all": True} and chosen["bucket_collectives"] == {"bucket_size": 18}
+    assert chosen["reshard_after_forward"] == {"first_params": 1}
     with pytest.raises(ValueError, match="block layout"):
         build_pipeline(cfg)
 
@@ -71,7 +76,7 @@ def test_passes_adds_and_disable_removes():
     names = resolve_pass_names(_compile(numerics_changing_optim=True, passes="pointwise, dce",
                                         disable_passes="remove_noop_views"))
     assert names == ["remove_dead_code", "sac_recompute", "reshard_after_forward", "overlap_collectives",
-                     "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor",
+                     "bucket_collectives", "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor",
                      "regional_inductor"]
     assert NUMERICS_CHANGING <= set(PASSES) and COMPILING <= set(PASSES)
 
@@ -103,6 +108,7 @@ def test_resolve_defaults():
         "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
+        "bucket_collectives",  # bucket_blocks auto: the memory policy may pick 0 (then it is dropped)
     ]
     assert resolve_pass_names(_compile(inductor_compilation="regional")) == [
         "remove_dead_code",
@@ -110,15 +116,17 @@ def test_resolve_defaults():
         "sac_recompute",
         "reshard_after_forward",
         "overlap_collectives",
+        "bucket_collectives",
         "regional_inductor",
     ]
     assert resolve_pass_names(
         _compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True
-    ) == DEFAULT_ORDER[:5] + DEFAULT_ORDER[6:8] + ["regional_inductor", "cudagraph"]
-    # bucketing only when asked for, right after overlap_collectives
+    ) == DEFAULT_ORDER[:8] + ["regional_inductor", "cudagraph"]
+    # bucketing unless set to 0, right after overlap_collectives
     assert resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 1}))[-3:] == [
         "overlap_collectives", "bucket_collectives", "full_inductor"]
-    assert "bucket_collectives" not in resolve_pass_names(_compile(inductor_compilation="full"))
+    assert "bucket_collectives" not in resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 0}))
+    assert "bucket_collectives" in resolve_pass_names(_compile(inductor_compilation="full"))  # auto
     assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="annotate_pointwise"))[-3:] == [
         "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
     # full inductor compiles every norm anyway: no annotation pass
@@ -136,7 +144,7 @@ def test_resolve_aliases_and_disable():
         disable_passes="remove_noop_views,annotate_rmsnorm_for_regional_inductor,overlap_collectives,"
                        "reshard_after_forward",
     ))
-    assert names == ["remove_dead_code", "sac_recompute", "regional_inductor"]
+    assert names == ["remove_dead_code", "sac_recompute", "bucket_collectives", "regional_inductor"]
 
 
 def test_resolve_errors():

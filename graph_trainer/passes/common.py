@@ -283,6 +283,15 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
 # --------------------------------------------------------------------------- graph analysis
 
 
+def has_recompute_tags(graph: torch.fx.Graph) -> bool:
+    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (op-level SAC
+    traced, ``sac_recompute`` not run yet)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+    return any(n.meta.get("recompute") in recompute for n in graph.nodes)
+
+
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:
     """Delete ``meta["recompute"]`` / ``meta["ac_graph_id"]`` (selective activation
     checkpointing's tags) from every node; returns how many nodes had a tag.

@@ -3,10 +3,10 @@
 Order (:data:`DEFAULT_ORDER`, the only place it is defined; ``[compile]`` flags in brackets)::
 
     remove_dead_code -> remove_noop_views
-      -> sac_recompute                                   (memory policy; op-level selective AC only)
-      -> reshard_after_forward                           (memory policy; FSDP only)
+      -> sac_recompute                                   [sac.save]; op-level selective AC only
+      -> reshard_after_forward                           [fsdp.keep_last_blocks]; FSDP only
       -> overlap_collectives                             (no-op without collectives)
-      -> bucket_collectives                              [fsdp.bucket_blocks > 0]
+      -> bucket_collectives                              [fsdp.bucket_blocks != 0]
       -> annotate_flex_attention_for_regional_inductor   (if FlexAttention is used)
       -> annotate_rmsnorm_for_regional_inductor          [numerics_changing_optim]
       -> annotate_pointwise_for_regional_inductor        [passes = annotate_pointwise]
@@ -14,13 +14,16 @@ Order (:data:`DEFAULT_ORDER`, the only place it is defined; ``[compile]`` flags 
       -> cudagraph                                       [passes = cudagraph]
 
 :func:`build_pipeline` is the only place where a ``[compile]`` field becomes a pass
-argument; :func:`run_pipeline` runs the result in a plain loop. Every pass has the
+argument; :func:`plan_pipeline` first lets the memory policy
+(:mod:`graph_trainer.passes.memory_policy`) pick the levers left on ``auto`` from the traced
+graph; :func:`run_pipeline` runs the result in a plain loop. Every pass has the
 signature ``(gm, example_inputs, **options) -> gm`` and reports a short summary via
 ``gm.meta`` (:func:`graph_trainer.passes.common.set_pass_summary`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -30,14 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from graph_trainer.passes.common import num_nodes, op_counts, pop_pass_summary
+from graph_trainer.passes.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
 from graph_trainer.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
+from graph_trainer.passes.memory_policy import Levers, MemoryPolicy
 from graph_trainer.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.passes.regional_inductor import regional_inductor_pass
 from graph_trainer.passes.reshard_after_forward import reshard_after_forward_pass
@@ -125,7 +130,7 @@ def resolve_pass_names(compile_cfg: Any, *, uses_flex_attention: bool = False) -
 
     The default list: the cleanup passes, ``sac_recompute`` (a no-op without op-level
     selective AC), ``reshard_after_forward`` and ``overlap_collectives`` (no-ops for graphs
-    without FSDP / collectives), ``bucket_collectives`` (``fsdp.bucket_blocks > 0``), the
+    without FSDP / collectives), ``bucket_collectives`` (``fsdp.bucket_blocks`` not 0), the
     FlexAttention annotation (``uses_flex_attention``), the RMSNorm annotation
     (``numerics_changing_optim`` with ``inductor_compilation = "regional"``; with ``"full"``
     Inductor compiles every norm anyway) and the compile pass of ``inductor_compilation``.
@@ -143,7 +148,7 @@ def resolve_pass_names(compile_cfg: Any, *, uses_flex_attention: bool = False) -
             f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; got {inductor!r}"
         )
     names = [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS, SAC_RECOMPUTE, RESHARD_AFTER_FORWARD, OVERLAP_COLLECTIVES]
-    if compile_cfg.fsdp.bucket_blocks > 0:
+    if compile_cfg.fsdp.bucket_blocks != 0:
         names.append(BUCKET_COLLECTIVES)
     if uses_flex_attention:
         names.append(ANNOTATE_FLEX_ATTENTION)
@@ -188,10 +193,49 @@ class PipelineStep:
         return self.fn(gm, example_inputs, **self.options)
 
 
+def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
+    """``(levers, fields the config sets)``: ``[compile.sac] save`` and ``[compile.fsdp]``
+    ``keep_last_blocks`` / ``bucket_blocks`` where set; the others from ``levers`` (the
+    memory policy's choice), else the leanest (``recompute``, 0, 0)."""
+    fsdp = compile_cfg.fsdp
+    given = {
+        "save": compile_cfg.sac.save if compile_cfg.sac.save != "auto" else None,
+        "keep_last_blocks": fsdp.keep_last_blocks if fsdp.keep_last_blocks >= 0 else None,
+        "bucket_blocks": fsdp.bucket_blocks if fsdp.bucket_blocks >= 0 else None,
+    }
+    base = levers or Levers()
+    merged = Levers(**{k: getattr(base, k) if v is None else v for k, v in given.items()})
+    return merged, {k for k, v in given.items() if v is not None}
+
+
+def lever_options(levers: Levers, layout: Any) -> dict[str, dict[str, Any]]:
+    """Options of ``sac_recompute``, ``reshard_after_forward`` and ``bucket_collectives``
+    for ``levers`` (blocks are converted to parameter / collective counts with ``layout``,
+    the model's ``graph_trainer.model.BlockLayout``).
+
+    Raises:
+        ValueError: kept blocks or buckets without ``layout``.
+    """
+    if layout is None and (levers.bucket_blocks > 0 or levers.keep_last_blocks > 0):
+        raise ValueError("--compile.fsdp.bucket_blocks / keep_last_blocks need the model's block layout")
+    options: dict[str, dict[str, Any]] = {}
+    if levers.save == "matmuls":
+        options[SAC_RECOMPUTE] = {"save_ops": [torch.ops.aten.mm.default]}
+    elif levers.save == "all":
+        options[SAC_RECOMPUTE] = {"save_all": True}
+    if levers.keep_last_blocks > 0:
+        first = layout.params_of_first_blocks(layout.n_blocks - levers.keep_last_blocks)
+        options[RESHARD_AFTER_FORWARD] = {"first_params": first}
+    if levers.bucket_blocks > 0:
+        options[BUCKET_COLLECTIVES] = {"bucket_size": levers.bucket_blocks * layout.params_per_block}
+    return options
+
+
 def build_pipeline(
     compile_cfg: Any,
     layout: Any = None,
     *,
+    levers: Levers | None = None,
     deterministic: bool = False,
     uses_flex_attention: bool = False,
 ) -> list[PipelineStep]:
@@ -201,9 +245,10 @@ def build_pipeline(
     Args:
         compile_cfg: ``graph_trainer.config.Compile`` (Inductor config fields may be
             dicts, as after ``parse_args``, or JSON strings; empty means the default).
-        layout: the model's ``graph_trainer.model.BlockLayout``; needed when
-            ``fsdp.bucket_blocks`` or ``fsdp.keep_last_blocks`` is set (they count
-            blocks, the passes count parameters / collectives).
+        layout: the model's ``graph_trainer.model.BlockLayout``; needed when blocks are
+            kept or bucketed (the config counts blocks, the passes parameters / collectives).
+        levers: the memory policy's choice for the levers left on ``auto``
+            (:func:`configured_levers`); ``None``: the leanest.
         deterministic: ``--debug.deterministic``; turns off the timed RMSNorm config pick.
         uses_flex_attention: add the FlexAttention annotation.
 
@@ -212,9 +257,7 @@ def build_pipeline(
     """
     from graph_trainer.passes.annotate_rmsnorm import DEFAULT_RMSNORM_CANDIDATE_CONFIGS
 
-    fsdp = compile_cfg.fsdp
-    if layout is None and (fsdp.bucket_blocks > 0 or fsdp.keep_last_blocks > 0):
-        raise ValueError("--compile.fsdp.bucket_blocks / keep_last_blocks need the model's block layout")
+    chosen, _ = configured_levers(compile_cfg, levers)
     options: dict[str, dict[str, Any]] = {
         ANNOTATE_RMSNORM: {
             "inductor_configs": _configs(compile_cfg.rmsnorm.inductor_configs),
@@ -226,16 +269,86 @@ def build_pipeline(
             "inductor_configs": _configs(compile_cfg.full_inductor.configs),
             "pin_collectives": compile_cfg.full_inductor.pin_collectives,
         },
+        **lever_options(chosen, layout),
     }
-    if compile_cfg.sac.save_matmuls:
-        options[SAC_RECOMPUTE] = {"save_ops": [torch.ops.aten.mm.default]}
-    if fsdp.keep_last_blocks > 0:
-        first = layout.params_of_first_blocks(layout.n_blocks - fsdp.keep_last_blocks)
-        options[RESHARD_AFTER_FORWARD] = {"first_params": first}
-    if fsdp.bucket_blocks > 0:
-        options[BUCKET_COLLECTIVES] = {"bucket_size": fsdp.bucket_blocks * layout.params_per_block}
     names = resolve_pass_names(compile_cfg, uses_flex_attention=uses_flex_attention)
+    if chosen.bucket_blocks == 0:
+        names = [n for n in names if n != BUCKET_COLLECTIVES]
     return [PipelineStep(n, PASSES[n], dict(options.get(n, {}))) for n in names]
+
+
+def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
+    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm``
+    (the block's gathered weights: what keeping it, or one more block in a bucket, costs);
+    0 without FSDP all-gathers or ``layout``. The FSDP all-gathers come in graph order, one
+    per parameter in the model's order (:mod:`graph_trainer.fsdp`)."""
+    if layout is None or layout.n_blocks == 0:
+        return 0
+    sizes = [
+        sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor))
+        for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"
+    ]
+    blocks = sizes[layout.params_before: layout.params_of_first_blocks(layout.n_blocks)]
+    return sum(blocks) // layout.n_blocks if len(blocks) == layout.n_blocks * layout.params_per_block else 0
+
+
+def plan_pipeline(
+    compile_cfg: Any,
+    layout: Any,
+    gm: torch.fx.GraphModule,
+    *,
+    budget_bytes: int,
+    state_bytes: int,
+    has_fsdp: bool,
+    deterministic: bool = False,
+    uses_flex_attention: bool = False,
+) -> tuple[list[PipelineStep], MemoryPolicy]:
+    """:func:`build_pipeline` after the memory policy picked the levers the config leaves on
+    ``auto`` for the traced graph ``gm`` (:func:`graph_trainer.passes.memory_policy.choose_levers`).
+
+    Each estimate runs ``sac_recompute`` and ``reshard_after_forward`` with the candidate's
+    options on a copy of ``gm`` (the cleanup passes first, once) and takes
+    :func:`~graph_trainer.passes.memory_estimate.estimate_peak_memory`; ``gm`` is not changed.
+
+    Args:
+        budget_bytes: peak reserved bytes per rank to plan for.
+        state_bytes: :func:`graph_trainer.passes.memory_policy.state_bytes`.
+        has_fsdp: the step shards parameters with traced FSDP.
+
+    Returns:
+        ``(pipeline, policy)``; with every lever set by the config the policy only predicts
+        the peak of that setting.
+    """
+    from graph_trainer.passes.memory_estimate import estimate_peak_memory
+    from graph_trainer.passes.memory_policy import choose_levers
+
+    fixed, fixed_fields = configured_levers(compile_cfg)
+    disabled = {canonical_pass_name(n) for n in split_names(compile_cfg.disable_passes)}
+    has_sac = SAC_RECOMPUTE not in disabled and has_recompute_tags(gm.graph)
+    has_fsdp = has_fsdp and RESHARD_AFTER_FORWARD not in disabled
+    clean = None
+
+    def estimate(save: str) -> int:
+        nonlocal clean
+        if clean is None:
+            clean = run_pipeline(copy.deepcopy(gm), None, [REMOVE_DEAD_CODE, REMOVE_NOOP_VIEWS], quiet=True)
+        opts = lever_options(Levers(save, 0, 0), layout)
+        steps = [PipelineStep(n, PASSES[n], opts.get(n, {})) for n in (SAC_RECOMPUTE, RESHARD_AFTER_FORWARD)
+                 if n not in disabled]
+        return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True))[0]
+
+    t0 = time.perf_counter()
+    policy = choose_levers(
+        estimate, n_blocks=layout.n_blocks if layout is not None else 0, block_bytes=block_gather_bytes(gm, layout),
+        state=state_bytes, budget=budget_bytes, inductor=compile_cfg.inductor_compilation, fixed=fixed,
+        fixed_fields=fixed_fields, has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
+    )
+    logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
+    if not policy.fits:
+        logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); the step may run out of memory")
+    steps = build_pipeline(compile_cfg, layout, levers=policy.levers,
+                           deterministic=deterministic, uses_flex_attention=uses_flex_attention)
+    return steps, policy
 
 
 def _default_step(name: str) -> PipelineStep:
@@ -283,6 +396,7 @@ def run_pipeline(
     pipeline: Iterable[PipelineStep | str],
     *,
     dump_folder: str | None = None,
+    quiet: bool = False,
 ) -> torch.fx.GraphModule:
     """Run the passes of ``pipeline`` in order and return the final module.
 
@@ -291,7 +405,8 @@ def run_pipeline(
     wall time, node count before -> after and the pass's own summary. With
     ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py`` per
     pass (readable code of the graph after it) and ``summary.json`` (per pass: time, node
-    counts, summary, stats, op counts per target; rewritten after each pass).
+    counts, summary, stats, op counts per target; rewritten after each pass). ``quiet``: no
+    log lines (the memory policy's trial runs).
 
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
@@ -313,14 +428,15 @@ def run_pipeline(
         elapsed = time.perf_counter() - t0
         after = num_nodes(gm)
         summary, stats = pop_pass_summary(gm)
-        logger.info(
-            "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
-            step.name,
-            elapsed,
-            "n/a" if before is None else before,
-            "n/a" if after is None else after,
-            summary,
-        )
+        if not quiet:
+            logger.info(
+                "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
+                step.name,
+                elapsed,
+                "n/a" if before is None else before,
+                "n/a" if after is None else after,
+                summary,
+            )
         if graphs_dir is not None:
             _write(os.path.join(graphs_dir, f"{i:02d}_{step.name}.py"), _readable(gm))
             records.append(

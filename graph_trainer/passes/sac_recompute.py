@@ -134,11 +134,14 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]  # fmt: skip
 
 
-def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=()) -> torch.fx.GraphModule:
+def sac_recompute_pass(
+    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False
+) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
     ``save_ops``: OpOverloads kept as saved even where tagged for recompute (e.g.
-    ``aten.mm.default``: ``--compile.sac.save_matmuls``, no matmul recompute).
+    ``aten.mm.default``: ``--compile.sac.save matmuls``, no matmul recompute).
+    ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
 
     Stats: ``recomputed`` (copies made), ``recomputed_mm`` (of them ``aten.mm``),
     ``saved_bytes_before`` / ``saved_bytes_after`` (bytes of the distinct storages the
@@ -166,7 +169,7 @@ def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(
         copies[node] = new
         return new
 
-    for user in [n for n in graph.nodes if phase_of(n) == "backward"]:
+    for user in [n for n in graph.nodes if phase_of(n) == "backward" and not save_all]:
         tagged = [a for a in user.all_input_nodes if _is_recomputable(a, policies, save_ops)]
         if not tagged:
             continue
@@ -185,7 +188,8 @@ def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(
         gm,
         f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
         f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
-        if copies else "nothing tagged for recompute (no op-level selective AC)",
+        if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
+                        "nothing tagged for recompute (no op-level selective AC)"),
         recomputed=len(copies),
         tags_removed=n_tags,
         recomputed_mm=n_mm,

@@ -23,10 +23,10 @@ run() {  # name, timeout, flags...
     echo "== $name rc=$rc $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
 import json,sys
 for l in sys.stdin:
-    s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB loss %.4f trace %.0fs compile %.0fs" % (s["tps"], s["mfu"], s["max_memory_gib"], s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0))')" | tee -a "$OUT/summary.txt"
+    s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB (alloc %s, predicted %s) loss %.4f trace %.0fs compile %.0fs %s" % (s["tps"], s["mfu"], s["max_memory_gib"], s.get("max_memory_allocated_gib"), s.get("predicted_peak_gib"), s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0, s.get("memory_policy", "")))')" | tee -a "$OUT/summary.txt"
 }
-# default: the jit baseline and the fastest traced 8B setting with 12 / 16 blocks kept unsharded
-F="--compile.inductor_compilation full --compile.sac.save_matmuls --compile.fsdp.bucket_blocks 2"
-RUNS=${RUNS:-"jit:110:--compile.mode jit;b2_keep12:170:$F --compile.fsdp.keep_last_blocks 12;b2_keep16:170:$F --compile.fsdp.keep_last_blocks 16"}
+# default: the jit baseline, the plain command, the one-flag fastest setting, and the plain
+# command within jit's memory
+RUNS=${RUNS:-"jit:110:--compile.mode jit;default:120:;full:180:--compile.inductor_compilation full;budget90:110:--compile.memory_budget_gib 90"}
 IFS=';' read -ra items <<< "$RUNS"
 for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; run "$n" "$t" $f; done
