@@ -15,13 +15,14 @@ the options of three memory-policy passes that the config leaves on ``auto``:
 Every choice keeps the numerics (recompute and re-gather produce the same bits; buckets
 move the same bytes), so the policy never changes a loss.
 
-Rule (:func:`choose_levers`, a pure function of the estimates and the budget): start
-from the leanest setting (``recompute``, no kept block, buckets of
-:data:`BUCKET_BLOCKS` blocks) and spend the budget on the levers in the order of their
-measured gain per GiB (docs/perf.md, "Fast by default"): matmul outputs first, then
-kept blocks (as many as fit), then the rest of the activations once every block is kept.
-The first lever that does not fit ends the search. When even the leanest setting does
-not fit, the policy also drops the buckets and says that the budget is exceeded.
+Rule (:func:`choose_levers`, a pure function of the estimates and the budget): the
+settings form a ladder from the leanest (``recompute``, no kept block) to the fattest,
+in the order of the levers' measured gain per GiB (docs/perf.md, sections on SAC, kept
+blocks and buckets): matmul outputs first, then kept blocks one by one, then the rest of
+the activations once every block is kept; every rung has buckets of
+:data:`BUCKET_BLOCKS` blocks. The policy takes the highest rung whose predicted peak fits
+the budget. When even the leanest does not fit, it also drops the buckets and says that
+the budget is exceeded.
 
 Prediction (:func:`predict_peak`): peak reserved memory per rank =
 ``state + scale * graph peak + overhead``, where ``state`` is the fp32 parameter shards
@@ -35,14 +36,10 @@ of :data:`CALIBRATION`, fitted per Inductor mode against measured peaks (docs/pe
 
 from __future__ import annotations
 
-import copy
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-
-logger = logging.getLogger("graph_trainer")
 
 GiB = 2**30
 #: ``--compile.sac.save`` values the policy chooses from, leanest first.
