@@ -16,9 +16,11 @@ Order (:data:`DEFAULT_ORDER`, the only place it is defined; ``[compile]`` flags 
 :func:`build_pipeline` is the only place where a ``[compile]`` field becomes a pass
 argument; :func:`plan_pipeline` first lets the memory policy
 (:mod:`graph_trainer.passes.memory_policy`) pick the levers left on ``auto`` from the traced
-graph; :func:`run_pipeline` runs the result in a plain loop. Every pass has the
-signature ``(gm, example_inputs, **options) -> gm`` and reports a short summary via
-``gm.meta`` (:func:`graph_trainer.passes.common.set_pass_summary`).
+graph; :func:`run_pipeline` runs the result in a plain loop and records what each pass
+did (:mod:`graph_trainer.passes.pass_report`: the per-pass table, readable dumps with diffs,
+TORCH_TRACE artifacts for tlparse). Every pass has the signature
+``(gm, example_inputs, **options) -> gm`` and reports a short summary via ``gm.meta``
+(:func:`graph_trainer.passes.common.set_pass_summary`).
 """
 
 from __future__ import annotations
@@ -361,33 +363,9 @@ def _configs(value: Any) -> dict[str, Any] | None:
     return dict(value) if value else None
 
 
-def _readable(gm: Any) -> str:
-    if isinstance(gm, torch.fx.GraphModule):
-        try:
-            return gm.print_readable(print_output=False)
-        except Exception as e:  # compiled callables that do not print
-            try:
-                return f"# print_readable failed: {e!r}\n{gm.code}"
-            except Exception as e2:
-                return f"# print_readable failed: {e!r}; gm.code failed: {e2!r}\n# {gm!r}\n"
-    return f"# not an FX GraphModule: {type(gm).__qualname__}\n# {gm!r}\n"
-
-
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
-
-
-def _jsonable(obj: Any) -> Any:
-    try:
-        json.dumps(obj)
-        return obj
-    except TypeError:
-        if isinstance(obj, dict):
-            return {str(k): _jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [_jsonable(v) for v in obj]
-        return repr(obj)
 
 
 def run_pipeline(
@@ -397,59 +375,92 @@ def run_pipeline(
     *,
     dump_folder: str | None = None,
     quiet: bool = False,
+    records: list[dict[str, Any]] | None = None,
+    memory_estimates: bool | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes of ``pipeline`` in order and return the final module.
 
     ``pipeline``: :class:`PipelineStep` s (:func:`build_pipeline`) or pass names (run with
     their default options). Logs one line per pass on the ``graph_trainer`` logger: name,
-    wall time, node count before -> after and the pass's own summary. With
-    ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py`` per
-    pass (readable code of the graph after it) and ``summary.json`` (per pass: time, node
-    counts, summary, stats, op counts per target; rewritten after each pass). ``quiet``: no
-    log lines (the memory policy's trial runs).
+    wall time, node count before -> after and the pass's own summary.
+
+    Every pass gets a record (:func:`graph_trainer.passes.pass_report.pass_record`: time,
+    nodes by kind, ops added / removed, regions, static peak memory before / after), appended
+    to ``records`` when a list is given; ``format_pass_table(records)`` renders them.
+    ``memory_estimates``: take the static peak estimate of every graph state (one linear walk
+    each); default: not ``quiet``. Without it the memory fields are None.
+
+    With ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py``
+    per pass (readable code of the graph after it, with every node's full ``custom``
+    annotation), ``NN_<pass>.diff`` (unified diff against the previous graph; empty when the
+    pass changed nothing) and ``summary.json`` (the records plus op counts per target;
+    rewritten after each pass).
+
+    With ``TORCH_TRACE`` set (and not ``quiet``), emits structured-trace artifacts for
+    tlparse (:mod:`graph_trainer.passes.pass_report`): ``graph_before_passes``,
+    ``graph_after_<pass>`` and ``graph_diff_<pass>`` (text), ``pass_record_<pass>`` (json)
+    and, at the end, ``pass_table`` (text) and ``pass_records`` (json).
+
+    ``quiet``: no log lines, no trace artifacts (the memory policy's trial runs).
 
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
     """
+    from graph_trainer.passes import pass_report as report
+
     steps = [s if isinstance(s, PipelineStep) else _default_step(canonical_pass_name(s)) for s in pipeline]
-    graphs_dir = None
-    records: list[dict[str, Any]] = []
-    if dump_folder is not None:
-        graphs_dir = os.path.join(dump_folder, "graphs")
+    memory = not quiet if memory_estimates is None else memory_estimates
+    trace = not quiet and report.trace_enabled()
+    graphs_dir = os.path.join(dump_folder, "graphs") if dump_folder is not None else None
+    run_records: list[dict[str, Any]] = []
+    dumped: list[dict[str, Any]] = []
+    text = report.readable_graph(gm) if graphs_dir is not None or trace else None
+    if graphs_dir is not None:
         os.makedirs(graphs_dir, exist_ok=True)
-        _write(os.path.join(graphs_dir, "00_input.py"), _readable(gm))
-        records.append({"index": 0, "pass": "input", "nodes": num_nodes(gm), "ops": op_counts(gm)})
+        _write(os.path.join(graphs_dir, "00_input.py"), text)
+        dumped.append({"index": 0, "pass": "input", "nodes": num_nodes(gm), "ops": op_counts(gm)})
+    if trace:
+        report.trace_artifact("graph_before_passes", lambda: text)
 
     pop_pass_summary(gm)
+    before = report.snapshot(gm, memory=memory)
+    prev_name = "00_input"
     for i, step in enumerate(steps, start=1):
-        before = num_nodes(gm)
         t0 = time.perf_counter()
         gm = step(gm, example_inputs)
         elapsed = time.perf_counter() - t0
-        after = num_nodes(gm)
         summary, stats = pop_pass_summary(gm)
+        after = report.snapshot(gm, memory=memory)
+        record = report.pass_record(i, step.name, elapsed, before, after, summary, stats)
+        run_records.append(record)
+        if records is not None:
+            records.append(record)
+        before = after
         if not quiet:
             logger.info(
                 "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
                 step.name,
                 elapsed,
-                "n/a" if before is None else before,
-                "n/a" if after is None else after,
+                "n/a" if record["nodes_before"] is None else record["nodes_before"],
+                "n/a" if record["nodes_after"] is None else record["nodes_after"],
                 summary,
             )
+        if text is None:
+            continue
+        name = f"{i:02d}_{step.name}"
+        new_text = report.readable_graph(gm)
+        diff = report.graph_diff(text, new_text, f"{prev_name}.py", f"{name}.py")
+        text, prev_name = new_text, name
         if graphs_dir is not None:
-            _write(os.path.join(graphs_dir, f"{i:02d}_{step.name}.py"), _readable(gm))
-            records.append(
-                {
-                    "index": i,
-                    "pass": step.name,
-                    "time_s": round(elapsed, 4),
-                    "nodes_before": before,
-                    "nodes_after": after,
-                    "summary": summary,
-                    "stats": _jsonable(stats),
-                    "ops": op_counts(gm),
-                }
-            )
-            _write(os.path.join(graphs_dir, "summary.json"), json.dumps(records, indent=1))
+            _write(os.path.join(graphs_dir, f"{name}.py"), text)
+            _write(os.path.join(graphs_dir, f"{name}.diff"), diff)
+            dumped.append({**record, "ops": op_counts(gm)})
+            _write(os.path.join(graphs_dir, "summary.json"), json.dumps(dumped, indent=1))
+        if trace:
+            report.trace_artifact(f"graph_after_{step.name}", lambda: text)
+            report.trace_artifact(f"graph_diff_{step.name}", lambda: diff)
+            report.trace_artifact(f"pass_record_{step.name}", lambda: record, encoding="json")
+    if trace:
+        report.trace_artifact("pass_table", lambda: report.format_pass_table(run_records))
+        report.trace_artifact("pass_records", lambda: run_records, encoding="json")
     return gm
