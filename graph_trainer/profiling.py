@@ -17,9 +17,15 @@ For each recorded window this writes, under
   a pass on vs off) can be compared without opening a trace; and the step's timeline
   (:func:`timeline_breakdown`): wall time, time with compute kernels running, time with
   only communication running (exposed communication) and time with nothing running (the
-  GPU waiting on the CPU). The tables are also logged.
+  GPU waiting on the CPU). The tables are also logged. The JSON also holds the kernels of
+  the window's last step (``"step_intervals"``, :func:`graph_trainer.tools.timeline.pack_step`);
+* ``rank<r>_timeline.png``: that step as a picture, compute and communication lanes with
+  the exposed communication and idle time marked (:mod:`graph_trainer.tools.timeline`;
+  skipped with one log line without matplotlib).
 
-On CPU (no CUDA) the summary counts CPU time of ATen ops instead of kernels.
+On CPU (no CUDA) the summary counts CPU time of ATen ops instead of kernels, and gloo's
+collectives (the ``gloo:<op>`` ranges on gloo's threads) as communication; the ATen ops
+that gloo's threads run inside a collective are part of it, not compute, in the timeline.
 
 Nothing recorded earlier is written over: a fresh run (not resumed from a checkpoint)
 moves an existing ``<save_traces_folder>`` aside to ``<save_traces_folder>.<N>`` (rank 0,
@@ -46,7 +52,7 @@ logger = logging.getLogger("graph_trainer")
 #: (category, regex over the kernel name), first match wins. Order matters: NCCL and
 #: attention kernels are matched before the generic GEMM / Triton patterns.
 KERNEL_CATEGORIES: list[tuple[str, re.Pattern]] = [
-    ("communication", re.compile(r"nccl|all_?gather|reduce_?scatter|all_?reduce|c10d", re.I)),
+    ("communication", re.compile(r"nccl|^gloo:|all_?gather|reduce_?scatter|all_?reduce|c10d", re.I)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(?:tensorop|mma)|aten::mm|aten::addmm|aten::bmm", re.I)),
     ("inductor triton", re.compile(r"^triton_|triton", re.I)),
@@ -208,10 +214,17 @@ def _on_cuda(evt) -> bool:
     return getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
 
 
+#: on CPU, the name prefix of a gloo collective's range (``gloo:all_gather``), recorded on
+#: the gloo thread that runs it
+CPU_COLLECTIVE_PREFIX = "gloo:"
+
+
 def _counted(evt, name: str, on_device: bool) -> bool:
     """The events both summaries count: device kernels (not annotations) on CUDA, ATen ops
-    (by ``name``) on CPU."""
-    return (_on_cuda(evt) and not _annotation(evt)) if on_device else name.startswith("aten::")
+    and gloo collectives (by ``name``) on CPU."""
+    if on_device:
+        return _on_cuda(evt) and not _annotation(evt)
+    return name.startswith(("aten::", CPU_COLLECTIVE_PREFIX))
 
 
 def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
@@ -230,12 +243,18 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     return out, ("device" if on_device else "CPU")
 
 
-def _timeline_of(prof, on_device: bool | None = None) -> dict[str, float]:
-    """:func:`timeline_breakdown` of the recorded window (device kernels; on CPU, ATen ops).
+def _intervals_of(prof, on_device: bool | None = None
+                  ) -> tuple[list[tuple[float, float, str]], list[tuple[float, float]]]:
+    """The recorded window as :func:`timeline_breakdown` takes it: ``(kernels, steps)`` in
+    microseconds, kernels = device kernels (on CPU: ATen ops, nested ones included, and gloo
+    collectives; the ATen ops on a gloo thread are left out, they belong to its collective).
     ``on_device``: default ``torch.cuda.is_available()``."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
+    events = list(prof.events())
+    gloo_threads = set() if on_device else {
+        getattr(e, "thread", None) for e in events if e.name.startswith(CPU_COLLECTIVE_PREFIX)}
     kernels, steps = [], []
-    for evt in prof.events():
+    for evt in events:
         tr = evt.time_range
         if evt.name.startswith("ProfilerStep"):  # "ProfilerStep#N", listed as "ProfilerStep*"
             # the host-side range only: on CUDA the profiler also lists the step as a GPU
@@ -243,8 +262,39 @@ def _timeline_of(prof, on_device: bool | None = None) -> dict[str, float]:
             if not _on_cuda(evt):
                 steps.append((tr.start, tr.end))
         elif _counted(evt, evt.name, on_device):  # CPU: nested ops, the union counts them once
+            if evt.name.startswith("aten::") and getattr(evt, "thread", None) in gloo_threads:
+                continue
             kernels.append((tr.start, tr.end, kernel_category(evt.name)))
-    return timeline_breakdown(kernels, steps)
+    return kernels, sorted(steps)
+
+
+def _timeline_of(prof, on_device: bool | None = None) -> dict[str, float]:
+    """:func:`timeline_breakdown` of the recorded window (device kernels; on CPU, ATen ops
+    and gloo collectives). ``on_device``: default ``torch.cuda.is_available()``."""
+    return timeline_breakdown(*_intervals_of(prof, on_device))
+
+
+def _json_text(summary: dict[str, Any]) -> str:
+    """``summary`` as indented JSON, the rows of ``step_intervals.kernels`` one per line."""
+    rows = summary.get("step_intervals", {}).get("kernels")
+    if not rows:
+        return json.dumps(summary, indent=1)
+    marker = '"kernels": "<rows>"'
+    text = json.dumps({**summary, "step_intervals": {**summary["step_intervals"], "kernels": "<rows>"}}, indent=1)
+    return text.replace(marker, '"kernels": [\n' + ",\n".join("   " + json.dumps(r) for r in rows) + "\n  ]", 1)
+
+
+def _write_picture(path: str, kernels: list, step: tuple[float, float], title: str) -> None:
+    """:func:`graph_trainer.tools.timeline.draw_timeline`, or one log line when it cannot draw
+    (no matplotlib, or a drawing error: the run goes on)."""
+    from graph_trainer.tools.timeline import draw_timeline
+
+    try:
+        draw_timeline(path, kernels, step, title)
+    except ImportError as e:
+        logger.info(f"no step timeline picture ({e}); install matplotlib for {os.path.basename(path)}")
+    except Exception as e:  # noqa: BLE001 -- a picture is not worth a training run
+        logger.warning(f"could not draw the step timeline {path}: {type(e).__name__}: {e}")
 
 
 class StepProfiler:
@@ -274,14 +324,19 @@ class StepProfiler:
         logger.info(f"Profiling every {cfg.profile_freq} steps; traces and kernel summaries in {self.trace_dir}")
 
     def _ready(self, prof) -> None:
+        from graph_trainer.tools.timeline import pack_step
+
         events, unit = _events_of(prof)
         summary = summarize_events(events, self.active)
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
             return
         folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
-        summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=_timeline_of(prof))
+        kernels, steps = _intervals_of(prof)
+        summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=timeline_breakdown(kernels, steps))
+        if steps:  # the window's last step, for the pictures
+            summary["step_intervals"] = pack_step(kernels, steps[-1], prof.step_num)
         os.makedirs(folder, exist_ok=True)
-        names = ("trace.json", "kernels.md", "kernels.json")
+        names = ("trace.json", "kernels.md", "kernels.json", "timeline.png")
         paths = [os.path.join(folder, f"rank{self.rank}_{name}") for name in names]
         for path in paths:  # a resumed run profiling a step again
             keep_previous(path)
@@ -290,7 +345,9 @@ class StepProfiler:
         with open(paths[1], "w") as f:
             f.write(md)
         with open(paths[2], "w") as f:
-            json.dump(summary, f, indent=1)
+            f.write(_json_text(summary))
+        if steps:
+            _write_picture(paths[3], kernels, steps[-1], f"rank {self.rank}, step {prof.step_num} ({unit})")
         if self.rank == 0:
             logger.info(f"profile at step {prof.step_num} ({folder}):\n{md}")
 

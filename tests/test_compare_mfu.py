@@ -348,6 +348,10 @@ def test_real_flags_only(tmp_path):
         assert 0 < t["compute_ms"] <= t["wall_ms"]
         assert t["compute_ms"] + t["exposed_comm_ms"] + t["idle_ms"] == pytest.approx(t["wall_ms"])
     assert "| nothing running |" in r.stdout
+    # the profiled step of A above B's
+    assert data["timeline_plot"] == "timeline_a_vs_b.png"
+    assert open(out / "timeline_a_vs_b.png", "rb").read(8) == PNG_MAGIC
+    assert f"step 2 timeline, A above B: {out / 'timeline_a_vs_b.png'}" in r.stdout
 
 
 @pytest.mark.slow
@@ -424,3 +428,45 @@ def test_step_line_regex():
             "grad_norm:  1.9553  memory: 0.66GiB  tps: 6,538  tflops: 0.00  mfu: 38.29%  step_time: 4.246s")
     m = runs.STEP_RE.search(line)
     assert m and m.group("step") == "1" and m.group("tps") == "6,538" and m.group("mfu") == "38.29%"
+
+
+def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys):
+    """--profile-step's A-vs-B picture, from the runs' rank0_kernels.json (no trainer run)."""
+    from graph_trainer.profiling import _json_text
+    from graph_trainer.tools.timeline import pack_step
+
+    def run(side, repeat, wall_us, profiled=True):
+        r = runs.Run(side=side, repeat=repeat, index=repeat, dump_folder=str(tmp_path / f"{side}{repeat}"), log="")
+        if profiled:
+            path = compare_mfu.profile_json(r.dump_folder, 3)
+            os.makedirs(os.path.dirname(path))
+            kernels = [(0, wall_us / 2, "matmul"), (wall_us / 4, 3 * wall_us / 4, "communication")]
+            with open(path, "w") as f:
+                f.write(_json_text({"step": 3, "unit": "CPU", "step_intervals": pack_step(kernels, (0, wall_us), 3)}))
+        return r
+
+    all_runs = [run("A", 1, 900), run("B", 1, 500), run("A", 2, 1000), run("B", 2, 400, profiled=False),
+                run("A", 3, 1100)]
+    path = str(tmp_path / "timeline_a_vs_b.png")
+    assert compare_mfu.timeline_plot(path, all_runs, {"A": "main", "B": "pr"}, 3) == path
+    assert open(path, "rb").read(8) == PNG_MAGIC
+    assert compare_mfu.timeline_plot(str(tmp_path / "none.png"), all_runs[:1], {"A": "a", "B": "b"}, 3) is None
+    assert "no run of side B has step intervals of step 3" in capsys.readouterr().out
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_timeline_plot_labels_name_the_picked_run(tmp_path, monkeypatch):
+    from graph_trainer.tools import timeline
+
+    seen = {}
+    monkeypatch.setattr(timeline, "timeline_a_vs_b", lambda path, a, b, labels: seen.update(a=a, b=b, labels=labels))
+    for side, repeat, wall in (("A", 1, 900.0), ("A", 2, 1000.0), ("A", 3, 1100.0), ("B", 1, 500.0)):
+        path = compare_mfu.profile_json(str(tmp_path / f"{side}{repeat}"), 3)
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            json.dump({"step_intervals": {"wall_ms": wall, "categories": [], "kernels": []}}, f)
+    all_runs = [runs.Run(side=s, repeat=k, index=k, dump_folder=str(tmp_path / f"{s}{k}"), log="")
+                for s, k in (("A", 3), ("A", 1), ("B", 1), ("A", 2))]
+    compare_mfu.timeline_plot("x.png", all_runs, {"A": "main", "B": "pr"}, 3)
+    assert seen["a"] == compare_mfu.profile_json(str(tmp_path / "A2"), 3)  # the median wall of A's three
+    assert seen["labels"] == ("A2 main, median wall of 3 runs", "B1 pr")

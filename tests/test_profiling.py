@@ -1,11 +1,24 @@
 """--profiling.enable_profiling: trace + kernel-time summary (graph_trainer/profiling.py)."""
 
 import json
+import struct
 
 import pytest
 import torch
 
-from graph_trainer.profiling import kernel_category, summarize_events, summary_markdown
+from graph_trainer.profiling import kernel_category, summarize_events, summary_markdown, timeline_breakdown
+from graph_trainer.tools.timeline import pack_step, unpack_step
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png(path, min_size=(800, 200)):
+    """A PNG file (signature, IHDR) of at least ``min_size`` pixels; returns (width, height)."""
+    data = open(path, "rb").read()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) > 5000
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= min_size[0] and height >= min_size[1]
+    return width, height
 
 
 @pytest.mark.parametrize(
@@ -16,6 +29,8 @@ from graph_trainer.profiling import kernel_category, summarize_events, summary_m
         ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
         ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+        ("gloo:all_gather", "communication"),
+        ("gloo:broadcast", "communication"),
         ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
         ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),
@@ -55,13 +70,22 @@ def test_profiled_run_writes_trace_and_summary(tmp_path):
                       "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"])
     train(cfg)
     folder = out / "profile_traces" / "iteration_2"
-    assert sorted(p.name for p in folder.iterdir()) == ["rank0_kernels.json", "rank0_kernels.md", "rank0_trace.json"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "rank0_kernels.json", "rank0_kernels.md", "rank0_timeline.png", "rank0_trace.json"]
     summary = json.loads((folder / "rank0_kernels.json").read_text())
     assert summary["unit"] == "CPU" and summary["step"] == 2
     assert summary["categories"]["matmul"]["ms"] > 0 and summary["categories"]["matmul"]["calls"] > 0
     t = summary["timeline"]  # on CPU: ATen op time inside the recorded step
     assert 0 < t["compute_ms"] <= t["wall_ms"] and t["idle_ms"] >= 0
     assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
+    # the step's kernels, stored compactly: the same breakdown as the summary's (one recorded step)
+    si = summary["step_intervals"]
+    assert si["step"] == 2 and "matmul" in si["categories"] and len(si["kernels"]) > 100
+    kernels, step = unpack_step(si)
+    again = timeline_breakdown(kernels, [step])
+    for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):  # times rounded to 0.1 us
+        assert again[key] == pytest.approx(t[key], abs=0.05)
+    _check_png(folder / "rank0_timeline.png")
 
 
 def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
@@ -113,3 +137,113 @@ def test_timeline_of_device_events_one_window_per_step_no_annotations():
     assert t["wall_ms"] == pytest.approx(1.0)  # one window, the host step
     assert t["compute_ms"] == pytest.approx(0.4) and t["exposed_comm_ms"] == pytest.approx(0.1)
     assert t["idle_ms"] == pytest.approx(0.5)
+
+
+# the step timeline picture (graph_trainer/tools/timeline.py)
+
+# 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped
+# (30-40), then exposed (40-60, 85-95, 98-100); idle 60-70, 80-85, 95-98; kernels reaching
+# outside the step are clipped
+HAND = [(0, 40, "eager pointwise / reduction"), (5, 35, "matmul"), (30, 60, "communication"),
+        (70, 80, "inductor triton"), (85, 95, "communication"), (-10, 2, "copy"), (98, 130, "communication")]
+
+
+def test_draw_timeline_writes_png_and_marks_exposed_and_idle_as_timeline_breakdown(tmp_path):
+    from graph_trainer.tools.timeline import draw_timeline
+
+    step = (0, 100)
+    out = draw_timeline(str(tmp_path / "t.png"), HAND, step, "hand-built")
+    width, height = _check_png(tmp_path / "t.png")
+    assert width > 2 * height
+    t = timeline_breakdown(HAND, [step])
+    assert t["exposed_comm_ms"] == pytest.approx(0.032) and t["idle_ms"] == pytest.approx(0.018)
+    for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
+        assert out[key] == pytest.approx(t[key])
+    # the drawn bands: ms from the step's start, as long as the breakdown's figures
+    assert out["exposed_ranges_ms"] == pytest.approx([(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
+    assert out["idle_ranges_ms"] == pytest.approx([(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
+    assert sum(b - a for a, b in out["idle_ranges_ms"]) == pytest.approx(t["idle_ms"])
+    assert sum(b - a for a, b in out["exposed_ranges_ms"]) == pytest.approx(t["exposed_comm_ms"])
+    assert out["path"] == str(tmp_path / "t.png")
+
+
+def test_pack_step_keeps_the_step_compact_and_lossless(tmp_path):
+    from graph_trainer.profiling import _json_text
+
+    packed = pack_step([(a + 1000, b + 1000, c) for a, b, c in HAND], (1000, 1100), step_num=7)
+    assert packed["step"] == 7 and packed["wall_ms"] == pytest.approx(0.1)
+    assert packed["kernels"][0] == [0.0, 0.002, packed["categories"].index("copy")]  # clipped to the step
+    assert len(packed["kernels"]) == len(HAND) and len(packed["categories"]) == 5
+    kernels, step = unpack_step(packed)
+    assert step == (0.0, pytest.approx(100.0))
+    a, b = timeline_breakdown(kernels, [step]), timeline_breakdown(HAND, [(0, 100)])
+    assert a == pytest.approx(b)
+    text = _json_text({"steps": 1, "step_intervals": packed})  # one row per line
+    assert json.loads(text)["step_intervals"] == packed
+    assert '\n   [0.0, 0.002, ' in text and len(text.splitlines()) < 30
+
+
+def test_cpu_intervals_count_gloo_collectives_as_communication():
+    """On CPU: a gloo collective's range (on gloo's thread) is communication; the ATen ops
+    that gloo's thread runs inside it are part of it, not compute."""
+    from types import SimpleNamespace as NS
+
+    from graph_trainer.profiling import _intervals_of
+
+    cpu = torch.autograd.DeviceType.CPU
+
+    def evt(name, a, b, thread, ann=False):
+        return NS(name=name, time_range=NS(start=a, end=b), device_type=cpu, is_user_annotation=ann, thread=thread)
+
+    events = [evt("ProfilerStep#2", 0, 1000, 1, ann=True), evt("aten::mm", 0, 300, 1),
+              evt("_c10d_functional::wait_tensor", 300, 700, 1), evt("gloo:all_gather", 250, 650, 2, ann=True),
+              evt("aten::copy_", 600, 650, 2), evt("aten::add", 700, 800, 1)]
+    kernels, steps = _intervals_of(NS(events=lambda: events), on_device=False)
+    assert steps == [(0, 1000)]
+    assert sorted(kernels) == [(0, 300, "matmul"), (250, 650, "communication"), (700, 800, "eager pointwise / reduction")]
+    t = timeline_breakdown(kernels, steps)
+    assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
+
+
+def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, caplog):
+    import logging
+    import sys
+
+    from graph_trainer.profiling import _write_picture
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        _write_picture(str(tmp_path / "t.png"), HAND, (0, 100), "x")
+    assert not (tmp_path / "t.png").exists()
+    assert [r.message for r in caplog.records if "timeline" in r.message][0].startswith("no step timeline picture")
+
+
+def _kernels_json(path, kernels, step, step_num=5):
+    from graph_trainer.profiling import _json_text
+
+    summary = {"step": step_num, "unit": "CPU", "timeline": timeline_breakdown(kernels, [step]),
+               "step_intervals": pack_step(kernels, step, step_num)}
+    path.write_text(_json_text(summary))
+    return str(path)
+
+
+def test_timeline_a_vs_b_from_two_kernels_json(tmp_path):
+    from graph_trainer.tools.timeline import read_step, timeline_a_vs_b
+
+    a = _kernels_json(tmp_path / "a.json", HAND, (0, 100))
+    b_kernels = [(0, 50, "matmul"), (20, 70, "communication"), (80, 150, "inductor triton")]
+    b = _kernels_json(tmp_path / "b.json", b_kernels, (0, 160))
+    out = timeline_a_vs_b(str(tmp_path / "ab.png"), a, b, ("pass off", "pass on"))
+    _, height = _check_png(tmp_path / "ab.png", min_size=(800, 400))
+    assert out["path"] == str(tmp_path / "ab.png")
+    for side, kernels, step in (("A", HAND, (0, 100)), ("B", b_kernels, (0, 160))):
+        t = timeline_breakdown(kernels, [step])
+        for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
+            assert out[side][key] == pytest.approx(t[key])
+    assert out["B"]["exposed_ranges_ms"] == pytest.approx([(0.05, 0.07)])
+    (tmp_path / "old.json").write_text(json.dumps({"step": 5, "categories": {}}))  # profiled before step_intervals
+    with pytest.raises(ValueError, match="no step intervals"):
+        read_step(str(tmp_path / "old.json"))
+    with pytest.raises(ValueError):
+        timeline_a_vs_b(str(tmp_path / "x.png"), a, str(tmp_path / "old.json"))
+    assert not (tmp_path / "x.png").exists()

@@ -32,15 +32,18 @@ else "within noise". With one repeat per side the spread is unknown.
 
 Output (``--out DIR``, default ``./outputs/compare_<timestamp>``): ``comparison.json``
 (settings, sides, every run with its per-step rows and log path, the table),
-``tps_per_step.png``, ``runs/<side><k>/`` (each run's dump folder, metrics.jsonl) and
-``runs/<side><k>.log`` (its full output).
+``tps_per_step.png``, ``timeline_a_vs_b.png`` (with ``--profile-step``), ``runs/<side><k>/``
+(each run's dump folder, metrics.jsonl) and ``runs/<side><k>.log`` (its full output).
 
 Kernels (``--profile-step N``): every run also records step N with the profiler
 (:mod:`graph_trainer.profiling`); the device (on CPU: CPU) milliseconds of that step by
 kernel category -- matmul, attention, communication, Inductor Triton, eager pointwise,
 copy -- are printed per side (median over its runs) with the difference, and stored as
 ``comparison.json["kernels"]``. The profiled step stays in the tps medians (one slower
-step of many barely moves a median).
+step of many barely moves a median). ``timeline_a_vs_b.png`` draws that step of one run
+per side (the one with the median wall time of the step), A above B on one time scale:
+compute and communication kernels, exposed communication and idle time
+(:mod:`graph_trainer.tools.timeline`, from each run's ``rank0_kernels.json``).
 
 Errors before any run starts (exit 2): an unknown ref, a ref that is HEAD while the
 working tree has uncommitted changes (you probably meant those changes: commit or
@@ -94,6 +97,48 @@ def profile_flags(step: int | None) -> list[str]:
     return ["--profiling.enable_profiling", "--profiling.profile_freq", str(step),
             "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"]
 
+
+def profile_json(dump_folder: str, step: int, rank: int = 0) -> str:
+    """Where a run's profile summary of ``step`` lies (:mod:`graph_trainer.profiling`)."""
+    return os.path.join(dump_folder, "profile_traces", f"iteration_{step}", f"rank{rank}_kernels.json")
+
+
+def timeline_plot(path: str, runs: list[Run], labels: dict[str, str], step: int) -> str | None:
+    """Draw the profiled ``step`` of one run per side, A above B
+    (:func:`graph_trainer.tools.timeline.timeline_a_vs_b`), to ``path`` (PNG).
+
+    Per side the run whose ``rank0_kernels.json`` has step intervals and whose step wall
+    time is the median (the lower one of an even count) of the side's runs. Returns
+    ``path``, or ``None`` with one printed line when a side has no such run or matplotlib
+    is missing. Raises what writing the PNG raises (OSError).
+    """
+    from graph_trainer.tools.timeline import timeline_a_vs_b
+
+    picked = {}
+    for side in ("A", "B"):
+        found = []
+        for r in runs:
+            if r.side != side:
+                continue
+            try:
+                with open(profile_json(r.dump_folder, step)) as f:
+                    summary = json.load(f)
+                found.append((summary["step_intervals"]["wall_ms"], r.repeat, r))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        if not found:
+            print(f"no step timeline picture: no run of side {side} has step intervals of step {step}")
+            return None
+        found.sort(key=lambda x: x[:2])
+        run = found[(len(found) - 1) // 2][2]
+        note = f", median wall of {len(found)} runs" if len(found) > 1 else ""
+        picked[side] = (profile_json(run.dump_folder, step), f"{side}{run.repeat} {labels[side]}{note}")
+    try:
+        timeline_a_vs_b(path, picked["A"][0], picked["B"][0], (picked["A"][1], picked["B"][1]))
+    except ImportError as e:
+        print(f"no step timeline picture ({e})")
+        return None
+    return path
 
 
 def write_json(path: str, payload: dict) -> None:
@@ -315,7 +360,13 @@ def _main(args, extra, argv, holder) -> int:
     failed = [r for r in runs if r.status in ("failed", "skipped")]
     payload["ok"] = not failed and not interrupted
     if args.profile_step:
-        payload["kernels"] = kernel_comparison(runs, {s: sides[s].label for s in sides}, args.profile_step)
+        labels = {s: sides[s].label for s in sides}
+        payload["kernels"] = kernel_comparison(runs, labels, args.profile_step)
+        try:
+            drawn = timeline_plot(os.path.join(out, "timeline_a_vs_b.png"), runs, labels, args.profile_step)
+            payload["timeline_plot"] = drawn and os.path.basename(drawn)
+        except Exception as e:  # the numbers matter more than the picture
+            print(f"warning: could not write the step timeline picture: {e}", file=sys.stderr)
     write_json(json_path, payload)
 
     print()
@@ -331,6 +382,8 @@ def _main(args, extra, argv, holder) -> int:
     if payload.get("kernels"):
         print()
         print(payload["kernels"]["markdown"])
+    if payload.get("timeline_plot"):
+        print(f"\nstep {args.profile_step} timeline, A above B: {os.path.join(out, payload['timeline_plot'])}")
     print(f"\nwrote {json_path}" + (f" and {os.path.join(out, payload['plot'])}" if payload["plot"] else ""))
     if failed:
         print(f"{len(failed)} run(s) failed or skipped:", file=sys.stderr)
