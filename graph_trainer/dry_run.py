@@ -15,6 +15,7 @@ pipeline's graph-level passes (the compiling passes are skipped: they need real 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections import Counter, defaultdict
@@ -121,7 +122,7 @@ def dry_run(cfg) -> dict:
         shards = tpar.params
         b, s = cfg.training.local_batch_size, cfg.training.seq_len
         tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
-        traced = tpar.trace(model, loss_fn, tokens, tokens, pdtype)
+        traced = tpar.trace(model, functools.partial(loss_fn, dp_group=tpar.dp_group), tokens, tokens, pdtype)
     gm = traced.gm
     shard_bytes = sum(p.numel() * 4 for p in shards)
     colls = collective_summary(gm)

@@ -9,7 +9,8 @@ SimpleFSDP-style (torchtitan.experiments.simple_fsdp), reduced to what make_fx n
 * In the forward, :class:`_AllGather` casts the shard to the compute dtype (bf16),
   all-gathers it with ``_c10d_functional.all_gather_into_tensor`` and views it as the
   full parameter. Its backward casts the gradient to the reduce dtype (fp32) and
-  ``reduce_scatter_tensor``s it with mean over the group. Both are functional
+  ``reduce_scatter_tensor``s it with sum over the group (the loss is already divided by
+  the global batch's token count, :func:`graph_trainer.model.loss_fn`). Both are functional
   collectives, so make_fx records them as ``_c10d_functional.*`` + ``wait_tensor``
   nodes in the one graph, where passes can bucket and reorder them.
 
@@ -50,7 +51,7 @@ class ShardSpec:
 
 
 class _AllGather(torch.autograd.Function):
-    """shard [chunk] -> full parameter [shape] (forward: all-gather; backward: reduce-scatter mean)."""
+    """shard [chunk] -> full parameter [shape] (forward: all-gather; backward: reduce-scatter sum)."""
 
     @staticmethod
     def forward(ctx, shard, spec: ShardSpec, group, param_dtype, reduce_dtype):
@@ -70,7 +71,7 @@ class _AllGather(torch.autograd.Function):
         pad = spec.chunk * dist.get_world_size(ctx.group) - spec.numel
         if pad:
             g = torch.nn.functional.pad(g, (0, pad))
-        out = funcol.reduce_scatter_tensor(g, "avg", 0, ctx.group)
+        out = funcol.reduce_scatter_tensor(g, "sum", 0, ctx.group)
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out = out.wait()
         return out, None, None, None, None

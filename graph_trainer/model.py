@@ -24,19 +24,33 @@ from graph_trainer.errors import UserError
 EMBEDDED_VOCAB_SIZE = 2048
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy.
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, dp_group: Any = None) -> torch.Tensor:
+    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer
+    computes it: the cross-entropy summed over this rank's tokens, divided by the number of
+    valid tokens of the global batch (all data-parallel ranks). Summing the gradients over the
+    data-parallel ranks (FSDP reduce-scatter / all-reduce with ``sum``) then gives the gradient
+    of the global mean, however the valid tokens are spread over the ranks.
 
     Args:
-        logits: ``[B, S, V]``, any float dtype (upcast to fp32).
+        logits: ``[B, S, V]``, any float dtype (upcast to fp32); a DTensor under TP loss parallel.
         labels: ``[B, S]`` int64; ``-100`` is ignored.
+        dp_group: the data-parallel ranks sharing the global batch (a ProcessGroup or 1-D
+            DeviceMesh), or ``None`` for one rank. The valid-token count is summed over it with
+            a functional all-reduce, so under tracing it is a node of the graph.
 
     Returns:
-        A 0-d fp32 tensor.
+        A 0-d fp32 tensor (a replicated DTensor under loss parallel). With ``dp_group=None``
+        it is the mean token cross-entropy of the batch.
     """
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100
+    loss_sum = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
     )
+    valid = (labels != -100).sum()
+    if dp_group is not None:
+        import torch.distributed._functional_collectives as funcol
+
+        valid = funcol.all_reduce(valid, "sum", dp_group)  # waited on at its first use
+    return loss_sum / valid
 
 
 def flavors() -> dict[str, Any]:

@@ -153,7 +153,33 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
             pp_enabled=False,
         )
         logger.info("Applied FSDP2 over a 1-rank mesh for bf16 mixed precision")
+    sum_gradients_over_dp(model)
     return model
+
+
+def sum_gradients_over_dp(model) -> None:
+    """Make torchtitan's eager data parallelism sum the gradients over the DP ranks, as the
+    loss (:func:`graph_trainer.model.loss_fn`) and the traced step expect.
+
+    FSDP2: torchtitan's ``apply_fsdp`` already sets the gradient divide factor to 1; on
+    gloo, which lacks the resulting ``PREMUL_SUM`` reduce-scatter, the reduction is forced to
+    a plain ``SUM`` (the same values). DDP (``replicate``): a comm hook that all-reduces with
+    ``SUM`` instead of DDP's mean.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        if dist.get_backend() == "gloo":
+            m.set_force_sum_reduction_for_comms(True)
+    if not fsdp_modules and hasattr(model, "register_comm_hook") and dist.is_initialized():
+        model.register_comm_hook(None, _sum_allreduce_hook)
+
+
+def _sum_allreduce_hook(group, bucket):
+    """DDP comm hook: all-reduce the bucket with ``SUM`` (DDP's default divides by the world)."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
 
 
 def _init_single_process_group(device: torch.device) -> None:
@@ -194,12 +220,12 @@ def apply_ac_for_trace(model, cfg) -> None:
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
-    """Mean-all-reduce gradients in place over ``group`` (replicated data parallel)."""
+    """Sum-all-reduce gradients in place over ``group`` (replicated data parallel; the loss
+    is already divided by the global batch's token count, :func:`graph_trainer.model.loss_fn`)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -220,6 +246,9 @@ class TraceParallel:
             over ``tp_mesh`` with the parameter's TP placements.
         opt_module: the module handed to the optimizer builder and the checkpointer.
         fsdp_group: the FSDP process group, or None.
+        dp_group: the data-parallel ranks sharing the global batch (the FSDP group, or the
+            world under replicated DP), or None: the loss's token count and the gradients
+            are summed over it (:func:`graph_trainer.model.loss_fn`).
         tp_mesh: the TP DeviceMesh, or None; ``loss_parallel``: trace under
             ``torch.distributed.tensor.parallel.loss_parallel()``.
         norm_weights: per param, the weight of its squared grad norm in the global norm
@@ -232,6 +261,7 @@ class TraceParallel:
         self.materialize = None
         self.opt_module = None
         self.fsdp_group = None
+        self.dp_group = None
         self.tp_mesh = None
         self.loss_parallel = False
         self.norm_weights: list[float] | None = None
@@ -313,6 +343,7 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out.names = [n for n, _ in named]
     if not (tp > 1 or shard > 1):
+        out.dp_group = dist.group.WORLD if world_size > 1 else None
         out.params = [p for _, p in named]
         out.opt_module = model
         return out
@@ -331,7 +362,7 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         local = [p.detach() for _, p in named]
         out.norm_weights = [1.0] * len(named)
     if shard > 1:
-        out.fsdp_group = mesh["dp_shard"].get_group()
+        out.fsdp_group = out.dp_group = mesh["dp_shard"].get_group()
         specs, out.params = fsdp.shard_tensors(out.names, local, out.fsdp_group)
     else:
         specs = None

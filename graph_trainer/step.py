@@ -11,13 +11,21 @@ replays it::
 ``eager`` / ``jit`` (:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()``
 on the torchtitan-parallelized model.
 
+Every mode computes torchtitan's gradient: each rank's loss is its token cross-entropy sum
+over the global batch's valid-token count (:func:`graph_trainer.model.loss_fn`), and the
+gradients are summed over the data-parallel ranks (traced FSDP reduce-scatters with ``sum``;
+torchtitan's FSDP2 has its gradient division turned off). So ``eager``, ``jit`` and the traced
+step report the same loss and gradient norm in every layout.
+
 Both have the same interface: ``step(tokens, labels) -> loss``, ``step.clip_grad_norm_(max_norm)``,
-``step.params`` (what the optimizer updates), ``step.opt_module`` (what the optimizer builder
-and the checkpointer see) and ``step.stats`` (trace / compile times for the run summary).
+``step.global_loss(loss)``, ``step.params`` (what the optimizer updates), ``step.opt_module``
+(what the optimizer builder and the checkpointer see) and ``step.stats`` (trace / compile
+times for the run summary).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -48,6 +56,7 @@ class TracedTrainStep:
         self.param_dtype, self.dump_folder = param_dtype, dump_folder
         self.params = tpar.params
         self.opt_module = tpar.opt_module
+        self.dp_group = tpar.dp_group
         self.buffers = list(model.buffers())
         self.graph = None  # graph_trainer.trace.TracedStep after the first call
         self.stats: dict = {}
@@ -55,11 +64,13 @@ class TracedTrainStep:
     def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace the step for batches shaped like ``tokens`` / ``labels`` ``[B, S]`` int64 and
         run the pipeline over the graph (the first call does it)."""
+        from graph_trainer.passes.pass_report import format_pass_table
         from graph_trainer.passes.pipeline import run_pipeline
         from graph_trainer.trace import ops_by_kind
 
         logger.info("Tracing the training step (forward + loss + backward) into one FX graph ...")
-        traced = self.tpar.trace(self.model, loss_fn, tokens, labels, self.param_dtype)
+        loss = functools.partial(loss_fn, dp_group=self.dp_group)
+        traced = self.tpar.trace(self.model, loss, tokens, labels, self.param_dtype)
         n_nodes = len(traced.gm.graph.nodes)
         top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
         logger.info(
@@ -75,10 +86,13 @@ class TracedTrainStep:
                 predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
                 graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2), state_gib=round(policy.state_bytes / gib, 2),
             )
-        traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder)
+        records: list[dict] = []  # one per pass (graph_trainer.passes.pass_report.pass_record)
+        traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
+                                 records=records)
         compile_s = time.perf_counter() - t0
         logger.info(f"Pass pipeline [{', '.join(s.name for s in self.pipeline)}] took {compile_s:.2f}s")
-        self.stats.update(trace_time_s=traced.trace_time_s, compile_time_s=compile_s, graph_nodes=n_nodes)
+        logger.info("Per-pass report (nodes by kind, regions, static peak estimate):\n%s", format_pass_table(records))
+        self.stats.update(trace_time_s=traced.trace_time_s, compile_time_s=compile_s, graph_nodes=n_nodes, passes=records)
         self.graph = traced
 
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,7 +104,7 @@ class TracedTrainStep:
         if not self.tpar.sharded:
             from graph_trainer.parallelize import all_reduce_grads
 
-            all_reduce_grads(grads)  # replicated DP (no-op on one rank)
+            all_reduce_grads(grads)  # replicated DP: sum (no-op on one rank)
         for p, g in zip(self.params, grads):
             p.grad = g
         return loss
@@ -99,20 +113,35 @@ class TracedTrainStep:
         """Clip by the global gradient norm (over all ranks when sharded); returns it."""
         return self.tpar.clip_grad_norm_(max_norm)
 
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
+        return global_loss(loss, self.dp_group)
+
 
 class EagerTrainStep:
-    """``eager`` / ``jit``: autograd on the torchtitan-parallelized ``model``."""
+    """``eager`` / ``jit``: autograd on the torchtitan-parallelized ``model``.
 
-    def __init__(self, model):
-        self.model = model
+    Args:
+        model: the model after :func:`graph_trainer.parallelize.parallelize_eager`.
+        dp_group: the data-parallel ranks (torchtitan's ``batch`` mesh), or None.
+        loss_parallel: run forward, loss and backward under TP's ``loss_parallel()``.
+    """
+
+    def __init__(self, model, dp_group=None, loss_parallel: bool = False):
+        self.model, self.dp_group, self.loss_parallel = model, dp_group, loss_parallel
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt_module = model
         self.stats: dict = {}
 
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward (``p.grad`` accumulates); returns this rank's loss."""
-        loss = loss_fn(self.model(tokens), labels)
-        loss.backward()
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():  # as torchtitan's train_context
+            loss = loss_fn(self.model(tokens), labels, self.dp_group)
+            loss.backward()
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -120,6 +149,25 @@ class EagerTrainStep:
         from torchtitan.distributed.utils import clip_grad_norm_
 
         return clip_grad_norm_(self.params, max_norm, foreach=True)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
+        return global_loss(loss, self.dp_group)
+
+
+def global_loss(loss: torch.Tensor, dp_group=None) -> float:
+    """Sum of the ranks' ``loss`` (0-d; each is a token-loss sum over the global token count,
+    :func:`graph_trainer.model.loss_fn`) over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or
+    ``None`` for one rank): the global batch's mean token loss, as torchtitan logs it. TP ranks
+    hold the same loss and are not summed."""
+    loss = loss.detach()
+    if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
+        loss = loss.full_tensor()
+    if dp_group is not None:
+        import torch.distributed._functional_collectives as funcol
+
+        loss = funcol.wait_tensor(funcol.all_reduce(loss, "sum", dp_group))
+    return float(loss)
 
 
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
@@ -138,7 +186,9 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     if cfg.compile.mode != "aot_fx_trace":
         cfg.compile.enable = cfg.compile.mode == "jit"
         cfg.compile.components = ["model"]
-        return EagerTrainStep(parallelize.parallelize_eager(model, parallel_dims, cfg, device))
+        model = parallelize.parallelize_eager(model, parallel_dims, cfg, device)
+        dp = parallel_dims.get_optional_mesh("batch") if world_size > 1 and parallel_dims.dp_enabled else None
+        return EagerTrainStep(model, dp, loss_parallel=parallel_dims.tp > 1 and not cfg.parallelism.disable_loss_parallel)
 
     import functools
 

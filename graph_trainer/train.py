@@ -126,7 +126,7 @@ def train(cfg) -> dict:
         last = step == cfg.training.steps
         saving = checkpointer.enabled and (step % cfg.checkpoint.interval == 0 or last)
         if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or last or saving:
-            loss_val = _global_mean(loss.detach(), world_size)
+            loss_val = step_fn.global_loss(loss)
             bad = [f"loss is {v}" for v in (loss_val,) if not math.isfinite(v)]
             bad += [f"grad norm is {v}" for v in (float(grad_norm),) if not math.isfinite(v)]
             if bad:  # the last good checkpoint stays
@@ -157,16 +157,6 @@ def train(cfg) -> dict:
     summary = metrics.summary(exclude_steps=2 if steps >= 5 else 1, extra=extra)
     metrics.close()
     return summary
-
-
-def _global_mean(t: torch.Tensor, world_size: int) -> float:
-    if world_size > 1:
-        import torch.distributed as dist
-
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= world_size
-    return float(t)
 
 
 def main(argv: list[str] | None = None) -> int:

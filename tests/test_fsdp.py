@@ -1,5 +1,6 @@
 """Traceable FSDP on gloo (2 ranks) and the fake-backend dry run (8 ranks, one process)."""
 
+import functools
 import os
 import subprocess
 from collections import Counter
@@ -29,8 +30,10 @@ def _worker(rank, world, store_path, q):
         bufs = list(model.buffers())
         group = dist.group.WORLD
         specs, shards = fsdp.shard_parameters(model, group)
+        # every rank holds the same batch: the global token count is world x the local one
         traced = trace_train_step(
-            model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
+            model, functools.partial(loss_fn, dp_group=group), tokens, labels, params=shards,
+            param_names=[s.name for s in specs],
             materialize=lambda ps: [fsdp.all_gather_param(p, s, group) for p, s in zip(ps, specs)],
         )
         colls = Counter(
@@ -65,8 +68,8 @@ def _worker(rank, world, store_path, q):
 
 @pytest.mark.slow
 def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
-    """2 ranks, same batch on both: in-graph all-gather/reduce-scatter(mean) reproduce the
-    unsharded gradients (fp32; the mean over identical grads is exact up to rounding); with
+    """2 ranks, same batch on both: in-graph all-gather/reduce-scatter(sum) of the loss over
+    the global token count reproduce the unsharded gradients (fp32, up to rounding); with
     bucket_collectives the step is bitwise the unbucketed one."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -74,12 +77,15 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
     results = [q.get(timeout=60) for _ in range(2)]
     for rank, loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) in results:
         assert n_rs_bucketed == -(-n_params // 4) and same  # bucketed: 4 params per collective, same values
-        assert loss == ref_loss  # forward: gathered params are bitwise the originals
+        # forward: gathered params are bitwise the originals; each rank's loss is its half
+        # of the global batch's mean (the same batch on both ranks)
+        assert loss * 2 == ref_loss
         assert max_err < 1e-6
         # one all-gather per parameter in the forward, one reduce-scatter in the backward
         assert colls["all_gather_into_tensor"] == n_params
         assert colls["reduce_scatter_tensor"] == n_params
-        assert colls["wait_tensor"] == 2 * n_params
+        assert colls["all_reduce"] == 1  # the global batch's valid-token count
+        assert colls["wait_tensor"] == 2 * n_params + 1
         # fp32 norms of shards vs the fp64 norm of the unsharded grads: same value up to
         # fp32 accumulation order (a few 1e-5 relative on 500k-element tensors)
         assert norm == pytest.approx(ref_norm, rel=1e-4)
