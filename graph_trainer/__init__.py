@@ -31,11 +31,15 @@ Node metadata written by :mod:`graph_trainer.trace` and read by passes:
   (``CheckpointWrapper``) the node was produced in (read by ``sac_recompute``).
 * ``node.meta["custom"]["compile_with_inductor"]``: set by the annotation passes on the
   nodes of an Inductor region (read by ``regional_inductor``).
+* ``node.meta["numerics_key"]``: with ``--debug.record_numerics``, the op's identity for
+  matching two runs (:mod:`graph_trainer.numerics`); ``regional_inductor`` copies it onto
+  a region's outputs.
 """
 
 PHASE_KEY = "phase"
 MODULE_FQN_KEY = "module_fqn"
 AC_REGION_KEY = "ac_region"
 COMPILE_WITH_INDUCTOR_KEY = "compile_with_inductor"
+NUMERICS_KEY = "numerics_key"
 
-__all__ = ["PHASE_KEY", "MODULE_FQN_KEY", "AC_REGION_KEY", "COMPILE_WITH_INDUCTOR_KEY"]
+__all__ = ["PHASE_KEY", "MODULE_FQN_KEY", "AC_REGION_KEY", "COMPILE_WITH_INDUCTOR_KEY", "NUMERICS_KEY"]

@@ -153,6 +153,11 @@ class Debug:
     """At the end of training, compute sha256 of the final parameters, gradients and
     optimizer state (all ranks) and record them in the metrics.jsonl summary."""
 
+    record_numerics: str = ""
+    """A folder: step 1 records the output of every op it runs (keyed by phase, module FQN,
+    op and occurrence) into ``<folder>/rank<r>.pt`` for ``scripts/numerics_diff.py``
+    (graph_trainer/numerics.py). Slower step 1; empty: off."""
+
 
 @dataclass
 class Checkpoint:

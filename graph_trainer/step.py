@@ -48,10 +48,14 @@ class TracedTrainStep:
             (:func:`graph_trainer.passes.pipeline.plan_pipeline`'s result).
         param_dtype: compute dtype of the parameters inside the graph (``None``: their own).
         dump_folder: with ``--compile.dump_graphs``, where ``graphs/`` is written.
+        record_dir: with ``--debug.record_numerics``, where step 1 records every op's output
+            (:mod:`graph_trainer.numerics`); ``rank``: this rank (the file name).
     """
 
-    def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None):
+    def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None,
+                 record_dir: str | None = None, rank: int = 0):
         self.model, self.tpar = model, tpar
+        self.record_dir, self.rank = record_dir, rank
         self.pipeline = pipeline if callable(pipeline) else list(pipeline)
         self.param_dtype, self.dump_folder = param_dtype, dump_folder
         self.params = tpar.params
@@ -72,6 +76,10 @@ class TracedTrainStep:
         loss = functools.partial(loss_fn, dp_group=self.dp_group)
         traced = self.tpar.trace(self.model, loss, tokens, labels, self.param_dtype)
         n_nodes = len(traced.gm.graph.nodes)
+        if self.record_dir:  # op identities, fixed before any pass moves a node
+            from graph_trainer.numerics import assign_keys
+
+            assign_keys(traced.gm)
         top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
         logger.info(
             f"Traced the training step in {traced.trace_time_s:.2f}s: one graph, {n_nodes} nodes "
@@ -100,13 +108,29 @@ class TracedTrainStep:
         rank's loss (0-d fp32)."""
         if self.graph is None:
             self.compile(tokens, labels)
-        loss, grads = self.graph(self.params, self.buffers, tokens, labels)
+        records = None
+        if self.record_dir:
+            from graph_trainer.numerics import GraphRecorder
+
+            gm, flat = self.graph.gm, [*self.params, *self.buffers, tokens, labels]
+            if isinstance(gm, torch.fx.GraphModule):  # a fully compiled graph: outputs only
+                recorder = GraphRecorder(gm)
+                with torch.no_grad():
+                    out = recorder.run(*flat)
+                loss, grads, records = out[0], list(out[1:]), recorder.records
+            else:
+                loss, grads = self.graph(self.params, self.buffers, tokens, labels)
+                records = {}
+        else:
+            loss, grads = self.graph(self.params, self.buffers, tokens, labels)
         if not self.tpar.sharded:
             from graph_trainer.parallelize import all_reduce_grads
 
             all_reduce_grads(grads)  # replicated DP: sum (no-op on one rank)
         for p, g in zip(self.params, grads):
             p.grad = g
+        if records is not None:
+            _save_records(self, records, loss, list(zip(self.graph.param_names, grads)), "aot_fx_trace")
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -125,10 +149,13 @@ class EagerTrainStep:
         model: the model after :func:`graph_trainer.parallelize.parallelize_eager`.
         dp_group: the data-parallel ranks (torchtitan's ``batch`` mesh), or None.
         loss_parallel: run forward, loss and backward under TP's ``loss_parallel()``.
+        record_dir / rank: as :class:`TracedTrainStep` (ops recorded by a dispatch mode).
     """
 
-    def __init__(self, model, dp_group=None, loss_parallel: bool = False):
+    def __init__(self, model, dp_group=None, loss_parallel: bool = False, record_dir: str | None = None,
+                 rank: int = 0):
         self.model, self.dp_group, self.loss_parallel = model, dp_group, loss_parallel
+        self.record_dir, self.rank = record_dir, rank
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt_module = model
         self.stats: dict = {}
@@ -139,9 +166,23 @@ class EagerTrainStep:
 
         from torch.distributed.tensor.parallel import loss_parallel
 
+        if self.record_dir:
+            from graph_trainer.numerics import EagerRecorder, record_eager_forward
+
+            recorder = EagerRecorder()
+            fwd, bwd = record_eager_forward(self.model, recorder), recorder
+        else:
+            fwd = bwd = contextlib.nullcontext()
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():  # as torchtitan's train_context
-            loss = loss_fn(self.model(tokens), labels, self.dp_group)
-            loss.backward()
+            with fwd:
+                loss = loss_fn(self.model(tokens), labels, self.dp_group)
+            if self.record_dir:
+                recorder.phase = "backward"
+            with bwd:
+                loss.backward()
+        if self.record_dir:
+            grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad]
+            _save_records(self, recorder.records, loss, grads, "eager")
         return loss
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -153,6 +194,17 @@ class EagerTrainStep:
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
         return global_loss(loss, self.dp_group)
+
+
+def _save_records(step, records: dict, loss, named_grads, mode: str) -> None:
+    """Add the step's loss and gradients to ``records``, write them (graph_trainer.numerics)
+    and turn recording off (step 1 only)."""
+    from graph_trainer.numerics import add_step_outputs, save
+
+    add_step_outputs(records, loss, named_grads)
+    path = save(step.record_dir, step.rank, records, {"mode": mode, "rank": step.rank})
+    logger.info(f"Recorded {len(records)} op outputs of step 1 in {path}")
+    step.record_dir = None
 
 
 def global_loss(loss: torch.Tensor, dp_group=None) -> float:
@@ -188,7 +240,8 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         cfg.compile.components = ["model"]
         model = parallelize.parallelize_eager(model, parallel_dims, cfg, device)
         dp = parallel_dims.get_optional_mesh("batch") if world_size > 1 and parallel_dims.dp_enabled else None
-        return EagerTrainStep(model, dp, loss_parallel=parallel_dims.tp > 1 and not cfg.parallelism.disable_loss_parallel)
+        return EagerTrainStep(model, dp, loss_parallel=parallel_dims.tp > 1 and not cfg.parallelism.disable_loss_parallel,
+                              record_dir=cfg.debug.record_numerics or None, rank=rank)
 
     import functools
 
@@ -217,4 +270,5 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         dump = cfg.job.dump_folder
         if kept := keep_previous(os.path.join(dump, "graphs")):
             logger.info(f"The earlier {os.path.join(dump, 'graphs')} is kept as {kept}")
-    return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump)
+    return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump,
+                           record_dir=cfg.debug.record_numerics or None, rank=rank)

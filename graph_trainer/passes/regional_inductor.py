@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
+from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, NUMERICS_KEY
 from graph_trainer.passes.common import (
     custom_meta,
     detect_graph_fake_mode,
@@ -147,7 +147,22 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
         if not partitions:
             return gm, 0
         gm = fuse_by_partitions(gm, partitions, prefix=REGION_PREFIX, always_return_tuple=True)
+        _carry_output_keys(gm)
         return gm, len(partitions)
+
+
+def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
+    """Give each region output (a getitem of the region call) the ``numerics_key`` of the
+    node inside the region whose value it returns (graph_trainer.numerics)."""
+    for node in gm.graph.find_nodes(op="call_module"):
+        if not str(node.target).startswith(REGION_PREFIX):
+            continue
+        outs = getattr(gm, node.target).graph.output_node().args[0]
+        for user in node.users:
+            if is_getitem(user) and isinstance(user.args[1], int) and user.args[1] < len(outs):
+                inner = outs[user.args[1]]
+                if isinstance(inner, torch.fx.Node) and NUMERICS_KEY in inner.meta:
+                    user.meta[NUMERICS_KEY] = inner.meta[NUMERICS_KEY]
 
 
 def _annotation(gm: torch.fx.GraphModule) -> dict:

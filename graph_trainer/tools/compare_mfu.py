@@ -75,6 +75,7 @@ from graph_trainer.tools.plot import plot
 from graph_trainer.tools.runs import LOG_TAIL_LINES, Progress, Run, execute, tail
 from graph_trainer.tools.sides import (
     CompareError,
+    add_side_arguments,
     Side,
     forced_flags,
     join_flag_values,
@@ -168,30 +169,16 @@ Exit codes: 0 all runs ok; 1 a run failed (the others are still reported; the la
 repeats of a side that failed on a trainer input error are skipped); 2 bad input (nothing
 was run); 130 interrupted.""",
     )
-    p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
-    p.add_argument("--b", metavar="REF", help="git ref of side B")
-    p.add_argument("--a-flags", default=None, metavar="FLAGS",
-                   help='extra run_train.sh flags of side A, one shell-quoted string ("" for none)')
-    p.add_argument("--b-flags", default=None, metavar="FLAGS", help="extra run_train.sh flags of side B")
-    p.add_argument("--a-label", help="name of side A in the table (default: ref@sha / working tree + flags)")
-    p.add_argument("--b-label", help="name of side B in the table")
+    add_side_arguments(p)
     p.add_argument("--repeats", type=int, default=3, help="runs per side, alternating A B A B (default 3)")
     p.add_argument("--steps", type=int, default=20, help="--training.steps of every run (default 20)")
     p.add_argument("--warmup", type=int, default=3,
                    help="steps 1..W are excluded from the statistics; step 1 always is (default 3)")
-    p.add_argument("--config-file", help="TOML config (default: $CONFIG_FILE, $CONFIG, train_configs/debug_model.toml)")
     p.add_argument("--out", help="output folder (default ./outputs/compare_<timestamp>)")
-    p.add_argument("--repo", help="git repository / tree to compare (default: the one holding this tool)")
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="allow a ref side that is HEAD while the working tree has uncommitted changes "
-                   "(runs the committed HEAD, not your changes)")
-    p.add_argument("--run-timeout", type=float, default=None, metavar="S",
-                   help="kill a run after S seconds and record it as failed")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (--profiling.*) and print device time per step by kernel "
                         "category, A vs B (graph_trainer/profiling.py); the profiled step stays in the medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
-    p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
     return p
 
 

@@ -40,6 +40,7 @@ import sys
 from graph_trainer.tools.runs import Progress, Run, execute, tail
 from graph_trainer.tools.sides import (
     CompareError,
+    add_side_arguments,
     forced_flags,
     join_flag_values,
     resolve_sides,
@@ -122,21 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("Examples::")[1] if "Examples::" in __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
-    p.add_argument("--b", metavar="REF", help="git ref of side B")
-    p.add_argument("--a-flags", metavar="FLAGS", help='extra run_train.sh flags of side A ("" for none)')
-    p.add_argument("--b-flags", metavar="FLAGS", help="extra run_train.sh flags of side B")
-    p.add_argument("--a-label")
-    p.add_argument("--b-label")
+    add_side_arguments(p)
     p.add_argument("--steps", type=int, default=5, help="--training.steps of both runs (default 5, >= 2)")
     p.add_argument("--assert-equal", action="store_true", help="exit 1 on the first bit of difference")
     p.add_argument("--rtol", type=float, default=None, help="exit 1 if a step's loss differs by more (relative)")
-    p.add_argument("--config-file", help="TOML config (default: $CONFIG_FILE, $CONFIG, debug_model.toml)")
     p.add_argument("--out", help="output folder (default ./outputs/loss_compare_<timestamp>)")
-    p.add_argument("--repo", help="git tree to run (default: the one holding this tool)")
-    p.add_argument("--allow-dirty", action="store_true", help="allow a ref side at HEAD with uncommitted changes")
-    p.add_argument("--run-timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
-    p.add_argument("-v", "--verbose", action="store_true", help="stream both runs' output")
     return p
 
 

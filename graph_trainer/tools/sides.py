@@ -313,6 +313,27 @@ def remove_worktrees(holder: list) -> None:
     holder.clear()
 
 
+def add_side_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every two-sided tool takes (compare_mfu, loss_compare, numerics_diff):
+    ``--a/--b`` (git refs), ``--a-flags/--b-flags``, ``--a-label/--b-label``,
+    ``--config-file``, ``--repo``, ``--allow-dirty``, ``--run-timeout``, ``-v``."""
+    p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
+    p.add_argument("--b", metavar="REF", help="git ref of side B")
+    p.add_argument("--a-flags", default=None, metavar="FLAGS",
+                   help='extra run_train.sh flags of side A, one shell-quoted string ("" for none)')
+    p.add_argument("--b-flags", default=None, metavar="FLAGS", help="extra run_train.sh flags of side B")
+    p.add_argument("--a-label", help="name of side A (default: ref@sha / working tree + flags)")
+    p.add_argument("--b-label", help="name of side B")
+    p.add_argument("--config-file", help="TOML config (default: $CONFIG_FILE, $CONFIG, train_configs/debug_model.toml)")
+    p.add_argument("--repo", help="git repository / tree to compare (default: the one holding this tool)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="allow a ref side that is HEAD while the working tree has uncommitted changes "
+                   "(runs the committed HEAD, not your changes)")
+    p.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                   help="kill a run after S seconds and record it as failed")
+    p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
+
+
 def run_cli(body) -> int:
     """Run ``body(holder) -> exit code`` with this tool's error handling: a CompareError
     prints one paragraph and gives 2, Ctrl-C gives 130; the temporary worktrees that

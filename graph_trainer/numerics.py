@@ -1,0 +1,244 @@
+"""Record every op's output of one training step, keyed so two runs can be matched op by op.
+
+``--debug.record_numerics DIR`` makes step 1 of a run write ``DIR/rank<r>.pt``: for each op
+the step executes, in execution order, its key and a :class:`Record` of its output. The
+first-divergence finder (``scripts/numerics_diff.py``, :mod:`graph_trainer.tools.numerics_diff`)
+runs two sides so and names the first op whose output differs.
+
+The key of an op (the matching rule)::
+
+    (phase, module FQN, op name, occurrence)
+
+``phase`` is ``"forward"`` or ``"backward"``, the FQN the innermost module that ran the op
+(backward ops: the module of the forward op they differentiate, through the autograd
+``seq_nr``; ``""`` outside any module, e.g. the loss), ``op`` the ATen overload
+(``aten.mm.default``), and ``occurrence`` counts the earlier ops with the same first three
+fields. For the traced step the key is computed on the graph as traced, *before* any pass
+(:func:`assign_keys`), and stays on the node through the passes (``node.meta``), so a pass
+that moves nodes does not change them; the outputs of an Inductor region carry the key of
+the node whose value they return (``regional_inductor``). For ``eager`` / ``jit`` the key
+is computed in execution order by a dispatch mode (:class:`EagerRecorder`); make_fx records
+the same ATen ops in the same order, so the traced and the eager step share keys.
+
+Where keys cannot match: nodes a pass creates (bucketed collectives, copies) have no key
+and are not recorded; the nodes inside an Inductor region or a fully compiled graph
+(``--compile.inductor_compilation full``: only the loss and the gradients are recorded)
+do not run; recomputation (SAC / AC) runs forward ops again in the backward (the traced
+graph keeps the forward key, and only an op's first output is recorded; eager records the
+rerun ops as backward ops); torch.compile'd regions (``jit``) run Inductor kernels, not ATen
+ops. Keys found on one side only are counted, not compared.
+
+Every run records, besides the ops, ``"loss"`` and ``"grad:<parameter FQN>"`` (the step's
+outputs), so fully compiled runs and runs with unmatched keys still compare those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graph_trainer import MODULE_FQN_KEY, NUMERICS_KEY, PHASE_KEY
+
+#: Tensors with at most this many elements are kept whole; larger ones as a strided sample.
+FULL_NUMEL = 1 << 20
+#: Elements kept of a larger tensor (evenly strided over its flattened values).
+SAMPLE_NUMEL = 1 << 16
+
+
+@dataclass
+class Record:
+    """One op output, as recorded.
+
+    Attributes:
+        shape / dtype: of the output tensor.
+        fingerprint: a hash of its bytes (bitwise equality of the whole tensor).
+        values: the tensor (CPU) when it has at most :data:`FULL_NUMEL` elements, else
+            :data:`SAMPLE_NUMEL` evenly strided elements of it (flattened); ``sampled`` says which.
+        nonfinite: number of NaN / inf elements in the whole tensor.
+    """
+
+    shape: tuple
+    dtype: str
+    fingerprint: int
+    values: torch.Tensor
+    sampled: bool
+    nonfinite: int
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A 64-bit hash of ``t``'s values as bits (any dtype, any device; not cryptographic):
+    the wrapping int64 sum of ``bits * (position mixed with a large odd constant)``. Equal
+    tensors give equal fingerprints; unequal ones collide with probability ~2**-64."""
+    x = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    bits = x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
+    pos = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
+    weights = pos * 0x1E3779B97F4A7C15 + (pos >> 7) * 0x21C8864680B583EB + 1  # wraps in int64
+    return int((bits * weights).sum())
+
+
+def record(t: torch.Tensor) -> Record:
+    """The :class:`Record` of tensor ``t`` (moved to the CPU)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    flat = t.reshape(-1)
+    sampled = flat.numel() > FULL_NUMEL
+    if sampled:
+        idx = torch.linspace(0, flat.numel() - 1, SAMPLE_NUMEL, device=flat.device).long()
+        values = flat[idx]
+    else:
+        values = flat
+    nonfinite = int((~torch.isfinite(flat)).sum()) if flat.is_floating_point() else 0
+    return Record(tuple(t.shape), str(t.dtype).replace("torch.", ""), fingerprint(t), values.cpu().clone(), sampled,
+                  nonfinite)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def op_name(target: Any) -> str:
+    """``aten.mm.default`` for an OpOverload, the name otherwise."""
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def assign_keys(gm: torch.fx.GraphModule) -> int:
+    """Write each ``call_function`` node's key ``(phase, fqn, op, occurrence)`` into
+    ``node.meta["numerics_key"]``, in graph order (call on the graph as traced, before any
+    pass). Returns the number of keyed nodes."""
+    seen: dict[tuple, int] = defaultdict(int)
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        custom = node.meta.get("custom") or {}
+        base = (custom.get(PHASE_KEY, ""), custom.get(MODULE_FQN_KEY, ""), op_name(node.target))
+        node.meta[NUMERICS_KEY] = (*base, seen[base])
+        seen[base] += 1
+        n += 1
+    return n
+
+
+def key_text(key: Any) -> str:
+    """``backward layers.0.attention_norm aten.mul.Tensor #3`` for a key, the string itself otherwise."""
+    if isinstance(key, tuple) and len(key) == 4:
+        phase, fqn, op, occ = key
+        return f"{phase or '-'} {fqn or '(no module)'} {op} #{occ}"
+    return str(key)
+
+
+class GraphRecorder(torch.fx.Interpreter):
+    """Run a (passed) traced step graph node by node and record the first output of each
+    keyed node (``node.meta["numerics_key"]``); a region's getitem outputs record under the
+    key they carry. ``records``: ``{key: Record}`` in execution order."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.records: dict[Any, Record] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        key = n.meta.get(NUMERICS_KEY)
+        if key is not None and key not in self.records:
+            tensors = _tensors(out)
+            if tensors:
+                self.records[key] = record(tensors[0])
+        return out
+
+
+class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """Record the ATen ops of an eager forward + backward with the keys of
+    :func:`assign_keys`: the module FQN from :func:`graph_trainer.trace.annotate_module_fqns`
+    (forward) and the autograd node's ``seq_nr`` (backward). Set :attr:`phase` to
+    ``"backward"`` before calling ``backward()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: dict[Any, Record] = {}
+        self.phase = "forward"
+        self._seen: dict[tuple, int] = defaultdict(int)
+        self._fqn_of_seq: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch.fx.traceback as fx_traceback
+
+        out = func(*args, **(kwargs or {}))
+        if self.phase == "forward":
+            fqn = (fx_traceback.current_meta.get("custom") or {}).get(MODULE_FQN_KEY, "")
+            seq = torch._C._autograd._get_sequence_nr() - 1
+            self._fqn_of_seq.setdefault(seq, fqn)
+        else:
+            node = torch._C._current_autograd_node()
+            fqn = self._fqn_of_seq.get(node._sequence_nr(), "") if node is not None else ""
+        base = (self.phase, fqn, op_name(func))
+        key = (*base, self._seen[base])
+        self._seen[base] += 1
+        tensors = _tensors(out)
+        if tensors and key not in self.records:
+            self.records[key] = record(tensors[0])
+        return out
+
+
+@contextlib.contextmanager
+def record_eager_forward(model: torch.nn.Module, recorder: EagerRecorder):
+    """Module-FQN annotation (as tracing does) and ``recorder`` active around the forward."""
+    import torch.fx.traceback as fx_traceback
+
+    from graph_trainer.trace import annotate_module_fqns
+
+    with fx_traceback.preserve_node_meta(), annotate_module_fqns(model), recorder:
+        yield
+
+
+def add_step_outputs(records: dict, loss: torch.Tensor, named_grads: list[tuple[str, torch.Tensor | None]]) -> None:
+    """Record ``loss`` and each ``grad:<fqn>`` (local shards under FSDP / TP) into ``records``."""
+    if hasattr(loss, "full_tensor"):
+        loss = loss.full_tensor()
+    records["loss"] = record(loss)
+    for name, g in named_grads:
+        name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+        if g is not None:
+            if hasattr(g, "to_local"):
+                g = g.to_local()
+            records[f"grad:{name}"] = record(g)
+
+
+def save(folder: str, rank: int, records: dict, meta: dict) -> str:
+    """Write ``records`` (in order) and ``meta`` to ``<folder>/rank<rank>.pt``; returns the path.
+    Nothing is overwritten: an existing file is kept as ``rank<rank>.<N>.pt``."""
+    from graph_trainer.metrics import keep_previous
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank}.pt")
+    keep_previous(path)
+    torch.save({"meta": meta, "keys": list(records), "records": [vars(r) for r in records.values()]}, path)
+    return path
+
+
+def load(path: str) -> tuple[dict[Any, Record], dict]:
+    """Read a file written by :func:`save`: ``({key: Record} in execution order, meta)``.
+
+    Raises:
+        ValueError: not a numerics record file.
+    """
+    try:
+        data = torch.load(path, weights_only=False)
+        recs = {k: Record(**r) for k, r in zip(data["keys"], data["records"])}
+    except Exception as e:  # a truncated or foreign file
+        raise ValueError(f"{path}: not a numerics record ({type(e).__name__}: {e})") from None
+    return recs, data.get("meta", {})
