@@ -12,8 +12,8 @@ The key of an op (the matching rule)::
 ``phase`` is ``"forward"`` or ``"backward"``, the FQN the innermost module that ran the op
 (backward ops: the module of the forward op they differentiate, through the autograd
 ``seq_nr``; ``""`` outside any module, e.g. the loss), ``op`` the ATen overload
-(``aten.mm.default``), and ``occurrence`` counts the earlier ops with the same first three
-fields. For the traced step the key is computed on the graph as traced, *before* any pass
+(``aten.mm.default``; output ``i > 0`` of a multi-output op is ``op[i]``), and
+``occurrence`` counts the earlier ops with the same first three fields. For the traced step the key is computed on the graph as traced, *before* any pass
 (:func:`assign_keys`), and stays on the node through the passes (``node.meta``), so a pass
 that moves nodes does not change them; the outputs of an Inductor region carry the key of
 the node whose value they return (``regional_inductor``). For ``eager`` / ``jit`` the key
@@ -71,6 +71,7 @@ class Record:
     nonfinite: int
 
 
+_CHUNK = 1 << 24
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -83,10 +84,14 @@ def fingerprint(t: torch.Tensor) -> int:
         x = x.to(torch.uint8)
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
-    bits = x.view(_INT_VIEW[x.element_size()]).to(torch.int64)
-    pos = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64)
-    weights = pos * 0x1E3779B97F4A7C15 + (pos >> 7) * 0x21C8864680B583EB + 1  # wraps in int64
-    return int((bits * weights).sum())
+    ints = x.view(_INT_VIEW[x.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for start in range(0, ints.numel(), _CHUNK):  # bounded temporaries on large tensors
+        bits = ints[start : start + _CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + bits.numel(), device=x.device, dtype=torch.int64)
+        weights = pos * 0x1E3779B97F4A7C15 + (pos >> 7) * 0x21C8864680B583EB + 1  # wraps in int64
+        total += (bits * weights).sum()
+    return int(total)
 
 
 def record(t: torch.Tensor) -> Record:
@@ -95,21 +100,31 @@ def record(t: torch.Tensor) -> Record:
     flat = t.reshape(-1)
     sampled = flat.numel() > FULL_NUMEL
     if sampled:
-        idx = torch.linspace(0, flat.numel() - 1, SAMPLE_NUMEL, device=flat.device).long()
+        # integer positions (a float linspace rounds past the end on ~1e9 elements)
+        idx = torch.arange(SAMPLE_NUMEL, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // (SAMPLE_NUMEL - 1)
         values = flat[idx]
     else:
         values = flat
+    if values.is_complex():
+        values = torch.view_as_real(values)
     nonfinite = int((~torch.isfinite(flat)).sum()) if flat.is_floating_point() else 0
     return Record(tuple(t.shape), str(t.dtype).replace("torch.", ""), fingerprint(t), values.cpu().clone(), sampled,
                   nonfinite)
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
+def _outputs(out: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(output index, tensor)`` of an op's result (one tensor, or a tuple / list)."""
     if isinstance(out, torch.Tensor):
-        return [out]
+        return [(0, out)]
     if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
+        return [(i, t) for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
     return []
+
+
+def output_key(key: tuple, index: int) -> tuple:
+    """The key of output ``index`` of a multi-output op: the op's own key for output 0,
+    ``op[index]`` in place of the op name otherwise."""
+    return key if index == 0 else (key[0], key[1], f"{key[2]}[{index}]", key[3])
 
 
 def op_name(target: Any) -> str:
@@ -144,8 +159,9 @@ def key_text(key: Any) -> str:
 
 class GraphRecorder(torch.fx.Interpreter):
     """Run a (passed) traced step graph node by node and record the first output of each
-    keyed node (``node.meta["numerics_key"]``); a region's getitem outputs record under the
-    key they carry. ``records``: ``{key: Record}`` in execution order."""
+    keyed node (``node.meta["numerics_key"]``; output ``i`` of a multi-output op under
+    :func:`output_key`); a region's getitem outputs record under the key they carry.
+    ``records``: ``{key: Record}`` in execution order."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
@@ -154,10 +170,11 @@ class GraphRecorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         key = n.meta.get(NUMERICS_KEY)
-        if key is not None and key not in self.records:
-            tensors = _tensors(out)
-            if tensors:
-                self.records[key] = record(tensors[0])
+        if key is not None:
+            for i, t in _outputs(out):
+                k = output_key(key, i) if n.target is not operator.getitem else key
+                if k not in self.records:
+                    self.records[k] = record(t)
         return out
 
 
@@ -188,9 +205,9 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         base = (self.phase, fqn, op_name(func))
         key = (*base, self._seen[base])
         self._seen[base] += 1
-        tensors = _tensors(out)
-        if tensors and key not in self.records:
-            self.records[key] = record(tensors[0])
+        for i, t in _outputs(out):
+            if output_key(key, i) not in self.records:
+                self.records[output_key(key, i)] = record(t)
         return out
 
 

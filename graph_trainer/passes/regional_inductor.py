@@ -46,6 +46,7 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, NUMERICS_KEY
+from graph_trainer.numerics import output_key
 from graph_trainer.passes.common import (
     custom_meta,
     detect_graph_fake_mode,
@@ -153,7 +154,8 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
 
 def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
     """Give each region output (a getitem of the region call) the ``numerics_key`` of the
-    node inside the region whose value it returns (graph_trainer.numerics)."""
+    node inside the region whose value it returns, or of output ``i`` of the multi-output
+    op when that node is its ``getitem`` (graph_trainer.numerics)."""
     for node in gm.graph.find_nodes(op="call_module"):
         if not str(node.target).startswith(REGION_PREFIX):
             continue
@@ -161,8 +163,12 @@ def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
         for user in node.users:
             if is_getitem(user) and isinstance(user.args[1], int) and user.args[1] < len(outs):
                 inner = outs[user.args[1]]
-                if isinstance(inner, torch.fx.Node) and NUMERICS_KEY in inner.meta:
+                if not isinstance(inner, torch.fx.Node):
+                    continue
+                if NUMERICS_KEY in inner.meta:
                     user.meta[NUMERICS_KEY] = inner.meta[NUMERICS_KEY]
+                elif is_getitem(inner) and NUMERICS_KEY in inner.args[0].meta:  # output i of a multi-output op
+                    user.meta[NUMERICS_KEY] = output_key(inner.args[0].meta[NUMERICS_KEY], inner.args[1])
 
 
 def _annotation(gm: torch.fx.GraphModule) -> dict:

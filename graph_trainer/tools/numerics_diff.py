@@ -53,7 +53,7 @@ from graph_trainer.tools.sides import (
 @dataclass
 class Divergence:
     """One op whose output differs. ``max_abs`` / ``max_rel``: over the compared elements
-    (``None`` when shapes or dtypes differ); ``sampled``: measured on a strided sample."""
+    (``max_rel`` None for integer outputs); ``sampled``: measured on a strided sample."""
 
     key: Any
     shape_a: tuple
@@ -63,16 +63,18 @@ class Divergence:
     max_abs: float | None
     max_rel: float | None
     sampled: bool
-    note: str = ""
 
 
 @dataclass
 class Comparison:
     """The result for one rank: ``divergent`` in A's execution order, ``matched`` ops
-    compared, the keys found on one side only."""
+    compared, the keys found on one side only, and ``reshaped``: keys on both sides whose
+    outputs differ in shape or dtype (a matching failure, e.g. FSDP's own parameter views in
+    eager against the traced shards; not compared)."""
 
     matched: int
     divergent: list[Divergence] = field(default_factory=list)
+    reshaped: list = field(default_factory=list)
     only_a: list = field(default_factory=list)
     only_b: list = field(default_factory=list)
 
@@ -98,10 +100,10 @@ def _diff(ra, rb) -> tuple[float | None, float | None]:
 def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = None) -> Comparison:
     """Compare two runs' records (``{key: graph_trainer.numerics.Record}`` in execution order).
 
-    An op differs when its shape or dtype differs, or -- bitwise (``rtol`` and ``atol``
-    None) -- when its fingerprint differs, or -- with a tolerance -- when some compared
-    element has ``|a - b| > atol + rtol * |b|`` (NaN equal to NaN; a missing one of the two
-    is taken as 0).
+    Ops are compared when their key is on both sides with the same shape and dtype. One
+    differs -- bitwise (``rtol`` and ``atol`` None) -- when its fingerprint differs, or --
+    with a tolerance -- when some compared element has ``|a - b| > atol + rtol * |b|``
+    (NaN equal to NaN; a missing one of the two is taken as 0).
     """
     out = Comparison(matched=0)
     tolerant = rtol is not None or atol is not None
@@ -111,21 +113,22 @@ def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = No
         if rb is None:
             out.only_a.append(key)
             continue
-        out.matched += 1
-        same_kind = ra.shape == rb.shape and ra.dtype == rb.dtype
-        if same_kind and ra.fingerprint == rb.fingerprint:
+        if ra.shape != rb.shape or ra.dtype != rb.dtype:
+            out.reshaped.append(key)
             continue
-        max_abs, max_rel = _diff(ra, rb) if same_kind else (None, None)
-        if same_kind and tolerant:
+        out.matched += 1
+        if ra.fingerprint == rb.fingerprint:
+            continue
+        max_abs, max_rel = _diff(ra, rb)
+        if tolerant:
             import torch
 
             x, y = ra.values.double(), rb.values.double()
             close = torch.isclose(x, y, rtol=rt, atol=at, equal_nan=True) if x.is_floating_point() else x == y
             if bool(close.all()):
                 continue
-        note = "" if same_kind else "shape/dtype differs"
         out.divergent.append(Divergence(key, ra.shape, rb.shape, ra.dtype, rb.dtype, max_abs, max_rel,
-                                        ra.sampled or rb.sampled, note))
+                                        ra.sampled or rb.sampled))
     out.only_b = [k for k in b if k not in a]
     return out
 
@@ -138,23 +141,24 @@ def describe(div: Divergence) -> str:
     """One line: the op's key, shapes and its max abs / rel difference."""
     from graph_trainer.numerics import key_text
 
-    shapes = (f"{list(div.shape_a)} {div.dtype_a}" if (div.shape_a, div.dtype_a) == (div.shape_b, div.dtype_b)
-              else f"A {list(div.shape_a)} {div.dtype_a} vs B {list(div.shape_b)} {div.dtype_b}")
-    extra = " (sampled)" if div.sampled else ""
-    note = f" [{div.note}]" if div.note else ""
-    return f"{key_text(div.key)}: {shapes}, max abs {_fmt(div.max_abs)}, max rel {_fmt(div.max_rel)}{extra}{note}"
+    shapes = f"{list(div.shape_a)} {div.dtype_a}"
+    extra = ""
+    if div.sampled:
+        extra = " (bits differ outside the sampled elements)" if div.max_abs == 0 else " (sampled)"
+    return f"{key_text(div.key)}: {shapes}, max abs {_fmt(div.max_abs)}, max rel {_fmt(div.max_rel)}{extra}"
 
 
 def report(cmp: Comparison, rank: int, next_n: int) -> str:
     """The text printed for one rank."""
-    lines = [f"rank {rank}: {cmp.matched} ops matched ({len(cmp.only_a)} only in A, {len(cmp.only_b)} only in B)"]
+    lines = [f"rank {rank}: {cmp.matched} ops compared ({len(cmp.only_a)} only in A, {len(cmp.only_b)} only in B, "
+             f"{len(cmp.reshaped)} with the same key but another shape or dtype)"]
     if not cmp.divergent:
         lines.append("  no difference")
         return "\n".join(lines)
     lines.append(f"  first difference: {describe(cmp.divergent[0])}")
     for d in cmp.divergent[1 : 1 + next_n]:
         lines.append(f"  then:             {describe(d)}")
-    lines.append(f"  {len(cmp.divergent)} of {cmp.matched} matched ops differ")
+    lines.append(f"  {len(cmp.divergent)} of {cmp.matched} compared ops differ")
     return "\n".join(lines)
 
 
@@ -274,6 +278,7 @@ def _print(result: dict, args, out: str | None, labels: dict | None = None) -> i
         print(report(cmp, r, args.next))
     if out:
         payload = {str(r): {"matched": c.matched, "only_a": len(c.only_a), "only_b": len(c.only_b),
+                            "reshaped": len(c.reshaped),
                             "divergent": [{**vars(d), "key": key_text(d.key)} for d in c.divergent]}
                    for r, c in result.items()}
         path = os.path.join(out, "numerics_diff.json")
