@@ -650,7 +650,7 @@ def help_text(merged_cls) -> str:
 def preflight(cfg, world_size: int) -> None:
     """Everything knowable before any process starts, beyond :func:`validate`: the data and
     tokenizer (:func:`graph_trainer.data.preflight`), the parallel degrees against
-    ``world_size`` (NGPU), the layout ``aot_fx_trace`` traces, and the checkpoint folder a
+    ``world_size`` (NNODES x NGPU), the layout ``aot_fx_trace`` traces, and the checkpoint folder a
     resume would load (its recorded flavor / mode / layout; a ``--checkpoint.load_step``
     that does not exist).
 
@@ -679,15 +679,37 @@ def preflight(cfg, world_size: int) -> None:
         checkpoint.check_resume_compatible(folder, step, meta)
 
 
+def launch_world_size(env=None) -> int:
+    """The world run_train.sh starts: ``NNODES`` hosts (default 1) x ``NGPU`` ranks each
+    (default 1), with ``NODE_RANK`` (default 0) one of the hosts.
+
+    Raises:
+        UserError: a value that is not a whole number >= 1 (``NODE_RANK``: 0..NNODES-1).
+    """
+    env = os.environ if env is None else env
+    vals = {}
+    for name, default, low in (("NGPU", 1, 1), ("NNODES", 1, 1), ("NODE_RANK", 0, 0)):
+        raw = (env.get(name) or "").strip() or str(default)
+        if not raw.isascii() or not raw.isdigit() or int(raw) < low:
+            raise UserError(f"{name}={raw} must be a whole number >= {low}.")
+        vals[name] = int(raw)
+    if vals["NODE_RANK"] >= vals["NNODES"]:
+        raise UserError(
+            f"NODE_RANK={vals['NODE_RANK']} must be from 0 to NNODES-1={vals['NNODES'] - 1} (this host's index)."
+        )
+    return vals["NNODES"] * vals["NGPU"]
+
+
 def _check_main(argv: list[str]) -> int:
     """``python -m graph_trainer.config ARGS``: validate a command line (:func:`parse_args`)
-    and what it points at (:func:`preflight`, with ``NGPU`` ranks, default 1); exit 2 on errors.
+    and what it points at (:func:`preflight`, with ``NNODES x NGPU`` ranks, each default 1,
+    :func:`launch_world_size`); exit 2 on errors.
 
     run_train.sh calls this before torchrun so bad input gives one paragraph, not a
     wall of per-rank failures.
     """
     try:
-        preflight(parse_args(argv), int(os.environ.get("NGPU") or 1))
+        preflight(parse_args(argv), launch_world_size())
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

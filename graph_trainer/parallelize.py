@@ -34,6 +34,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def init_device_and_dist() -> tuple[torch.device, int, int]:
     """Pick the device and initialise the process group from torchrun's env.
 
+    ``RANK`` / ``WORLD_SIZE`` span every host (``NNODES x NGPU``); the GPU is this host's
+    ``LOCAL_RANK``-th, and ``MASTER_ADDR`` / ``MASTER_PORT`` come from torchrun's rendezvous.
+
     Returns:
         ``(device, rank, world_size)``; ``cuda:LOCAL_RANK`` when CUDA is available
         (NCCL), else ``cpu`` (gloo).
@@ -88,26 +91,36 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
         if getattr(p, name) != 1:
             raise UserError(f"--parallelism.{name}={getattr(p, name)} is not supported by graph_trainer; use 1.")
     tp, rep, shard = p.tensor_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    world, name = _world_name(world_size)
     if shard > world_size:
         raise UserError(
             f"--parallelism.data_parallel_shard_degree={shard} is larger than the world "
-            f"size {world_size} (NGPU). Use -1 (the rest) or a divisor of NGPU."
+            f"size {world_size} ({name}). Use -1 (the rest) or a divisor of {name}."
         )
     if tp < 1 or rep < 1 or world_size % (tp * rep) != 0:
         raise UserError(
-            f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide NGPU={world_size}."
+            f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide {world}."
         )
     if shard == -1:
         shard = world_size // (tp * rep)
     if tp * rep * shard != world_size:
         raise UserError(
             f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
-            f"TP {tp}) but NGPU={world_size}. Make the product equal NGPU (shard -1 = the rest)."
+            f"TP {tp}) but {world}. Make the product equal {name} (shard -1 = the rest)."
         )
     for what, h in (("heads", n_heads), ("KV heads", n_kv_heads or n_heads)):
         if h % tp:
             raise UserError(f"tensor_parallel_degree={tp} does not divide the model's {h} {what}.")
     return rep, shard, tp
+
+
+def _world_name(world_size: int) -> tuple[str, str]:
+    """How errors name the world: ``("NGPU=8", "NGPU")`` on one host, else (run_train.sh
+    exports ``NNODES``) ``("NNODES x NGPU=2x8=16", "NNODES x NGPU")``."""
+    nnodes = os.environ.get("NNODES", "1").strip()
+    if nnodes.isascii() and nnodes.isdigit() and int(nnodes) > 1 and world_size % int(nnodes) == 0:
+        return f"NNODES x NGPU={nnodes}x{world_size // int(nnodes)}={world_size}", "NNODES x NGPU"
+    return f"NGPU={world_size}", "NGPU"
 
 
 def layout_key(replicate: int, shard: int, tp: int) -> str:
