@@ -11,9 +11,11 @@
   ``run_pipeline`` (runs them, logs and dumps each).
 * :mod:`.common`: the helpers the passes share (not a pass); a pass imports from here,
   never from another pass.
-* Two modules that are not passes: :mod:`.memory_estimate` (an analysis helper: the
-  static peak-memory estimate used by the dry run) and :mod:`.pin_collectives` (an
-  Inductor post-grad hook used by ``full_inductor``).
+* Modules that are not passes: :mod:`.memory_estimate` (an analysis helper: the
+  static peak-memory estimate used by the dry run), :mod:`.memory_policy` (the levers
+  chosen from it), :mod:`.pass_report` (what each pass did: the per-pass table, readable
+  dumps and diffs, tlparse artifacts) and :mod:`.pin_collectives` (an Inductor post-grad
+  hook used by ``full_inductor``).
 """
 
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass

@@ -43,7 +43,7 @@ from graph_trainer.tools.sides import (
     CompareError,
     add_side_arguments,
     forced_flags,
-    join_flag_values,
+    parse_cli,
     resolve_sides,
     run_cli,
     validate_sides,
@@ -211,12 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code (0 no difference, 1 a difference or a failed run, 2 bad input)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
-    args = build_parser().parse_args(join_flag_values(argv))
+    args, extra = parse_cli(build_parser(), argv)
 
     def body(holder):
         for name in ("rtol", "atol"):

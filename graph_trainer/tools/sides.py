@@ -334,6 +334,17 @@ def add_side_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
 
 
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """Parse a two-sided tool's command line (``sys.argv[1:]`` when ``argv`` is None): the
+    options before ``--`` with ``parser``, and the ``run_train.sh`` arguments after it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    return parser.parse_args(join_flag_values(argv)), extra
+
+
 def run_cli(body) -> int:
     """Run ``body(holder) -> exit code`` with this tool's error handling: a CompareError
     prints one paragraph and gives 2, Ctrl-C gives 130; the temporary worktrees that
