@@ -650,23 +650,19 @@ def help_text(merged_cls) -> str:
 def preflight(cfg, world_size: int) -> None:
     """Everything knowable before any process starts, beyond :func:`validate`: the data and
     tokenizer (:func:`graph_trainer.data.preflight`), the parallel degrees against
-    ``world_size`` (NNODES x NGPU), the layout ``aot_fx_trace`` traces, and the checkpoint folder a
+    ``world_size`` (NNODES x NGPU), and the checkpoint folder a
     resume would load (its recorded flavor / mode / layout; a ``--checkpoint.load_step``
     that does not exist).
 
     Raises:
         UserError: naming the flag or file and what to do.
     """
-    import types
-
     from graph_trainer import checkpoint, data, parallelize
     from graph_trainer.llama3 import llama3_args
 
     data.preflight(cfg)
     flavor = llama3_args[cfg.model.flavor]
     rep, shard, tp = parallelize.check_parallel_degrees(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
-    if cfg.compile.mode == "aot_fx_trace":
-        parallelize.check_trace_layout(types.SimpleNamespace(dp_replicate=rep, dp_shard=shard, tp=tp))
     if not cfg.checkpoint.enable:
         return
     folder = checkpoint.checkpoint_folder(cfg)

@@ -23,6 +23,10 @@ bf16 copy of the model per rank for the whole step. The ``reshard_after_forward`
 (:mod:`graph_trainer.passes`) rewires the backward to a second all-gather of each shard,
 so the forward copy dies after its last forward use (``--compile.fsdp.keep_last_blocks K``
 keeps the forward copy of the last K blocks instead).
+
+HSDP (replicas of an FSDP group) and replicate x TP: :func:`all_reduce_grad` wraps each
+placeholder, so the reduce-scattered gradient is then all-reduced (sum) over the replicas,
+also as graph nodes.
 """
 
 from __future__ import annotations
@@ -75,6 +79,37 @@ class _AllGather(torch.autograd.Function):
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out = out.wait()
         return out, None, None, None, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """x -> x (forward); backward: all-reduce (sum) the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = funcol.all_reduce(grad, "sum", ctx.group)
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        return out, None
+
+
+def all_reduce_grad(t: torch.Tensor, group) -> torch.Tensor:
+    """Identity on ``t`` whose backward sums ``t``'s gradient over ``group``: the replicate
+    dimension of HSDP / replicate x TP. Applied to a placeholder (an FSDP shard or a TP-local
+    parameter, fp32), it puts one ``_c10d_functional.all_reduce`` + ``wait_tensor`` per
+    parameter into the traced backward, after the FSDP reduce-scatter that produced the
+    shard's gradient (the order of FSDP2's HSDP: reduce-scatter inside a replica, then
+    all-reduce across replicas).
+
+    Args:
+        t: any tensor (shape, dtype and values unchanged; a view of ``t``).
+        group: the replicate process group (ranks holding the same shard).
+    """
+    return _AllReduceGrad.apply(t, group)
 
 
 def all_gather_param(shard, spec, group, param_dtype=None, reduce_dtype=torch.float32):
@@ -174,20 +209,27 @@ def sharded_grad_norm_(
     the world). ``weights[i]`` (default 1) corrects for tensors held identically by
     several ranks of ``group``: with TP, a TP-replicated parameter (norm weights under
     sequence parallel) has weight ``1 / tp``; FSDP shards and TP shards have 1.
-    Padding contributes zero.
+    Padding contributes zero. With all weights 1 the rounding is that of
+    ``torch.nn.utils.get_total_norm`` on FSDP2's DTensor gradients (DTensor's partial-norm
+    reduction of the stacked per-tensor norms: squares summed over ``group`` as one vector,
+    ``** 0.5``, then their 2-norm), so the traced FSDP / HSDP step reports eager's norm bitwise.
     """
     grads = [s.grad for s in shards if s.grad is not None]
     # per-tensor norms first (torch's accurate reduction), as torch.nn.utils.get_total_norm
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads)).pow(2)
-        if weights is not None:
-            w = [wi for s, wi in zip(shards, weights) if s.grad is not None]
-            sq = sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)
-        local = sq.sum()
-    else:
+    if not grads:
         local = torch.zeros(())
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    total = local.sqrt()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        total = local.sqrt()
+    elif weights is None or all(w == 1 for w in weights):
+        sq = torch.stack(torch._foreach_norm(grads)) ** 2
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        total = torch.linalg.vector_norm(sq**0.5)
+    else:
+        sq = torch.stack(torch._foreach_norm(grads)).pow(2)
+        w = [wi for s, wi in zip(shards, weights) if s.grad is not None]
+        local = (sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        total = local.sqrt()
     clip = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_(grads, clip)
     return total

@@ -10,9 +10,11 @@
   only tags nodes for the ``sac_recompute`` pass), then traceable FSDP over the
   ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`). The FSDP and TP collectives are nodes of
   the traced graph. Mixed precision is a cast of the parameters inside the graph
-  (:mod:`graph_trainer.trace`). Replicated data parallelism (``dp_replicate`` alone)
-  all-reduces the gradients (mean) after the graph (:func:`all_reduce_grads`); HSDP and
-  replicate x TP are rejected (:func:`check_trace_layout`).
+  (:mod:`graph_trainer.trace`). With FSDP or TP, a replicate dimension (HSDP, replicate x
+  TP) all-reduces each reduce-scattered / TP-local gradient over the replicas, also inside
+  the graph (:func:`graph_trainer.fsdp.all_reduce_grad`). Replicated data parallelism
+  alone (``dp_replicate`` only) sums the gradients after the graph in one flat all-reduce
+  (:func:`all_reduce_grads`).
 """
 
 from __future__ import annotations
@@ -259,9 +261,13 @@ class TraceParallel:
             over ``tp_mesh`` with the parameter's TP placements.
         opt_module: the module handed to the optimizer builder and the checkpointer.
         fsdp_group: the FSDP process group, or None.
-        dp_group: the data-parallel ranks sharing the global batch (the FSDP group, or the
-            world under replicated DP), or None: the loss's token count and the gradients
-            are summed over it (:func:`graph_trainer.model.loss_fn`).
+        dp_group: the data-parallel ranks sharing the global batch (replicate x shard; the
+            world under replicated DP alone), or None: the loss's token count and the
+            gradients are summed over it (:func:`graph_trainer.model.loss_fn`).
+        replicate_group: the ranks holding the same shard under HSDP / replicate x TP (the
+            gradient all-reduce in the graph), or None.
+        norm_group: the ranks over which the squared gradient norm is summed (one replica:
+            shard x TP), or None for the world.
         tp_mesh: the TP DeviceMesh, or None; ``loss_parallel``: trace under
             ``torch.distributed.tensor.parallel.loss_parallel()``.
         norm_weights: per param, the weight of its squared grad norm in the global norm
@@ -275,6 +281,8 @@ class TraceParallel:
         self.opt_module = None
         self.fsdp_group = None
         self.dp_group = None
+        self.replicate_group = None
+        self.norm_group = None
         self.tp_mesh = None
         self.loss_parallel = False
         self.norm_weights: list[float] | None = None
@@ -305,36 +313,29 @@ class TraceParallel:
         if self.sharded:
             from graph_trainer import fsdp
 
-            return fsdp.sharded_grad_norm_(self.params, max_norm, None, self.norm_weights)
+            return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
         from torchtitan.distributed.utils import clip_grad_norm_
 
         return clip_grad_norm_(self.params, max_norm, foreach=True)
 
 
-def check_trace_layout(parallel_dims) -> None:
-    """Raises UserError for layouts ``aot_fx_trace`` does not trace: replicated DP
-    together with FSDP (HSDP) or with TP."""
-    if parallel_dims.dp_replicate > 1 and (parallel_dims.dp_shard > 1 or parallel_dims.tp > 1):
-        raise UserError("aot_fx_trace supports FSDP x TP or plain replicated DP, not HSDP / replicate x TP.")
-
-
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
     """Prepare ``model`` for ``aot_fx_trace`` under ``parallel_dims``: TP (torchtitan's
     Llama3 plan, sequence-parallel norms, loss parallel), then activation checkpointing,
-    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`).
+    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`), then, with
+    ``dp_replicate > 1``, the gradient all-reduce over the replicas
+    (:func:`graph_trainer.fsdp.all_reduce_grad`). The mesh is torchtitan's order
+    ``(dp_replicate, dp_shard, tp)``: rank = (replica x shard + shard rank) x tp + tp rank.
 
     The collectives of both end up in the traced graph: DTensor ops traced by make_fx
     become ``_c10d_functional`` nodes. Mixed precision: the placeholders stay fp32; the
     compute copy is cast to ``mixed_precision_param`` before the FSDP all-gather and
     before ``DTensor.from_local``, so FSDP reduce-scatters run in ``mixed_precision_reduce``
     (fp32) and the TP all-reduce of the norm weights' partial gradients in the compute
-    dtype, as in torchtitan's FSDP2 + TP.
-
-    Raises:
-        UserError: replicate DP together with FSDP or TP.
+    dtype, as in torchtitan's FSDP2 + TP; the replicate all-reduce runs in fp32 on the
+    reduced gradient, as FSDP2's HSDP.
     """
-    check_trace_layout(parallel_dims)
-    tp, shard = parallel_dims.tp, parallel_dims.dp_shard
+    rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
     pdtype = None if pdtype == torch.float32 else pdtype
     rdtype = DTYPES[cfg.training.mixed_precision_reduce]
@@ -344,7 +345,10 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     if tp > 1 or shard > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (shard, tp), mesh_dim_names=("dp_shard", "tp"))
+        if rep > 1:
+            mesh = init_device_mesh(device.type, (rep, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        else:
+            mesh = init_device_mesh(device.type, (shard, tp), mesh_dim_names=("dp_shard", "tp"))
     if tp > 1:
         from torchtitan.models.llama3.infra.parallelize import apply_tp
 
@@ -380,15 +384,23 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     else:
         specs = None
         out.params = [torch.nn.Parameter(t.clone()) for t in local]
+    if rep > 1:
+        out.replicate_group = mesh["dp_replicate"].get_group()
+        dp_dims = ("dp_replicate", "dp_shard") if shard > 1 else ("dp_replicate",)
+        out.dp_group = _flat_group(mesh, dp_dims, "dp")
+        out.norm_group = _flat_group(mesh, tuple(d for d, n in (("dp_shard", shard), ("tp", tp)) if n > 1), "dp_shard_tp")
+        logger.info(f"Replicate degree {rep}: gradients all-reduced over the replicas inside the graph")
     del local
     fsdp.free_parameters(model, out.names)
     out.opt_module = fsdp.ShardedParams(
         specs or [fsdp.ShardSpec(n, p.shape, p.numel(), p.numel()) for n, p in zip(out.names, out.params)],
         out.params, rank, world_size,
     )
-    group, tp_mesh = out.fsdp_group, out.tp_mesh
+    group, tp_mesh, rep_group = out.fsdp_group, out.tp_mesh, out.replicate_group
 
     def materialize(ps):
+        if rep_group is not None:
+            ps = [fsdp.all_reduce_grad(p, rep_group) for p in ps]
         if group is not None:
             full = [fsdp.all_gather_param(p, s, group, pdtype, rdtype) for p, s in zip(ps, specs)]
         else:
@@ -402,3 +414,11 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
 
     out.materialize = materialize
     return out
+
+
+def _flat_group(mesh, dims: tuple[str, ...], name: str):
+    """The process group of ``mesh``'s dimensions ``dims`` together (one dimension: its own
+    group; several: DeviceMesh's flattened sub-mesh named ``name``)."""
+    if len(dims) == 1:
+        return mesh[dims[0]].get_group()
+    return mesh[dims]._flatten(name).get_group()

@@ -63,8 +63,6 @@ def train(cfg) -> dict:
     flavor = flavors()[cfg.model.flavor]
     device, rank, world_size = parallelize.init_device_and_dist()
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
-    if mode == "aot_fx_trace":
-        parallelize.check_trace_layout(parallel_dims)
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
 
     # Model: built whole on the device, then sharded / wrapped by the step builder.

@@ -159,6 +159,33 @@ def test_fake_backend_dry_run_8b_fsdp4_tp2():
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
 
 
+def _dry_run_counts(ngpu: int, *flags) -> dict[str, int]:
+    """Collective counts printed by a debug-model dry run (``COMM_MODE=fake_backend``), in a
+    fresh process: DTensor caches sharding decisions by mesh, and two TP runs in one process
+    would share them."""
+    import re
+
+    env = {**os.environ, "COMM_MODE": "fake_backend", "NGPU": str(ngpu)}
+    r = subprocess.run(["bash", "run_train.sh", "--training.seq_len", "64", *flags], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return {k: int(v) for k, v in re.findall(r"  (\w+): (\d+) ops", r.stdout)}
+
+
+def test_fake_backend_dry_run_hsdp_x_tp_adds_one_all_reduce_per_parameter():
+    """Replicate 2 x shard 2 x TP2 traces on 8 fake ranks; against FSDP4 x TP2 the graph has
+    the same FSDP and TP collectives plus one all-reduce per parameter (its reduce-scattered
+    gradient summed over the replicas)."""
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    hsdp = _dry_run_counts(8, *tp, "--parallelism.data_parallel_replicate_degree", "2",
+                           "--parallelism.data_parallel_shard_degree", "2")
+    fsdp = _dry_run_counts(8, *tp, "--parallelism.data_parallel_shard_degree", "4")
+    n_params = 2 + 6 * 9 + 1  # debugmodel: embedding, output, 9 per block, final norm
+    assert hsdp["all_reduce"] == fsdp["all_reduce"] + n_params
+    assert hsdp["all_gather_into_tensor"] == fsdp["all_gather_into_tensor"] > n_params
+    assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > n_params
+
+
 def test_fused_attention_on_meta_traces_one_op_and_restores_sdpa():
     """The dry run's attention: a fused op (no [seq, seq] scores) saved by SAC, GQA heads
     repeated; SDPA and torchtitan's save list are restored afterwards."""

@@ -1,5 +1,5 @@
-"""aot_fx_trace under TP, FSDP and FSDP x TP on gloo (CPU), against eager torchtitan and the
-unsharded run.
+"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP and replicate x TP on gloo (CPU), against
+eager torchtitan and the unsharded run.
 
 All runs: debug model, fp32, seq 64, batch 2, through run_train.sh.
 * Every mode computes torchtitan's gradient (token-loss sum over the global batch's valid
@@ -10,7 +10,9 @@ All runs: debug model, fp32, seq 64, batch 2, through run_train.sh.
   matmuls sum in another order).
 * FSDP2 x TP2 (4 ranks) sees the same batches as FSDP2 (2 ranks): losses match; traced and
   eager FSDP2 x TP2 have bitwise the same losses, and gradient norms equal up to the order
-  in which DTensor sums the TP-replicated norm weights' squares.
+  in which DTensor sums the TP-replicated norm weights' squares. Replicate 2 x TP2 (traced
+  only: torchtitan's eager DDP refuses TP) matches FSDP2 as well.
+* HSDP (replicate 2 x shard 2) is bitwise eager torchtitan HSDP, and matches FSDP4.
 (FSDP vs unsharded on the same batch: tests/test_fsdp.py.)
 """
 
@@ -26,12 +28,13 @@ from graph_trainer.metrics import read_metrics
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(dump, ngpu, shard, tp, mode="aot_fx_trace", steps=3):
+def _train(dump, ngpu, shard, tp, mode="aot_fx_trace", steps=3, replicate=1):
     env = {**os.environ, "NGPU": str(ngpu)}
     r = subprocess.run(
         ["bash", "run_train.sh", "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--training.steps", str(steps), "--job.dump_folder", str(dump), "--compile.mode", mode,
-         "--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp)],
+         "--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
+         "--parallelism.data_parallel_replicate_degree", str(replicate)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -66,14 +69,29 @@ def test_fsdp2_tp2_matches_fsdp2_and_eager(tmp_path):
     _, eager_loss, eager_norm = _train(tmp_path / "fsdp2tp2_eager", 4, 2, 2, mode="eager")
     assert eager_loss == loss
     _close(eager_norm, norm, 1e-6)
+    # replicate 2 x TP2: the TP-local gradients all-reduced over the replicas inside the graph
+    # (torchtitan has no eager replicate x TP); the same batches as FSDP2
+    out, loss, norm = _train(tmp_path / "rep2tp2", 4, 1, 2, replicate=2)
+    assert "Replicate degree 2: gradients all-reduced over the replicas inside the graph" in out
+    _close(loss, ref_loss, 1e-6)
+    _close(norm, ref_norm, 1e-6)
 
 
 @pytest.mark.slow
-def test_fsdp4_matches_eager_bitwise(tmp_path):
-    """4 gloo ranks: the traced step and eager torchtitan FSDP2 agree bitwise (loss, grad norm)."""
+def test_fsdp4_and_hsdp_match_eager_bitwise(tmp_path):
+    """4 gloo ranks: the traced step and eager torchtitan agree bitwise (loss, grad norm, every
+    step) for FSDP4 and for HSDP (replicate 2 x shard 2: reduce-scatter inside a replica, then
+    all-reduce across replicas, as graph nodes). FSDP4 and HSDP see the same batches: the same
+    losses; the gradients are summed in another order, so their norms agree to a tolerance."""
     _, loss, norm = _train(tmp_path / "fsdp4", 4, 4, 1, steps=2)
     _, eager_loss, eager_norm = _train(tmp_path / "fsdp4_eager", 4, 4, 1, mode="eager", steps=2)
     assert (eager_loss, eager_norm) == (loss, norm)
+    out, h_loss, h_norm = _train(tmp_path / "hsdp", 4, 2, 1, steps=2, replicate=2)
+    assert "Replicate degree 2" in out
+    _, e_loss, e_norm = _train(tmp_path / "hsdp_eager", 4, 2, 1, mode="eager", steps=2, replicate=2)
+    assert (e_loss, e_norm) == (h_loss, h_norm)
+    _close(h_loss, loss, 1e-6)
+    _close(h_norm, norm, 1e-4)
 
 
 def _tp_worker(rank, world, store_path, q):
