@@ -9,7 +9,17 @@ optimizer-state bytes per rank, the memory policy's choice for ``--compile.memor
 (or for an 80 GB and a 141 GB device when it is 0) with its predicted peak
 (:mod:`graph_trainer.passes.memory_policy`), and the estimated peak of the step's intermediate
 tensors (:mod:`graph_trainer.passes.memory_estimate`) as traced and after the
-pipeline's graph-level passes (the compiling passes are skipped: they need real tensors). Nothing is executed and no GPU is needed.
+pipeline's graph-level passes (the compiling passes are skipped: they need real tensors),
+and the projected step on a GPU kind (:mod:`graph_trainer.projection`): compute, exposed
+communication by kind and mesh dimension, step time, tps/GPU and MFU, for the graph after the
+passes of the memory policy's plan for that GPU's memory. Nothing is executed and no GPU is
+needed.
+
+The projection reads the environment (like ``NGPU``): ``PROJECTION_DEVICE`` (``h100`` |
+``h200``, default ``h100``), ``GPUS_PER_NODE`` (default 8), ``PROJECTION_ASYNC_TP=1`` (TP
+collectives overlap with compute) and ``COST_CONSTANTS`` (a JSON file of
+``scripts/cost_constants.py``; default ``graph_trainer/cost_constants/<device>.json`` when it
+exists, else datasheet values).
 """
 
 from __future__ import annotations
@@ -94,14 +104,16 @@ def dry_run(cfg) -> dict:
     """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; returns the summary.
 
     Raises:
-        UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`).
+        UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`);
+            a bad projection variable (:func:`graph_trainer.projection.env_settings`).
     """
-    from graph_trainer import parallelize
+    from graph_trainer import parallelize, projection
     from graph_trainer.model import block_layout, build_model, build_model_args, build_tokenizer, flavors, loss_fn
     from graph_trainer.passes.memory_estimate import estimate_peak_memory
     from graph_trainer.passes.memory_policy import DRY_RUN_DEVICES_GIB, HEADROOM, GiB
     from graph_trainer.passes.pipeline import COMPILING, plan_pipeline, run_pipeline
 
+    device, gpus_per_node, overlap = projection.env_settings()
     world = int(os.environ.get("NGPU", "8"))
     if not dist.is_initialized():
         try:
@@ -132,22 +144,27 @@ def dry_run(cfg) -> dict:
         [(cfg.compile.memory_budget_gib * GiB, "--compile.memory_budget_gib")] if cfg.compile.memory_budget_gib > 0
         else [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB]
     )
-    policies = []
+    policies, plans = [], []
     for budget, source in budgets:
         logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
         pipeline, policy = plan_pipeline(cfg.compile, layout, gm, budget_bytes=int(budget), state_bytes=3 * shard_bytes,
                                          has_fsdp=tpar.sharded)
         policies.append({"budget_gib": round(budget / GiB, 2), "levers": policy.levers.flags(),
                          "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2)})
-    # the graph-level passes of the last plan (compiling passes need real tensors)
-    pipeline = [s for s in pipeline if s.name not in COMPILING]
+        plans.append(pipeline)
+    # the graph-level passes (compiling passes need real tensors) of the plan for the projected
+    # device: the budget given, or the dry-run device size nearest to its memory
+    chosen = 0 if len(plans) == 1 else min(range(len(plans)),
+                                           key=lambda i: abs(DRY_RUN_DEVICES_GIB[i] - device.memory_gib))
+    pipeline = [s for s in plans[chosen] if s.name not in COMPILING]
     gm = run_pipeline(gm, traced.example_inputs, pipeline)
     names = [s.name for s in pipeline]
     peak_after, peak_node = estimate_peak_memory(gm)
     phases = Counter(n.meta.get("custom", {}).get("phase", "-") for n in gm.graph.nodes)
+    proj = _project(gm, tpar, pdims, device, gpus_per_node, overlap, shards, b * s, flops_per_token)
     summary = {
         "world_size": world,
-        "layout": f"FSDP{pdims.dp_shard}" + (f"xTP{pdims.tp}" if pdims.tp > 1 else ""),
+        "layout": layout_name(pdims.dp_replicate, pdims.dp_shard, pdims.tp),
         "flavor": cfg.model.flavor,
         "params": nparams,
         "flops_per_token": flops_per_token,
@@ -162,6 +179,7 @@ def dry_run(cfg) -> dict:
         "peak_graph_bytes_traced": peak_before,
         "peak_graph_bytes": peak_after,
         "memory_policies": policies,
+        "projection": {**proj.to_dict(), "memory_policy": policies[chosen]},
     }
     gib = 2**30
     lines = [
@@ -183,6 +201,52 @@ def dry_run(cfg) -> dict:
     for p in policies:
         lines.append(f"  memory policy for {p['budget_gib']:.1f} GiB per rank: {p['levers']} "
                      f"(predicted peak {p['predicted_peak_gib']:.1f} GiB)")
+    lines += proj.lines()
     for line in lines:
         logger.info(line)
     return summary
+
+
+def layout_name(replicate: int, shard: int, tp: int) -> str:
+    """``FSDP8``, ``FSDP4xTP2``, ``HSDP2x4`` (replicate x shard), ``DP2`` (replicated alone),
+    ``DP2xTP2``, ``FSDP1xTP2`` (TP alone)."""
+    if replicate > 1:
+        name = f"HSDP{replicate}x{shard}" if shard > 1 else f"DP{replicate}"
+    else:
+        name = f"FSDP{shard}"
+    return name + (f"xTP{tp}" if tp > 1 else "")
+
+
+def group_dims(tpar) -> dict[str, str]:
+    """``{process group name: mesh dimension}`` of a :class:`graph_trainer.parallelize.TraceParallel`:
+    its replicate (``dp_replicate``), FSDP (``dp_shard``) and TP (``tp``) groups, and the
+    data-parallel group (``dp``: replicate x shard flattened, the world under replicated DP
+    alone) where it is none of those."""
+    dims: dict[str, str] = {}
+    groups = [(getattr(tpar, "replicate_group", None), "dp_replicate"), (tpar.fsdp_group, "dp_shard"),
+              (tpar.tp_mesh.get_group() if tpar.tp_mesh is not None else None, "tp"), (tpar.dp_group, "dp")]
+    for group, dim in groups:
+        if group is not None:
+            dims.setdefault(group.group_name, dim)
+    return dims
+
+
+def _project(gm, tpar, pdims, device, gpus_per_node, overlap, shards, tokens, flops_per_token):
+    """The projection of the step graph ``gm`` (:mod:`graph_trainer.projection`), with what runs
+    after the graph: the optimizer and clipping (HBM traffic), the gradient norm's scalar
+    all-reduce (sharded layouts) and replicated DP's flat gradient all-reduce."""
+    from graph_trainer import projection as P
+
+    world = pdims.dp_replicate * pdims.dp_shard * pdims.tp
+    params = sum(p.numel() for p in shards)
+    flat = not tpar.sharded and world > 1  # parallelize.all_reduce_grads after the graph
+    extra = []
+    if tpar.sharded and world > 1:
+        extra.append(P.CollectiveOp("all_reduce", "world" if getattr(tpar, "norm_group", None) is None
+                                    else "dp_shard_tp", 4))
+    if flat:
+        extra.append(P.CollectiveOp("all_reduce", "dp", 4 * params))
+    layout = P.Layout(pdims.dp_replicate, pdims.dp_shard, pdims.tp, gpus_per_node)
+    return P.project(P.graph_work(gm, group_dims(tpar)), layout, device, tokens_per_rank=tokens,
+                     flops_per_token=flops_per_token, after_graph_bytes=P.after_graph_bytes(params, flat),
+                     extra_collectives=extra, overlap=overlap)

@@ -66,7 +66,12 @@ def peak_bf16_flops(device: torch.device) -> float | None:
         return None
     import torch
 
-    name = torch.cuda.get_device_name(device)
+    return peak_bf16_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_bf16_for_name(name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU named ``name`` (e.g. ``"NVIDIA H100 80GB HBM3"``,
+    ``"H200"``); ``None`` when the table does not know it."""
     for key, flops in _PEAK_BF16:
         if key in name:
             return flops
