@@ -104,6 +104,22 @@ class FSDP:
     picks as many as fit. Numerics unchanged."""
 
 
+AsyncTPFuse = Literal["all", "all_gather_matmul", "matmul_reduce_scatter"]
+
+
+@dataclass
+class AsyncTP:
+    """``[compile.async_tp]`` — options of ``async_tp`` (``--compile.passes async_tp``)."""
+
+    fuse: AsyncTPFuse = "all"
+    """Which TP pairs the async_tp pass replaces with torch's symmetric-memory ops: all:
+    all-gather -> matmul (symm_mem.fused_all_gather_matmul) and matmul -> reduce-scatter
+    (symm_mem.fused_matmul_reduce_scatter); all_gather_matmul / matmul_reduce_scatter:
+    only that one. CUDA only (the pass skips elsewhere). The fused matmuls run in
+    per-rank row chunks: equal to the unfused step up to the matmul kernels' choice, not
+    guaranteed bitwise (graph_trainer/passes/async_tp.py)."""
+
+
 @dataclass
 class Compile:
     """``[compile]`` — how the training step is captured and compiled.
@@ -143,6 +159,7 @@ class Compile:
     full_inductor: FullInductor = field(default_factory=FullInductor)
     sac: SAC = field(default_factory=SAC)
     fsdp: FSDP = field(default_factory=FSDP)
+    async_tp: AsyncTP = field(default_factory=AsyncTP)
 
 
 @dataclass
@@ -580,7 +597,8 @@ def validate(cfg) -> list[str]:
 
 
 #: ``--help`` lists these sections first: the ones this project adds or changes.
-PROJECT_SECTIONS = ("compile", "compile.rmsnorm", "compile.full_inductor", "compile.sac", "compile.fsdp")
+PROJECT_SECTIONS = ("compile", "compile.rmsnorm", "compile.full_inductor", "compile.sac", "compile.fsdp",
+                    "compile.async_tp")
 #: Flags left out of ``--help``: set from other flags.
 HIDDEN_FLAGS = ("compile.enable",)
 

@@ -90,6 +90,7 @@ def test_registry_and_order():
         "remove_noop_views",
         "sac_recompute",
         "reshard_after_forward",
+        "async_tp",
         "overlap_collectives",
         "bucket_collectives",
         "annotate_flex_attention_for_regional_inductor",
@@ -121,7 +122,7 @@ def test_resolve_defaults():
     ]
     assert resolve_pass_names(
         _compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True
-    ) == DEFAULT_ORDER[:8] + ["regional_inductor", "cudagraph"]
+    ) == [n for n in DEFAULT_ORDER[:9] if n != "async_tp"] + ["regional_inductor", "cudagraph"]  # async_tp: opt-in
     # bucketing unless set to 0, right after overlap_collectives
     assert resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 1}))[-3:] == [
         "overlap_collectives", "bucket_collectives", "full_inductor"]

@@ -3,7 +3,7 @@
 * **The passes**, one per module, each ``(gm: torch.fx.GraphModule, example_inputs,
   **options) -> gm`` (in the style of ``torch/_inductor/fx_passes``), in their default
   order: :mod:`.remove_dead_code`, :mod:`.remove_noop_views`, :mod:`.sac_recompute`,
-  :mod:`.reshard_after_forward`, :mod:`.overlap_collectives`, :mod:`.bucket_collectives`,
+  :mod:`.reshard_after_forward`, :mod:`.async_tp`, :mod:`.overlap_collectives`, :mod:`.bucket_collectives`,
   :mod:`.annotate_flex_attention`, :mod:`.annotate_rmsnorm`, :mod:`.annotate_pointwise`,
   :mod:`.regional_inductor`, :mod:`.full_inductor`, :mod:`.cudagraph`.
 * :mod:`.pipeline`: the registry (``PASSES``), the one default order (``DEFAULT_ORDER``),
@@ -27,6 +27,7 @@ from graph_trainer.passes.annotate_rmsnorm import (
     find_rmsnorm_instances,
     validate_inductor_configs,
 )
+from graph_trainer.passes.async_tp import async_tp_pass, find_async_tp_matches
 from graph_trainer.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
@@ -56,11 +57,13 @@ __all__ = [
     "PipelineStep",
     "build_pipeline",
     "annotate_flex_attention_for_regional_inductor_pass",
+    "async_tp_pass",
     "bucket_collectives_pass",
     "annotate_pointwise_for_regional_inductor_pass",
     "annotate_rmsnorm_for_regional_inductor_pass",
     "canonical_pass_name",
     "cudagraph_pass",
+    "find_async_tp_matches",
     "find_pointwise_regions",
     "find_rmsnorm_instances",
     "full_inductor_pass",

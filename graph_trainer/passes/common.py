@@ -13,7 +13,8 @@ passes from here, never from another pass module. What is here:
   set (:data:`RESHAPE_OPS`, :data:`SLICE_OPS`, :data:`PERMUTE_OPS`, :data:`VIEW_OPS`,
   :data:`CAST_OPS`).
 * **Collectives**: the one way to recognise them (:func:`is_collective`,
-  :func:`collective_kind`, :func:`is_wait`), the keep-alive identity :func:`hold` that
+  :func:`collective_kind`, :func:`is_wait`; the fused symmetric-memory ops of ``async_tp``
+  included), the keep-alive identity :func:`hold` that
   ``overlap_collectives`` inserts after a moved wait, and :func:`shard_chain` (what makes
   an all-gather an FSDP parameter all-gather).
 * **Graph analysis**: :class:`DisjointSet`, :func:`storages`, :func:`split_acyclic`,
@@ -201,12 +202,20 @@ def packet_names(ops: Iterable[Any]) -> frozenset[str]:
 
 #: Namespaces of collective / communication ops: never removed as dead code,
 #: never recomputed, never put inside an Inductor region by an annotation pass.
+#: ``symm_mem``: torch's symmetric-memory ops (the fused collective-matmul ops of the
+#: ``async_tp`` pass), which communicate inside the op.
 COLLECTIVE_NAMESPACES = frozenset(
-    {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"}
+    {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
 #: Namespace of the functional collectives that make_fx records for traced FSDP / TP:
 #: each issue op returns a buffer that its ``wait_tensor`` completes.
 FUNCTIONAL_COLLECTIVES = "_c10d_functional"
+#: Namespace of torch's symmetric-memory ops (``torch.distributed._symmetric_memory``).
+SYMM_MEM = "symm_mem"
+#: The fused collective-matmul ops of ``symm_mem`` that :func:`collective_kind` reports:
+#: each all-gathers / reduce-scatters inside the op and returns completed values (no
+#: ``wait_tensor``).
+FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -218,10 +227,16 @@ def is_collective(node: torch.fx.Node) -> bool:
 def collective_kind(node: torch.fx.Node) -> str | None:
     """The kind of a functional collective's issue node (``"all_gather_into_tensor"``,
     ``"reduce_scatter_tensor"``, ``"all_reduce"`` ...: its op name in
-    :data:`FUNCTIONAL_COLLECTIVES`), else None (waits and other nodes)."""
-    if not is_collective(node) or op_namespace(node.target) != FUNCTIONAL_COLLECTIVES:
+    :data:`FUNCTIONAL_COLLECTIVES`) or of a fused symmetric-memory collective-matmul op
+    (``"fused_all_gather_matmul"``, ``"fused_matmul_reduce_scatter"``:
+    :data:`FUSED_COLLECTIVE_KINDS`, which have no wait), else None (waits and other nodes)."""
+    if not is_collective(node):
         return None
     name = _op_name(node.target)
+    if op_namespace(node.target) == SYMM_MEM:
+        return name if name in FUSED_COLLECTIVE_KINDS else None
+    if op_namespace(node.target) != FUNCTIONAL_COLLECTIVES:
+        return None
     return None if name == "wait_tensor" else name
 
 

@@ -5,6 +5,7 @@ Order (:data:`DEFAULT_ORDER`, the only place it is defined; ``[compile]`` flags 
     remove_dead_code -> remove_noop_views
       -> sac_recompute                                   [sac.save]; op-level selective AC only
       -> reshard_after_forward                           [fsdp.keep_last_blocks]; FSDP only
+      -> async_tp                                        [passes = async_tp]; TP only
       -> overlap_collectives                             (no-op without collectives)
       -> bucket_collectives                              [fsdp.bucket_blocks != 0]
       -> annotate_flex_attention_for_regional_inductor   (if FlexAttention is used)
@@ -41,6 +42,7 @@ from graph_trainer.passes.common import collective_kind, has_recompute_tags, num
 from graph_trainer.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
+from graph_trainer.passes.async_tp import async_tp_pass
 from graph_trainer.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.passes.cudagraph import cudagraph_pass
 from graph_trainer.passes.full_inductor import full_inductor_pass
@@ -59,6 +61,7 @@ REMOVE_NOOP_VIEWS = "remove_noop_views"
 SAC_RECOMPUTE = "sac_recompute"
 OVERLAP_COLLECTIVES = "overlap_collectives"
 RESHARD_AFTER_FORWARD = "reshard_after_forward"
+ASYNC_TP = "async_tp"
 BUCKET_COLLECTIVES = "bucket_collectives"
 ANNOTATE_FLEX_ATTENTION = "annotate_flex_attention_for_regional_inductor"
 ANNOTATE_RMSNORM = "annotate_rmsnorm_for_regional_inductor"
@@ -74,6 +77,8 @@ PASSES: dict[str, Callable[..., Any]] = {
     # memory-policy passes
     SAC_RECOMPUTE: sac_recompute_pass,
     RESHARD_AFTER_FORWARD: reshard_after_forward_pass,
+    # after SAC's recompute copies exist, before the remaining collectives are scheduled
+    ASYNC_TP: async_tp_pass,
     OVERLAP_COLLECTIVES: overlap_collectives_pass,
     BUCKET_COLLECTIVES: bucket_collectives_pass,
     ANNOTATE_FLEX_ATTENTION: annotate_flex_attention_for_regional_inductor_pass,
@@ -97,6 +102,7 @@ ALIASES: dict[str, str] = {
     "pointwise": ANNOTATE_POINTWISE,
     "dce": REMOVE_DEAD_CODE,
     "full_inductor_compilation": FULL_INDUCTOR,
+    "micro_pipeline_tp": ASYNC_TP,
 }
 
 INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
@@ -240,6 +246,7 @@ def build_pipeline(
     levers: Levers | None = None,
     deterministic: bool = False,
     uses_flex_attention: bool = False,
+    tp_group_name: str | None = None,
 ) -> list[PipelineStep]:
     """The passes of ``compile_cfg`` (the ``[compile]`` section) with their options: the
     only place where a config field becomes a pass argument.
@@ -253,6 +260,8 @@ def build_pipeline(
             (:func:`configured_levers`); ``None``: the leanest.
         deterministic: ``--debug.deterministic``; turns off the timed RMSNorm config pick.
         uses_flex_attention: add the FlexAttention annotation.
+        tp_group_name: the TP process group's ``group_name`` for ``async_tp``; None: the
+            pass finds it in the graph (the group of the all-gathers of activations).
 
     Raises:
         ValueError: as :func:`resolve_pass_names`; block options without ``layout``.
@@ -271,6 +280,7 @@ def build_pipeline(
             "inductor_configs": _configs(compile_cfg.full_inductor.configs),
             "pin_collectives": compile_cfg.full_inductor.pin_collectives,
         },
+        ASYNC_TP: {"fuse": compile_cfg.async_tp.fuse, "tp_group_name": tp_group_name},
         **lever_options(chosen, layout),
     }
     names = resolve_pass_names(compile_cfg, uses_flex_attention=uses_flex_attention)
@@ -304,6 +314,7 @@ def plan_pipeline(
     has_fsdp: bool,
     deterministic: bool = False,
     uses_flex_attention: bool = False,
+    tp_group_name: str | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers the config leaves on
     ``auto`` for the traced graph ``gm`` (:func:`graph_trainer.passes.memory_policy.choose_levers`).
@@ -316,6 +327,7 @@ def plan_pipeline(
         budget_bytes: peak reserved bytes per rank to plan for.
         state_bytes: :func:`graph_trainer.passes.memory_policy.state_bytes`.
         has_fsdp: the step shards parameters with traced FSDP.
+        tp_group_name: as :func:`build_pipeline`.
 
     Returns:
         ``(pipeline, policy)``; with every lever set by the config the policy only predicts
@@ -348,8 +360,8 @@ def plan_pipeline(
     logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
     if not policy.fits:
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); the step may run out of memory")
-    steps = build_pipeline(compile_cfg, layout, levers=policy.levers,
-                           deterministic=deterministic, uses_flex_attention=uses_flex_attention)
+    steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
+                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name)
     return steps, policy
 
 
