@@ -233,17 +233,17 @@ def group_dims(tpar) -> dict[str, str]:
 
 def _project(gm, tpar, pdims, device, gpus_per_node, overlap, shards, tokens, flops_per_token):
     """The projection of the step graph ``gm`` (:mod:`graph_trainer.projection`), with what runs
-    after the graph: the optimizer and clipping (HBM traffic), the gradient norm's scalar
-    all-reduce (sharded layouts) and replicated DP's flat gradient all-reduce."""
+    after the graph: the optimizer and clipping (HBM traffic), the gradient norm's all-reduce
+    (sharded layouts) and replicated DP's flat gradient all-reduce."""
     from graph_trainer import projection as P
 
     world = pdims.dp_replicate * pdims.dp_shard * pdims.tp
     params = sum(p.numel() for p in shards)
     flat = not tpar.sharded and world > 1  # parallelize.all_reduce_grads after the graph
     extra = []
-    if tpar.sharded and world > 1:
+    if tpar.sharded and world > 1:  # the squared norm of every gradient, fp32 (fsdp.sharded_grad_norm_)
         extra.append(P.CollectiveOp("all_reduce", "world" if getattr(tpar, "norm_group", None) is None
-                                    else "dp_shard_tp", 4))
+                                    else "dp_shard_tp", 4 * len(shards)))
     if flat:
         extra.append(P.CollectiveOp("all_reduce", "dp", 4 * params))
     layout = P.Layout(pdims.dp_replicate, pdims.dp_shard, pdims.tp, gpus_per_node)

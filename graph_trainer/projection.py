@@ -34,11 +34,15 @@ torchtitan's mesh order ``(dp_replicate, dp_shard, tp)``, TP innermost, so
 
 Overlap (:class:`Overlap`): collectives of the mesh dimensions in ``overlapped`` (default
 FSDP's ``dp_shard`` and HSDP's ``dp_replicate``) run under compute, except the first
-all-gather of the step (nothing to hide behind) and the last reduce-scatter / all-reduce (none
-after it); together they are exposed only where they exceed the compute time:
-``exposed = first + last + max(0, Σ overlapped − compute)``. Every other collective (TP's,
-the loss's token count, those after the graph) is exposed; ``async_tp`` moves TP's into the
-overlapped set.
+all-gather of the step (nothing to hide behind) and the last reduction of each of those dims
+(none after it: FSDP's last reduce-scatter, HSDP's last all-reduce); the others are exposed
+only where together they exceed the compute time:
+``exposed = first + last + max(0, Σ others − compute)``. Every other collective (TP's,
+the loss's token count, those after the graph) is exposed, except the collectives inside the
+async-TP pass's fused ops (``symm_mem.fused_all_gather_matmul`` /
+``fused_matmul_reduce_scatter``: their matmul FLOPs count as matmuls, their collective as
+overlapped); ``Overlap.async_tp`` (``PROJECTION_ASYNC_TP=1``) overlaps every TP collective,
+for a graph traced without that pass.
 
 Left out (each makes the projection optimistic unless noted): the ring's per-hop latency
 (``(n−1)`` steps; matters when ``S / n`` is small, large rings of small buckets); NCCL
@@ -389,6 +393,31 @@ def attention_flops(node: torch.fx.Node) -> tuple[float, tuple] | None:
     return flops * (2.5 if name in _ATTENTION_BWD else 1.0), (b, h, s_q, d)
 
 
+#: Async TP's micro-pipelined ops (graph_trainer/passes/async_tp.py) -> the collective inside.
+_FUSED_TP = {"fused_all_gather_matmul": "all_gather_into_tensor",
+             "fused_matmul_reduce_scatter": "reduce_scatter_tensor"}
+
+
+def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, str] | None:
+    """``([(FLOPs, shape key) per matmul], S bytes, collective kind)`` of an async-TP op
+    (``symm_mem.fused_all_gather_matmul(A, Bs, ...)``: the gathered ``A [M, K]`` times each
+    ``B [K, N_i]``, S = gathered A; ``fused_matmul_reduce_scatter(A, B, ...)``: ``A [M, K] @
+    B [K, N]``, S = the ``[M, N]`` product), else None. Shapes from ``meta["val"]``."""
+    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
+    if node.op != "call_function" or name not in _FUSED_TP:
+        return None
+    a = _args(node)
+    A = _meta(a["A"])
+    k = A.shape[-1]
+    if name == "fused_all_gather_matmul":
+        bs = [_meta(b) for b in a["Bs"]]
+        m = node.meta["val"][1][0].numel() // bs[0].shape[-1]  # rows after the gather
+        mms = [(2 * m * k * b.shape[-1], tuple(sorted((m, k, b.shape[-1])))) for b in bs]
+        return mms, m * k * A.element_size(), _FUSED_TP[name]
+    m, n = A.numel() // k, _meta(a["B"]).shape[-1]
+    return [(2 * m * k * n, tuple(sorted((m, k, n))))], m * n * node.meta["val"].element_size(), _FUSED_TP[name]
+
+
 def _is_view(target) -> bool:
     """An op that returns an alias of an input (no data moves): its schema says so, or it is
     one of the passes' view ops (``_unsafe_view`` declares no alias)."""
@@ -409,7 +438,7 @@ def memory_op_bytes(node: torch.fx.Node) -> int:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
     if (node.target in _MATMUL_OPS or is_collective(node) or _is_view(node.target)
-            or attention_flops(node) is not None):
+            or attention_flops(node) is not None or fused_tp_work(node) is not None):
         return 0
     reads = sum(_val_bytes(_meta(a)) for a in node.all_input_nodes)
     return reads + _val_bytes(node.meta.get("val"))
@@ -418,12 +447,14 @@ def memory_op_bytes(node: torch.fx.Node) -> int:
 @dataclass
 class CollectiveOp:
     """One collective of the step: ``kind``, mesh ``dim``, size ``S`` in bytes (the
-    gathered output / reduced input / buffer), graph position ``index`` (-1: after the graph)."""
+    gathered output / reduced input / buffer), graph position ``index`` (-1: after the graph),
+    ``fused``: inside an async-TP op, micro-pipelined with its matmul (overlapped)."""
 
     kind: str
     dim: str
     size_bytes: int
     index: int = -1
+    fused: bool = False
 
 
 def collectives_of(gm: torch.fx.GraphModule, group_dims: Mapping[str, str]) -> list[CollectiveOp]:
@@ -434,7 +465,7 @@ def collectives_of(gm: torch.fx.GraphModule, group_dims: Mapping[str, str]) -> l
 
     out = []
     for i, n in enumerate(gm.graph.nodes):
-        if (kind := collective_kind(n)) is None:
+        if (kind := collective_kind(n)) is None or fused_tp_work(n) is not None:  # (graph_work counts those)
             continue
         a = _args(n)
         ins = a.get("input", a.get("inputs", a.get("tensor")))
@@ -474,16 +505,21 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
     mm: dict[tuple, float] = defaultdict(float)
     attn: dict[tuple, float] = defaultdict(float)
     mem = 0
-    for n in gm.graph.nodes:
+    colls = collectives_of(gm, group_dims or {})
+    for i, n in enumerate(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        if (m := matmul_flops(n)) is not None:
+        if (f := fused_tp_work(n)) is not None:
+            for flops, key in f[0]:
+                mm[key] += flops
+            colls.append(CollectiveOp(f[2], (group_dims or {}).get(str(_args(n)["group_name"]), "?"), f[1], i, True))
+        elif (m := matmul_flops(n)) is not None:
             mm[m[1]] += m[0]
         elif (a := attention_flops(n)) is not None:
             attn[a[1]] += a[0]
         else:
             mem += memory_op_bytes(n)
-    return GraphWork(dict(mm), dict(attn), mem, collectives_of(gm, group_dims or {}))
+    return GraphWork(dict(mm), dict(attn), mem, sorted(colls, key=lambda c: c.index))
 
 
 # --------------------------------------------------------------------------- the projection
@@ -495,7 +531,7 @@ class Overlap:
 
     Attributes:
         overlapped: mesh dims whose collectives overlap with compute (FSDP's ``dp_shard``,
-            HSDP's ``dp_replicate``); the first all-gather and the last reduction of them
+            HSDP's ``dp_replicate``); the first all-gather and the last reduction of each dim
             stay exposed.
         async_tp: also overlap TP's collectives (an async-TP pass).
     """
@@ -584,7 +620,8 @@ class Projection:
             f"({self.memory_bytes / 1e9:.0f} GB) + optimizer {self.optimizer_s * ms:.1f}",
         ]
         for c in self.comm:
-            out.append(f"  {c['kind']} over {c['dim']} ({c['ranks']} ranks, {c['link']}): {c['ops']} ops, "
+            kind = c["kind"] + (" in async-TP matmuls" if c["async_tp"] else "")
+            out.append(f"  {kind} over {c['dim']} ({c['ranks']} ranks, {c['link']}): {c['ops']} ops, "
                        f"{c['bytes'] / gib:.3f} GiB, {c['time_s'] * ms:.1f} ms, exposed {c['exposed_s'] * ms:.1f} ms")
         out.append(f"  step {self.step_s * ms:.1f} ms (exposed communication {self.exposed_comm_s * ms:.1f} ms) -> "
                    f"{self.tps_per_gpu:,.0f} tps/GPU, MFU {self.mfu:.1f} %")
@@ -635,32 +672,32 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
         name, link, n = links[c.dim]
         t = collective_time(c.kind, c.size_bytes, n, link)
         timed.append((c, t))
-        row = rows.setdefault((c.kind, c.dim), {"kind": c.kind, "dim": c.dim, "link": name, "ranks": n, "ops": 0,
-                                                "bytes": 0, "time_s": 0.0, "exposed_s": 0.0})
+        row = rows.setdefault((c.kind, c.dim, c.fused), {
+            "kind": c.kind, "dim": c.dim, "async_tp": c.fused, "link": name, "ranks": n, "ops": 0, "bytes": 0,
+            "time_s": 0.0, "exposed_s": 0.0})
         row["ops"] += 1
         row["bytes"] += c.size_bytes
         row["time_s"] += t
 
     dims = overlap.dims()
-    hidden = [(c, t) for c, t in timed if c.dim in dims and c.index >= 0]
-    edges = []
-    gathers = [x for x in hidden if x[0].kind.startswith("all_gather")]
-    reductions = [x for x in hidden if not x[0].kind.startswith("all_gather")]
-    if gathers:
-        edges.append(min(gathers, key=lambda x: x[0].index))
-    if reductions:
-        edges.append(max(reductions, key=lambda x: x[0].index))
+    hidden = [(c, t) for c, t in timed if (c.dim in dims or c.fused) and c.index >= 0]
+    gathers = [x for x in hidden if x[0].kind.startswith("all_gather") and not x[0].fused]
+    edges = [min(gathers, key=lambda x: x[0].index)] if gathers else []
+    for dim in sorted(dims):  # the last reduction of each dim: FSDP's reduce-scatter, HSDP's all-reduce
+        reductions = [x for x in hidden if x[0].dim == dim and not x[0].kind.startswith("all_gather")]
+        if reductions:
+            edges.append(max(reductions, key=lambda x: x[0].index))
     for c, t in timed:
-        if not (c.dim in dims and c.index >= 0):
-            rows[(c.kind, c.dim)]["exposed_s"] += t
+        if not ((c.dim in dims or c.fused) and c.index >= 0):
+            rows[(c.kind, c.dim, c.fused)]["exposed_s"] += t
     for c, t in edges:
-        rows[(c.kind, c.dim)]["exposed_s"] += t
+        rows[(c.kind, c.dim, c.fused)]["exposed_s"] += t
     edge_ids = {id(c) for c, _ in edges}
     rest = [(c, t) for c, t in hidden if id(c) not in edge_ids]
     total_rest = sum(t for _, t in rest)
     excess = max(0.0, total_rest - compute_s)
     for c, t in rest:  # the part compute cannot hide, shared in proportion to time
-        rows[(c.kind, c.dim)]["exposed_s"] += excess * t / total_rest
+        rows[(c.kind, c.dim, c.fused)]["exposed_s"] += excess * t / total_rest
 
     return Projection(
         device=dev.name, source=dev.source, layout=layout, matmul_s=matmul_s, attention_s=attention_s,

@@ -86,6 +86,13 @@ def test_overlap_rule_first_gather_last_reduction_and_excess_exposed():
     assert async_tp.step_s == pytest.approx(3e-3)
     short = P.project(_work(colls, 0.4e12), lay, _dev(), **kw)  # compute 0.4 ms < 1.0 ms of middle FSDP
     assert short.exposed_comm_s == pytest.approx(0.5e-3 * 3 + (1.0e-3 - 0.4e-3))
+    # HSDP: the last reduce-scatter and the last replica all-reduce after it are both exposed
+    hsdp = colls + [("all_reduce", "dp_replicate", gb // 20, 15), ("all_reduce", "dp_replicate", gb // 20, 21)]
+    h = P.project(_work(hsdp, 2e12), P.Layout(dp_replicate=2, dp_shard=2, tp=2), _dev(), **kw)
+    rows = {(c["kind"], c["dim"]): c for c in h.comm}
+    assert rows[("all_reduce", "dp_replicate")]["link"] == "nvlink"  # ranks 0 and 4 of one node
+    assert rows[("all_reduce", "dp_replicate")]["exposed_s"] == pytest.approx(0.5e-3)  # the last only
+    assert h.step_s == pytest.approx(p.step_s + 0.5e-3)
     with pytest.raises(UserError):
         P.project(_work([("all_reduce", "?", 4, 0)]), lay, _dev(), **kw)
 
@@ -217,3 +224,34 @@ def test_dry_run_prints_the_projection(monkeypatch, caplog):
     attn = 12 * f.n_layers * f.n_heads * (f.dim // f.n_heads) * seq
     assert p["graph_flops_per_token"] == pytest.approx(p["flops_per_token"] - attn + attn / 2 * 3.5 / 3, rel=0.01)
     assert "projection on H200" in caplog.text and "tps/GPU" in caplog.text
+
+
+def test_async_tp_fused_ops_count_matmul_flops_and_an_overlapped_collective():
+    """The async-TP pass's symm_mem ops: their matmuls are matmul FLOPs, their collective is
+    attributed to TP and hidden under compute (not an edge, not exposed)."""
+    import torch.distributed._symmetric_memory  # noqa: F401  defines torch.ops.symm_mem
+
+    g = torch.fx.Graph()
+    M, K, N, tp = 64, 32, 48, 2
+
+    def ph(name, shape):
+        n = g.placeholder(name)
+        n.meta["val"] = torch.empty(shape, device="meta", dtype=torch.bfloat16)
+        return n
+
+    a_shard, b, w2 = ph("a", (M // tp, K)), ph("b", (K, N)), ph("w2", (N, K))
+    ag = g.call_function(torch.ops.symm_mem.fused_all_gather_matmul.default, (a_shard, [b], 0, "tp_group"))
+    ag.meta["val"] = (None, [torch.empty(M, N, device="meta", dtype=torch.bfloat16)])
+    h = g.call_function(__import__("operator").getitem, (ag, 1))
+    h.meta["val"] = ag.meta["val"][1]
+    h0 = g.call_function(__import__("operator").getitem, (h, 0))
+    h0.meta["val"] = h.meta["val"][0]
+    rs = g.call_function(torch.ops.symm_mem.fused_matmul_reduce_scatter.default, (h0, w2, "sum", 0, "tp_group"))
+    rs.meta["val"] = torch.empty(M // tp, K, device="meta", dtype=torch.bfloat16)
+    g.output(rs)
+    work = P.graph_work(torch.fx.GraphModule(torch.nn.Module(), g), {"tp_group": "tp"})
+    assert work.matmul_flops == 2 * M * K * N * 2 and work.memory_bytes == 0
+    assert [(c.kind, c.dim, c.size_bytes, c.fused) for c in work.collectives] == [
+        ("all_gather_into_tensor", "tp", M * K * 2, True), ("reduce_scatter_tensor", "tp", M * K * 2, True)]
+    p = P.project(work, P.Layout(dp_shard=1, tp=tp), _dev(matmul_flops=1e6), tokens_per_rank=M, flops_per_token=1.0)
+    assert p.exposed_comm_s == 0 and all(c["async_tp"] for c in p.comm)
