@@ -31,8 +31,6 @@ def _bad_inputs(tmp):
         "removed flag": ({}, ["--compile.bucket_collectives", "18", *out], "--compile.fsdp.bucket_blocks"),
         "compile.enable": ({}, ["--compile.enable", *out], "--compile.mode jit"),
         "degrees vs NGPU": ({"NGPU": "2"}, ["--parallelism.tensor_parallel_degree", "3", *out], "does not divide NGPU=2"),
-        "HSDP traced": ({"NGPU": "4"}, ["--parallelism.data_parallel_replicate_degree", "2",
-                                        "--parallelism.data_parallel_shard_degree", "2", *out], "HSDP"),
         "TOML syntax": ({"CONFIG_FILE": str(bad_toml)}, out, f"{bad_toml}: not valid TOML"),
         "missing config": ({"CONFIG_FILE": str(tmp / "nope.toml")}, out, "does not exist"),
         "missing dataset_path": ({}, ["--training.dataset_path", str(tmp / "nope.jsonl"), *out], "nope.jsonl"),
@@ -43,7 +41,7 @@ def _bad_inputs(tmp):
 
 
 CASES = ["unknown flag", "bad value", "bad pass name", "removed flag", "compile.enable", "degrees vs NGPU",
-         "HSDP traced", "TOML syntax", "missing config", "missing dataset_path", "corrupt JSONL",
+         "TOML syntax", "missing config", "missing dataset_path", "corrupt JSONL",
          "empty tokenizer folder", "missing load_step"]
 
 
