@@ -220,7 +220,8 @@ def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -
     """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``:
     ``device``, ``matmul`` rows ``{m, n, k, tflops}``, ``matmul_tflops``, ``attention`` rows
     ``{b, h, s, d, tflops}``, ``attention_tflops``, ``hbm_gbps``, ``nccl``
-    ``{kind: {alpha_us, busbw_gbps}}`` measured inside one node).
+    ``{kind: {alpha_us, busbw_gbps}}`` measured inside one node, ``nccl_network`` the same
+    measured across nodes with ``gpus_per_node`` each).
 
     Raises:
         UserError: ``data["device"]`` names another GPU than ``dev``.
@@ -249,6 +250,12 @@ def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -
         beta = sum(b for _, b in nccl.values()) / len(nccl)
         upd["nvlink"] = Link(alpha, beta, nccl)
         measured.append("nvlink")
+    net = data.get("nccl_network") or {}
+    if net:  # measured across hosts with k GPUs each: k NICs at once (module docstring), per NIC / k
+        alpha = sum(v["alpha_us"] * 1e-6 for v in net.values()) / len(net)
+        beta = sum(v["busbw_gbps"] * 1e9 / v.get("gpus_per_node", 1) for v in net.values()) / len(net)
+        upd["nic"] = Link(alpha, beta)
+        measured.append("nic")
     if not measured:
         return dev
     return dataclasses.replace(dev, **upd, measured=tuple(measured),
@@ -604,6 +611,8 @@ class Projection:
             "step_ms": round(self.step_s * ms, 2),
             "tps_per_gpu": round(self.tps_per_gpu, 1),
             "mfu_pct": round(self.mfu, 2),
+            "matmul_tflop": round(self.matmul_flops / 1e12, 3), "attention_tflop": round(self.attention_flops / 1e12, 3),
+            "memory_gb": round(self.memory_bytes / 1e9, 3),
             "graph_flops_per_token": self.graph_flops_per_token(),
             "flops_per_token": self.flops_per_token,
         }

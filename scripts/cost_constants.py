@@ -16,11 +16,13 @@ Measures, in bf16 on CUDA, and writes one JSON file (``--out``) that
   set_priority=True)``), flash if cuDNN refuses the shape; FLOPs ``3.5 · 4·B·H·S²·D · ½``
   (FlashAttention-2, arXiv:2307.08691 §4.1: causal halves, the backward is 2.5x the forward);
 * HBM bandwidth: a 4 GiB ``copy_``, bytes read + written per second;
-* with 2 or more ranks (``torchrun --nproc_per_node N scripts/cost_constants.py``, one host):
+* with 2 or more ranks (``torchrun --nproc_per_node N scripts/cost_constants.py``):
   NCCL ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` / ``all_reduce`` time against size
   S (gathered output, scattered input, reduced buffer; bf16), the bus bandwidth of each point
   (nccl-tests doc/PERFORMANCE.md: ``busbw = S·f / t``, ``f = (n−1)/n``, ``2(n−1)/n`` for
-  all_reduce) and a fit ``t = α + S·f / β`` (least squares on relative error).
+  all_reduce) and a fit ``t = α + S·f / β`` (least squares on relative error). On one host it
+  is written as the NVLink constants (``nccl``); across hosts (``torchrun --nnodes M ...``)
+  as the network's (``nccl_network``, with the GPUs per host).
 
 Prints a table per part; rank 0 writes the JSON. Needs only torch (2.11 or later) and a GPU;
 about a minute per GPU kind. Run::
@@ -255,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         for kind, r in nccl.items():
             say(f"\n{kind} over {ranks} ranks: alpha {r['alpha_us']:.1f} us, busbw {r['busbw_gbps']:.1f} GB/s (fit)\n"
                 + table(r["points"], ["bytes", "us", "busbw_gbps"]))
-        result["nccl"] = {k: {"alpha_us": v["alpha_us"], "busbw_gbps": v["busbw_gbps"], "world": v["world"],
-                              "points": v["points"]} for k, v in nccl.items()}
+        # one host: the NVLink constants; several (torchrun --nnodes): the network's, with the
+        # GPUs per host, whose NICs the ring uses together
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(ranks)))
+        result["nccl" if local == ranks else "nccl_network"] = {
+            k: {"alpha_us": v["alpha_us"], "busbw_gbps": v["busbw_gbps"], "world": v["world"],
+                "gpus_per_node": local, "points": v["points"]} for k, v in nccl.items()}
     say(f"\nmatmul {result['matmul_tflops']:.0f} TFLOP/s, attention "
         f"{result['attention_tflops'] or float('nan'):.0f} TFLOP/s, HBM {hbm:,.0f} GB/s (aggregates)")
     if rank == 0:

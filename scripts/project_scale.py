@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     if a.validate:
-        rows = []
+        rows, sources = [], {}
         for label, config, world, device, flags, ref in VALIDATION:
             dev = device_constants(env.get("PROJECTION_DEVICE") if a.device else device)
+            sources[dev.name] = dev.source
             s = run_one(os.path.join(REPO, "train_configs", config), None, world, flags,
                         {**env, "PROJECTION_DEVICE": dev.name}, a.timeout)
             results.append({"case": label, **s})
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             r.update(layout=f"{label} [{ref}]", ranks=f"{world} x {dev.name.upper()}")
             rows.append(r)
             print(f"{label}: {r.get('tps', s.get('error'))}", file=sys.stderr, flush=True)
-        print(f"\nprojected, constants: {dev.source}\n\n{table(rows)}")
+        print("\nprojected; constants: " + "; ".join(f"{k.upper()} {v}" for k, v in sources.items())
+              + f"\n\n{table(rows)}")
     else:
         try:
             dev = device_constants(env.get("PROJECTION_DEVICE", "h100"))

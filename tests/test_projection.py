@@ -149,6 +149,9 @@ def test_device_constants_defaults_measurements_and_errors(tmp_path, monkeypatch
     assert m.nvlink.busbw_Bps == pytest.approx(370e9)  # kinds not measured: the mean
     assert m.measured == ("matmul", "attention", "hbm", "nvlink") and "measured" in m.source
     assert m.nic == h100.nic  # not measured: the datasheet default stays
+    net = {"all_gather_into_tensor": {"alpha_us": 30.0, "busbw_gbps": 320.0, "gpus_per_node": 8}}
+    nic = P.apply_measurements(h100, {"nccl_network": net}).nic
+    assert (nic.alpha_s, nic.busbw_Bps) == pytest.approx((30e-6, 40e9))  # busbw per NIC
     f = tmp_path / "c.json"
     f.write_text('{"device": "NVIDIA H200", "hbm_gbps": 4300}')
     with pytest.raises(UserError, match="COST_CONSTANTS"):
