@@ -160,8 +160,17 @@ SCRIPTS = sorted(f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scri
 def _run_train_commands(path):
     """``(env, args)`` of every ``run_train.sh`` command line in a fenced code block of
     ``path`` (continuation lines joined; comments dropped)."""
-    text = open(os.path.join(REPO, path)).read()
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S)
+    blocks, block, lang = [], None, None
+    for line in open(os.path.join(REPO, path)).read().splitlines(keepends=True):
+        if line.startswith("```"):  # fences pair up in order: an opening one names its language
+            if block is None:
+                block, lang = [], line[3:].strip()
+            else:
+                if lang in ("", "bash", "sh"):
+                    blocks.append("".join(block))
+                block = None
+        elif block is not None:
+            block.append(line)
     out = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
