@@ -1,8 +1,23 @@
-"""Shared fixtures: the tiny models of the tests, built with :mod:`graph_trainer.model`."""
+"""Shared fixtures: the tiny models of the tests, built with :mod:`graph_trainer.model`, and
+two runs that several test modules start from or check: a finished 1-rank run with
+checkpoints (``finished_run``) and a 4-rank FSDP run through run_train.sh (``fsdp4_run``).
 
-import pytest
-import torch
-import torch.distributed as dist
+Every process of the tests runs one OpenMP thread (``OMP_NUM_THREADS=1``, unless set
+already; torchrun's own default for several ranks): the tests start several CPU-bound
+processes at once on a machine of a few cores, where threads that wait for each other's
+cores made single ops up to 20x slower. Runs whose numbers a test compares all use one thread.
+"""
+
+import os
+import subprocess
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: this process too
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: The tiny Llama3 of the pass tests: the debug flavor shrunk to dim 32, 2 heads,
 #: vocabulary 64 and sequences of up to 32 tokens.
@@ -57,3 +72,35 @@ def fsdp_trace():
 def fsdp_step(fsdp_trace):
     """:func:`fsdp_trace` with parameters all-gathered as stored (fp32)."""
     return fsdp_trace()
+
+
+@pytest.fixture(scope="session")
+def fsdp4_run(tmp_path_factory):
+    """``NGPU=4 ./run_train.sh`` on the debug model, FSDP4 (seq 64, batch 2, 2 steps; CPU
+    only, no launcher variables inherited): ``(stdout, losses, grad norms)``. The one-host
+    reference of tests/test_multinode.py and the traced FSDP4 run of
+    tests/test_parallel_layouts.py."""
+    from _runs import fsdp4_flags, launch_env
+    from graph_trainer.metrics import read_metrics
+
+    dump = tmp_path_factory.mktemp("fsdp4_run") / "out"
+    r = subprocess.run(["bash", "run_train.sh", *fsdp4_flags(), "--job.dump_folder", str(dump)], cwd=REPO,
+                       env=launch_env(NGPU="4"), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+    assert summary["final_loss"] > 0  # the README's multi-process command on CPU: torchrun + gloo, data parallel
+    return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """The dump folder of a finished run: the debug model, 4 steps, flags ``_runs.FINISHED``
+    (full checkpoints at steps 2 and 4), the trainer's entry point forked from
+    tests/_launch.py's server. Tests copy it (``shutil.copytree``) before they change
+    anything: tests/test_resume.py, tests/test_records.py, tests/test_determinism.py."""
+    from _runs import FINISHED, run_debug
+
+    dump = tmp_path_factory.mktemp("finished_run") / "run"
+    r = run_debug(dump, FINISHED, steps=4, forked=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return dump

@@ -2,8 +2,9 @@
 
 Most tests run the tool against a *fake* trainer tree (a git repo whose run_train.sh
 prints step lines and writes metrics.jsonl in milliseconds), so ordering, worktrees,
-failures and the noise verdict are checked quickly and deterministically. Two tests
-run the real debug model on CPU (eager, 2 steps; ~20 s per run).
+failures and the noise verdict are checked quickly and deterministically. One test
+runs the real debug model on CPU (eager, 2 steps; ~20 s per run): the committed HEAD from
+a temporary worktree against the working tree with a flag.
 """
 
 import json
@@ -190,9 +191,29 @@ def test_one_repeat_says_spread_unknown(fake_repo, tmp_path):
     r = _compare("--repo", str(fake_repo), "--a-flags", "", "--b-flags", "--fake.scale 0.5",
                  "--repeats", "1", "--steps", "2", "--warmup", "0", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "| A: working tree (1/1 runs) |" in r.stdout and "| B: working tree + --fake.scale 0.5 (1/1 runs) |" in r.stdout
     assert "-50.00% (spread unknown: 1 repeat)" in r.stdout
     assert "spread unknown with 1 repeat" in r.stdout
     assert _load(out)["table"]["delta_b_vs_a"]["tps"]["spread_pct"] is None
+
+
+def test_fake_same_commit_on_both_sides_shares_one_worktree(fake_repo, tmp_path):
+    """--a HEAD --b HEAD (B with a flag): both sides run the commit from one temporary
+    worktree, removed afterwards."""
+    head = subprocess.run(["git", "-C", str(fake_repo), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    out = tmp_path / "cmp"
+    r = _compare("--repo", str(fake_repo), "--a", "HEAD", "--b", "HEAD", "--b-flags", "--fake.scale 0.5",
+                 "--repeats", "1", "--steps", "2", "--warmup", "0", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = _load(out)
+    for s in "AB":
+        assert data["sides"][s]["commit"] == head and data["sides"][s]["worktree"]
+    assert data["sides"]["A"]["tree"] == data["sides"]["B"]["tree"]  # one worktree per commit
+    assert not os.path.exists(data["sides"]["A"]["tree"])  # removed afterwards
+    assert f"| A: HEAD@{head[:8]} (1/1 runs) |" in r.stdout
+    wt = subprocess.run(["git", "-C", str(fake_repo), "worktree", "list"], capture_output=True, text=True)
+    assert len(wt.stdout.strip().splitlines()) == 1
 
 
 def test_dirty_tree_with_head_ref_is_rejected(fake_repo, tmp_path):
@@ -315,16 +336,33 @@ def test_usage_errors(args, needle, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_flags_only(tmp_path):
+def test_real_head_ref_against_working_tree_flags(tmp_path):
+    """Side A the committed HEAD, run from a temporary git worktree (removed afterwards);
+    side B the working tree with --training.max_norm 0.5; both profiled at step 2.
+    --allow-dirty: in a checkout with uncommitted changes A deliberately runs the committed
+    HEAD (on a clean CI checkout it changes nothing). Outside a git checkout A is the working
+    tree without flags."""
+    git = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
+    head = git.stdout.strip() if git.returncode == 0 else None
+    a_side = ["--a", "HEAD", "--allow-dirty"] if head else ["--a-flags", ""]
     out = tmp_path / "cmp"
-    r = _compare("--a-flags", "", "--b-flags", "--training.max_norm 0.5", "--repeats", "1",
+    r = _compare(*a_side, "--b-flags", "--training.max_norm 0.5", "--repeats", "1",
                  "--steps", "2", "--warmup", "0", "--profile-step", "2", "--out", str(out), "--", *TINY)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| side | tps | tflops | MFU | memory |" in r.stdout
-    assert "| A: working tree (1/1 runs) |" in r.stdout
+    if head:
+        assert f"| A: HEAD@{head[:8]} (1/1 runs) |" in r.stdout
+    else:
+        assert "| A: working tree (1/1 runs) |" in r.stdout
     assert "| B: working tree + --training.max_norm 0.5 (1/1 runs) |" in r.stdout
     assert "[1/2] A1" in r.stdout and "[2/2] B1" in r.stdout and "step 2/2" in r.stdout
     data = _load(out)
+    if head:
+        assert data["sides"]["A"]["commit"] == head and data["sides"]["A"]["worktree"]
+        assert not os.path.exists(data["sides"]["A"]["tree"])  # removed afterwards
+        wt = subprocess.run(["git", "-C", REPO, "worktree", "list", "--porcelain"], capture_output=True, text=True)
+        assert data["sides"]["A"]["tree"] not in wt.stdout
+    assert not data["sides"]["B"]["worktree"]  # the working tree itself
     assert data["sides"]["B"]["flags"] == ["--training.max_norm", "0.5"]
     assert [x["side"] for x in data["runs"]] == ["A", "B"]
     for x in data["runs"]:
@@ -352,30 +390,6 @@ def test_real_flags_only(tmp_path):
     assert data["timeline_plot"] == "timeline_a_vs_b.png"
     assert open(out / "timeline_a_vs_b.png", "rb").read(8) == PNG_MAGIC
     assert f"step 2 timeline, A above B: {out / 'timeline_a_vs_b.png'}" in r.stdout
-
-
-@pytest.mark.slow
-def test_real_head_ref_sides(tmp_path):
-    """Both sides check out HEAD into one temporary worktree and differ by flags.
-
-    --allow-dirty: in a checkout with uncommitted changes this deliberately runs the
-    committed HEAD (on a clean CI checkout it changes nothing)."""
-    if subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
-        pytest.skip("not a git checkout")
-    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = tmp_path / "cmp"
-    r = _compare("--a", "HEAD", "--b", "HEAD", "--b-flags", "--training.max_norm 0.5", "--allow-dirty",
-                 "--repeats", "1", "--steps", "2", "--warmup", "0", "--out", str(out), "--", *TINY)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    data = _load(out)
-    for s in "AB":
-        assert data["sides"][s]["commit"] == head and data["sides"][s]["worktree"]
-    assert data["sides"]["A"]["tree"] == data["sides"]["B"]["tree"]  # one worktree per commit
-    assert not os.path.exists(data["sides"]["A"]["tree"])  # removed afterwards
-    assert all(x["status"] == "ok" and x["stats"]["tps"] > 0 for x in data["runs"])
-    assert f"| A: HEAD@{head[:8]} (1/1 runs) |" in r.stdout
-    wt = subprocess.run(["git", "-C", REPO, "worktree", "list", "--porcelain"], capture_output=True, text=True)
-    assert data["sides"]["A"]["tree"] not in wt.stdout
 
 
 # ----------------------------------------------------------------------------------

@@ -439,18 +439,17 @@ def test_empty_first_file_named(cache, tmp_path):
 @pytest.mark.slow
 def test_training_stops_at_bad_line_deep_in_file(tmp_path):
     """A corrupt line past what preflight reads stops the trainer with one `error: file:line`
-    line, exit 2, no traceback; through run_train.sh (torchrun) too."""
+    line, exit 2, no traceback; through run_train.sh (torchrun) too. The trainer's own entry
+    point runs in a process forked from tests/_launch.py's server."""
+    from _launch import train_ranks  # tests/ is on sys.path
+
     path = _jsonl(tmp_path / "docs.jsonl", 2500, bad_line=2000)
     # The local file is loaded whole before step 1, so few steps reach every line.
     flags = ["--training.dataset_path", str(path), "--training.steps", "3", "--training.seq_len", "64",
              "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
     env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""}
     needle = f"error: {path}:2000: not valid JSON"
-    direct = subprocess.run(
-        [sys.executable, "-m", "graph_trainer.train", "--job.config_file", str(DEBUG_TOML),
-         "--job.dump_folder", str(tmp_path / "direct"), *flags],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env,
-    )
+    direct = train_ranks(1, ["--job.dump_folder", str(tmp_path / "direct"), *flags], tmp_path / "direct_logs")
     text = direct.stdout + direct.stderr
     assert direct.returncode == 2, text[-3000:]
     assert needle in direct.stderr and "Traceback" not in text, text[-3000:]

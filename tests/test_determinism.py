@@ -1,8 +1,14 @@
 """Bitwise determinism on CPU: run-to-run with the RMSNorm pass, checkpoint resume,
 the pass on vs off, on one rank and on 2 gloo ranks (traced FSDP); plus bad input.
 
-Every run is ``run_train.sh`` on the debug model (seq 64, batch 2, 4 steps) with
-``--debug.state_hashes``; runs are compared with :mod:`graph_trainer.tools.loss_compare`.
+Every run is the debug model (seq 64, batch 2, 4 steps) with ``--debug.state_hashes``.
+The run-to-run and resume runs start the trainer's entry point in new interpreters (each
+its own string-hash seed), without run_train.sh's pre-check and torchrun: one rank as
+``python -m graph_trainer.train``, two ranks as torchrun would (tests/_launch.py, fresh).
+The pass on vs off runs are loss_compare's, the NaN run is run_train.sh's, the corrupt
+checkpoint is loaded by a rank forked from tests/_launch.py's server from a copy of the
+``finished_run`` fixture (tests/conftest.py). Runs are compared with
+:mod:`graph_trainer.tools.loss_compare`.
 (trace vs eager bitwise: tests/test_train.py::test_aot_fx_trace_matches_eager_bitwise.)
 """
 
@@ -20,23 +26,34 @@ from graph_trainer.metrics import read_metrics
 from graph_trainer.errors import UserError
 from graph_trainer.tools.loss_compare import first_difference
 
+from _launch import train_ranks  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
 PASS = ["--compile.numerics_changing_optim"]
 
 
-def _train(dump, *flags, ngpu=1, steps=4, check=True, config=None):
-    """run_train.sh: the debug model at SMALL shapes, or ``config`` (a TOML file) as is."""
-    env = {**os.environ, "NGPU": str(ngpu)}
-    env.pop("CONFIG_FILE", None)
-    if config:
-        env["CONFIG_FILE"] = config
-    r = subprocess.run(
-        ["bash", "run_train.sh", *([] if config else SMALL), "--training.steps", str(steps), "--debug.state_hashes",
-         "--job.dump_folder", str(dump), *flags],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )
+def _train(dump, *flags, ngpu=1, steps=4, check=True, config=None, launch="run_train.sh"):
+    """The debug model at SMALL shapes, or ``config`` (a TOML file) as is, started by
+    ``launch``: ``run_train.sh``; ``direct``, ``python -m graph_trainer.train`` (one rank);
+    ``fresh`` / ``forked``, tests/_launch.py's ranks (new interpreters / forked)."""
+    args = [*([] if config else SMALL), "--training.steps", str(steps), "--debug.state_hashes",
+            "--job.dump_folder", str(dump), *flags]
+    if launch in ("fresh", "forked"):
+        assert config is None
+        r = train_ranks(ngpu, args, f"{dump}.logs", fresh=launch == "fresh")
+    else:
+        env = {**os.environ, "NGPU": str(ngpu)}
+        env.pop("CONFIG_FILE", None)
+        cmd = ["bash", "run_train.sh"]
+        if launch == "direct":
+            assert ngpu == 1
+            cmd = [sys.executable, "-m", "graph_trainer.train", "--job.config_file",
+                   config or os.path.join(REPO, "train_configs", "debug_model.toml")]
+        elif config:
+            env["CONFIG_FILE"] = config
+        r = subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -64,8 +81,9 @@ def _run_to_run_and_resume(tmp_path, ngpu, steps=4, config=None, extra=(), flavo
     half = steps // 2
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(a, *PASS, *extra, ngpu=ngpu, steps=steps, config=config)  # saving must not change numerics
-    _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config)
+    launch = "direct" if ngpu == 1 else "fresh"  # new interpreters: each run its own hash seed
+    _train(a, *PASS, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)  # saving must not change numerics
+    _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)
     rows_a, sum_a = _metrics(a)
     rows_b, sum_b = _metrics(b)
     assert len(rows_a) == steps and sum_a["state_hashes"]
@@ -74,7 +92,7 @@ def _run_to_run_and_resume(tmp_path, ngpu, steps=4, config=None, extra=(), flavo
     assert latest_step(str(b / "checkpoint")) == steps
     shutil.rmtree(b / "checkpoint" / f"step-{steps}")
     os.remove(b / "metrics.jsonl")
-    r = _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config)
+    r = _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     rows_r, sum_r = _metrics(b)
     assert [x["step"] for x in rows_r] == list(range(half + 1, steps + 1))  # only the steps after it ran
@@ -140,13 +158,17 @@ def test_checkpoint_checks(tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_clear_error(tmp_path):
+def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
+    """A truncated checkpoint file stops the resuming run with a message naming it; nothing
+    is deleted. The run saved is a copy of the ``finished_run`` fixture (run_train.sh, 4
+    steps, checkpoints at steps 2 and 4) without its step-4, so step-2 is the one loaded."""
     d = tmp_path / "run"
-    _train(d, *CKPT, steps=2)
+    shutil.copytree(finished_run, d)
+    shutil.rmtree(d / "checkpoint" / "step-4")
     data = [f for f in os.listdir(d / "checkpoint" / "step-2") if f.endswith(".distcp")]
     path = d / "checkpoint" / "step-2" / data[0]
     path.write_bytes(path.read_bytes()[:100])  # truncate
-    r = _train(d, *CKPT, steps=4, check=False)
+    r = _train(d, *CKPT, steps=4, check=False, launch="forked")
     assert r.returncode != 0
     assert f"step-2 is truncated: data file {path} has 100 bytes" in r.stderr
     assert os.path.exists(path)  # nothing deleted

@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _launch import queue, spawn  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,9 +72,8 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
     """2 ranks, same batch on both: in-graph all-gather/reduce-scatter(sum) of the loss over
     the global token count reproduce the unsharded gradients (fp32, up to rounding); with
     bucket_collectives the step is bitwise the unbucketed one."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), q), nprocs=2, join=True)
+    q = queue()
+    spawn(_worker, (2, str(tmp_path / "store"), q), 2)  # forked from tests/_launch.py's server
     results = [q.get(timeout=60) for _ in range(2)]
     for rank, loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) in results:
         assert n_rs_bucketed == -(-n_params // 4) and same  # bucketed: 4 params per collective, same values
@@ -159,27 +159,28 @@ def test_fake_backend_dry_run_8b_fsdp4_tp2():
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
 
 
-def _dry_run_counts(ngpu: int, *flags) -> dict[str, int]:
-    """Collective counts printed by a debug-model dry run (``COMM_MODE=fake_backend``), in a
-    fresh process: DTensor caches sharding decisions by mesh, and two TP runs in one process
-    would share them."""
+def _dry_run_counts(tmp, ngpu: int, *flags) -> dict[str, int]:
+    """Collective counts printed by a debug-model dry run (``--comm.mode fake_backend``, what
+    ``COMM_MODE=fake_backend`` runs), in a fresh process (forked, tests/_launch.py): DTensor
+    caches sharding decisions by mesh, and two TP runs in one process would share them."""
     import re
 
-    env = {**os.environ, "COMM_MODE": "fake_backend", "NGPU": str(ngpu)}
-    r = subprocess.run(["bash", "run_train.sh", "--training.seq_len", "64", *flags], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    from _launch import train_ranks
+
+    r = train_ranks(1, ["--training.seq_len", "64", "--comm.mode", "fake_backend", *flags], tmp,
+                    env={"NGPU": str(ngpu)})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return {k: int(v) for k, v in re.findall(r"  (\w+): (\d+) ops", r.stdout)}
 
 
-def test_fake_backend_dry_run_hsdp_x_tp_adds_one_all_reduce_per_parameter():
+def test_fake_backend_dry_run_hsdp_x_tp_adds_one_all_reduce_per_parameter(tmp_path):
     """Replicate 2 x shard 2 x TP2 traces on 8 fake ranks; against FSDP4 x TP2 the graph has
     the same FSDP and TP collectives plus one all-reduce per parameter (its reduce-scattered
     gradient summed over the replicas)."""
     tp = ("--parallelism.tensor_parallel_degree", "2")
-    hsdp = _dry_run_counts(8, *tp, "--parallelism.data_parallel_replicate_degree", "2",
+    hsdp = _dry_run_counts(tmp_path / "hsdp", 8, *tp, "--parallelism.data_parallel_replicate_degree", "2",
                            "--parallelism.data_parallel_shard_degree", "2")
-    fsdp = _dry_run_counts(8, *tp, "--parallelism.data_parallel_shard_degree", "4")
+    fsdp = _dry_run_counts(tmp_path / "fsdp", 8, *tp, "--parallelism.data_parallel_shard_degree", "4")
     n_params = 2 + 6 * 9 + 1  # debugmodel: embedding, output, 9 per block, final norm
     assert hsdp["all_reduce"] == fsdp["all_reduce"] + n_params
     assert hsdp["all_gather_into_tensor"] == fsdp["all_gather_into_tensor"] > n_params

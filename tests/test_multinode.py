@@ -5,6 +5,8 @@
 * Two "hosts" of 2 CPU ranks on the loopback interface train bitwise as one host of 4 ranks
   (loss and grad norm, every step), and ``NODE_RANK`` decides the ranks: global rank 0, which
   writes ``metrics.jsonl``, is on the ``NODE_RANK=0`` host even when that host starts last.
+  The one-host run is the ``fsdp4_run`` fixture of tests/conftest.py (also checked by
+  tests/test_parallel_layouts.py).
 """
 
 import os
@@ -18,17 +20,11 @@ from graph_trainer import config
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
+from _runs import LAUNCH_VARS, fsdp4_flags  # tests/ is on sys.path
+from _runs import launch_env as _env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH_VARS = ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE", "LOG_RANK")
-FLAGS = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--parallelism.data_parallel_shard_degree", "4"]
-
-
-def _env(**launch):
-    """The caller's environment without launcher variables, CPU only (two "hosts" on one
-    machine must not share its GPUs), plus ``launch``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    return {**env, "CUDA_VISIBLE_DEVICES": "", **launch}
+FLAGS = fsdp4_flags()
 
 
 @pytest.mark.parametrize("launch, needle", [
@@ -77,12 +73,8 @@ def _metrics(dump):
 
 
 @pytest.mark.slow
-def test_two_hosts_bitwise_one_host(tmp_path):
-    ref = tmp_path / "one_host"
-    r = subprocess.run(["bash", "run_train.sh", *FLAGS, "--job.dump_folder", str(ref)], cwd=REPO,
-                       env=_env(NGPU="4"), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    ref_loss, ref_norm = _metrics(ref)
+def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
+    _, ref_loss, ref_norm = fsdp4_run  # NGPU=4 ./run_train.sh with FLAGS, one host
     assert len(ref_loss) == 2
 
     endpoint = f"127.0.0.1:{_free_port()}"

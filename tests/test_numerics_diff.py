@@ -145,12 +145,13 @@ def test_save_load_and_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_names_the_rmsnorm_node(tmp_path):
-    """The default pipeline against --compile.numerics_changing_optim on the debug model:
-    the first op that differs is an RMSNorm op (module FQN a norm), and no op before it in
-    A's execution order differs (brute force over the records)."""
+    """The default pipeline against --compile.numerics_changing_optim on the debug model
+    (seq 64, batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no
+    op before it in A's execution order differs (brute force over the records)."""
     out = tmp_path / "nd"
     r = subprocess.run([sys.executable, "scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
-                        "--compile.numerics_changing_optim", "--out", str(out)],
+                        "--compile.numerics_changing_optim", "--out", str(out),
+                        "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads((out / "numerics_diff.json").read_text())

@@ -1,7 +1,9 @@
 """aot_fx_trace under TP, FSDP, FSDP x TP, HSDP and replicate x TP on gloo (CPU), against
 eager torchtitan and the unsharded run.
 
-All runs: debug model, fp32, seq 64, batch 2, through run_train.sh.
+All runs: debug model, fp32, seq 64, batch 2; the ranks are started as torchrun starts
+them, forked from one process that imported the trainer (tests/_launch.py: the launcher is
+tested elsewhere); the traced FSDP4 run is the ``fsdp4_run`` fixture, through run_train.sh.
 * Every mode computes torchtitan's gradient (token-loss sum over the global batch's valid
   tokens, summed over the DP ranks): traced FSDP2 and FSDP4 are bitwise eager torchtitan
   FSDP2 of the same layout at every step, loss and gradient norm.
@@ -17,7 +19,6 @@ All runs: debug model, fp32, seq 64, batch 2, through run_train.sh.
 """
 
 import os
-import subprocess
 
 import pytest
 import torch
@@ -25,17 +26,19 @@ import torch.distributed as dist
 
 from graph_trainer.metrics import read_metrics
 
+from _launch import queue, spawn, train_ranks  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(dump, ngpu, shard, tp, mode="aot_fx_trace", steps=3, replicate=1):
-    env = {**os.environ, "NGPU": str(ngpu)}
-    r = subprocess.run(
-        ["bash", "run_train.sh", "--training.seq_len", "64", "--training.local_batch_size", "2",
+    r = train_ranks(
+        ngpu,
+        ["--training.seq_len", "64", "--training.local_batch_size", "2",
          "--training.steps", str(steps), "--job.dump_folder", str(dump), "--compile.mode", mode,
          "--parallelism.data_parallel_shard_degree", str(shard), "--parallelism.tensor_parallel_degree", str(tp),
          "--parallelism.data_parallel_replicate_degree", str(replicate)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        f"{dump}.logs",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, _ = read_metrics(os.path.join(dump, "metrics.jsonl"))
@@ -78,12 +81,14 @@ def test_fsdp2_tp2_matches_fsdp2_and_eager(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp4_and_hsdp_match_eager_bitwise(tmp_path):
+def test_fsdp4_and_hsdp_match_eager_bitwise(tmp_path, fsdp4_run):
     """4 gloo ranks: the traced step and eager torchtitan agree bitwise (loss, grad norm, every
     step) for FSDP4 and for HSDP (replicate 2 x shard 2: reduce-scatter inside a replica, then
     all-reduce across replicas, as graph nodes). FSDP4 and HSDP see the same batches: the same
-    losses; the gradients are summed in another order, so their norms agree to a tolerance."""
-    _, loss, norm = _train(tmp_path / "fsdp4", 4, 4, 1, steps=2)
+    losses; the gradients are summed in another order, so their norms agree to a tolerance.
+    The traced FSDP4 run is ``fsdp4_run`` (run_train.sh, the same flags, 2 steps)."""
+    _, loss, norm = fsdp4_run
+    assert len(loss) == 2
     _, eager_loss, eager_norm = _train(tmp_path / "fsdp4_eager", 4, 4, 1, mode="eager", steps=2)
     assert (eager_loss, eager_norm) == (loss, norm)
     out, h_loss, h_norm = _train(tmp_path / "hsdp", 4, 2, 1, steps=2, replicate=2)
@@ -128,11 +133,8 @@ def test_tp_collectives_in_graph(tmp_path):
     """Sequence-parallel TP: per block, the attention and FFN inputs are all-gathered and
     their outputs reduce-scattered over the sequence inside the one graph; the
     replicated norm weights' gradients are all-reduced."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "store"), q), nprocs=2, join=True)
+    q = queue()
+    spawn(_tp_worker, (2, str(tmp_path / "store"), q), 2)  # forked from tests/_launch.py's server
     for _ in range(2):
         rank, colls, shapes, n_replicated = q.get(timeout=60)
         n_layers = 2

@@ -201,7 +201,8 @@ def test_tlparse_lists_one_artifact_per_pass(tmp_path, monkeypatch):
     trace_dir = tmp_path / "trace"
     monkeypatch.setenv("TORCH_TRACE", str(trace_dir))
     small = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
-    r = run_debug(tmp_path / "run", small, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2)
+    r = run_debug(tmp_path / "run", small, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
+                  direct=True)  # the trainer's entry point, without run_train.sh's pre-check and torchrun
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Per-pass report" in r.stdout and "| (input)" in r.stdout
 

@@ -1,13 +1,23 @@
 """Every bad input that can be known before start is refused by run_train.sh's pre-check
 (``python -m graph_trainer.config``): exit 2, one short message naming the flag or file, no
-traceback, and no torchrun worker started. Also ``--help`` without torchrun."""
+traceback, and no torchrun worker started. Also ``--help`` without torchrun.
+
+Each case runs the pre-check's entry point (``graph_trainer.config._check_main``, what
+``python -m graph_trainer.config`` runs) in this process, with the arguments and
+environment run_train.sh gives it; the cases in :data:`LAUNCHED` run the whole
+run_train.sh instead: a bad value (the script prints the pre-check's error and exits 2
+before torchrun), ``NGPU`` and ``CONFIG_FILE`` (which the script hands to the pre-check),
+and a missing config file (which the script refuses itself)."""
 
 import os
 import subprocess
 
 import pytest
 
+from _runs import LAUNCH_VARS  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
 
 
 def _run_sh(args, env=None, timeout=300):
@@ -43,14 +53,35 @@ def _bad_inputs(tmp):
 CASES = ["unknown flag", "bad value", "bad pass name", "removed flag", "compile.enable", "degrees vs NGPU",
          "TOML syntax", "missing config", "missing dataset_path", "corrupt JSONL",
          "empty tokenizer folder", "missing load_step"]
+#: The cases run through the whole run_train.sh (the others: its pre-check, in this process).
+LAUNCHED = {"bad value", "degrees vs NGPU", "TOML syntax", "missing config"}
+
+
+def _precheck(args, env, monkeypatch, capsys):
+    """run_train.sh's pre-check in this process: ``(exit code, stdout + stderr)``; the
+    config file as the script passes it (CONFIG_FILE, else the debug model)."""
+    from graph_trainer import config
+
+    for k in LAUNCH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        if k != "CONFIG_FILE":
+            monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    rc = config._check_main(["--job.config_file", env.get("CONFIG_FILE", DEBUG), *args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_refused_before_torchrun(case, tmp_path):
+def test_bad_input_refused_before_torchrun(case, tmp_path, monkeypatch, capsys):
     env, args, needle = _bad_inputs(tmp_path)[case]
-    r = _run_sh(args, env)
-    text = r.stdout + r.stderr
-    assert r.returncode == 2, text[-2000:]
+    if case in LAUNCHED:
+        r = _run_sh(args, env)
+        rc, text = r.returncode, r.stdout + r.stderr
+    else:
+        rc, text = _precheck(args, env, monkeypatch, capsys)
+    assert rc == 2, text[-2000:]
     assert needle in text, text[-2000:]
     assert "Traceback" not in text and "[rank0]" not in text  # no worker was started
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -1,6 +1,9 @@
 """No record is lost: a resumed run appends to metrics.jsonl, a fresh run into a used
 dump folder first moves the earlier records aside (:func:`graph_trainer.metrics.keep_previous`),
-and a run that stops before its first step changes nothing on disk."""
+and a run that stops before its first step changes nothing on disk.
+
+The runs are the trainer's entry point forked from tests/_launch.py's server; the first
+run of the crash test is a copy of the ``finished_run`` fixture (tests/conftest.py)."""
 
 import logging
 import os
@@ -11,14 +14,14 @@ import torch
 
 from graph_trainer.metrics import MetricsLogger, keep_previous, read_metrics
 
-from _runs import run_debug  # tests/ is on sys.path
+from _runs import FINISHED, run_debug  # tests/ is on sys.path
 
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
-def _train(dump, *flags, steps=4, direct=False):
-    return run_debug(dump, SMALL, *flags, steps=steps, direct=direct)
+def _train(dump, *flags, steps=4):
+    return run_debug(dump, SMALL, *flags, steps=steps, forked=True)
 
 
 def _logger(dump, resume_step=0, **kw):
@@ -127,7 +130,7 @@ def test_failed_resume_leaves_metrics_byte_identical(tmp_path):
     (d / "checkpoint").mkdir(parents=True)
     old = b'{"step": 1, "loss": 7.5, "grad_norm": 1.0}\n{"summary": {"final_loss": 7.5}}\n'
     (d / "metrics.jsonl").write_bytes(old)
-    r = _train(d, *CKPT, "--checkpoint.load_step", "99", direct=True)
+    r = _train(d, *CKPT, "--checkpoint.load_step", "99")  # the trainer's own check (no launcher pre-check)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert (d / "metrics.jsonl").read_bytes() == old
     assert sorted(os.listdir(d)) == ["checkpoint", "metrics.jsonl"]
@@ -136,17 +139,18 @@ def test_failed_resume_leaves_metrics_byte_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_after_a_crash_appends_and_a_fresh_run_rotates(tmp_path):
+def test_resume_after_a_crash_appends_and_a_fresh_run_rotates(tmp_path, finished_run):
     """A run logged steps 1-4 but its last checkpoint is step 2 (step-4 removed, as if it
     crashed before saving it): the resumed run appends steps 3-4, the earlier rows stay and
     read_metrics returns the new ones. Then a fresh run (another --checkpoint.folder) into
-    the same dump folder moves metrics.jsonl aside to metrics.1.jsonl, unchanged."""
+    the same dump folder moves metrics.jsonl aside to metrics.1.jsonl, unchanged. The first
+    run is a copy of the ``finished_run`` fixture (flags ``_runs.FINISHED``)."""
     d = tmp_path / "run"
-    r = _train(d, *CKPT)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    shutil.copytree(finished_run, d)
     first = (d / "metrics.jsonl").read_bytes()
+    assert [x["step"] for x in read_metrics(str(d / "metrics.jsonl"))[0]] == [1, 2, 3, 4]
     shutil.rmtree(d / "checkpoint" / "step-4")
-    r = _train(d, *CKPT)
+    r = run_debug(d, FINISHED, steps=4, forked=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Resumed from" in r.stdout and "(step 2)" in r.stdout
     both = (d / "metrics.jsonl").read_bytes()
@@ -160,7 +164,7 @@ def test_resume_after_a_crash_appends_and_a_fresh_run_rotates(tmp_path):
     assert rows[2:] == [json.loads(line) for line in appended]  # the newest rows of steps 3 and 4
     assert (d / "checkpoint" / "step-2" / ".metadata").is_file()
 
-    r = _train(d, *CKPT, "--checkpoint.folder", "checkpoint_b", steps=1)
+    r = run_debug(d, FINISHED, "--checkpoint.folder", "checkpoint_b", steps=1, forked=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"is kept as {d / 'metrics.1.jsonl'}" in r.stdout
     assert (d / "metrics.1.jsonl").read_bytes() == both

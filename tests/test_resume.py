@@ -3,12 +3,17 @@
 complete, a larger ``--training.steps`` continues it bitwise, and a model-only last
 checkpoint is named as such (never "corrupt") and is never written over.
 
-Runs are ``run_train.sh`` on the debug model (seq 64, batch 2, no Inductor) with
-``--debug.state_hashes``. ``--lr_scheduler.total_steps 6`` gives the 4- and the 6-step
-runs the same LR schedule (torchtitan's schedule otherwise depends on ``--training.steps``).
+Runs are the debug model (seq 64, batch 2, no Inductor) with ``--debug.state_hashes``.
+``--lr_scheduler.total_steps 6`` gives the 4- and the 6-step runs the same LR schedule
+(torchtitan's schedule otherwise depends on ``--training.steps``). The README's commands
+(the same command again, then a larger ``--training.steps``; ``--checkpoint.load_step``)
+run through ``run_train.sh``; the other runs are the trainer's entry point forked from
+tests/_launch.py's server (``forked``), and the finished 4-step run is a copy of the
+``finished_run`` fixture (tests/conftest.py), run with these flags.
 """
 
 import os
+import shutil
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
@@ -17,15 +22,16 @@ from graph_trainer.checkpoint import is_model_only, latest_step
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.loss_compare import first_difference
 
-from _runs import run_debug  # tests/ is on sys.path
+from _runs import FINISHED, run_debug  # tests/ is on sys.path
 
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
          "--lr_scheduler.total_steps", "6", "--debug.state_hashes"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]  # the project's default for the last save: full
+assert FINISHED == SMALL + CKPT  # the finished_run fixture is the first run of these tests
 
 
-def _train(dump, *flags, steps=4, direct=False):
-    return run_debug(dump, SMALL, *flags, steps=steps, direct=direct)
+def _train(dump, *flags, steps=4, forked=False):
+    return run_debug(dump, SMALL, *flags, steps=steps, forked=forked)
 
 
 def _ok(r):
@@ -34,9 +40,9 @@ def _ok(r):
 
 
 @pytest.mark.slow
-def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path):
+def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path, finished_run):
     a, b = tmp_path / "a", tmp_path / "b"
-    _ok(_train(a, *CKPT, steps=4))
+    shutil.copytree(finished_run, a)  # _train(a, *CKPT, steps=4)
     assert latest_step(str(a / "checkpoint")) == 4
     assert not is_model_only(FileSystemReader(str(a / "checkpoint" / "step-4")).read_metadata())
     before = (a / "metrics.jsonl").read_bytes()
@@ -54,7 +60,7 @@ def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path):
     assert [x["step"] for x in rows_a] == [1, 2, 3, 4, 5, 6]
     assert sum_a["resumed_from_step"] == 4
 
-    _ok(_train(b, *CKPT, steps=6))  # uninterrupted
+    _ok(_train(b, *CKPT, steps=6, forked=True))  # uninterrupted
     rows_b, sum_b = read_metrics(str(b / "metrics.jsonl"))
     assert [x["step"] for x in rows_b] == [1, 2, 3, 4, 5, 6]
     assert sum_a["state_hashes"] and sum_b["state_hashes"]
@@ -66,12 +72,12 @@ def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path):
 def test_model_only_last_checkpoint_is_named_not_corrupt(tmp_path):
     d = tmp_path / "run"
     only = [*CKPT, "--checkpoint.last_save_model_only"]
-    _ok(_train(d, *only, steps=4))
+    _ok(_train(d, *only, steps=4, forked=True))
     step4 = d / "checkpoint" / "step-4"
     assert is_model_only(FileSystemReader(str(step4)).read_metadata())
     before = (d / "metrics.jsonl").read_bytes()
 
-    r = _train(d, *only, steps=4, direct=True)  # the same command again
+    r = _train(d, *only, steps=4, forked=True)  # the same command again (the loader's message)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     err = r.stderr
     assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
@@ -84,7 +90,7 @@ def test_model_only_last_checkpoint_is_named_not_corrupt(tmp_path):
     assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r.stdout
     assert is_model_only(FileSystemReader(str(d / "checkpoint" / "step-4.1")).read_metadata())
     assert not is_model_only(FileSystemReader(str(step4)).read_metadata())
-    assert "already complete at step 4" in _ok(_train(d, *CKPT, steps=4)).stdout
+    assert "already complete at step 4" in _ok(_train(d, *CKPT, steps=4, forked=True)).stdout
 
 
 def test_load_failure_names_the_first_real_error(tmp_path):

@@ -67,25 +67,14 @@ def _run_sh(env_extra, *args):
 
 
 def test_run_train_sh_bad_input_no_traceback(tmp_path):
+    """A bad CONFIG_FILE / CONFIG name; a bad flag value (--compile.mode fast, exit 2, no
+    traceback) is a case of tests/test_preflight.py through run_train.sh. Several ranks
+    through run_train.sh on CPU (torchrun + gloo, data parallel): the ``fsdp4_run`` fixture
+    of tests/conftest.py."""
     r = _run_sh({"CONFIG_FILE": "missing.toml"})
     assert r.returncode != 0 and "does not exist" in r.stderr
     r = _run_sh({"CONFIG": "graph_trainer_llama3_70b"})
     assert r.returncode != 0 and "not a known config name" in r.stderr
-    r = _run_sh({}, "--compile.mode", "fast", "--job.dump_folder", str(tmp_path))
-    assert r.returncode != 0
-    assert "Valid values" in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
-
-
-@pytest.mark.slow
-def test_run_train_sh_two_ranks_gloo(tmp_path):
-    """NGPU=2 on CPU: torchrun + gloo, data parallel; the README's command shape."""
-    r = _run_sh(
-        {"NGPU": "2"}, "--training.steps", "2", "--job.dump_folder", str(tmp_path), *TINY,
-        "--compile.inductor_compilation", "none",
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert rows[-1]["summary"]["final_loss"] > 0
 
 
 def test_stderr_filter_drops_torchrun_report_after_worker_error():

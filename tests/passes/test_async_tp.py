@@ -364,11 +364,10 @@ def _traced_tp_real(world: int):
 
 
 def _run_gloo(reference_kernels: bool, tmp_path):
-    import torch.multiprocessing as mp
+    from _launch import queue, spawn  # tests/ is on sys.path
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "store"), q, reference_kernels), nprocs=2, join=True)
+    q = queue()
+    spawn(_gloo_worker, (2, str(tmp_path / "store"), q, reference_kernels), 2)  # forked from its server
     return [q.get(timeout=60) for _ in range(2)]
 
 
