@@ -8,6 +8,8 @@
 #   MODULE      model module (graph_trainer.llama3, the only one)
 #   LOG_RANK    local ranks whose output is shown, on every host (default 0)
 #   COMM_MODE   "fake_backend": trace the NNODES x NGPU layout on a fake process group, one process
+#               (a dry run); "fake_collectives": one process trains as rank 0 of that layout on
+#               one device, every collective a no-op (its compute and host time; numerics meaningless)
 #   NNODES      hosts (default 1); the world is NNODES x NGPU ranks, NGPU on every host
 #   NODE_RANK   this host's index, 0..NNODES-1 (default 0); its ranks are
 #               NODE_RANK*NGPU .. NODE_RANK*NGPU+NGPU-1, as on one host of NNODES*NGPU
@@ -78,9 +80,12 @@ if [[ ! "$NODE_RANK" =~ ^(0|[1-9][0-9]*)$ ]] || (( NODE_RANK >= NNODES )); then
 fi
 export NGPU NNODES NODE_RANK
 
-if [[ "${COMM_MODE:-}" == "fake_backend" ]]; then
-    # one process traces the whole NNODES x NGPU world
-    NGPU=$(( NNODES * NGPU )) exec python3 -m graph_trainer.train "${CONFIG_ARGS[@]}" --comm.mode fake_backend "$@"
+if [[ "${COMM_MODE:-}" == "fake_backend" || "${COMM_MODE:-}" == "fake_collectives" ]]; then
+    # one process: rank 0 of the whole NNODES x NGPU world, on a fake process group
+    NGPU=$(( NNODES * NGPU )) exec python3 -m graph_trainer.train "${CONFIG_ARGS[@]}" --comm.mode "$COMM_MODE" "$@"
+elif [[ -n "${COMM_MODE:-}" && "$COMM_MODE" != "default" ]]; then
+    echo "error: COMM_MODE=$COMM_MODE is not supported; use fake_backend (a dry run) or fake_collectives (rank 0's step on one device)." >&2
+    exit 2
 fi
 
 if (( NNODES > 1 )); then

@@ -187,12 +187,27 @@ class Checkpoint:
 
 
 @dataclass
+class Comm:
+    """``[comm]``: torchtitan's ``mode`` with one more value (``COMM_MODE`` of run_train.sh)."""
+
+    mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
+    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one
+    step of the NGPU-rank layout on a fake process group and prints the graph summary and
+    projection (graph_trainer/dry_run.py); nothing is executed. ``fake_collectives``: one
+    process trains as rank 0 of the NGPU-rank layout on one device, every collective a no-op
+    of a fake process group: the step's compute, host time and memory of that rank without
+    communication; losses and gradients are meaningless (no checkpoints). ``local_tensor``:
+    not supported here."""
+
+
+@dataclass
 class JobConfig:
     """The fields this project adds to torchtitan's JobConfig (merged by torchtitan)."""
 
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
 
 
 def split_names(value: str) -> list[str]:
@@ -542,8 +557,15 @@ def validate(cfg) -> list[str]:
     Raises:
         UserError: unknown compile mode, inductor compilation, AC mode or flavor; a bad
             pass list; ``[compile.fsdp]`` values out of range; full-graph-only flags
-            without ``--compile.inductor_compilation full``; a bad profiling schedule.
+            without ``--compile.inductor_compilation full``; a bad profiling schedule;
+            ``--comm.mode local_tensor``; checkpoints under ``fake_collectives``.
     """
+    if cfg.comm.mode == "local_tensor":
+        raise UserError("--comm.mode local_tensor (COMM_MODE=local_tensor) is not supported; use fake_backend "
+                        "(a dry run) or fake_collectives (rank 0's step on one device).")
+    if cfg.comm.mode == "fake_collectives" and cfg.checkpoint.enable:
+        raise UserError("--checkpoint.enable cannot be used with COMM_MODE=fake_collectives: its collectives are "
+                        "no-ops, so the parameters it would save are meaningless.")
     comp = cfg.compile
     if comp.enable:
         raise UserError(

@@ -33,19 +33,32 @@ logger = logging.getLogger("graph_trainer")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def init_device_and_dist() -> tuple[torch.device, int, int]:
+def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     """Pick the device and initialise the process group from torchrun's env.
 
     ``RANK`` / ``WORLD_SIZE`` span every host (``NNODES x NGPU``); the GPU is this host's
     ``LOCAL_RANK``-th, and ``MASTER_ADDR`` / ``MASTER_PORT`` come from torchrun's rendezvous.
+    With ``fake_world > 0`` (``COMM_MODE=fake_collectives``) this process is rank 0 of
+    ``fake_world`` ranks whose collectives are local copies (:mod:`graph_trainer.fake_pg`),
+    on the first GPU, else the CPU.
 
     Returns:
         ``(device, rank, world_size)``; ``cuda:LOCAL_RANK`` when CUDA is available
-        (NCCL), else ``cpu`` (gloo).
+        (NCCL), else ``cpu`` (gloo); with ``fake_world``, ``(cuda:0 or cpu, 0, fake_world)``.
 
     Raises:
         UserError: more local ranks than visible GPUs.
     """
+    if fake_world:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _patch_torchtitan_device_type(device.type)
+        if not dist.is_initialized():
+            from graph_trainer import fake_pg
+
+            fake_pg.init(fake_world)
+        return device, 0, fake_world
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

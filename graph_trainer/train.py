@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 
@@ -61,7 +62,12 @@ def train(cfg) -> dict:
     data.check_dataset(cfg.training.dataset, cfg.training.dataset_path)
     mode = cfg.compile.mode
     flavor = flavors()[cfg.model.flavor]
-    device, rank, world_size = parallelize.init_device_and_dist()
+    fake = cfg.comm.mode == "fake_collectives"  # (no checkpoints: config.validate)
+    device, rank, world_size = parallelize.init_device_and_dist(int(os.environ.get("NGPU", "1")) if fake else 0)
+    if fake:
+        logger.info(f"COMM_MODE=fake_collectives: rank 0 of {world_size} ranks on {device}, every collective a "
+                    "no-op. tps, MFU and memory are this rank's compute and host time without communication; "
+                    "losses and gradient norms are meaningless.")
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)
 
@@ -100,6 +106,8 @@ def train(cfg) -> dict:
                             rank=rank, resume_step=start_step)
     logger.info("Outputs: " + "; ".join(metrics.outputs(cfg, checkpointer.folder if checkpointer.enabled else None)))
     extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism}
+    if fake:
+        extra["comm_mode"] = cfg.comm.mode
     if start_step:
         extra["resumed_from_step"] = start_step
 
@@ -127,7 +135,7 @@ def train(cfg) -> dict:
             loss_val = step_fn.global_loss(loss)
             bad = [f"loss is {v}" for v in (loss_val,) if not math.isfinite(v)]
             bad += [f"grad norm is {v}" for v in (float(grad_norm),) if not math.isfinite(v)]
-            if bad:  # the last good checkpoint stays
+            if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
                 raise UserError(
                     f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this state is "
                     f"written). Lower --optimizer.lr, check the data, or resume from the last good "

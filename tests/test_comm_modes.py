@@ -1,0 +1,100 @@
+"""``COMM_MODE`` of run_train.sh: ``fake_collectives`` trains rank 0 of an NGPU-rank layout in
+one process (every collective a no-op of torch's fake process group), bad values are
+refused. (``fake_backend``, the dry run: tests/test_fsdp.py.)"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from graph_trainer.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
+
+
+def _run_sh(env_extra, *args, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "CONFIG_FILE", "COMM_MODE", "NNODES")}
+    env.update({"CUDA_VISIBLE_DEVICES": "", **env_extra})
+    return subprocess.run(["bash", "run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+def test_fake_collectives_trains_rank0_of_fsdp2_x_tp2_in_one_process(tmp_path):
+    """NGPU=4, FSDP2xTP2: one process, rank 0's step traced with the FSDP and TP collectives
+    of 4 ranks (counted in the pass table), 3 steps logged with this rank's tps and memory;
+    the summary says the mode. No torchrun: no worker rank prefix in the output."""
+    dump = tmp_path / "out"
+    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "4"}, *SMALL, "--training.steps", "3",
+                "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                "--job.dump_folder", str(dump))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "COMM_MODE=fake_collectives: rank 0 of 4 ranks on cpu" in out
+    assert "[rank0]" not in out and "[rank1]" not in out
+    rows, summary = read_metrics(str(dump / "metrics.jsonl"))
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in rows), rows  # defined data
+    assert summary["comm_mode"] == "fake_collectives" and summary["tps"] > 0
+    # the traced graph holds the collectives of both mesh dimensions (pass table, input row)
+    table = [line for line in out.splitlines() if line.startswith("| 0 | (input)")]
+    assert table, out[-3000:]
+    collectives = int(table[0].split("|")[6])
+    assert collectives > 0, table[0]
+
+
+def test_fake_collectives_refuses_checkpoints(tmp_path):
+    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "2"}, *SMALL, "--training.steps", "1",
+                "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert "--checkpoint.enable cannot be used with COMM_MODE=fake_collectives" in r.stderr
+    assert "Traceback" not in out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("env, args, needle", [
+    ({"COMM_MODE": "local_tensor"}, [], "COMM_MODE=local_tensor is not supported; use fake_backend (a dry run) or "
+                                        "fake_collectives"),
+    ({}, ["--comm.mode", "local_tensor"], "--comm.mode local_tensor (COMM_MODE=local_tensor) is not supported"),
+])
+def test_unsupported_comm_mode_refused(env, args, needle, tmp_path):
+    """Refused before torchrun: by run_train.sh, or by its pre-check."""
+    r = _run_sh(env, *args, "--job.dump_folder", str(tmp_path / "out"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and needle in r.stderr, out[-3000:]
+    assert "Traceback" not in out and "[rank0]" not in out
+
+
+def test_local_copy_process_group_semantics():
+    """graph_trainer.fake_pg on 4 ranks, a 2 x 2 device mesh: functional all-gather repeats
+    the input, reduce-scatter keeps this rank's chunk, all-reduce leaves the tensor, on the
+    world and on a mesh dimension (its own process group); scatter gives this rank's piece."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from graph_trainer import fake_pg
+        fake_pg.init(4)
+        f = torch.ops._c10d_functional
+        x, y = torch.arange(3.0), torch.arange(8.0)
+        world = dist.group.WORLD.group_name
+        assert dist.get_world_size() == 4 and dist.get_rank() == 0
+        assert f.wait_tensor(f.all_gather_into_tensor(x, 4, world)).tolist() == [0, 1, 2] * 4
+        assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 4, world)).tolist() == [0, 1]
+        assert f.wait_tensor(f.all_reduce(y, "sum", world)).tolist() == y.tolist()
+        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")
+        assert tp.size() == 2 and tp.group_name != world
+        assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 2, tp.group_name)).tolist() == [0, 1, 2, 3]
+        out = torch.full((2,), -1.0)
+        dist.scatter(out, [torch.tensor([5.0, 6.0]), torch.zeros(2), torch.zeros(2), torch.zeros(2)], src=0)
+        assert out.tolist() == [5, 6]
+        dist.barrier()
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
