@@ -5,7 +5,8 @@ Matches: the entire graph (every node; no annotation needed).
 Changes: the keep-alive ``hold`` nodes of ``overlap_collectives`` and the recompute tags
 of selective AC are removed (:func:`~graph_trainer.passes.common.strip_holds`,
 :func:`~graph_trainer.passes.common.strip_recompute_tags`: Inductor owns buffer lifetimes,
-and ``sac_recompute`` owns recomputation). Then the graph is copied with flat inputs /
+and ``sac_recompute`` owns recomputation), and one-element CPU tensors move to the
+inputs' accelerator (:func:`move_cpu_scalars`). Then the graph is copied with flat inputs /
 a tuple output and compiled by
 ``torch._inductor.compile_fx.compile_fx`` (AOTAutograd functionalization +
 Inductor decompositions + codegen; ``compile_fx_inner`` alone rejects the
@@ -59,6 +60,52 @@ def _flat_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list, py
     return flat_gm, leaves, spec
 
 
+def _input_device(gm: torch.fx.GraphModule, example_inputs) -> torch.device | None:
+    """The accelerator of the graph's inputs (the first tensor input not on the CPU), else None."""
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    vals += list(pytree.tree_leaves(example_inputs)) if example_inputs is not None else []
+    for v in vals:
+        if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta"):
+            return v.device
+    return None
+
+
+def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> int:
+    """Put the graph's one-element CPU tensors on ``device``: constants (``get_attr``),
+    factory calls with ``device=cpu`` (``aten.scalar_tensor``, ``aten.full``, ...) and copies
+    made only of those (``aten.lift_fresh_copy``), e.g. the ``0`` that DTensor's
+    vocabulary-parallel embedding writes with ``index_put_``.
+
+    Eager CUDA ops read such a CPU scalar as a plain number, but Inductor makes it a graph
+    input that it copies host-to-device on every call, which CUDA graph capture refuses
+    (``Cannot copy between CPU and CUDA tensors during CUDA graph capture``). The values and
+    dtypes stay the same. Nothing changes when ``device`` is None or the CPU.
+
+    Returns:
+        The number of constants and calls moved.
+    """
+    if device is None or device.type == "cpu":
+        return 0
+    moved: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.numel() == 1):
+            continue
+        if n.op == "get_attr":
+            owner, _, name = n.target.rpartition(".")
+            mod = gm.get_submodule(owner) if owner else gm
+            setattr(mod, name, getattr(mod, name).to(device))
+        elif n.op == "call_function" and n.kwargs.get("device") is not None:
+            n.kwargs = {**n.kwargs, "device": device}
+        elif not (n.op == "call_function" and n.all_input_nodes and set(n.all_input_nodes) <= moved):
+            continue  # (a copy of a moved constant, e.g. lift_fresh_copy, follows it)
+        n.meta["val"] = val.to(device)
+        moved.add(n)
+    if moved:
+        gm.recompile()
+    return len(moved)
+
+
 def full_inductor_pass(
     gm: torch.fx.GraphModule,
     example_inputs=None,
@@ -82,6 +129,7 @@ def full_inductor_pass(
     Stats: ``compile_s``, ``nodes_compiled``.
     """
     strip_holds(gm)  # keep-alive identities of overlap_collectives: Inductor owns lifetimes
+    moved = move_cpu_scalars(gm, _input_device(gm, example_inputs))
     strip_recompute_tags(gm.graph)  # AC recompute is sac_recompute's job, not compile_fx's (torch >= 2.12)
     fake_inputs = fake_inputs_for(gm, example_inputs)
     fake_mode = detect_graph_fake_mode(gm, example_inputs)
@@ -142,6 +190,7 @@ def full_inductor_pass(
         new_gm,
         f"compiled the whole graph ({n_compiled} nodes) with Inductor in {compile_s:.1f}s"
         + (" (collective schedule pinned)" if pin_collectives else "")
+        + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3),
         nodes_compiled=n_compiled,

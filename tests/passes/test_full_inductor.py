@@ -23,3 +23,29 @@ def test_end_to_end_full_inductor_cpu(tiny_llama):
     out = cgm(*inputs)  # same pytree calling convention as the traced graph
     assert isinstance(out, tuple) and len(out) == len(ref)
     assert_close(out, ref)
+
+
+def test_cpu_scalars_move_to_the_inputs_device():
+    """The vocabulary-parallel embedding's ``index_put_`` of a CPU ``0`` (a constant and its
+    copy, and a ``scalar_tensor(device=cpu)``) on tensors of another device: all move there,
+    the graph runs there; a CPU graph is left alone and computes the same values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graph_trainer.passes.full_inductor import move_cpu_scalars
+
+    def f(x, mask):
+        y = x.index_put((mask,), torch.tensor(0))
+        return y.index_put((~mask,), torch.scalar_tensor(7, dtype=torch.int64, device="cpu"))
+
+    x, mask = torch.arange(6), torch.tensor([True, False] * 3)
+    gm = make_fx(f)(x, mask)
+    assert move_cpu_scalars(gm, torch.device("cpu")) == 0 and move_cpu_scalars(gm, None) == 0
+    meta_gm = make_fx(f, tracing_mode="fake")(x.to("meta"), mask.to("meta"))
+    cpu_scalars = [n for n in meta_gm.graph.nodes
+                   if getattr(n.meta.get("val"), "device", None) == torch.device("cpu")]
+    assert len(cpu_scalars) == 3, meta_gm.graph  # the constant, its lift_fresh_copy, scalar_tensor
+    assert move_cpu_scalars(meta_gm, torch.device("meta")) == 3
+    assert all(n.meta["val"].device.type == "meta" for n in cpu_scalars)
+    out = meta_gm(x.to("meta"), mask.to("meta"))
+    assert out.device.type == "meta" and out.shape == x.shape
+    assert gm(x, mask).tolist() == [0, 7, 0, 7, 0, 7]
