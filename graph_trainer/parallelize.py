@@ -347,6 +347,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     (fp32) and the TP all-reduce of the norm weights' partial gradients in the compute
     dtype, as in torchtitan's FSDP2 + TP; the replicate all-reduce runs in fp32 on the
     reduced gradient, as FSDP2's HSDP.
+
+    Under ``COMM_MODE=fake_collectives`` ``model`` is on the meta device and this rank's
+    shards are allocated on ``device`` (:func:`materialize_meta_shards`).
     """
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
@@ -404,6 +407,8 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         out.norm_group = _flat_group(mesh, tuple(d for d, n in (("dp_shard", shard), ("tp", tp)) if n > 1), "dp_shard_tp")
         logger.info(f"Replicate degree {rep}: gradients all-reduced over the replicas inside the graph")
     del local
+    if cfg.comm.mode == "fake_collectives":  # rank 0's shards of a model built on meta (train.py)
+        out.params = materialize_meta_shards(out.names, out.params, device)
     fsdp.free_parameters(model, out.names)
     out.opt_module = fsdp.ShardedParams(
         specs or [fsdp.ShardSpec(n, p.shape, p.numel(), p.numel()) for n, p in zip(out.names, out.params)],
@@ -426,6 +431,28 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         ]
 
     out.materialize = materialize
+    return out
+
+
+def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], device: torch.device,
+                            std: float = 0.02) -> list[torch.nn.Parameter]:
+    """This rank's parameter shards of a model built on the meta device, allocated on
+    ``device`` (fp32 as the shards): the weights of RMSNorm layers (FQNs ending in
+    ``norm.weight``) ones, every other parameter ``N(0, std)``. Finite values of the usual
+    scale, not those of ``init_weights``: for ``COMM_MODE=fake_collectives``, whose numerics
+    are meaningless anyway. Shards already off the meta device are returned unchanged."""
+    out = []
+    for name, p in zip(names, shards):
+        if not p.is_meta:
+            out.append(p)
+            continue
+        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0.0, std)
+        out.append(torch.nn.Parameter(t, requires_grad=p.requires_grad))
     return out
 
 

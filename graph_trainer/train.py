@@ -80,7 +80,16 @@ def train(cfg) -> dict:
     logger.info(f"Tokenizer ({tokenizer.get_vocab_size():,} tokens) and data ({cfg.training.dataset}) "
                 f"ready in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
-    model = build_model(model_args, device)
+    # Under COMM_MODE=fake_collectives a traced FSDP / TP step needs only rank 0's shards: the
+    # model is built on the meta device (buffers on the device) and distribute_for_trace
+    # allocates the shards, so one GPU holds one rank of a model that no GPU holds whole.
+    meta = fake and mode == "aot_fx_trace" and (parallel_dims.tp > 1 or parallel_dims.dp_shard > 1)
+    model = build_model(model_args, "meta" if meta else device)
+    if meta:
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)  # buffers (RoPE) on the device; parameters stay meta
+        logger.info(f"Model built on the meta device; rank 0's shards are allocated on {device} (N(0, 0.02), "
+                    "norms 1)")
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
     logger.info(
         f"Model llama3 {cfg.model.flavor}: {nparams:,} params (without embedding), "

@@ -24,17 +24,19 @@ def _run_sh(env_extra, *args, timeout=600):
 
 
 @pytest.mark.slow
-def test_fake_collectives_trains_rank0_of_fsdp2_x_tp2_in_one_process(tmp_path):
-    """NGPU=4, FSDP2xTP2: one process, rank 0's step traced with the FSDP and TP collectives
-    of 4 ranks (counted in the pass table), 3 steps logged with this rank's tps and memory;
-    the summary says the mode. No torchrun: no worker rank prefix in the output."""
+def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process(tmp_path):
+    """NGPU=64, FSDP32xTP2: one process, the model built on the meta device and only rank 0's
+    shards allocated, its step traced with the FSDP and TP collectives of 64 ranks (counted
+    in the pass table), 3 steps logged with finite losses, this rank's tps and memory; the
+    summary says the mode. No torchrun: no worker rank prefix in the output."""
     dump = tmp_path / "out"
-    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "4"}, *SMALL, "--training.steps", "3",
-                "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "64"}, *SMALL, "--training.steps", "3",
+                "--parallelism.data_parallel_shard_degree", "32", "--parallelism.tensor_parallel_degree", "2",
                 "--job.dump_folder", str(dump))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert "COMM_MODE=fake_collectives: rank 0 of 4 ranks on cpu" in out
+    assert "COMM_MODE=fake_collectives: rank 0 of 64 ranks on cpu" in out
+    assert "Model built on the meta device; rank 0's shards are allocated on cpu" in out
     assert "[rank0]" not in out and "[rank1]" not in out
     rows, summary = read_metrics(str(dump / "metrics.jsonl"))
     assert [x["step"] for x in rows] == [1, 2, 3]
@@ -98,3 +100,19 @@ def test_local_copy_process_group_semantics():
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_materialize_meta_shards_norms_ones_others_normal():
+    """Meta shards become fp32 tensors on the device: RMSNorm weights ones, the rest finite
+    N(0, 0.02); a shard already allocated is kept as it is."""
+    import torch
+
+    from graph_trainer.parallelize import materialize_meta_shards
+
+    names = ["layers.0.attention_norm.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"]
+    kept = torch.nn.Parameter(torch.full((4,), 3.0))
+    shards = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in (8, 4096, 8)] + [kept]
+    out = materialize_meta_shards(names, shards, torch.device("cpu"))
+    assert all(isinstance(p, torch.nn.Parameter) and p.device.type == "cpu" and p.requires_grad for p in out)
+    assert out[0].tolist() == [1.0] * 8 and out[2].tolist() == [1.0] * 8 and out[3] is kept
+    assert torch.isfinite(out[1]).all() and 0.015 < out[1].std().item() < 0.025

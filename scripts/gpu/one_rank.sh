@@ -2,28 +2,31 @@
 # Rank 0 of Llama3 8B layouts (seq 8192, selective AC) on one GPU under COMM_MODE=fake_collectives:
 # the rank's compute and host time without communication, A vs B in one call (compare_mfu,
 # step 8 profiled: kernel time by category, idle time, timeline PNG), one or more modes per call:
-#   run(kind="nvidia-h200", carry=[".whl"], command="bash scripts/gpu/h200_tp_rank.sh regional seed fsdp2")
-#   run(kind="nvidia-h200", carry=[".whl"], command="bash scripts/gpu/h200_tp_rank.sh full")
+#   run(kind="nvidia-h200", carry=[".whl"], command="bash scripts/gpu/one_rank.sh regional seed fsdp2")
+#   run(kind="nvidia-h200", carry=[".whl"], command="bash scripts/gpu/one_rank.sh full")
+#   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/one_rank.sh seed seed_jit")
 # regional: the plain traced step vs the same with --compile.passes cudagraph.
 # full:     --compile.inductor_compilation full, without vs with the cudagraph pass.
 # seed:     rank 0 of the seed layout (FSDP4xTP2, 8 ranks), plain vs cudagraph.
+# seed_jit: rank 0 of the seed layout, torch.compile per block (--compile.mode jit) vs traced.
 # fsdp2:    rank 0 of FSDP2 (2 ranks), plain vs cudagraph.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export COMM_MODE=fake_collectives CONFIG_FILE=train_configs/llama3_8b.toml
 TP="--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2"
 CG="--compile.passes cudagraph"
+S4="--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2"
 for mode in "$@"; do
 case "$mode" in
 regional) A="$TP"; B="$TP $CG"; LA="TP2 rank"; LB="TP2 rank cudagraph"; T=200 ;;
 full) F="--compile.inductor_compilation full"; A="$TP $F"; B="$TP $F $CG"; LA="TP2 rank full"
     LB="TP2 rank full cudagraph"; T=560 ;;
-seed) S="--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2"
-    A="$S"; B="$S $CG"; LA="FSDP4xTP2 rank"; LB="FSDP4xTP2 rank cudagraph"; T=200 ;;
+seed) A="$S4"; B="$S4 $CG"; LA="FSDP4xTP2 rank"; LB="FSDP4xTP2 rank cudagraph"; T=200 ;;
+seed_jit) A="$S4 --compile.mode jit"; B="$S4"; LA="FSDP4xTP2 rank jit"; LB="FSDP4xTP2 rank traced"; T=260 ;;
 fsdp2) A=""; B="$CG"; LA="FSDP2 rank"; LB="FSDP2 rank cudagraph"; T=200 ;;
-*) echo "usage: $0 regional|full|seed|fsdp2 ..." >&2; exit 2 ;;
+*) echo "usage: $0 regional|full|seed|seed_jit|fsdp2 ..." >&2; exit 2 ;;
 esac
-[[ "$mode" == seed ]] && export NGPU=8 || export NGPU=2
+[[ "$mode" == seed* ]] && export NGPU=8 || export NGPU=2
 timeout "$T" python3 scripts/compare_mfu.py --a-flags "$A" --b-flags "$B" --a-label "$LA" --b-label "$LB" \
     --repeats 1 --steps 12 --warmup 3 --profile-step 8 --run-timeout $(( T / 2 - 5 )) --out "/tmp/cmp_$mode" \
     > "$OUT/cmp_$mode.log" 2>&1
