@@ -19,6 +19,10 @@ into those buffers and replays the graph.
   call: consume them (``loss.item()``, ``optimizer.step()``) before calling
   again, or clone them.
 * The input structure (pytree spec, shapes, dtypes) must stay the same.
+* Memory: the captured graph keeps its own pool, so under traced FSDP the step's peak
+  grows (perf.md, "eighth session"). The gain is
+  the host time between kernels: it pays where the GPU waits on the host (TP ranks under
+  regional Inductor), not where kernels are long (FSDP2) or few (full Inductor).
 
 Raises ``RuntimeError`` when CUDA is unavailable or the example inputs are not
 CUDA tensors.

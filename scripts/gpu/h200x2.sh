@@ -7,7 +7,10 @@
 # NGPU / CONFIG_FILE override the 8B FSDP2 default. Run from another tree (an older version of
 # the project unpacked beside this one): cd OTHER && bash THIS/scripts/gpu/h200x2.sh.
 # Writes to $OUT: summary.txt (one line per run), metrics_all.txt, failed_tails.txt,
-# kernels_all.md (runs with --profiling.enable_profiling).
+# kernels_all.md (runs with --profiling.enable_profiling). With COMM_MODE=fake_collectives every
+# run is rank 0 of NGPU ranks in one process on one GPU (any one-GPU kind), e.g. the 70B:
+#   COMM_MODE=fake_collectives NGPU=64 STEPS=8 RUNS="r70b:560:--model.flavor 70B
+#     --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 8" bash scripts/gpu/h200x2.sh
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=${NGPU:-2} CONFIG_FILE=${CONFIG_FILE:-train_configs/llama3_8b.toml}

@@ -5,6 +5,7 @@
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_async_tp.sh mfu")
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_async_tp.sh mfu_full")
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_async_tp.sh loss")
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2_async_tp.sh idle")
 # smoke:    8 steps with the pass, regional and full Inductor: the pass's log line (what it
 #           fused, symmetric memory, multicast) and the run summary.
 # mfu:      compare_mfu without vs with --compile.passes async_tp (regional Inductor), 2
@@ -12,6 +13,9 @@
 # mfu_full: the same under --compile.inductor_compilation full (1 repeat).
 # loss:     loss_compare, 20 steps, without vs with the pass, --debug.deterministic on both:
 #           bitwise or not, then the per-step relative loss difference (--rtol 1e-3).
+# idle:     where TP2's idle time comes from: compare_mfu real TP2 vs TP2 + cudagraph (does the
+#           capture take NCCL collectives?), then the same pair as one rank alone
+#           (COMM_MODE=fake_collectives, GPU 0): the difference is communication and waiting.
 # setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
@@ -51,5 +55,15 @@ loss)
         > "$OUT/loss_atp.log" 2>&1
     echo "loss_atp rc=$?"; tail -40 "$OUT/loss_atp.log"
     ;;
-*) echo "usage: $0 smoke|mfu|mfu_full|loss" >&2; exit 2 ;;
+idle)
+    for cm in default fake_collectives; do
+        COMM_MODE=$cm timeout 280 python3 scripts/compare_mfu.py --a-flags "$TP" --b-flags "$TP --compile.passes cudagraph" \
+            --a-label "TP2 $cm" --b-label "TP2 $cm cudagraph" --repeats 1 --steps 12 --warmup 3 --profile-step 8 \
+            --run-timeout 135 --out "/tmp/cmp_idle_$cm" > "$OUT/cmp_idle_$cm.log" 2>&1
+        echo "cmp_idle_$cm rc=$?"; cp "/tmp/cmp_idle_$cm/comparison.json" "$OUT/comparison_idle_$cm.json" 2>/dev/null
+        cp "/tmp/cmp_idle_$cm/timeline_a_vs_b.png" "$OUT/timeline_idle_$cm.png" 2>/dev/null
+        grep -h "ok in\|FAILED\|^|" "$OUT/cmp_idle_$cm.log"
+    done
+    ;;
+*) echo "usage: $0 smoke|mfu|mfu_full|loss|idle" >&2; exit 2 ;;
 esac
