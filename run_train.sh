@@ -9,7 +9,7 @@
 #   LOG_RANK    local ranks whose output is shown, on every host (default 0)
 #   COMM_MODE   "fake_backend": trace the NNODES x NGPU layout on a fake process group, one process
 #               (a dry run); "fake_collectives": one process trains as rank 0 of that layout on
-#               one device, every collective a no-op (its compute and host time; numerics meaningless)
+#               one device, every collective a local copy (its compute and host time; numerics meaningless)
 #   NNODES      hosts (default 1); the world is NNODES x NGPU ranks, NGPU on every host
 #   NODE_RANK   this host's index, 0..NNODES-1 (default 0); its ranks are
 #               NODE_RANK*NGPU .. NODE_RANK*NGPU+NGPU-1, as on one host of NNODES*NGPU

@@ -194,9 +194,9 @@ class Comm:
     """``default``: real collectives. ``fake_backend``: a dry run: one process traces one
     step of the NGPU-rank layout on a fake process group and prints the graph summary and
     projection (graph_trainer/dry_run.py); nothing is executed. ``fake_collectives``: one
-    process trains as rank 0 of the NGPU-rank layout on one device, every collective a no-op
-    of a fake process group: the step's compute, host time and memory of that rank without
-    communication; losses and gradients are meaningless (no checkpoints). ``local_tensor``:
+    process trains as rank 0 of the NGPU-rank layout on one device, every collective a local
+    copy (graph_trainer/fake_pg.py): the step's compute, host time and memory of that rank
+    without communication; losses and gradients are meaningless (no checkpoints). ``local_tensor``:
     not supported here."""
 
 
@@ -565,7 +565,7 @@ def validate(cfg) -> list[str]:
                         "(a dry run) or fake_collectives (rank 0's step on one device).")
     if cfg.comm.mode == "fake_collectives" and cfg.checkpoint.enable:
         raise UserError("--checkpoint.enable cannot be used with COMM_MODE=fake_collectives: its collectives are "
-                        "no-ops, so the parameters it would save are meaningless.")
+                        "local copies, so the parameters it would save are meaningless.")
     comp = cfg.compile
     if comp.enable:
         raise UserError(

@@ -12,7 +12,8 @@ in which every rank holds this rank's tensors:
 
 So every tensor the step reads is defined (torch's own fake process group leaves a
 reduce-scatter's output as allocated, which on a GPU is garbage and turned the losses into
-NaN at step 1) and finite data keep the GPU's clocks and kernels as in a real run. Each
+NaN at step 1), and finite data run at the speed real data run (a GPU's matmuls are faster
+on NaN). Each
 all-gather / reduce-scatter costs one local copy kernel instead of the transfer, and no time
 is spent waiting for peers: a step measures the rank's compute and host time without
 communication. The values are not those of the real layout.

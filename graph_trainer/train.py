@@ -66,7 +66,7 @@ def train(cfg) -> dict:
     device, rank, world_size = parallelize.init_device_and_dist(int(os.environ.get("NGPU", "1")) if fake else 0)
     if fake:
         logger.info(f"COMM_MODE=fake_collectives: rank 0 of {world_size} ranks on {device}, every collective a "
-                    "no-op. tps, MFU and memory are this rank's compute and host time without communication; "
+                    "local copy. tps, MFU and memory are this rank's compute and host time without communication; "
                     "losses and gradient norms are meaningless.")
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
     determinism = apply_determinism(cfg.debug.seed, cfg.debug.deterministic, cfg.debug.deterministic_warn_only)

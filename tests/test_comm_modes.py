@@ -1,5 +1,5 @@
 """``COMM_MODE`` of run_train.sh: ``fake_collectives`` trains rank 0 of an NGPU-rank layout in
-one process (every collective a no-op of torch's fake process group), bad values are
+one process (every collective a local copy: graph_trainer/fake_pg.py), bad values are
 refused. (``fake_backend``, the dry run: tests/test_fsdp.py.)"""
 
 import math

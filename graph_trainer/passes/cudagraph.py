@@ -20,9 +20,9 @@ into those buffers and replays the graph.
   again, or clone them.
 * The input structure (pytree spec, shapes, dtypes) must stay the same.
 * Memory: the captured graph keeps its own pool, so under traced FSDP the step's peak
-  grows (perf.md, "eighth session"). The gain is
-  the host time between kernels: it pays where the GPU waits on the host (TP ranks under
-  regional Inductor), not where kernels are long (FSDP2) or few (full Inductor).
+  grows. The gain is the host time between kernels: it pays where the GPU waits on the
+  host (TP ranks under regional Inductor), not where kernels are long (FSDP2) or few (full
+  Inductor); perf.md, "eighth session".
 
 Raises ``RuntimeError`` when CUDA is unavailable or the example inputs are not
 CUDA tensors.
