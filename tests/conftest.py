@@ -104,3 +104,37 @@ def finished_run(tmp_path_factory):
     r = run_debug(dump, FINISHED, steps=4, forked=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return dump
+
+
+@pytest.fixture(scope="session")
+def dry_run_8b_fsdp4_tp2():
+    """The seed layout's dry run, once per session: Llama3 8B, FSDP4 x TP2 on 8 fake ranks
+    (``COMM_MODE=fake_backend NGPU=8``), with ``--compile.passes async_tp``, in this process.
+    ``(summary, log messages of graph_trainer)``; the summary's collective counts are those
+    of the traced graph (before any pass). Used by tests/test_fsdp.py and
+    tests/passes/test_async_tp.py."""
+    import logging
+
+    from graph_trainer.config import parse_args
+    from graph_trainer.dry_run import dry_run
+
+    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"),
+                      "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
+                      "--compile.passes", "async_tp"])
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    log = logging.getLogger("graph_trainer")
+    old_level, old_ngpu = log.level, os.environ.get("NGPU")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    os.environ["NGPU"] = "8"
+    try:
+        summary = dry_run(cfg)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+        os.environ.pop("NGPU") if old_ngpu is None else os.environ.__setitem__("NGPU", old_ngpu)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary, messages

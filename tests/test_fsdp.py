@@ -137,9 +137,10 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
 
 
-def test_fake_backend_dry_run_8b_fsdp4_tp2():
-    """The seed layout: Llama3 8B, FSDP4 x TP2 on 8 fake ranks, traced in one process."""
-    s = _dry_run_8_ranks("--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2")
+def test_fake_backend_dry_run_8b_fsdp4_tp2(dry_run_8b_fsdp4_tp2):
+    """The seed layout: Llama3 8B, FSDP4 x TP2 on 8 fake ranks, traced in one process (the
+    session's dry run, tests/conftest.py; its collectives are counted as traced)."""
+    s, _ = dry_run_8b_fsdp4_tp2
     assert s["layout"] == "FSDP4xTP2"
     # the memory policy's plan for an 80 GB and a 141 GB device: the smaller plans no fatter
     small, large = s["memory_policies"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 
 import pytest
@@ -402,25 +401,12 @@ def test_fused_ops_end_to_end_on_gloo(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(caplog):
-    """COMM_MODE=fake_backend NGPU=8, Llama3 8B, FSDP4 x TP2, --compile.passes async_tp: the
-    pass rewrites on the fake group; the fused ops are in the graph the dry run summarises."""
-    from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
-
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"),
-                      "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
-                      "--compile.passes", "async_tp", "--compile.memory_budget_gib", "70"])
-    old = os.environ.get("NGPU")
-    os.environ["NGPU"] = "8"
-    try:
-        with caplog.at_level(logging.INFO, logger="graph_trainer"):
-            s = dry_run(cfg)
-    finally:
-        os.environ.pop("NGPU") if old is None else os.environ.__setitem__("NGPU", old)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("graph pass async_tp")]
+def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(dry_run_8b_fsdp4_tp2):
+    """COMM_MODE=fake_backend NGPU=8, Llama3 8B, FSDP4 x TP2, --compile.passes async_tp (the
+    session's dry run, tests/conftest.py): the pass rewrites on the fake group; the fused ops
+    are in the graph the dry run summarises."""
+    s, messages = dry_run_8b_fsdp4_tp2
+    (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
     # per block: 2 forward all-gathers (3 + 2 projections), 2 backward ones (1 matmul each),
     # 2 forward reduce-scatters; plus the output projection's all-gather and the
     # reduce-scatter of its input gradient. Left: the embedding's pair, 64 sums of matmuls.
