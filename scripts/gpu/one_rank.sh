@@ -8,6 +8,7 @@
 # regional: the plain traced step vs the same with --compile.passes cudagraph.
 # full:     --compile.inductor_compilation full, without vs with the cudagraph pass.
 # seed:     rank 0 of the seed layout (FSDP4xTP2, 8 ranks), plain vs cudagraph.
+# seed_full: the seed layout's rank under full Inductor, without vs with the cudagraph pass.
 # seed_jit: rank 0 of the seed layout, torch.compile per block (--compile.mode jit) vs traced.
 # fsdp2:    rank 0 of FSDP2 (2 ranks), plain vs cudagraph.
 set -uo pipefail
@@ -22,9 +23,11 @@ regional) A="$TP"; B="$TP $CG"; LA="TP2 rank"; LB="TP2 rank cudagraph"; T=200 ;;
 full) F="--compile.inductor_compilation full"; A="$TP $F"; B="$TP $F $CG"; LA="TP2 rank full"
     LB="TP2 rank full cudagraph"; T=560 ;;
 seed) A="$S4"; B="$S4 $CG"; LA="FSDP4xTP2 rank"; LB="FSDP4xTP2 rank cudagraph"; T=200 ;;
+seed_full) F="--compile.inductor_compilation full"; A="$S4 $F"; B="$S4 $F $CG"; LA="FSDP4xTP2 rank full"
+    LB="FSDP4xTP2 rank full cudagraph"; T=560 ;;
 seed_jit) A="$S4 --compile.mode jit"; B="$S4"; LA="FSDP4xTP2 rank jit"; LB="FSDP4xTP2 rank traced"; T=260 ;;
 fsdp2) A=""; B="$CG"; LA="FSDP2 rank"; LB="FSDP2 rank cudagraph"; T=200 ;;
-*) echo "usage: $0 regional|full|seed|seed_jit|fsdp2 ..." >&2; exit 2 ;;
+*) echo "usage: $0 regional|full|seed|seed_full|seed_jit|fsdp2 ..." >&2; exit 2 ;;
 esac
 [[ "$mode" == seed* ]] && export NGPU=8 || export NGPU=2
 timeout "$T" python3 scripts/compare_mfu.py --a-flags "$A" --b-flags "$B" --a-label "$LA" --b-label "$LB" \
