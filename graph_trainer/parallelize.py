@@ -49,20 +49,13 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     Raises:
         UserError: more local ranks than visible GPUs.
     """
-    if fake_world:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        _patch_torchtitan_device_type(device.type)
-        if not dist.is_initialized():
-            from graph_trainer import fake_pg
-
-            fake_pg.init(fake_world)
-        return device, 0, fake_world
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    if fake_world:  # one process, the first GPU
+        world_size, rank, local_rank, local_world = fake_world, 0, 0, 1
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         if local_world > n:
@@ -75,7 +68,11 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     else:
         device = torch.device("cpu")
     _patch_torchtitan_device_type(device.type)
-    if world_size > 1 and not dist.is_initialized():
+    if fake_world and not dist.is_initialized():
+        from graph_trainer import fake_pg
+
+        fake_pg.init(fake_world)
+    elif world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend=backend, **kwargs)

@@ -55,3 +55,26 @@ def fsdp4_flags():
     2 steps, seq 64, batch 2 per rank."""
     return ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--parallelism.data_parallel_shard_degree", "4"]
+
+
+def dry_run_8b_8_ranks(*flags) -> dict:
+    """``graph_trainer.dry_run`` of train_configs/llama3_8b.toml with ``flags`` on 8 fake ranks,
+    in this process (``NGPU=8`` for the call; the fake process group destroyed after)."""
+    import torch.distributed as dist
+
+    from graph_trainer.config import parse_args
+    from graph_trainer.dry_run import dry_run
+
+    os.environ.setdefault("CONFIG", "")
+    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"), *flags])
+    old = os.environ.get("NGPU")
+    os.environ["NGPU"] = "8"
+    try:
+        return dry_run(cfg)
+    finally:
+        if old is None:
+            os.environ.pop("NGPU")
+        else:
+            os.environ["NGPU"] = old
+        if dist.is_initialized():
+            dist.destroy_process_group()

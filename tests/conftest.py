@@ -115,26 +115,19 @@ def dry_run_8b_fsdp4_tp2():
     tests/passes/test_async_tp.py."""
     import logging
 
-    from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
+    from _runs import dry_run_8b_8_ranks
 
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"),
-                      "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2",
-                      "--compile.passes", "async_tp"])
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     log = logging.getLogger("graph_trainer")
-    old_level, old_ngpu = log.level, os.environ.get("NGPU")
+    old_level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    os.environ["NGPU"] = "8"
     try:
-        summary = dry_run(cfg)
+        summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
+                                     "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp")
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
-        os.environ.pop("NGPU") if old_ngpu is None else os.environ.__setitem__("NGPU", old_ngpu)
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return summary, messages

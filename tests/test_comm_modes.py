@@ -12,15 +12,15 @@ import pytest
 
 from graph_trainer.metrics import read_metrics
 
+from _runs import launch_env  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
 
 
 def _run_sh(env_extra, *args, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "CONFIG_FILE", "COMM_MODE", "NNODES")}
-    env.update({"CUDA_VISIBLE_DEVICES": "", **env_extra})
-    return subprocess.run(["bash", "run_train.sh", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(["bash", "run_train.sh", *args], cwd=REPO, env=launch_env(**env_extra),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _launch import queue, spawn  # tests/ is on sys.path
+from _runs import dry_run_8b_8_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,26 +92,6 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
         assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
-def _dry_run_8_ranks(*flags):
-    """graph_trainer.dry_run of train_configs/llama3_8b.toml on 8 fake ranks, in-process."""
-    from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
-
-    os.environ.setdefault("CONFIG", "")
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"), *flags])
-    old = os.environ.get("NGPU")
-    os.environ["NGPU"] = "8"
-    try:
-        return dry_run(cfg)
-    finally:
-        if old is None:
-            os.environ.pop("NGPU")
-        else:
-            os.environ["NGPU"] = old
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     """COMM_MODE=fake_backend NGPU=8: the debug model and the 8B trace in one process."""
     env = {**os.environ, "COMM_MODE": "fake_backend", "NGPU": "8"}
@@ -121,7 +102,7 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert "all_gather_into_tensor: 57 ops" in r.stdout  # debugmodel: 57 parameters
     assert "reduce_scatter_tensor: 57 ops" in r.stdout
 
-    s = _dry_run_8_ranks("--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0")
+    s = dry_run_8b_8_ranks("--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0")
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     n_params = 2 + 32 * 9 + 1  # embedding, output; 9 per block; final norm
     assert s["collectives"]["all_gather_into_tensor"]["count"] == n_params

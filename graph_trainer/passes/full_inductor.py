@@ -39,6 +39,7 @@ from graph_trainer.passes.common import (
     collective_kind,
     detect_graph_fake_mode,
     fake_inputs_for,
+    placeholder_vals,
     set_pass_summary,
     strip_holds,
     strip_recompute_tags,
@@ -62,8 +63,7 @@ def _flat_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list, py
 
 def _input_device(gm: torch.fx.GraphModule, example_inputs) -> torch.device | None:
     """The accelerator of the graph's inputs (the first tensor input not on the CPU), else None."""
-    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-    vals += list(pytree.tree_leaves(example_inputs)) if example_inputs is not None else []
+    vals = placeholder_vals(gm) + (pytree.tree_leaves(example_inputs) if example_inputs is not None else [])
     for v in vals:
         if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta"):
             return v.device
