@@ -148,6 +148,13 @@ HAND = [(0, 40, "eager pointwise / reduction"), (5, 35, "matmul"), (30, 60, "com
         (70, 80, "inductor triton"), (85, 95, "communication"), (-10, 2, "copy"), (98, 130, "communication")]
 
 
+def _assert_ranges(actual, expected):
+    """``[(start, end), ...]`` ranges equal to ``expected`` up to ``pytest.approx``, pair by pair
+    (pytest >= 9.2's approx compares no nested sequences)."""
+    assert len(actual) == len(expected), (actual, expected)
+    assert [x for r in actual for x in r] == pytest.approx([x for r in expected for x in r]), (actual, expected)
+
+
 def test_draw_timeline_writes_png_and_marks_exposed_and_idle_as_timeline_breakdown(tmp_path):
     from graph_trainer.tools.timeline import draw_timeline
 
@@ -160,8 +167,8 @@ def test_draw_timeline_writes_png_and_marks_exposed_and_idle_as_timeline_breakdo
     for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
         assert out[key] == pytest.approx(t[key])
     # the drawn bands: ms from the step's start, as long as the breakdown's figures
-    assert out["exposed_ranges_ms"] == pytest.approx([(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
-    assert out["idle_ranges_ms"] == pytest.approx([(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
+    _assert_ranges(out["exposed_ranges_ms"], [(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
+    _assert_ranges(out["idle_ranges_ms"], [(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
     assert sum(b - a for a, b in out["idle_ranges_ms"]) == pytest.approx(t["idle_ms"])
     assert sum(b - a for a, b in out["exposed_ranges_ms"]) == pytest.approx(t["exposed_comm_ms"])
     assert out["path"] == str(tmp_path / "t.png")
@@ -240,7 +247,7 @@ def test_timeline_a_vs_b_from_two_kernels_json(tmp_path):
         t = timeline_breakdown(kernels, [step])
         for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
             assert out[side][key] == pytest.approx(t[key])
-    assert out["B"]["exposed_ranges_ms"] == pytest.approx([(0.05, 0.07)])
+    _assert_ranges(out["B"]["exposed_ranges_ms"], [(0.05, 0.07)])
     (tmp_path / "old.json").write_text(json.dumps({"step": 5, "categories": {}}))  # profiled before step_intervals
     with pytest.raises(ValueError, match="no step intervals"):
         read_step(str(tmp_path / "old.json"))
