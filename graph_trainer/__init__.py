@@ -7,15 +7,15 @@ Modules, in the order the data flows (docs/design.md, "Layout"):
   ``[compile.full_inductor]``, ``[compile.sac]``, ``[compile.fsdp]``);
 * :mod:`~graph_trainer.model`: flavors, tokenizer, model, loss and block layout (the one
   builder);
-* :mod:`~graph_trainer.parallelize` / :mod:`~graph_trainer.fsdp`: device, process group,
+* :mod:`~graph_trainer.distributed.parallelize` / :mod:`~graph_trainer.distributed.fsdp`: device, process group,
   TP plan, AC wrappers, traceable FSDP shards;
 * :mod:`~graph_trainer.trace`: ``make_fx`` of forward + loss + backward into one graph;
-* :mod:`graph_trainer.passes`: the graph passes; ``passes.pipeline.build_pipeline`` turns
+* :mod:`graph_trainer.compiler.passes`: the graph passes; ``passes.pipeline.build_pipeline`` turns
   ``[compile]`` into the ordered passes with their arguments, ``run_pipeline`` runs them;
 * :mod:`~graph_trainer.step`: the step object (trace, pipeline, replay);
 * :mod:`~graph_trainer.train`: the training loop; :mod:`~graph_trainer.metrics`: writer and
   reader of ``metrics.jsonl``;
-* :mod:`~graph_trainer.dry_run`: the same trace and pipeline on a fake process group;
+* :mod:`~graph_trainer.projection.dry_run`: the same trace and pipeline on a fake process group;
 * :mod:`graph_trainer.tools`: comparison tools that launch runs (not imported by training).
 
 Node metadata written by :mod:`graph_trainer.trace` and read by passes:

@@ -4,7 +4,7 @@ Saved per checkpoint (``<dump_folder>/<checkpoint.folder>/step-N/``):
 
 * ``model``: the trained tensors -- one rank: the model's fp32 parameters; FSDP and / or
   TP under ``aot_fx_trace``: each rank's local shards, under rank-specific keys
-  (:class:`graph_trainer.fsdp.ShardedParams`), so DCP keeps every rank's part;
+  (:class:`graph_trainer.distributed.fsdp.ShardedParams`), so DCP keeps every rank's part;
 * ``optimizer`` and ``lr_scheduler`` (torchtitan's containers), ``dataloader``
   (torchtitan's stateful dataloader: position in the text stream, per DP rank);
 * ``train_state``: the step and the layout it was saved with (:class:`TrainState`);
@@ -221,7 +221,7 @@ class Checkpointer:
         import torch.distributed as dist
 
         if self.enabled and not dist.is_initialized():  # DCP needs a process group, even of 1
-            from graph_trainer.parallelize import _init_single_process_group
+            from graph_trainer.distributed.parallelize import _init_single_process_group
 
             _init_single_process_group(device)
         self.folder = checkpoint_folder(cfg)

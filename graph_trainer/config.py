@@ -6,7 +6,7 @@ always merges it, so it is present whether or not the TOML names it.
 
 Precedence: CLI ``--section.key value`` > TOML file > dataclass defaults.
 
-Flag aliases accepted for commands written against newer torchtitan:
+Flag spellings of newer torchtitan accepted:
 ``--dataloader.dataset[_path]`` -> ``--training.dataset[_path]`` and
 ``--profiler.*`` -> ``--profiling.*``.
 """
@@ -16,9 +16,10 @@ import difflib
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
+from graph_trainer.compiler.memory_policy import FSDPOptions, SACOptions
 from graph_trainer.errors import UserError
 
 CompileMode = Literal["eager", "jit", "aot_fx_trace"]
@@ -39,93 +40,12 @@ TRAIN_CONFIGS = os.path.join(REPO_ROOT, "train_configs")
 
 
 @dataclass
-class RMSNorm:
-    """``[compile.rmsnorm]`` — options of ``annotate_rmsnorm_for_regional_inductor``
-    (enabled by ``--compile.numerics_changing_optim``)."""
-
-    inductor_configs: str = ""
-    """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
-    Empty: DEFAULT_RMSNORM_INDUCTOR_CONFIGS (graph_trainer.passes.annotate_rmsnorm)."""
-
-    tune: bool = True
-    """Also compile each distinct RMSNorm region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS
-    (split sizes of the norm backward's reduction), time them on CUDA and keep a candidate
-    only when it beats Inductor's defaults by 2 %. About a second of compile per candidate
-    and distinct region. No effect on CPU; off with --debug.deterministic (the pick depends
-    on timings). Measured: docs/perf.md."""
-
-
-@dataclass
-class FullInductor:
-    """``[compile.full_inductor]`` — options of ``full_inductor``
-    (``--compile.inductor_compilation full``)."""
-
-    configs: str = ""
-    """``torch._inductor.config`` overrides for the whole-graph compile: JSON on the CLI, a
-    table in TOML, dotted keys, e.g.
-    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
-
-    pin_collectives: bool = True
-    """Keep overlap_collectives' placement of every collective and wait (under the same
-    matmuls) inside Inductor's schedule (graph_trainer.passes.pin_collectives). Without it
-    Inductor's peak-memory reordering waits for each collective right after issuing it,
-    so nothing overlaps."""
-
-
-SacSave = Literal["auto", "recompute", "matmuls", "all"]
-
-
-@dataclass
-class SAC:
-    """``[compile.sac]`` — options of ``sac_recompute`` (op-level selective AC)."""
-
-    save: SacSave = "auto"
-    """What op-level selective AC keeps from the forward for the backward. recompute:
-    torchtitan's policy (every other matmul and the cheap ops are recomputed); matmuls:
-    every matmul output is kept, only the cheap ops are recomputed; all: nothing is
-    recomputed; auto: the memory policy picks within --compile.memory_budget_gib
-    (graph_trainer/passes/memory_policy.py). Numerics unchanged in every case."""
-
-
-@dataclass
-class FSDP:
-    """``[compile.fsdp]`` — options of the traced FSDP collectives
-    (``reshard_after_forward``, ``bucket_collectives``)."""
-
-    bucket_blocks: int = -1
-    """> 0: the bucket_collectives pass merges the FSDP all-gathers / reduce-scatters of up
-    to N consecutive transformer blocks into one collective each. 0: one collective per
-    parameter. -1: the memory policy picks (2 when it fits). Numerics unchanged."""
-
-    keep_last_blocks: int = -1
-    """The last K transformer blocks (in forward order) keep their all-gathered parameters
-    from the forward for the backward instead of gathering them again (more memory, fewer
-    all-gathers). 0: every block is resharded after the forward. -1: the memory policy
-    picks as many as fit. Numerics unchanged."""
-
-
-AsyncTPFuse = Literal["all", "all_gather_matmul", "matmul_reduce_scatter"]
-
-
-@dataclass
-class AsyncTP:
-    """``[compile.async_tp]`` — options of ``async_tp`` (``--compile.passes async_tp``)."""
-
-    fuse: AsyncTPFuse = "all"
-    """Which TP pairs the async_tp pass replaces with torch's symmetric-memory ops: all:
-    all-gather -> matmul (symm_mem.fused_all_gather_matmul) and matmul -> reduce-scatter
-    (symm_mem.fused_matmul_reduce_scatter); all_gather_matmul / matmul_reduce_scatter:
-    only that one. CUDA only (the pass skips elsewhere). The fused matmuls run in
-    per-rank row chunks: equal to the unfused step up to the matmul kernels' choice, not
-    guaranteed bitwise (graph_trainer/passes/async_tp.py)."""
-
-
-@dataclass
-class Compile:
+class CompileBase:
     """``[compile]`` — how the training step is captured and compiled.
 
     torchtitan's own ``enable`` / ``components`` / ``backend`` are set by ``mode``
-    (``jit`` is torchtitan's per-TransformerBlock torch.compile).
+    (``jit`` is torchtitan's per-TransformerBlock torch.compile). :data:`Compile` adds one
+    ``[compile.<section>]`` per pass with options (:mod:`graph_trainer.compiler.registry`).
     """
 
     mode: CompileMode = "aot_fx_trace"
@@ -146,8 +66,8 @@ class Compile:
     80 GB and 141 GB devices). The choice and its predicted peak are logged."""
 
     passes: str = ""
-    """Comma-separated pass names added to the default order (e.g. annotate_pointwise,
-    cudagraph); every pass runs at its place in the one canonical order."""
+    """Comma-separated pass names added to the default pipeline (e.g. annotate_pointwise,
+    cudagraph); every pass runs at its place in the one order (graph_trainer/compiler/passes/__init__.py)."""
 
     disable_passes: str = ""
     """Comma-separated pass names removed from the pipeline."""
@@ -155,11 +75,38 @@ class Compile:
     dump_graphs: bool = False
     """Write the graph before the first pass and after each pass to <dump_folder>/graphs/."""
 
-    rmsnorm: RMSNorm = field(default_factory=RMSNorm)
-    full_inductor: FullInductor = field(default_factory=FullInductor)
-    sac: SAC = field(default_factory=SAC)
-    fsdp: FSDP = field(default_factory=FSDP)
-    async_tp: AsyncTP = field(default_factory=AsyncTP)
+    sac: SACOptions = field(default_factory=SACOptions)
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+
+
+def _resolved(cls: type) -> type:
+    """``cls`` with its annotations evaluated: an options class from a module with
+    ``from __future__ import annotations`` holds them as text, which torchtitan's merged
+    copy of the class (made in another module) cannot evaluate."""
+    import dataclasses
+    import typing
+
+    cls.__annotations__ = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        f.type = cls.__annotations__[f.name]
+    return cls
+
+
+def _compile_cls() -> type:
+    """:class:`CompileBase` plus one field per pass with options, named by its section
+    (:func:`graph_trainer.compiler.registry.option_sections`)."""
+    import dataclasses
+
+    from graph_trainer.compiler.registry import option_sections
+
+    for cls in (SACOptions, FSDPOptions):
+        _resolved(cls)
+    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in option_sections()]
+    return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
+
+
+#: ``[compile]``: :class:`CompileBase` and the passes' option sections.
+Compile = _compile_cls()
 
 
 @dataclass
@@ -193,11 +140,32 @@ class Comm:
     mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
     """``default``: real collectives. ``fake_backend``: a dry run: one process traces one
     step of the NGPU-rank layout on a fake process group and prints the graph summary and
-    projection (graph_trainer/dry_run.py); nothing is executed. ``fake_collectives``: one
+    projection (graph_trainer/projection/dry_run.py); nothing is executed. ``fake_collectives``: one
     process trains as rank 0 of the NGPU-rank layout on one device, every collective a local
-    copy (graph_trainer/fake_pg.py): the step's compute, host time and memory of that rank
+    copy (graph_trainer/distributed/fake_pg.py): the step's compute, host time and memory of that rank
     without communication; losses and gradients are meaningless (no checkpoints). ``local_tensor``:
     not supported here."""
+
+
+@dataclass
+class Projection:
+    """``[projection]``: the GPUs the dry run (``--comm.mode fake_backend``) projects its traced
+    step onto (graph_trainer/projection/cost_model.py)."""
+
+    device: Literal["h100", "h200"] = "h100"
+    """GPU kind: its bf16 peak, matmul / attention / HBM rates and NVLink / NIC constants."""
+
+    gpus_per_node: int = 8
+    """GPUs per node: a process group inside one node runs on NVLink, one across nodes on the
+    network (one NIC per GPU)."""
+
+    async_tp: bool = False
+    """Count every TP collective as hidden under compute, for a graph traced without the
+    async-TP pass (its fused ops count as hidden either way)."""
+
+    cost_constants: str = ""
+    """JSON file of constants measured by scripts/cost_constants.py, replacing the datasheet
+    values field by field; empty: graph_trainer/projection/cost_constants/<device>.json."""
 
 
 @dataclass
@@ -208,130 +176,41 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
-
-
-def split_names(value: str) -> list[str]:
-    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
-    return [v.strip() for v in (value or "").split(",") if v.strip()]
-
-
-#: Flags of ``[compile]`` that moved into a group: old key -> new dotted key (accepted
-#: with a deprecation line on the CLI and in TOML).
-RENAMED_COMPILE_KEYS = {
-    "rmsnorm_inductor_configs": "rmsnorm.inductor_configs",
-    "rmsnorm_tune": "rmsnorm.tune",
-    "full_inductor_configs": "full_inductor.configs",
-    "pin_collectives": "full_inductor.pin_collectives",
-    "sac_save_matmuls": "sac.save_matmuls",
-}
-#: Boolean flags that became a choice: dotted key -> (new dotted key, value when set,
-#: value when negated). Accepted with a deprecation line on the CLI and in TOML.
-BOOL_TO_CHOICE_KEYS = {"sac.save_matmuls": ("sac.save", "matmuls", "recompute")}
-#: Flags of ``[compile]`` that were removed: old key -> what to use instead.
-REMOVED_COMPILE_KEYS = {
-    "pointwise_regions": "--compile.passes annotate_pointwise",
-    "cudagraphs": "--compile.passes cudagraph",
-    "bucket_collectives": (
-        "--compile.fsdp.bucket_blocks N (transformer blocks per bucket; the old value counted "
-        "collectives, 9 per Llama3 block, so 18 is now 2)"
-    ),
-    "reshard_first_params": (
-        "--compile.fsdp.keep_last_blocks K (blocks that keep their forward all-gather for the "
-        "backward; the old value counted parameters, 1 + 9 * (L - K) for L blocks, so 181 on "
-        "the 8B is now 12)"
-    ),
-}
-
-
-def _deprecated(old: str, new: str) -> None:
-    print(f"warning: {old} is deprecated; use {new}", file=sys.stderr)
-
-
-def _rewrite_compile_flag(key: str) -> str:
-    """``--compile.<old>`` / ``--compile.no-<old>`` -> its new spelling (see
-    :data:`RENAMED_COMPILE_KEYS`); other keys unchanged.
-
-    Raises:
-        UserError: a removed flag (:data:`REMOVED_COMPILE_KEYS`), naming its replacement.
-    """
-    if not key.startswith("--compile."):
-        return key
-    name = key[len("--compile."):]
-    neg = name.startswith("no-") or name.startswith("no_")
-    base = (name[3:] if neg else name).replace("-", "_")
-    if base in REMOVED_COMPILE_KEYS:
-        raise UserError(f"--compile.{base} was removed; use {REMOVED_COMPILE_KEYS[base]}.")
-    if base not in RENAMED_COMPILE_KEYS:
-        return key
-    group, _, leaf = RENAMED_COMPILE_KEYS[base].rpartition(".")
-    new = f"--compile.{group}.{'no-' if neg else ''}{leaf}"
-    _deprecated(key, new)
-    return new
+    projection: Projection = field(default_factory=Projection)
 
 
 def rewrite_aliases(argv: list[str]) -> list[str]:
-    """Map other flag spellings to the ones this parser knows.
-
-    Newer torchtitan spellings: ``--dataloader.dataset`` / ``--dataloader.dataset_path`` ->
-    ``--training.*``; ``--profiler.X`` -> ``--profiling.X`` (``--profiler.no-enable_profiling``
-    too). Older ``[compile]`` flags of this project: :data:`RENAMED_COMPILE_KEYS` (with a
-    deprecation line on stderr).
-
-    Raises:
-        UserError: a flag listed in :data:`REMOVED_COMPILE_KEYS`.
-    """
+    """Map newer torchtitan spellings to the ones this parser knows:
+    ``--dataloader.dataset[_path]`` -> ``--training.dataset[_path]``, ``--profiler.X`` ->
+    ``--profiling.X``."""
     out = []
     for arg in argv:
-        key, eq, val = arg.partition("=")
-        for old, new in (
-            ("--dataloader.dataset", "--training.dataset"),
-            ("--profiler.", "--profiling."),
-        ):
-            if key.startswith(old):
-                key = new + key[len(old):]
+        for old, new in (("--dataloader.dataset", "--training.dataset"), ("--profiler.", "--profiling.")):
+            if arg.startswith(old):
+                arg = new + arg[len(old):]
                 break
-        key = _rewrite_compile_flag(key)
-        name = key[len("--compile."):] if key.startswith("--compile.") else ""
-        group, _, leaf = name.rpartition(".")
-        neg = leaf.startswith(("no-", "no_"))
-        dotted = f"{group}.{leaf[3:] if neg else leaf}"
-        if dotted in BOOL_TO_CHOICE_KEYS and not eq:
-            new, on, off = BOOL_TO_CHOICE_KEYS[dotted]
-            _deprecated(key, f"--compile.{new} {off if neg else on}")
-            out += [f"--compile.{new}", off if neg else on]
-            continue
-        out.append(key + eq + val)
+        out.append(arg)
     return out
 
 
-def _upgrade_toml_compile(values: dict, path: str) -> None:
-    """Move old ``[compile]`` keys of a TOML file into their groups (in place), and turn
-    the Inductor config tables into the JSON strings the dataclass holds.
+def _tables_as_json(values: dict) -> None:
+    """In a TOML file's ``[compile.<section>]`` tables, turn a table given for a text field
+    (the Inductor config overrides) into the JSON text the dataclass holds (in place)."""
+    import dataclasses
+    import typing
 
-    Raises:
-        UserError: a removed key (:data:`REMOVED_COMPILE_KEYS`).
-    """
     comp = values.get("compile")
     if not isinstance(comp, dict):
         return
-    for old in list(comp):
-        if old in REMOVED_COMPILE_KEYS:
-            raise UserError(f"{path}: [compile] {old} was removed; use {REMOVED_COMPILE_KEYS[old]}.")
-        if old in RENAMED_COMPILE_KEYS:
-            group, _, leaf = RENAMED_COMPILE_KEYS[old].rpartition(".")
-            _deprecated(f"{path}: [compile] {old}", f"[compile.{group}] {leaf}")
-            comp.setdefault(group, {})[leaf] = comp.pop(old)
-    for dotted, (new, on, off) in BOOL_TO_CHOICE_KEYS.items():
-        group, _, leaf = dotted.rpartition(".")
-        table = comp.get(group)
-        if isinstance(table, dict) and leaf in table:
-            value = on if table.pop(leaf) else off
-            _deprecated(f"{path}: [compile.{group}] {leaf}", f"[compile.{group}] {new.rpartition('.')[2]} = \"{value}\"")
-            table[new.rpartition(".")[2]] = value
-    for group, leaf in (("rmsnorm", "inductor_configs"), ("full_inductor", "configs")):
-        table = comp.get(group)
-        if isinstance(table, dict) and isinstance(table.get(leaf), dict):
-            table[leaf] = json.dumps(table[leaf])
+    hints = typing.get_type_hints(Compile)
+    for name, table in comp.items():
+        cls = hints.get(name)
+        if not (isinstance(table, dict) and dataclasses.is_dataclass(cls)):
+            continue
+        text_fields = {f.name for f in dataclasses.fields(cls) if typing.get_type_hints(cls)[f.name] is str}
+        for key in text_fields & set(table):
+            if isinstance(table[key], dict):
+                table[key] = json.dumps(table[key])
 
 
 def resolve_config_file(argv: list[str]) -> list[str]:
@@ -363,28 +242,11 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     return argv
 
 
-def _parse_inductor_configs(value: Any, flag: str) -> dict[str, Any]:
-    if isinstance(value, dict):
-        return value
-    if not value:
-        return {}
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise UserError(
-            f"{flag} must be a JSON object, e.g. "
-            f"'{{\"coordinate_descent_tuning\": true}}'; got {value!r} ({e})."
-        ) from None
-    if not isinstance(parsed, dict):
-        raise UserError(f"{flag} must be a JSON object, got {value!r}.")
-    return parsed
-
-
 def _config_manager_cls():
     from torchtitan.config import ConfigManager
 
     class _Manager(ConfigManager):
-        """torchtitan's ConfigManager, reading old ``[compile]`` keys and Inductor config tables;
+        """torchtitan's ConfigManager, reading Inductor config tables as JSON text;
         merged sections also inherit from this project's dataclasses, so that ``--help``
         shows the docstrings of this project's fields."""
 
@@ -397,7 +259,7 @@ def _config_manager_cls():
             if path is None:
                 return None
             values = _load_toml(path)
-            _upgrade_toml_compile(values, path)
+            _tables_as_json(values)
             return values
 
         def _validate_config(self):
@@ -467,12 +329,10 @@ def parse_args(argv: list[str] | None = None):
         argv: arguments without the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The merged JobConfig dataclass instance; ``cfg.compile.rmsnorm.inductor_configs``
-        and ``cfg.compile.full_inductor.configs`` are converted to ``dict``s.
+        The merged JobConfig dataclass instance.
 
     Raises:
-        UserError: missing config file, bad value, malformed JSON, a removed flag, and
-            everything :func:`validate` rejects.
+        UserError: missing config file, bad value, and everything :func:`validate` rejects.
     """
     from torchtitan.config import JobConfig as TitanJobConfig
 
@@ -497,12 +357,6 @@ def parse_args(argv: list[str] | None = None):
         raise
     except ValueError as e:  # TOML with unknown fields
         raise UserError(str(e)) from None
-    cfg.compile.rmsnorm.inductor_configs = _parse_inductor_configs(
-        cfg.compile.rmsnorm.inductor_configs, "--compile.rmsnorm.inductor_configs"
-    )
-    cfg.compile.full_inductor.configs = _parse_inductor_configs(
-        cfg.compile.full_inductor.configs, "--compile.full_inductor.configs"
-    )
     validate(cfg)
     return cfg
 
@@ -531,7 +385,7 @@ def _check_choices(argv: list[str]) -> None:
     Raises:
         UserError: naming the flag, the valid values and the closest one.
     """
-    choices = _literal_flags(Compile, "--compile")
+    choices = {**_literal_flags(Compile, "--compile"), **_literal_flags(Projection, "--projection")}
     for i, arg in enumerate(argv):
         key, eq, val = arg.partition("=")
         key = key.replace("-", "_").replace("__", "--", 1)
@@ -552,12 +406,12 @@ def validate(cfg) -> list[str]:
 
     Returns:
         The pass names ``aot_fx_trace`` will run, in order
-        (:func:`graph_trainer.passes.pipeline.resolve_pass_names`); ``[]`` for other modes.
+        (:func:`graph_trainer.compiler.registry.resolve`); ``[]`` for other modes.
 
     Raises:
         UserError: unknown compile mode, inductor compilation, AC mode or flavor; a bad
-            pass list; ``[compile.fsdp]`` values out of range; full-graph-only flags
-            without ``--compile.inductor_compilation full``; a bad profiling schedule;
+            pass list or pass option; ``[compile.fsdp]`` values out of range; options of a
+            pass that does not run; a bad profiling schedule;
             ``--comm.mode local_tensor``; checkpoints under ``fake_collectives``.
     """
     if cfg.comm.mode == "local_tensor":
@@ -596,31 +450,34 @@ def validate(cfg) -> list[str]:
         )
     if comp.memory_budget_gib < 0:
         raise UserError(f"--compile.memory_budget_gib must be >= 0 (0: the device's memory), got {comp.memory_budget_gib}.")
-    full = comp.mode == "aot_fx_trace" and comp.inductor_compilation == "full"
-    if comp.full_inductor.configs and not full:
-        raise UserError(
-            "--compile.full_inductor.configs applies to the whole-graph Inductor compile only: add "
-            "--compile.inductor_compilation full (with --compile.mode aot_fx_trace)."
-        )
     prof = cfg.profiling
     if prof.enable_profiling and prof.profile_freq < prof.profiler_warmup + prof.profiler_active:
         raise UserError(
             f"--profiling.profile_freq ({prof.profile_freq}) must be >= --profiling.profiler_warmup "
             f"({prof.profiler_warmup}) + --profiling.profiler_active ({prof.profiler_active})."
         )
-    if comp.mode != "aot_fx_trace":
-        return []
-    from graph_trainer.passes.pipeline import resolve_pass_names
+    from graph_trainer.compiler import registry
 
     try:
-        return resolve_pass_names(comp)
+        registry.check_options(comp)
+        names = registry.resolve(registry.PassContext(comp)) if comp.mode == "aot_fx_trace" else []
     except ValueError as e:
         raise UserError(f"{e}.") from None
+    for spec in registry.registry().values():
+        options = registry.options_of(spec, comp)
+        if spec.name not in names and options is not None and asdict(options) != asdict(spec.options()):
+            raise UserError(f"[compile.{spec.section}] is set, but {spec.name} does not run in this pipeline "
+                            f"(--compile.mode {comp.mode}, passes {names}); enable it or drop those options.")
+    return names
 
 
-#: ``--help`` lists these sections first: the ones this project adds or changes.
-PROJECT_SECTIONS = ("compile", "compile.rmsnorm", "compile.full_inductor", "compile.sac", "compile.fsdp",
-                    "compile.async_tp")
+def project_sections() -> list[str]:
+    """``--help`` lists these sections first: ``[compile]``, its levers and one per pass with options."""
+    from graph_trainer.compiler.registry import option_sections
+
+    return ["compile", "compile.sac", "compile.fsdp", *(f"compile.{name}" for name, _ in option_sections())]
+
+
 #: Flags left out of ``--help``: set from other flags.
 HIDDEN_FLAGS = ("compile.enable",)
 
@@ -644,7 +501,7 @@ def _type_name(hint) -> str:
 
 def help_text(merged_cls) -> str:
     """``--help``: every flag of the merged JobConfig, grouped by section, this project's
-    sections (:data:`PROJECT_SECTIONS`) and fields first, each with its type or allowed
+    sections (:func:`project_sections`) and fields first, each with its type or allowed
     values, default and description, spelled ``--section.key`` as the README spells them."""
     import dataclasses
     import textwrap
@@ -677,14 +534,34 @@ def help_text(merged_cls) -> str:
             (mine if key in own else theirs).extend([f"  {flag}", body])
 
     walk(merged_cls, "")
-    order = [s for s in PROJECT_SECTIONS if s in sections] + [s for s in sections if s not in PROJECT_SECTIONS]
+    first = project_sections()
+    order = [s for s in first if s in sections] + [s for s in sections if s not in first]
     out = [
         "usage: ./run_train.sh [--section.key VALUE ...]   (NGPU, CONFIG_FILE / CONFIG, LOG_RANK, COMM_MODE: see README)",
         "Precedence: command line > TOML file (--job.config_file) > defaults. Booleans: --section.key / --section.no-key.",
     ]
     for name in order:
         out += ["", f"[{name}]", *sections[name][0], *sections[name][1]]
+        if name == "compile":
+            out += ["", "  graph passes of --compile.mode aot_fx_trace, in their order (--compile.passes / disable_passes):",
+                    *_pass_lines()]
     return "\n".join(out) + "\n"
+
+
+def _pass_lines() -> list[str]:
+    """One line per registered pass: name, on by default or opt-in, numerics, what it does
+    (its module docstring's first sentence)."""
+    import sys as _sys
+
+    from graph_trainer.compiler.registry import PassContext, registry
+
+    lines = []
+    for name, spec in registry().items():
+        doc = (_sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
+        state = "default" if spec.enabled(PassContext(CompileBase())) else "opt-in/by flag"
+        tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))
+        lines.append(f"    {name:47s} [{tags}] {' '.join(x.strip() for x in doc)}")
+    return lines
 
 
 def preflight(cfg, world_size: int) -> None:
@@ -697,7 +574,8 @@ def preflight(cfg, world_size: int) -> None:
     Raises:
         UserError: naming the flag or file and what to do.
     """
-    from graph_trainer import checkpoint, data, parallelize
+    from graph_trainer import checkpoint, data
+    from graph_trainer.distributed import parallelize
     from graph_trainer.llama3 import llama3_args
 
     data.preflight(cfg)

@@ -17,6 +17,7 @@ end up with the same files.
 from __future__ import annotations
 
 import ast
+import difflib
 import fcntl
 import gzip
 import json
@@ -26,6 +27,7 @@ import shutil
 import sysconfig
 import tempfile
 from contextlib import contextmanager
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,21 +40,13 @@ EMBEDDED = "embedded"
 _CORPUS_NAME = "corpus_v1"  # bump when the corpus recipe changes
 _CORPUS_SHARDS = 4
 _DOC_CHARS = 2000  # documents are paragraphs merged up to about this size
-_TEXT_SUFFIXES = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".json.gz": "json",
-    ".jsonl.gz": "json",
-    ".parquet": "parquet",
-}
 #: The names ``--training.dataset`` accepts (case-insensitive): what
 #: :func:`register_datasets` leaves in torchtitan's ``DATASETS`` table.
 DATASET_NAMES = ("c4", "c4_test", "c4_validation", "local")
 #: Files torchtitan's ``HuggingFaceTokenizer`` loads a tokenizer from (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
-_PREFLIGHT_RECORDS = 5  # records read per data file by preflight()
+_PREFLIGHT_RECORDS = 5  # records whose values preflight() checks per data file
 _PREFLIGHT_FILES = 8  # data files of a folder read by preflight()
-_PREFLIGHT_DOCUMENT_BYTES = 16 << 20  # larger one-document JSON files are left to load time
 
 
 # --------------------------------------------------------------------------- #
@@ -289,9 +283,9 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
     if config.is_file():
         try:
             json.loads(config.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _json_error(config, e, f" ({flag}). Fix the file, or delete it to let torchtitan infer "
-                                         f"the special tokens.") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise UserError(f"{_json_error(config, e)} ({flag}). Fix the file, or delete it to let torchtitan "
+                            f"infer the special tokens.") from None
     return path
 
 
@@ -319,227 +313,125 @@ def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
 # datasets
 # --------------------------------------------------------------------------- #
 
+_FIX = "fix or delete it (--training.dataset_path wants JSON objects with a 'text' string, one per line)"
+
 
 def _builder_for(file: Path) -> str | None:
-    """The ``datasets`` builder name for a data file, or None if unsupported."""
+    """The ``datasets`` builder for a data file (.json/.jsonl, gzipped or not, .parquet), or None."""
     name = file.name.lower()
-    for suffix, builder in _TEXT_SUFFIXES.items():
-        if name.endswith(suffix):
-            return builder
-    return None
+    if name.removesuffix(".gz").endswith((".json", ".jsonl")):
+        return "json"
+    return "parquet" if name.endswith(".parquet") else None
 
 
 def _data_files(path: str) -> tuple[str, list[str]]:
-    """Return (builder, sorted data files) for a file or a folder of files."""
+    """Return (builder, sorted data files) for a file or a folder of files.
+
+    Own check: given a folder, ``datasets`` picks files by its own patterns, so it would not
+    refuse a folder without data files, files of unknown type or a JSON/Parquet mix with a
+    message naming the flag (``test_bad_data_named``).
+
+    Raises:
+        UserError: ``<path>: does not exist`` / ``is not a .json, ...`` / ``contains no ...``
+            / ``mixes JSON and Parquet files``.
+    """
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(
-            f"Dataset path '{path}' (--training.dataset_path) does not exist. Point it "
-            f"at a .json/.jsonl/.parquet file or a folder of them with a 'text' "
-            f"column, or drop --training.dataset_path to use the built-in corpus "
-            f"(--training.dataset c4_test)."
-        )
+        raise UserError(f"{path}: does not exist (--training.dataset_path). Point it at a .json/.jsonl/.parquet "
+                        f"file or a folder of them with a 'text' column, or drop --training.dataset_path to use "
+                        f"the built-in corpus (--training.dataset c4_test).")
     files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.is_file())
     builders = {f: b for f in files if (b := _builder_for(f))}
     kinds = set(builders.values())
     if len(kinds) != 1:
-        if p.is_file():
-            problem = "is not a .json, .jsonl(.gz) or .parquet file"
-        elif kinds:
-            problem = "mixes JSON and Parquet files"
-        else:
-            problem = "contains no .json, .jsonl(.gz) or .parquet files"
-        raise UserError(
-            f"Dataset path '{path}' (--training.dataset_path) {problem}. Point it at "
-            f"one such file, or a folder whose top-level data files are all JSON or "
-            f"all Parquet, with a 'text' column."
-        )
+        problem = ("is not a .json, .jsonl(.gz) or .parquet file" if p.is_file() else
+                   "mixes JSON and Parquet files" if kinds else "contains no .json, .jsonl(.gz) or .parquet files")
+        raise UserError(f"{path}: {problem} (--training.dataset_path). Point it at one such file, or a folder "
+                        f"whose top-level data files are all JSON or all Parquet, with a 'text' column.")
     return kinds.pop(), [str(f) for f in builders]
 
 
-_JSON_KINDS = {dict: "an object", list: "an array", str: "a string", int: "a number",
-               float: "a number", bool: "true/false", type(None): "null"}
-_JSONL_FIX = ("fix or delete that line (--training.dataset_path wants one JSON object with a "
-              "'text' string per line)")
+def _json_error(file: Path | str, e: ValueError, lineno: int | None = None) -> str:
+    """``"<file>:<line>: not valid JSON (<reason>)"`` for a ``JSONDecodeError`` or
+    ``UnicodeDecodeError``; the line is ``lineno``, else the decoder's, else left out."""
+    line = lineno or getattr(e, "lineno", None)
+    reason = f"{e.msg.removesuffix(' at')}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+    return f"{file}{f':{line}' if line else ''}: not valid JSON ({reason})"
 
 
-def _json_error(path, e: Exception, advice: str) -> UserError:
-    """``UserError("<path>[:<line>]: not valid JSON (<reason>)<advice>")`` for a decoding error
-    of a whole JSON file (the line only for ``JSONDecodeError``)."""
-    line = f":{e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
-    return UserError(f"{path}{line}: not valid JSON ({_reason(e)}){advice}")
+def _text_problem(record: Any) -> str | None:
+    """What keeps a decoded record from being a document, or None if it has a ``text`` string."""
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return None
+    if isinstance(record, dict) and "text" in record:
+        return f"'text' is {json.dumps(record['text'])[:40]}, not a string"
+    return f"no 'text' field in {json.dumps(record)[:60]}"
 
 
-def _reason(e: Exception) -> str:
-    """A short reason for a JSON decoding error, without the position already reported."""
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg.removesuffix(' at')}, column {e.colno}"
-    if isinstance(e, UnicodeDecodeError):
-        return f"not UTF-8: byte 0x{e.object[e.start]:02x} at column {e.start + 1}"
-    return str(e)
+def _first_bad_record(file: str) -> str | None:
+    """Find the first record of a JSON / JSON Lines file (gzipped or not) that is not a document.
 
-
-def _record_problem(record: Any, strings_ok: bool = False) -> str | None:
-    """What is wrong with one decoded record, or None if it carries a ``text`` string."""
-    if strings_ok and isinstance(record, str):
-        return None  # a JSON array of strings: datasets reads them as the text column
-    if not isinstance(record, dict):
-        return f"{_JSON_KINDS.get(type(record), 'a value')}, not an object with a 'text' field"
-    if "text" not in record:
-        keys = ", ".join(repr(k) for k in list(record)[:6]) or "none"
-        return f"no 'text' field (keys: {keys})"
-    if not isinstance(record["text"], str):
-        return f"'text' is {_JSON_KINDS.get(type(record['text']), 'a value')}, not a string"
-    return None
-
-
-def _open_data(file: str):
-    """Open a (possibly gzipped) data file for reading bytes."""
-    return gzip.open(file, "rb") if file.lower().endswith(".gz") else open(file, "rb")
-
-
-def _too_big_to_parse(file: str, max_records: int | None) -> bool:
-    """Whether a limited check (``max_records``) skips parsing ``file`` as one document."""
-    if max_records is None:
-        return False
-    limit = _PREFLIGHT_DOCUMENT_BYTES // (8 if file.lower().endswith(".gz") else 1)
-    return os.path.getsize(file) > limit
-
-
-def _check_json_array(file: str, max_records: int | None) -> int:
-    """:func:`check_json_file` for a file holding one JSON array of records."""
-    if _too_big_to_parse(file, max_records):
-        return 0  # load_local_text checks it when it loads
-    try:
-        with _open_data(file) as f:
-            records = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _json_error(file, e, "; fix the file (--training.dataset_path wants a JSON array of objects "
-                                   "with a 'text' string, or one such object per line).") from None
-    except (OSError, EOFError) as e:
-        raise UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).") from None
-    if not isinstance(records, list):
-        return 0
-    for i, record in enumerate(records[:max_records] if max_records else records):
-        if problem := _record_problem(record, strings_ok=True):
-            raise UserError(
-                f"{file}: record {i + 1} of the JSON array: {problem}; fix that record "
-                f"(--training.dataset_path wants a 'text' string in every record)."
-            )
-    return len(records)
-
-
-def check_json_file(file: str, max_records: int | None = None, allow_empty: bool = True) -> int:
-    """Check that a JSON / JSON Lines data file (optionally gzipped) holds text records.
-
-    A JSON Lines file is read line by line: every non-empty line must be a JSON object
-    with a ``text`` string. A file whose first character is ``[`` is parsed as one JSON
-    array of such objects (or of strings). Empty lines are skipped while reading; in a
-    full check (``max_records=None``) the first one is reported if nothing else is wrong,
-    since the ``datasets`` JSON loader can refuse them.
-
-    Args:
-        file: Path of a ``.json``, ``.jsonl``, ``.json.gz`` or ``.jsonl.gz`` file.
-        max_records: Stop after this many records (None: read the whole file). With a
-            limit, a JSON array file larger than 16 MiB (2 MiB gzipped) is not parsed.
-        allow_empty: Accept a file without any record (the ``datasets`` loader cannot
-            read a folder whose first file is empty).
+    Own code because the ``datasets`` JSON loader's errors carry no usable line: its scan of
+    a file's first chunk reports a position within a line only, and pyarrow's "row N" counts
+    from the start of a read block and skips empty lines; a null or non-string ``text`` loads
+    without error (``test_bad_data_named``). Only called after the loader failed, or left the
+    ``text`` column unusable.
 
     Returns:
-        The number of records checked.
+        ``"<file>:<line>: <problem>"`` for a line that is empty, not valid JSON (or not
+        UTF-8), or has no ``text`` string; ``"<file>: record <n> of the JSON array: ..."``
+        in a file holding one JSON array; ``"<file>: holds no records"``; None if all is fine.
 
     Raises:
-        UserError: ``<file>:<line>: not valid JSON (...)`` for a line that does not
-            parse (or is not UTF-8), ``<file>:<line>: ...`` for a record without a
-            ``text`` string, an empty line (full check only), an unreadable file, or
-            (``allow_empty=False``) a file without records.
+        OSError, EOFError: the file (or its gzip stream) cannot be read.
     """
-    checked, first_blank = 0, None
-    try:
-        with _open_data(file) as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    first_blank = first_blank or lineno
-                    continue
-                if checked == 0 and raw.lstrip().startswith(b"["):
-                    return _check_json_array(file, max_records)
+    with (gzip.open if file.lower().endswith(".gz") else open)(file, "rb") as f:
+        lineno = 0
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.lstrip().startswith(b"["):
                 try:
-                    record = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    if checked == 0 and _is_one_json_document(file, max_records):
-                        return 0  # one (pretty-printed) JSON object: left to the datasets loader
-                    raise UserError(f"{file}:{lineno}: not valid JSON ({_reason(e)}); {_JSONL_FIX}.") from None
-                if problem := _record_problem(record):
-                    raise UserError(f"{file}:{lineno}: {problem}; {_JSONL_FIX}.")
-                checked += 1
-                if max_records is not None and checked >= max_records:
-                    return checked
-    except (OSError, EOFError) as e:
-        raise UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).") from None
-    if checked == 0 and not allow_empty:
-        raise UserError(f"{file}: holds no records (--training.dataset_path). Fill it with one JSON object "
-                        f"with a 'text' string per line, or remove it.")
-    if max_records is None and first_blank is not None:
-        raise UserError(f"{file}:{first_blank}: empty line; delete it (--training.dataset_path wants one "
-                        f"JSON object with a 'text' string per line, no empty lines).")
-    return checked
+                    records = json.loads(raw + f.read())
+                except ValueError as e:
+                    return _json_error(file, e)
+                for i, record in enumerate(records if isinstance(records, list) else [], 1):
+                    if not isinstance(record, str) and (problem := _text_problem(record)):
+                        return f"{file}: record {i} of the JSON array: {problem}"
+                return None
+            if not raw.strip():
+                return f"{file}:{lineno}: empty line"
+            try:
+                if problem := _text_problem(json.loads(raw.rstrip(b"\r\n"))):
+                    return f"{file}:{lineno}: {problem}"
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                return _json_error(file, e, lineno)
+    return None if lineno else f"{file}: holds no records"
 
 
-def _is_one_json_document(file: str, max_records: int | None) -> bool:
-    """Whether a ``.json`` file is one multi-line JSON object (not JSON Lines)."""
-    name = file.lower()
-    if not (name.endswith(".json") or name.endswith(".json.gz")):
-        return False
-    if _too_big_to_parse(file, max_records):
-        return False
-    try:
-        with _open_data(file) as f:
-            return isinstance(json.loads(f.read().decode("utf-8")), dict)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
+def _bad_data(builder: str, files: list[str], label: str, error: Exception | None) -> UserError:
+    """The ``UserError`` for a load that raised ``error``, or (None) left ``text`` unusable.
 
-
-def check_parquet_file(file: str) -> None:
-    """Check that a Parquet file is readable and has a string ``text`` column (schema only).
-
-    Args:
-        file: Path of a ``.parquet`` file.
-
-    Raises:
-        UserError: the footer cannot be read, or there is no ``text`` string column.
+    Names the first bad record of the JSON files (:func:`_first_bad_record`); failing that,
+    ``label`` and the loader's own error.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.read_schema(file)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"{file}: not a readable Parquet file ({e}) (--training.dataset_path).") from None
-    if "text" not in schema.names:
-        raise UserError(f"{file}: no 'text' column (columns: {', '.join(schema.names[:10])}) "
-                        f"(--training.dataset_path). Store one document per row under 'text'.")
-    kind = schema.field("text").type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"{file}: column 'text' holds {kind}, not strings (--training.dataset_path).")
-
-
-def _check_data_files(builder: str, files: list[str], max_records: int | None, max_files: int | None) -> None:
-    """Run :func:`check_json_file` / :func:`check_parquet_file` over ``files``.
-
-    Raises:
-        UserError: the first problem found, or a first JSON file without records.
-    """
-    for i, file in enumerate(files[:max_files] if max_files else files):
-        if builder == "parquet":
-            check_parquet_file(file)
-        else:
-            check_json_file(file, max_records, allow_empty=i > 0)
+    for file in files if builder == "json" else ():
+        try:
+            if where := _first_bad_record(file):
+                return UserError(f"{where}; {_FIX}.")
+        except (OSError, EOFError) as e:
+            return UserError(f"{file}: cannot be read ({e}) (--training.dataset_path).")
+    if error is None:
+        return UserError(f"{label}: column 'text' is not a string in every record (--training.dataset_path); "
+                         f"store one document per record under 'text'.")
+    cause = error.__cause__ or error  # DatasetGenerationError wraps the builder's error
+    reason = str(cause).strip().splitlines()[0] if str(cause).strip() else "no reason given"
+    return UserError(f"{label}: cannot be loaded by datasets ({type(cause).__name__}: {reason}) "
+                     f"(--training.dataset_path); rewrite or remove the file.")
 
 
 @contextmanager
-def _quiet_datasets_json() -> Iterator[None]:
-    """Mute the ``datasets`` JSON loader's own error log (its failures are reported by us)."""
-    log = logging.getLogger("datasets.packaged_modules.json.json")
+def _quiet_datasets() -> Iterator[None]:
+    """Mute ``datasets``' loggers: its builders log a failure before raising it, and we report it."""
+    log = logging.getLogger("datasets")
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
@@ -548,38 +440,44 @@ def _quiet_datasets_json() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _load_files(path: str, builder: str, files: list[str], hf_cache: str | None):
-    """``datasets.load_dataset`` over local files; a failure names the file and line.
+def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None,
+                  preview: int | None = None):
+    """``datasets.load_dataset(builder, data_files=files)``, checked for a ``text`` string column.
 
-    The files are only read by our own checks when ``datasets`` fails or leaves the
-    ``text`` column unusable, so good files load exactly as ``datasets`` loads them.
+    Args:
+        builder: ``"json"`` or ``"parquet"``.
+        files: The data files, loaded in this order.
+        label: What the user named (file or folder), for messages that name no single file.
+        hf_cache: ``datasets`` Arrow cache folder (default: the HF cache).
+        preview: Stream the files and check only the first ``preview`` records' values (the
+            JSON loader still parses the first chunk of a file, about 10 MB, and infers its
+            column types from it); None: load and check the files whole.
+
+    Returns:
+        The ``datasets.Dataset`` (``train`` split); an ``IterableDataset`` with ``preview``.
 
     Raises:
-        UserError: ``<file>:<line>: ...`` for the first bad record, or the loader's error
-            with the path if no bad record is found.
+        UserError: see :func:`_bad_data`; ``<label>: no 'text' column`` if no record has one.
     """
     from datasets import load_dataset
 
     try:
-        with _quiet_datasets_json():
-            ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - pyarrow / pandas / datasets errors of every type
-        _check_data_files(builder, files, max_records=None, max_files=None)
-        cause = e.__cause__ or e.__context__ or e
-        raise UserError(
-            f"Dataset path '{path}' (--training.dataset_path) could not be loaded: "
-            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-        ) from None
-    if "text" in ds.column_names:
-        feature = ds.features["text"]
-        bad_kind = getattr(feature, "dtype", None) not in ("string", "large_string")
-        if bad_kind or ds.data.column("text").null_count:
-            _check_data_files(builder, files, max_records=None, max_files=None)
-            what = f"holds {feature}" if bad_kind else "is missing in some records"
-            raise UserError(f"Dataset path '{path}' (--training.dataset_path): column 'text' {what}; "
-                            f"every record needs a 'text' string.")
+        with _quiet_datasets():
+            ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache,
+                              streaming=preview is not None)
+            rows = list(islice(ds, preview)) if preview else []
+    except Exception as e:  # noqa: BLE001 - pyarrow / pandas / ujson / datasets errors of every type
+        raise _bad_data(builder, files, label, e) from None
+    features = ds.features  # None when streaming a JSON array file
+    names = list(features or (rows[0] if rows else {}))
+    if "text" not in names:
+        raise UserError(f"{label}: no 'text' column (columns: {', '.join(names) or 'none'}) "
+                        f"(--training.dataset_path). Store one document per record under the key 'text'.")
+    kind = getattr(features["text"], "dtype", None) if features else "string"
+    if kind not in ("string", "large_string") or (
+        any(not isinstance(r.get("text"), str) for r in rows) if preview else ds.data.column("text").null_count
+    ):
+        raise _bad_data(builder, files, label, None)
     return ds
 
 
@@ -588,16 +486,16 @@ def load_local_text(path: str | None, hf_cache: str | None = None):
 
     Args:
         path: A data file, or a folder whose top-level data files are loaded
-            (sorted by name). Records need a ``text`` field.
+            (sorted by name). Records need a ``text`` string.
         hf_cache: ``datasets`` Arrow cache folder (default: the HF cache).
 
     Returns:
         A map-style ``datasets.Dataset`` (the ``train`` split).
 
     Raises:
-        UserError: if the path is None or missing, holds no supported files, or
-            its records have no ``text`` column; ``<file>:<line>: ...`` for a record
-            that is not valid JSON or has no ``text`` string (:func:`check_json_file`).
+        UserError: if the path is None or missing, holds no supported files, or has no
+            ``text`` column; ``<file>:<line>: ...`` for the first record that is not valid
+            JSON or has no ``text`` string; else the loader's error, with the path.
     """
     if path is None:
         raise UserError(
@@ -605,13 +503,7 @@ def load_local_text(path: str | None, hf_cache: str | None = None):
             "a .json/.jsonl/.parquet file or a folder of them with a 'text' column."
         )
     builder, files = _data_files(path)
-    ds = _load_files(path, builder, files, hf_cache)
-    if "text" not in ds.column_names:
-        raise UserError(
-            f"Dataset path '{path}' has no 'text' column (columns: {ds.column_names}). "
-            f"Store one document per record under the key 'text'."
-        )
-    return ds
+    return _load_checked(builder, files, path, hf_cache)
 
 
 def _load_embedded_or_local(path: str | None):
@@ -669,57 +561,55 @@ def register_datasets() -> None:
     )
 
 
-def check_dataset(name: str, path: str | None) -> None:
-    """Validate ``--training.dataset`` / ``--training.dataset_path`` early.
-
-    Call before building the model so that typos fail in seconds.
+def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
+    """Validate ``--training.dataset`` / ``--training.dataset_path`` early, before any model is built.
 
     Args:
-        name: Dataset name (case-insensitive), e.g. ``c4_test``, ``c4``, ``local``.
+        name: Dataset name (case-insensitive), one of :data:`DATASET_NAMES`.
         path: Optional ``--training.dataset_path``.
+        preview: Also stream the first files of a local path through ``datasets``
+            (:func:`_load_checked`): the first chunk of each (about 10 MB of JSON, or a
+            Parquet row group) must parse and hold a ``text`` string column, and its first
+            records a ``text`` string. Values further on (a null ``text`` deep in a file, or
+            anything in a JSON array file, which is streamed JSON-encoded) are checked when
+            :func:`load_local_text` loads the data.
 
     Raises:
-        UserError: on an unknown name, a missing or unusable path, or ``local``
-            without a path.
+        UserError: an unknown name (with the closest valid one), ``local`` without a path, a
+            missing or unusable path; with ``preview``, ``<file>:<line>: ...`` for a bad record.
     """
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    register_datasets()
     key = name.lower()
-    if key not in DATASETS:
+    if key not in DATASET_NAMES:
+        close = difflib.get_close_matches(key, DATASET_NAMES, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
         raise UserError(
-            f"Unknown dataset '{name}' (--training.dataset). Valid names: "
-            f"{', '.join(sorted(DATASETS))}. Use c4_test for the built-in offline "
-            f"corpus, or local with --training.dataset_path for your own files."
+            f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}.{hint}\n"
+            f"Use c4_test for the built-in offline corpus, or local with --training.dataset_path for your own files."
         )
     if not path:
         if key == "local":
             load_local_text(None)  # raises the UserError explaining the fix
         return
     p = Path(path).expanduser()
-    if key in ("c4", "c4_validation") and p.is_dir():
-        return  # may also be a local clone of the hub dataset
-    _data_files(path)  # raises UserError if missing or unusable
+    if (key == "c4_test" and p == corpus_dir()) or (
+        key in ("c4", "c4_validation") and p.is_dir() and not any(_builder_for(f) for f in p.iterdir())
+    ):
+        return  # the embedded corpus (built on first use), or a local clone of the hub dataset
+    builder, files = _data_files(path)
+    for i, file in enumerate(files[:_PREFLIGHT_FILES] if preview else []):
+        if i == 0 or os.path.getsize(file):  # datasets loads an empty file after the first
+            _load_checked(builder, [file], file, preview=_PREFLIGHT_RECORDS)
 
 
 def preflight(cfg) -> None:
     """Check what the config says about data and tokenizer, fast, before anything starts.
 
-    Imports neither torch nor torchtitan and trains nothing, so it can run in the
-    launcher's config check. It checks:
-
-    * ``--training.dataset`` is one of :data:`DATASET_NAMES`;
-    * ``--training.dataset_path``: given for ``local``; exists; is a supported file, or a
-      folder of supported files of one kind (as :func:`load_local_text` loads them);
-      the first records of its first files are valid JSON objects with a ``text``
-      string (:func:`check_json_file`), or, for Parquet, the schema has a ``text``
-      string column (:func:`check_parquet_file`);
-    * ``--model.hf_assets_path`` is ``embedded`` (or empty), or a folder holding a
-      tokenizer torchtitan can load (:func:`check_tokenizer_folder`).
-
-    Not checked here: records past the first few (a bad line deep in a file is named
-    when the dataset is loaded, by :func:`load_local_text`), hub datasets (``c4``
-    without a local path), and the vocabulary size the embedded tokenizer is built for.
+    Trains nothing and imports no torchtitan, so it can run in the launcher's config
+    check. Checks ``--training.dataset`` and ``--training.dataset_path`` with the first
+    records of the data (:func:`check_dataset` with ``preview``), and that
+    ``--model.hf_assets_path`` is ``embedded`` (or empty) or a folder holding a tokenizer
+    torchtitan can load (:func:`check_tokenizer_folder`). Not checked: hub datasets (``c4``
+    without a local path) and the vocabulary size the embedded tokenizer is built for.
 
     Args:
         cfg: The parsed JobConfig (``training.dataset``, ``training.dataset_path``,
@@ -729,33 +619,6 @@ def preflight(cfg) -> None:
         UserError: one or two lines naming the flag and the file (``<file>:<line>`` for
             a bad record).
     """
-    name = cfg.training.dataset or ""
-    path = cfg.training.dataset_path or None
-    key = name.lower()
-    if key not in DATASET_NAMES:
-        import difflib
-
-        close = difflib.get_close_matches(key, DATASET_NAMES, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise UserError(
-            f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}.{hint}\n"
-            f"Use c4_test for the built-in offline corpus, or local with --training.dataset_path for your own files."
-        )
-    if path is None:
-        if key == "local":
-            raise UserError(
-                "--training.dataset local needs --training.dataset_path: a .json/.jsonl/.parquet file "
-                "or a folder of them with a 'text' column."
-            )
-    else:
-        p = Path(path).expanduser()
-        local = not (
-            (key == "c4_test" and p == corpus_dir())  # the embedded corpus, built on first use
-            or (key in ("c4", "c4_validation") and p.is_dir() and not any(_builder_for(f) for f in p.iterdir()))
-        )  # the second: a local clone of the hub dataset, loaded by datasets itself
-        if local:
-            builder, files = _data_files(path)
-            _check_data_files(builder, files, max_records=_PREFLIGHT_RECORDS, max_files=_PREFLIGHT_FILES)
-    hf_assets_path = cfg.model.hf_assets_path
-    if not is_embedded_tokenizer(hf_assets_path):
-        check_tokenizer_folder(hf_assets_path)
+    check_dataset(cfg.training.dataset or "", cfg.training.dataset_path or None, preview=True)
+    if not is_embedded_tokenizer(cfg.model.hf_assets_path):
+        check_tokenizer_folder(cfg.model.hf_assets_path)

@@ -2,7 +2,7 @@
 
 ``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward
 into one FX graph (:mod:`graph_trainer.trace`), runs the pass pipeline over it
-(:func:`graph_trainer.passes.pipeline.run_pipeline`) and keeps the result; every call
+(:func:`graph_trainer.compiler.pipeline.run_pipeline`) and keeps the result; every call
 replays it::
 
     loss, grads = graph(params, buffers, tokens, labels)   # one FX graph
@@ -41,11 +41,11 @@ class TracedTrainStep:
     """``aot_fx_trace``: trace once, run the pass pipeline, replay.
 
     Args:
-        model: the model prepared by :func:`graph_trainer.parallelize.distribute_for_trace`.
-        tpar: its :class:`graph_trainer.parallelize.TraceParallel` (placeholders, FSDP / TP).
-        pipeline: :class:`graph_trainer.passes.pipeline.PipelineStep` s to run on the graph,
+        model: the model prepared by :func:`graph_trainer.distributed.parallelize.distribute_for_trace`.
+        tpar: its :class:`graph_trainer.distributed.parallelize.TraceParallel` (placeholders, FSDP / TP).
+        pipeline: :class:`graph_trainer.compiler.pipeline.PipelineStep` s to run on the graph,
             or a function of the traced graph returning them
-            (:func:`graph_trainer.passes.pipeline.plan_pipeline`'s result).
+            (:func:`graph_trainer.compiler.pipeline.plan_pipeline`'s result).
         param_dtype: compute dtype of the parameters inside the graph (``None``: their own).
         dump_folder: with ``--compile.dump_graphs``, where ``graphs/`` is written.
         record_dir: with ``--debug.record_numerics``, where step 1 records every op's output
@@ -68,8 +68,8 @@ class TracedTrainStep:
     def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace the step for batches shaped like ``tokens`` / ``labels`` ``[B, S]`` int64 and
         run the pipeline over the graph (the first call does it)."""
-        from graph_trainer.passes.pass_report import format_pass_table
-        from graph_trainer.passes.pipeline import run_pipeline
+        from graph_trainer.compiler.report import format_pass_table
+        from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.trace import ops_by_kind
 
         logger.info("Tracing the training step (forward + loss + backward) into one FX graph ...")
@@ -94,7 +94,7 @@ class TracedTrainStep:
                 predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
                 graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2), state_gib=round(policy.state_bytes / gib, 2),
             )
-        records: list[dict] = []  # one per pass (graph_trainer.passes.pass_report.pass_record)
+        records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
         traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
                                  records=records)
         compile_s = time.perf_counter() - t0
@@ -124,7 +124,7 @@ class TracedTrainStep:
         else:
             loss, grads = self.graph(self.params, self.buffers, tokens, labels)
         if not self.tpar.sharded:
-            from graph_trainer.parallelize import all_reduce_grads
+            from graph_trainer.distributed.parallelize import all_reduce_grads
 
             all_reduce_grads(grads)  # replicated DP: sum (no-op on one rank)
         for p, g in zip(self.params, grads):
@@ -146,7 +146,7 @@ class EagerTrainStep:
     """``eager`` / ``jit``: autograd on the torchtitan-parallelized ``model``.
 
     Args:
-        model: the model after :func:`graph_trainer.parallelize.parallelize_eager`.
+        model: the model after :func:`graph_trainer.distributed.parallelize.parallelize_eager`.
         dp_group: the data-parallel ranks (torchtitan's ``batch`` mesh), or None.
         loss_parallel: run forward, loss and backward under TP's ``loss_parallel()``.
         record_dir / rank: as :class:`TracedTrainStep` (ops recorded by a dispatch mode).
@@ -226,14 +226,14 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     """The step of ``cfg.compile.mode`` for ``model`` (built on ``device``, weights initialised).
 
     ``aot_fx_trace``: TP plan, AC wrappers and traceable FSDP shards
-    (:func:`graph_trainer.parallelize.distribute_for_trace`), and the pass pipeline of
-    ``[compile]`` (:func:`graph_trainer.passes.pipeline.build_pipeline`). ``eager`` / ``jit``:
+    (:func:`graph_trainer.distributed.parallelize.distribute_for_trace`), and the pass pipeline of
+    ``[compile]`` (:func:`graph_trainer.compiler.pipeline.build_pipeline`). ``eager`` / ``jit``:
     torchtitan's parallelization (per-block torch.compile for ``jit``).
 
     Returns:
         :class:`TracedTrainStep` or :class:`EagerTrainStep`.
     """
-    from graph_trainer import parallelize
+    from graph_trainer.distributed import parallelize
 
     if cfg.compile.mode != "aot_fx_trace":
         cfg.compile.enable = cfg.compile.mode == "jit"
@@ -246,11 +246,9 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     import functools
 
     from graph_trainer.model import block_layout
-    from graph_trainer.passes.memory_policy import GiB, default_budget_bytes, state_bytes
-    from graph_trainer.passes.pipeline import ANNOTATE_RMSNORM, plan_pipeline, resolve_pass_names
+    from graph_trainer.compiler.memory_policy import GiB, default_budget_bytes, state_bytes
+    from graph_trainer.compiler.pipeline import plan_pipeline
 
-    if cfg.debug.deterministic and cfg.compile.rmsnorm.tune and ANNOTATE_RMSNORM in resolve_pass_names(cfg.compile):
-        logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
     layout = block_layout(model)
     tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
     if cfg.compile.memory_budget_gib > 0:

@@ -15,7 +15,7 @@ backward; op-level selective AC only tags the nodes it would recompute
 
 Mixed precision (``param_dtype``): floating parameters are cast to ``param_dtype``
 at the start of the forward (``aten._to_copy`` in the graph; with ``materialize``, the
-FSDP all-gather / TP ``DTensor`` wrap of :mod:`graph_trainer.parallelize` happen there too);
+FSDP all-gather / TP ``DTensor`` wrap of :mod:`graph_trainer.distributed.parallelize` happen there too);
 autograd casts their gradients back, so gradients and the optimizer stay in the
 parameters' dtype (fp32).
 
@@ -66,7 +66,7 @@ def annotate_module_fqns(model: torch.nn.Module):
     the outer FQN and restore it on exit. Hooks are removed on exit. Nodes inside an
     activation-checkpointed module (a ``CheckpointWrapper``) also get
     ``{"ac_region": its fqn}``: the block whose inputs checkpointing saves (used by
-    :func:`graph_trainer.passes.sac_recompute_pass`).
+    :func:`graph_trainer.compiler.passes.sac_recompute_pass`).
     """
     handles = []
     stacks: list[contextlib.ExitStack] = []
@@ -175,7 +175,7 @@ def trace_train_step(
         param_dtype: compute dtype for floating parameters (``None``: keep theirs).
         params / param_names: graph inputs that stand for the parameters and the
             module FQNs they fill (default: ``model.named_parameters()``). With FSDP
-            these are the local shards (:mod:`graph_trainer.fsdp`).
+            these are the local shards (:mod:`graph_trainer.distributed.fsdp`).
         materialize: maps the ``params`` inputs to the full compute parameters inside
             the graph (FSDP: all-gather + cast). Default: cast to ``param_dtype``.
 

@@ -49,12 +49,13 @@ def train(cfg) -> dict:
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
-    from graph_trainer import data, parallelize
+    from graph_trainer import data
+    from graph_trainer.distributed import parallelize
     from graph_trainer.checkpoint import Checkpointer
     from graph_trainer.determinism import apply_determinism
     from graph_trainer.metrics import MetricsLogger
     from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
-    from graph_trainer.profiling import maybe_start_profiler
+    from graph_trainer.tools.profiling import maybe_start_profiler
     from graph_trainer.step import build_train_step
 
     # Data and layout first: both fail fast on bad input, before any memory is allocated.
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         if cfg.comm.mode == "fake_backend":
-            from graph_trainer.dry_run import dry_run
+            from graph_trainer.projection.dry_run import dry_run
 
             dry_run(cfg)
         else:

@@ -5,7 +5,7 @@ Benchmarks
 ----------
 ``train_step``  the traced Llama3 training step of ``--config-file`` (built and traced
                 as in ``scripts/fusion_report.py``: bf16 params on CUDA, fp32 on CPU),
-                compiled with ``graph_trainer.passes.full_inductor_pass``; eager = the
+                compiled with ``graph_trainer.compiler.passes.full_inductor_pass``; eager = the
                 traced graph run uncompiled.
 ``rmsnorm``     the RMSNorm fwd+bwd microbenchmark of ``scripts/bench_rmsnorm.py``
                 (its ``Problem``, ``trace_fwd_bwd``, ``eager_fwd_bwd``, ``make_timer``,
@@ -112,7 +112,7 @@ def train_step_benchmark(args) -> dict[str, Any]:
     """``{"eager", "build", "check", "shape"}`` for the traced train step; ``build()``
     compiles a fresh copy and returns the step callable; ``check(out) -> rel err``."""
     fr = load_script("fusion_report")
-    from graph_trainer.passes import full_inductor_pass
+    from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
 
     built = fr.build_traced_step(args, args.extra)
     traced, inputs = built["traced"], built["inputs"]
@@ -140,7 +140,7 @@ def train_step_benchmark(args) -> dict[str, Any]:
 def rmsnorm_benchmark(args) -> dict[str, Any]:
     """Same interface as :func:`train_step_benchmark` for bench_rmsnorm's problem."""
     bn = load_script("bench_rmsnorm")
-    from graph_trainer.passes import full_inductor_pass
+    from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
 
     m, n = args.norm_shape
     p = bn.Problem(m, n, bn.DTYPES[args.norm_dtype], torch.device(args.device), 1e-5)

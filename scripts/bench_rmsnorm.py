@@ -13,7 +13,7 @@ Variants
                    GraphModule, run uncompiled (what the traced train step does
                    without passes).
 ``regional``       the make_fx graph after
-                   ``graph_trainer.passes.annotate_rmsnorm_for_regional_inductor_pass``
+                   ``graph_trainer.compiler.passes.annotate_rmsnorm_for_regional_inductor_pass``
                    and ``regional_inductor_pass``: the forward norm and the
                    backward norm each compiled by Inductor as one region. One
                    variant per ``--inductor-configs`` entry (``regional[NAME]``;
@@ -180,13 +180,10 @@ def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: 
     (Inductor defaults and DEFAULT_RMSNORM_CANDIDATE_CONFIGS compiled and timed per
     region, fastest kept); ``result.setup_s`` holds the compile cost."""
     try:
-        from graph_trainer.passes import (
-            DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
-            annotate_rmsnorm_for_regional_inductor_pass,
-            regional_inductor_pass,
-        )
+        from graph_trainer.compiler.passes.annotate_rmsnorm import DEFAULT_RMSNORM_CANDIDATE_CONFIGS, annotate_rmsnorm_for_regional_inductor_pass
+        from graph_trainer.compiler.passes.regional_inductor import regional_inductor_pass
     except ImportError as e:
-        raise Unavailable(f"graph_trainer.passes does not export the regional passes yet: {e}") from e
+        raise Unavailable(f"graph_trainer.compiler.passes does not export the regional passes yet: {e}") from e
     gm = trace_fwd_bwd(p)
     example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     tune = inductor_configs is None

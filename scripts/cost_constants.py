@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Measure the constants of the scale projection's cost model on this GPU kind (graph_trainer.projection).
+"""Measure the constants of the scale projection's cost model on this GPU kind (graph_trainer.projection.cost_model).
 
 Measures, in bf16 on CUDA, and writes one JSON file (``--out``) that
-``graph_trainer.projection.device_constants`` reads (``COST_CONSTANTS=FILE`` or the file at
-``graph_trainer/cost_constants/<h100|h200>.json``):
+``graph_trainer.projection.devices.device_constants`` reads (``--projection.cost_constants FILE`` or the file at
+``graph_trainer/projection/cost_constants/<h100|h200>.json``):
 
 * matmul TFLOP/s of the Llama3 projection shapes (1B, 8B, 70B; ``--tp`` degrees): for each
   linear layer ``x[M, in] @ W[out, in]^T`` with M = 8192 tokens (seq 8192 x batch 1; the 1B
@@ -27,8 +27,8 @@ Measures, in bf16 on CUDA, and writes one JSON file (``--out``) that
 Prints a table per part; rank 0 writes the JSON. Needs only torch (2.11 or later) and a GPU;
 about a minute per GPU kind. Run::
 
-    python3 scripts/cost_constants.py --out graph_trainer/cost_constants/h100.json
-    torchrun --nproc_per_node 2 scripts/cost_constants.py --out graph_trainer/cost_constants/h200.json
+    python3 scripts/cost_constants.py --out graph_trainer/projection/cost_constants/h100.json
+    torchrun --nproc_per_node 2 scripts/cost_constants.py --out graph_trainer/projection/cost_constants/h200.json
 """
 
 from __future__ import annotations

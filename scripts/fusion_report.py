@@ -31,7 +31,7 @@ this script makes ``CppScheduling.codegen_comment`` write the same line (from
 ``torch._inductor.utils.get_kernel_metadata``) above each C++ kernel call. Source
 Nodes are node names of the traced graph. Rule: a kernel contains the rms_norm
 backward if one of its Source Nodes belongs to a ``kind == "backward"`` instance of
-``graph_trainer.passes.find_rmsnorm_instances(traced graph)`` (the fused
+``graph_trainer.compiler.passes.find_rmsnorm_instances(traced graph)`` (the fused
 ``_fused_rms_norm_backward`` on CUDA, the decomposed mul/sum/pow/div group on CPU);
 without origin comments, if its name contains ``rms_norm_backward``. ``fused with
 it``: its other Source Nodes (views dropped) as ``module_fqn phase[ops]``, with
@@ -74,7 +74,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # allow running without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from graph_trainer.passes.common import module_fqn_of, phase_of  # noqa: E402
+from graph_trainer.compiler.common import module_fqn_of, phase_of  # noqa: E402
 
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
@@ -93,7 +93,7 @@ def build_traced_step(args, extra_argv: list[str] = ()) -> dict[str, Any]:
     """Parse the TOML (+ ``extra_argv`` overrides), build the model on ``args.device``
     and trace one step. Returns ``{"cfg", "traced", "inputs" (flat real inputs),
     "param_dtype", "model_args"}``."""
-    from graph_trainer import parallelize
+    from graph_trainer.distributed import parallelize
     from graph_trainer.config import parse_args
     from graph_trainer.model import build_model, build_model_args, build_tokenizer, loss_fn
     from graph_trainer.trace import trace_train_step
@@ -129,12 +129,10 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def compile_way(name: str, gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     """Apply way ``name`` to a copy of ``gm``; the result is called like ``gm``."""
-    from graph_trainer.passes import (
-        annotate_pointwise_for_regional_inductor_pass,
-        annotate_rmsnorm_for_regional_inductor_pass,
-        full_inductor_pass,
-        regional_inductor_pass,
-    )
+    from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
+    from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
+    from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
+    from graph_trainer.compiler.passes.regional_inductor import regional_inductor_pass
 
     gm = copy_graph_module(gm)
     if name == "none":
@@ -266,7 +264,7 @@ def _op(node: torch.fx.Node) -> str:
 def analyse_kernels(kernels: list[dict[str, Any]], graph: torch.fx.Graph) -> dict[str, Any]:
     """Tag each kernel with ``phase`` (forward / backward / both: it fuses ops of the two) and ``rms_norm_bwd`` (rule: module docstring) and
     ``fused_with``; return the way's summary (counts, largest, norm-bwd kernels)."""
-    from graph_trainer.passes import find_rmsnorm_instances
+    from graph_trainer.compiler.passes.annotate_rmsnorm import find_rmsnorm_instances
 
     nodes = {n.name: n for n in graph.nodes}
     norm_bwd = {n.name for i in find_rmsnorm_instances(graph) if i["kind"] == "backward" for n in i["nodes"]}

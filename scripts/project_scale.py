@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Scale projection: dry runs of Llama3 8B and 70B at 8, 64 and 512 ranks, one table per model.
 
-Every grid point is a ``COMM_MODE=fake_backend`` dry run (:mod:`graph_trainer.dry_run`: the
+Every grid point is a ``COMM_MODE=fake_backend`` dry run (:mod:`graph_trainer.projection.dry_run`: the
 model on the meta device, one step traced on a fake process group of that many ranks, the
 graph passes of the memory policy's plan for the device) in a process of its own, with the
-projection of :mod:`graph_trainer.projection`. Layouts, per model (``--layouts``):
+projection of :mod:`graph_trainer.projection.cost_model`. Layouts, per model (``--layouts``):
 
 * ``fsdp``: FSDP over every rank;
 * ``hsdp``: HSDP, FSDP inside a group of :data:`HSDP_SHARD` ranks (8B: one node; 70B: 8 nodes,
@@ -16,8 +16,10 @@ projection of :mod:`graph_trainer.projection`. Layouts, per model (``--layouts``
 Prints one markdown table per model: memory per rank, the memory policy's predicted peak,
 collective bytes per step by kind and mesh dimension, and the projected step. ``--validate``
 instead projects the layouts docs/perf.md has measured (no measured figure is kept here).
-Environment as the dry run: ``PROJECTION_DEVICE``, ``GPUS_PER_NODE``, ``COST_CONSTANTS``,
-``PROJECTION_ASYNC_TP`` (``--device`` / ``--gpus-per-node`` set the first two).
+``--device``, ``--gpus-per-node``, ``--cost-constants`` and ``--async-tp`` are passed to every
+dry run as the ``[projection]`` flags ``--projection.device`` (default h100; ``--validate``: each
+layout's own GPU), ``--projection.gpus_per_node``, ``--projection.cost_constants`` and
+``--projection.async_tp``.
 
     scripts/project_scale.py                          # the 8B and 70B grid on H100 nodes of 8
     scripts/project_scale.py --models 8B --worlds 8,64 --layouts fsdp --device h200
@@ -101,7 +103,7 @@ def run_one(config: str, flavor: str | None, world: int, flags: list[str], env: 
     """One dry run in a subprocess; returns its summary (with ``"wall_s"`` and ``"key"``) or
     ``{"error": line}``; a summary of the same run in :data:`CACHE` is returned instead."""
     args = ["--job.config_file", os.path.basename(config), *flags] + (["--model.flavor", flavor] if flavor else [])
-    key = json.dumps([args, world, env.get("PROJECTION_DEVICE"), env.get("GPUS_PER_NODE")])
+    key = json.dumps([args, world])
     if key in CACHE:
         return CACHE[key]
     args = ["--job.config_file", config, "--job.dump_folder", "/tmp/project_scale", *args[2:]]
@@ -128,7 +130,7 @@ def _one(args_json: str) -> int:
     """Child process: the dry run of ``args_json`` (a flag list); prints its summary as one line."""
     sys.path.insert(0, REPO)
     from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
+    from graph_trainer.projection.dry_run import dry_run
     from graph_trainer.errors import UserError
     from graph_trainer.train import setup_logging
 
@@ -187,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="8B,70B", help="comma list of 8B, 70B")
     p.add_argument("--worlds", default="8,64,512", help="comma list of rank counts")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
-    p.add_argument("--device", default=None, help="h100 | h200 (default: $PROJECTION_DEVICE or h100)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="default: $GPUS_PER_NODE or 8")
+    p.add_argument("--device", default=None, help="h100 | h200 (--projection.device; default h100, "
+                                                  "--validate: each layout's own)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="--projection.gpus_per_node (default 8)")
+    p.add_argument("--cost-constants", default="", help="--projection.cost_constants: a JSON file of "
+                                                        "scripts/cost_constants.py (default: the committed one)")
+    p.add_argument("--async-tp", action="store_true", help="--projection.async_tp: TP collectives overlap")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per dry run")
     p.add_argument("--json", default=None, help="also write every summary to this file")
     p.add_argument("--from-json", default=None, help="reuse the summaries of an earlier --json file (no dry run "
@@ -199,26 +205,36 @@ def main(argv: list[str] | None = None) -> int:
     if a.one is not None:
         return _one(a.one)
     env = dict(os.environ)
-    if a.device:
-        env["PROJECTION_DEVICE"] = a.device
-    if a.gpus_per_node:
-        env["GPUS_PER_NODE"] = str(a.gpus_per_node)
-    gpn = int(env.get("GPUS_PER_NODE", "8"))
+    gpn = a.gpus_per_node
+    if gpn < 1:
+        print(f"error: --gpus-per-node must be a positive integer, got {gpn}", file=sys.stderr)
+        return 2
+    cost = os.path.abspath(a.cost_constants) if a.cost_constants else ""  # (the dry runs run in REPO)
+
+    def projection_flags(device: str) -> list[str]:
+        return (["--projection.device", device, "--projection.gpus_per_node", str(gpn)]
+                + (["--projection.cost_constants", cost] if cost else [])
+                + (["--projection.async_tp"] if a.async_tp else []))
+
     if a.from_json:
         with open(a.from_json) as f:
             CACHE.update({r["key"]: r for r in json.load(f) if "key" in r and "error" not in r})
     sys.path.insert(0, REPO)
     from graph_trainer.errors import UserError
-    from graph_trainer.projection import device_constants
+    from graph_trainer.projection.devices import device_constants
 
     results = []
     if a.validate:
         rows, sources = [], {}
         for label, config, world, device, flags, ref in VALIDATION:
-            dev = device_constants(env.get("PROJECTION_DEVICE") if a.device else device)
+            try:
+                dev = device_constants(a.device or device, cost)
+            except UserError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             sources[dev.name] = dev.source
-            s = run_one(os.path.join(REPO, "train_configs", config), None, world, flags,
-                        {**env, "PROJECTION_DEVICE": dev.name}, a.timeout)
+            s = run_one(os.path.join(REPO, "train_configs", config), None, world,
+                        flags + projection_flags(dev.name), env, a.timeout)
             results.append({"case": label, **s})
             r = row(s, gpn) if "error" not in s else {"colls": s["error"]}
             r.update(layout=f"{label} [{ref}]", ranks=f"{world} x {dev.name.upper()}")
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"\n\n{table(rows)}")
     else:
         try:
-            dev = device_constants(env.get("PROJECTION_DEVICE", "h100"))
+            dev = device_constants(a.device or "h100", cost)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -245,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             if flags is None:
                 notes[model].append(name)
                 continue
-            s = run_one(CONFIG, model, world, flags, env, a.timeout)
+            s = run_one(CONFIG, model, world, flags + projection_flags(dev.name), env, a.timeout)
             results.append({"model": model, "name": name, **s})
             if "error" in s:
                 notes[model].append(f"{name} on {world} ranks: not traced ({s['error']})")

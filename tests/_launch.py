@@ -15,6 +15,11 @@ about the launcher, start the ranks here instead, as torchrun would (``RANK``,
   read from the environment at import (``TORCH_TRACE``: use a new interpreter).
 * ``fresh=True``: each rank is a new interpreter (``python -m graph_trainer.train``).
 
+The rendezvous store is served by the calling process (a ``TCPStore`` on a port the kernel
+picks, held until every rank has exited; the ranks connect to it as torchrun's workers
+connect to its agent's store, ``TORCHELASTIC_USE_AGENT_STORE``): no port is chosen, freed
+and bound again later, which another process could take meanwhile.
+
 :func:`spawn` starts the workers of the tests that build their own gloo group
 (``torch.multiprocessing.spawn``) from the same server.
 
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -49,16 +53,18 @@ class Ranks:
     stderr: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store():
+    """The ranks' rendezvous store, served here on a port the kernel picks."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def _rank_env(rank: int, world: int, port: int) -> dict:
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "NGPU": str(world)}
+            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+            "NGPU": str(world)}
 
 
 def _forked_rank(env: dict, argv: list, out: str, err: str) -> None:
@@ -105,11 +111,14 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on
     ``nranks`` gloo ranks; ``tmp`` a folder for the ranks' logs; ``env`` extra variables
     (over the launcher's: e.g. ``NGPU`` for a dry run).
-    Waits for every rank (a failed rank's peers are stopped after 30 s, any rank after
-    ``timeout``)."""
+    Waits for every rank to exit (a failed rank's peers, which may wait for it in a
+    collective, are stopped 30 s after it; any rank after ``timeout``). The return code is
+    that of the first rank, in rank order, that failed by itself, never that of a rank
+    stopped here (whatever the order in which they ended)."""
     os.makedirs(tmp, exist_ok=True)
     argv = ["--job.config_file", DEBUG, *argv]
-    port = _free_port()
+    store = _store()  # held until every rank has exited
+    port = store.port
     logs = [(os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.err")) for r in range(nranks)]
     procs = []
     base = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "CONFIG_FILE")}
@@ -131,7 +140,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
             procs.append(p)
         poll = [(lambda p=p: p.exitcode) for p in procs]
         kill = [p.kill for p in procs]
-    deadline, failed_at = time.monotonic() + timeout, None
+    deadline, failed_at, stopped = time.monotonic() + timeout, None, set()
     while True:
         codes = [f() for f in poll]
         if all(c is not None for c in codes):
@@ -139,17 +148,19 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
         if time.monotonic() > deadline or (failed_at is not None and time.monotonic() > failed_at + 30):
-            for k, c in zip(kill, codes):
+            for r, (k, c) in enumerate(zip(kill, codes)):
                 if c is None:
                     k()
+                    stopped.add(r)
         time.sleep(0.1)
     if not fresh:
         for p in procs:
             p.join()
     codes = [f() for f in poll]
+    del store
     with open(logs[0][0]) as fo, open(logs[0][1]) as fe:
         out, err = fo.read(), fe.read()
-    bad = [c for c in codes if c != 0]
+    bad = [c for r, c in enumerate(codes) if c != 0 and r not in stopped] or [c for c in codes if c != 0]
     return Ranks(bad[0] if bad else 0, codes, out, err)
 
 

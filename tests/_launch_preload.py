@@ -22,7 +22,7 @@ import graph_trainer.config  # noqa: F401
 import graph_trainer.data  # noqa: F401
 import graph_trainer.metrics  # noqa: F401
 import graph_trainer.model  # noqa: F401
-import graph_trainer.parallelize  # noqa: F401
-import graph_trainer.passes  # noqa: F401
+import graph_trainer.distributed.parallelize  # noqa: F401
+import graph_trainer.compiler.passes  # noqa: F401
 import graph_trainer.step  # noqa: F401
 import graph_trainer.train  # noqa: F401

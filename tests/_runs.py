@@ -8,12 +8,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
 #: The ``finished_run`` fixture (tests/conftest.py): 4 steps of the debug model at seq 64,
-#: batch 2, no Inductor, with ``--debug.state_hashes``, a full checkpoint every 2 steps
-#: (the project's default for the last one) and the LR schedule of a 6-step run
-#: (``--lr_scheduler.total_steps 6``: torchtitan's otherwise depends on ``--training.steps``),
-#: so a 6-step run continues it.
+#: batch 2, no Inductor, a full checkpoint every 2 steps (the project's default for the last one).
 FINISHED = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
-            "--lr_scheduler.total_steps", "6", "--debug.state_hashes", "--checkpoint.enable", "--checkpoint.interval", "2"]
+            "--checkpoint.enable", "--checkpoint.interval", "2"]
 
 
 def run_debug(dump, small, *flags, steps=4, direct=False, forked=False):
@@ -50,6 +47,31 @@ def launch_env(**launch):
     return {**env, "CUDA_VISIBLE_DEVICES": "", **launch}
 
 
+def fixed_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now, below the kernel's ephemeral range (and not
+    torchrun's default 29500), for a server that a test cannot start itself (torchrun's
+    static rendezvous on the NODE_RANK=0 host): no socket bound to port 0 or opened by a
+    connect() is given it meanwhile."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:  # not Linux: IANA's ephemeral range
+        low = 49152
+    for port in random.Random().sample(range(max(1024, low - 8192), low), 256):
+        if port == 29500:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 def fsdp4_flags():
     """The debug model's FSDP4 run of tests/test_multinode.py and tests/test_parallel_layouts.py:
     2 steps, seq 64, batch 2 per rank."""
@@ -58,12 +80,12 @@ def fsdp4_flags():
 
 
 def dry_run_8b_8_ranks(*flags) -> dict:
-    """``graph_trainer.dry_run`` of train_configs/llama3_8b.toml with ``flags`` on 8 fake ranks,
+    """``graph_trainer.projection.dry_run`` of train_configs/llama3_8b.toml with ``flags`` on 8 fake ranks,
     in this process (``NGPU=8`` for the call; the fake process group destroyed after)."""
     import torch.distributed as dist
 
     from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
+    from graph_trainer.projection.dry_run import dry_run
 
     os.environ.setdefault("CONFIG", "")
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"), *flags])

@@ -1,6 +1,12 @@
 """Shared fixtures: the tiny models of the tests, built with :mod:`graph_trainer.model`, and
-two runs that several test modules start from or check: a finished 1-rank run with
-checkpoints (``finished_run``) and a 4-rank FSDP run through run_train.sh (``fsdp4_run``).
+the runs that several test modules start from or check: a finished 1-rank run with
+checkpoints (``finished_run``), a 4-rank FSDP run through run_train.sh (``fsdp4_run``) and
+the 8B dry run of the seed layout (``dry_run_8b_fsdp4_tp2``).
+
+Tiers: ``pytest -m "not slow" tests`` is the inner loop. Tests that start training runs in
+subprocesses, dry-run the 8B or compile with Inductor for long are marked ``slow``; so is,
+by :func:`pytest_collection_modifyitems`, every test that uses a fixture of
+:data:`SLOW_FIXTURES` (a session run: its cost would otherwise land in the fast tier).
 
 Every process of the tests runs one OpenMP thread (``OMP_NUM_THREADS=1``, unless set
 already; torchrun's own default for several ranks): the tests start several CPU-bound
@@ -22,6 +28,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The tiny Llama3 of the pass tests: the debug flavor shrunk to dim 32, 2 heads,
 #: vocabulary 64 and sequences of up to 32 tokens.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
+
+#: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
+SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_run_8b_fsdp4_tp2"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +61,7 @@ def fsdp_trace():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     def trace(param_dtype=None):
-        from graph_trainer import fsdp
+        from graph_trainer.distributed import fsdp
         from graph_trainer.model import build_model, loss_fn, model_args
         from graph_trainer.trace import trace_train_step
 

@@ -38,6 +38,7 @@ def _table(stdout):
     return rows[0], {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows[2:]}
 
 
+@pytest.mark.slow
 def test_tiny_has_every_row_in_order(tiny):
     proc, report = tiny
     assert report["device_type"] == "cpu" and report["benchmarks"] == BENCHMARKS
@@ -47,6 +48,7 @@ def test_tiny_has_every_row_in_order(tiny):
     assert list(body) == ROWS
 
 
+@pytest.mark.slow
 def test_tiny_speedups_finite_or_knob_missing(tiny):
     proc, report = tiny
     _, body = _table(proc.stdout)
@@ -68,6 +70,7 @@ def test_tiny_speedups_finite_or_knob_missing(tiny):
             assert cells[i] == f"{r['speedup']:.2f}x"
 
 
+@pytest.mark.slow
 def test_tiny_geomean_matches_speedups(tiny):
     proc, report = tiny
     _, body = _table(proc.stdout)

@@ -35,6 +35,7 @@ def tiny(tmp_path_factory):
     return proc, report
 
 
+@pytest.mark.slow
 def test_tiny_report_has_every_variant(tiny):
     proc, report = tiny
     assert report["device_type"] == "cpu"
@@ -57,6 +58,7 @@ def test_tiny_report_has_every_variant(tiny):
     assert by_name["eager"]["max_abs_diff"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
 
 
+@pytest.mark.slow
 def test_tiny_regional_compiles_one_region_per_norm(tiny):
     _, report = tiny
     r = next(r for r in report["results"] if r["variant"] == "regional")
@@ -66,6 +68,7 @@ def test_tiny_regional_compiles_one_region_per_norm(tiny):
     assert stats["regions"] == 2
 
 
+@pytest.mark.slow
 def test_tiny_markdown_table(tiny):
     proc, _ = tiny
     lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]

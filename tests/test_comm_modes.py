@@ -1,6 +1,7 @@
 """``COMM_MODE`` of run_train.sh: ``fake_collectives`` trains rank 0 of an NGPU-rank layout in
-one process (every collective a local copy: graph_trainer/fake_pg.py), bad values are
-refused. (``fake_backend``, the dry run: tests/test_fsdp.py.)"""
+one process (every collective a local copy: graph_trainer/distributed/fake_pg.py).
+(``fake_backend``, the dry run: tests/test_fsdp.py; unsupported modes and checkpoints under
+``fake_collectives``, refused: tests/test_preflight.py.)"""
 
 import math
 import os
@@ -49,37 +50,14 @@ def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process(tmp_path):
     assert collectives > 0, table[0]
 
 
-def test_fake_collectives_refuses_checkpoints(tmp_path):
-    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "2"}, *SMALL, "--training.steps", "1",
-                "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "out"))
-    out = r.stdout + r.stderr
-    assert r.returncode == 2, out[-3000:]
-    assert "--checkpoint.enable cannot be used with COMM_MODE=fake_collectives" in r.stderr
-    assert "Traceback" not in out
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("env, args, needle", [
-    ({"COMM_MODE": "local_tensor"}, [], "COMM_MODE=local_tensor is not supported; use fake_backend (a dry run) or "
-                                        "fake_collectives"),
-    ({}, ["--comm.mode", "local_tensor"], "--comm.mode local_tensor (COMM_MODE=local_tensor) is not supported"),
-])
-def test_unsupported_comm_mode_refused(env, args, needle, tmp_path):
-    """Refused before torchrun: by run_train.sh, or by its pre-check."""
-    r = _run_sh(env, *args, "--job.dump_folder", str(tmp_path / "out"))
-    out = r.stdout + r.stderr
-    assert r.returncode == 2 and needle in r.stderr, out[-3000:]
-    assert "Traceback" not in out and "[rank0]" not in out
-
-
 def test_local_copy_process_group_semantics():
-    """graph_trainer.fake_pg on 4 ranks, a 2 x 2 device mesh: functional all-gather repeats
+    """graph_trainer.distributed.fake_pg on 4 ranks, a 2 x 2 device mesh: functional all-gather repeats
     the input, reduce-scatter keeps this rank's chunk, all-reduce leaves the tensor, on the
     world and on a mesh dimension (its own process group); scatter gives this rank's piece."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from graph_trainer import fake_pg
+        from graph_trainer.distributed import fake_pg
         fake_pg.init(4)
         f = torch.ops._c10d_functional
         x, y = torch.arange(3.0), torch.arange(8.0)
@@ -107,7 +85,7 @@ def test_materialize_meta_shards_norms_ones_others_normal():
     N(0, 0.02); a shard already allocated is kept as it is."""
     import torch
 
-    from graph_trainer.parallelize import materialize_meta_shards
+    from graph_trainer.distributed.parallelize import materialize_meta_shards
 
     names = ["layers.0.attention_norm.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"]
     kept = torch.nn.Parameter(torch.full((4,), 3.0))

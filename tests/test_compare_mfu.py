@@ -7,14 +7,18 @@ runs the real debug model on CPU (eager, 2 steps; ~20 s per run): the committed 
 a temporary worktree against the working tree with a flag.
 """
 
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from graph_trainer.tools import compare_mfu, runs, stats
+from graph_trainer.tools.sides import Side
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
@@ -216,6 +220,7 @@ def test_fake_same_commit_on_both_sides_shares_one_worktree(fake_repo, tmp_path)
     assert len(wt.stdout.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_dirty_tree_with_head_ref_is_rejected(fake_repo, tmp_path):
     (fake_repo / "tps.txt").write_text("5000")  # uncommitted change
     out = tmp_path / "cmp"
@@ -234,15 +239,6 @@ def test_dirty_tree_with_head_ref_is_rejected(fake_repo, tmp_path):
     assert "would run" in r.stdout and not out.exists()
 
 
-def test_fake_bad_flag_on_one_side(fake_repo, tmp_path):
-    out = tmp_path / "cmp"
-    r = _compare("--repo", str(fake_repo), "--a", "HEAD~1", "--b-flags", "--fake.bad 1", "--out", str(out))
-    assert r.returncode == 2
-    assert "side B" in r.stderr and "unrecognized option --fake.bad" in r.stderr
-    assert "side A" not in r.stderr
-    assert not out.exists()
-
-
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -251,6 +247,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
     out = tmp_path / "cmp"
@@ -267,20 +264,41 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl-C, and `timeout` around the script
 def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
-    import signal
-    import time
-
+    """The signal comes once the tool reports B1's step 1: A1 has finished, the fake
+    trainer has written worker.pid (before its step line) and the tool is streaming B1,
+    the run it must stop."""
     out = tmp_path / "cmp"
     p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "",
                           "--b-flags", "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0",
                           "--out", str(out)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
-    worker_pid = out / "runs" / "B1" / "worker.pid"
-    deadline = time.time() + 60
-    while not (worker_pid.exists() and worker_pid.read_text()) and time.time() < deadline:
-        time.sleep(0.2)
-    p.send_signal(getattr(signal, signame))
-    stdout, _ = p.communicate(timeout=60)
+    lines, ready = [], threading.Event()
+    b1_step1 = lambda line: line.startswith("[2/4] B1 (") and " step 1/2 " in line  # noqa: E731
+
+    def read():  # the tool's output; `ready` at B1's progress line of step 1 (or at the end)
+        for line in p.stdout:
+            lines.append(line)
+            if b1_step1(line):
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        ready.wait(timeout=120)  # a bound for a broken tool, not a guess: B1 hangs until signalled
+        assert any(b1_step1(line) for line in lines), "".join(lines)
+        p.send_signal(getattr(signal, signame))
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:  # a failed check above: let the tool stop its run, then make sure
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    reader.join(timeout=60)
+    stdout = "".join(lines)
     assert p.returncode == 130, stdout
     assert "interrupted; reporting the finished runs" in stdout
     data = _load(out)
@@ -288,7 +306,34 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
         ("A", "ok"), ("B", "interrupted"), ("A", "pending"), ("B", "pending")]
     assert data["ok"] is False and data["table"]["runs_ok"] == {"A": 1, "B": 0}
     assert "| B: working tree + --fake.hang (0/2 runs) | interrupted |" in stdout
+    worker_pid = out / "runs" / "B1" / "worker.pid"
     assert not _alive(int(worker_pid.read_text()))
+
+
+def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch):
+    """A Ctrl-C the moment ``Popen`` has started the run (before ``execute`` holds it):
+    ``execute`` raises KeyboardInterrupt and the run is stopped, not left behind."""
+    started = []
+
+    class PopenThenCtrlC(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(runs.subprocess, "Popen", PopenThenCtrlC)
+    side = Side(name="B", ref=None, flags=[], root=str(tmp_path), config_file="none.toml")
+    run = runs.Run(side="B", repeat=1, index=1, dump_folder=str(tmp_path / "B1"), log=str(tmp_path / "B1.log"),
+                   cmd=[sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runs.execute(run, side, 2, 0, "[B1]", False, None, runs.Progress(io.StringIO()))
+        assert len(started) == 1 and started[0].poll() is not None  # stopped and reaped
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 # ----------------------------------------------------------------------------------
@@ -296,19 +341,24 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
 # ----------------------------------------------------------------------------------
 
 
-def test_unknown_ref_is_rejected_before_any_run(tmp_path):
+@pytest.mark.parametrize(
+    "tree, a_side, b_flags, needle",
+    [
+        pytest.param("fake", ["--a", "HEAD~1"], "--fake.bad 1", "unrecognized option --fake.bad", id="fake"),
+        pytest.param("real", ["--a-flags", ""], "--training.no_such_flag 1", "--training.no_such_flag", id="real",
+                     marks=pytest.mark.slow),  # the real config parser, on both sides
+    ],
+)
+def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, a_side, b_flags, needle, tmp_path, request):
+    """A flag that the trainer's config parser rejects on side B: exit 2 naming side B (and
+    not A), nothing run, no output folder; on the fake tree and on the real one (TINY)."""
+    where = ["--repo", str(request.getfixturevalue("fake_repo"))] if tree == "fake" else []
+    extra = ["--", *TINY] if tree == "real" else []
     out = tmp_path / "cmp"
-    r = _compare("--a", "no-such-branch-xyz", "--out", str(out), "--", *TINY)
-    assert r.returncode == 2
-    assert "unknown git ref 'no-such-branch-xyz'" in r.stderr
-    assert not out.exists()
-
-
-def test_bad_flag_is_rejected_before_any_run(tmp_path):
-    out = tmp_path / "cmp"
-    r = _compare("--a-flags", "", "--b-flags", "--training.no_such_flag 1", "--out", str(out), "--", *TINY)
+    r = _compare(*where, *a_side, "--b-flags", b_flags, "--out", str(out), *extra)
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "side B" in r.stderr and "--training.no_such_flag" in r.stderr
+    assert "side B" in r.stderr and needle in r.stderr
+    assert "side A" not in r.stderr
     assert "validating" in r.stdout and "step 1" not in r.stdout
     assert not out.exists()
 
@@ -322,10 +372,12 @@ def test_bad_flag_is_rejected_before_any_run(tmp_path):
         (["--a-flags", "", "--steps", "3", "--warmup", "0", "--profile-step", "4"], "--profile-step must be in 2..--steps (3)"),
         (["--steps", "5"], "nothing to compare"),
         (["--a-flags", "'unbalanced"], "not a valid shell-quoted string"),
+        (["--a", "no-such-branch-xyz", "--", *TINY], "unknown git ref 'no-such-branch-xyz'"),
     ],
 )
 def test_usage_errors(args, needle, tmp_path):
-    r = _compare(*args, "--out", str(tmp_path / "cmp"))
+    """Bad input on the real tree: exit 2 before any run, no output folder."""
+    r = _compare("--out", str(tmp_path / "cmp"), *args)  # before `args`: never taken as an argument after --
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert not (tmp_path / "cmp").exists()
 
@@ -446,7 +498,7 @@ def test_step_line_regex():
 
 def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys):
     """--profile-step's A-vs-B picture, from the runs' rank0_kernels.json (no trainer run)."""
-    from graph_trainer.profiling import _json_text
+    from graph_trainer.tools.profiling import _json_text
     from graph_trainer.tools.timeline import pack_step
 
     def run(side, repeat, wall_us, profiled=True):

@@ -1,7 +1,8 @@
 """Bitwise determinism on CPU: run-to-run with the RMSNorm pass, checkpoint resume,
-the pass on vs off, on one rank and on 2 gloo ranks (traced FSDP); plus bad input.
+the pass on vs off, on one rank and on 2 gloo ranks (traced FSDP); plus bad checkpoints
+and a diverging run.
 
-Every run is the debug model (seq 64, batch 2, 4 steps) with ``--debug.state_hashes``.
+Every run is the debug model (seq 64, batch 2) with ``--debug.state_hashes``.
 The run-to-run and resume runs start the trainer's entry point in new interpreters (each
 its own string-hash seed), without run_train.sh's pre-check and torchrun: one rank as
 ``python -m graph_trainer.train``, two ranks as torchrun would (tests/_launch.py, fresh).
@@ -9,7 +10,9 @@ The pass on vs off runs are loss_compare's, the NaN run is run_train.sh's, the c
 checkpoint is loaded by a rank forked from tests/_launch.py's server from a copy of the
 ``finished_run`` fixture (tests/conftest.py). Runs are compared with
 :mod:`graph_trainer.tools.loss_compare`.
-(trace vs eager bitwise: tests/test_train.py::test_aot_fx_trace_matches_eager_bitwise.)
+(trace vs eager bitwise: tests/test_train.py::test_aot_fx_trace_matches_eager_bitwise; a
+finished run's command again, a model-only last checkpoint: tests/test_resume.py;
+multi-rank layouts vs eager torchtitan: tests/test_parallel_layouts.py.)
 """
 
 import json
@@ -74,30 +77,36 @@ def _loss_compare(out, *args):
 
 
 def _run_to_run_and_resume(tmp_path, ngpu, steps=4, config=None, extra=(), flavor="debugmodel"):
-    """1. two runs with the RMSNorm pass + regional Inductor: bitwise-equal loss at every
-    step and equal sha256 of final weights, grads and optimizer state;
-    3. resume from the checkpoint at steps/2 in a new process: same losses and final
-    state as the uninterrupted run."""
+    """1. two runs with the RMSNorm pass + regional Inductor, each in new interpreters:
+    bitwise-equal loss and grad norm at every step and equal sha256 of final weights, grads
+    and optimizer state; 3. the second run stops at steps/2 (its last checkpoint) and the
+    same command with the whole ``--training.steps`` (the README's way to train further)
+    resumes it in a new process: only the later steps run, appended to metrics.jsonl, and
+    the losses and final state are those of the uninterrupted first run. Both runs share the
+    LR schedule of the whole run (``--lr_scheduler.total_steps``: torchtitan's otherwise
+    depends on ``--training.steps``)."""
     half = steps // 2
+    same = [*PASS, "--lr_scheduler.total_steps", str(steps), *extra]
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
     a, b = tmp_path / "a", tmp_path / "b"
     launch = "direct" if ngpu == 1 else "fresh"  # new interpreters: each run its own hash seed
-    _train(a, *PASS, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)  # saving must not change numerics
-    _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)
+    _train(a, *same, ngpu=ngpu, steps=steps, config=config, launch=launch)  # uninterrupted, never saves
+    _train(b, *same, *ckpt, ngpu=ngpu, steps=half, config=config, launch=launch)
+    assert latest_step(str(b / "checkpoint")) == half
+    first = (b / "metrics.jsonl").read_text()
+    r = _train(b, *same, *ckpt, ngpu=ngpu, steps=steps, config=config, launch=launch)
+    assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
+
     rows_a, sum_a = _metrics(a)
     rows_b, sum_b = _metrics(b)
     assert len(rows_a) == steps and sum_a["state_hashes"]
+    text = (b / "metrics.jsonl").read_text()
+    assert text.startswith(first)  # the first half's records kept
+    appended = [json.loads(line) for line in text[len(first):].splitlines()]
+    assert [x["step"] for x in appended if "summary" not in x] == list(range(half + 1, steps + 1))  # only those ran
+    assert sum_b["resumed_from_step"] == half
+    # steps 1..half from the first process, the rest and the final state from the resumed one
     assert first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
-
-    assert latest_step(str(b / "checkpoint")) == steps
-    shutil.rmtree(b / "checkpoint" / f"step-{steps}")
-    os.remove(b / "metrics.jsonl")
-    r = _train(b, *PASS, *ckpt, *extra, ngpu=ngpu, steps=steps, config=config, launch=launch)
-    assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
-    rows_r, sum_r = _metrics(b)
-    assert [x["step"] for x in rows_r] == list(range(half + 1, steps + 1))  # only the steps after it ran
-    assert sum_r["resumed_from_step"] == half
-    assert first_difference(rows_a[half:], rows_r, sum_a["state_hashes"], sum_r["state_hashes"]) is None
     meta = json.loads((b / "checkpoint" / f"step-{half}" / META_FILE).read_text())
     assert meta["flavor"] == flavor and meta["layout"].startswith(f"dp_shard{ngpu}")
 
@@ -108,6 +117,8 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu):
     _run_to_run_and_resume(tmp_path, ngpu)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check: Llama3 1B, 10 steps)")
 def test_gpu_1b_run_to_run_and_resume_bitwise_with_pass(tmp_path):
     """Tests 1 and 3 on one GPU with the 1B config for 10 steps, --debug.deterministic."""
@@ -160,8 +171,8 @@ def test_checkpoint_checks(tmp_path):
 @pytest.mark.slow
 def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
     """A truncated checkpoint file stops the resuming run with a message naming it; nothing
-    is deleted. The run saved is a copy of the ``finished_run`` fixture (run_train.sh, 4
-    steps, checkpoints at steps 2 and 4) without its step-4, so step-2 is the one loaded."""
+    is deleted. The run saved is a copy of the ``finished_run`` fixture (4 steps,
+    checkpoints at steps 2 and 4) without its step-4, so step-2 is the one loaded."""
     d = tmp_path / "run"
     shutil.copytree(finished_run, d)
     shutil.rmtree(d / "checkpoint" / "step-4")

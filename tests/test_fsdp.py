@@ -1,7 +1,10 @@
-"""Traceable FSDP on gloo (2 ranks) and the fake-backend dry run (8 ranks, one process)."""
+"""Traceable FSDP on gloo (2 ranks) against the unsharded model, and the fake-backend dry
+run (8 ranks, one process). (Traced FSDP / HSDP / FSDP x TP runs against eager torchtitan:
+tests/test_parallel_layouts.py.)"""
 
 import functools
 import os
+import pickle
 import subprocess
 from collections import Counter
 
@@ -9,17 +12,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _launch import queue, spawn  # tests/ is on sys.path
+from _launch import spawn  # tests/ is on sys.path
 from _runs import dry_run_8b_8_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(rank, world, store_path, q):
+def _worker(rank, world, store_path, result_path):
     torch.manual_seed(0)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        from graph_trainer import fsdp
+        from graph_trainer.distributed import fsdp
         from graph_trainer.model import build_model, loss_fn, model_args
         from graph_trainer.trace import trace_train_step
 
@@ -43,7 +46,8 @@ def _worker(rank, world, store_path, q):
         )
         loss, grads = traced(shards, bufs, tokens, labels)
         # bucket_collectives (4 per bucket) on the 2-rank layout: bitwise the same step
-        from graph_trainer.passes import bucket_collectives_pass, overlap_collectives_pass
+        from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
+        from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 
         with torch.no_grad():
             gm = bucket_collectives_pass(overlap_collectives_pass(traced.gm), None, bucket_size=4)
@@ -62,8 +66,9 @@ def _worker(rank, world, store_path, q):
             p.grad = g
         norm = fsdp.sharded_grad_norm_(shards, 1e9, group)
         ref_norm = torch.stack([g.double().pow(2).sum() for g in ref.values()]).sum().sqrt()
-        q.put((rank, float(loss), float(ref_loss), max_err, dict(colls), len(specs),
-               float(norm), float(ref_norm), bucketed))
+        with open(f"{result_path}.{rank}", "wb") as f:
+            pickle.dump((float(loss), float(ref_loss), max_err, dict(colls), len(specs), float(norm),
+                         float(ref_norm), bucketed), f)
     finally:
         dist.destroy_process_group()
 
@@ -73,10 +78,12 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
     """2 ranks, same batch on both: in-graph all-gather/reduce-scatter(sum) of the loss over
     the global token count reproduce the unsharded gradients (fp32, up to rounding); with
     bucket_collectives the step is bitwise the unbucketed one."""
-    q = queue()
-    spawn(_worker, (2, str(tmp_path / "store"), q), 2)  # forked from tests/_launch.py's server
-    results = [q.get(timeout=60) for _ in range(2)]
-    for rank, loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) in results:
+    spawn(_worker, (2, str(tmp_path / "store"), str(tmp_path / "result")), 2)  # forked, joined
+    results = []
+    for rank in range(2):
+        with open(tmp_path / f"result.{rank}", "rb") as f:  # written by the rank before it exited
+            results.append(pickle.load(f))
+    for loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) in results:
         assert n_rs_bucketed == -(-n_params // 4) and same  # bucketed: 4 params per collective, same values
         # forward: gathered params are bitwise the originals; each rank's loss is its half
         # of the global batch's mean (the same batch on both ranks)
@@ -92,6 +99,7 @@ def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
         assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     """COMM_MODE=fake_backend NGPU=8: the debug model and the 8B trace in one process."""
     env = {**os.environ, "COMM_MODE": "fake_backend", "NGPU": "8"}
@@ -118,6 +126,7 @@ def test_fake_backend_dry_run_8_ranks_debug_and_8b():
     assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
 
 
+@pytest.mark.slow
 def test_fake_backend_dry_run_8b_fsdp4_tp2(dry_run_8b_fsdp4_tp2):
     """The seed layout: Llama3 8B, FSDP4 x TP2 on 8 fake ranks, traced in one process (the
     session's dry run, tests/conftest.py; its collectives are counted as traced)."""
@@ -155,6 +164,7 @@ def _dry_run_counts(tmp, ngpu: int, *flags) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"  (\w+): (\d+) ops", r.stdout)}
 
 
+@pytest.mark.slow
 def test_fake_backend_dry_run_hsdp_x_tp_adds_one_all_reduce_per_parameter(tmp_path):
     """Replicate 2 x shard 2 x TP2 traces on 8 fake ranks; against FSDP4 x TP2 the graph has
     the same FSDP and TP collectives plus one all-reduce per parameter (its reduce-scattered
@@ -176,7 +186,7 @@ def test_fused_attention_on_meta_traces_one_op_and_restores_sdpa():
     from torch.fx.experimental.proxy_tensor import make_fx
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
-    from graph_trainer.dry_run import fused_attention_on_meta
+    from graph_trainer.projection.dry_run import fused_attention_on_meta
 
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     orig, saved = F.scaled_dot_product_attention, set(_op_sac_save_list)

@@ -30,6 +30,7 @@ def tiny(tmp_path_factory):
     return proc, report, {w["way"]: w for w in report["ways"]}
 
 
+@pytest.mark.slow
 def test_tiny_ways_and_kernels(tiny):
     _, report, ways = tiny
     assert report["device_type"] == "cpu" and report["n_layers"] == 1
@@ -59,6 +60,7 @@ def test_tiny_ways_and_kernels(tiny):
     assert all(k["fused_with"] == {} for k in ways[POINTWISE]["rms_norm_bwd_kernels"])
 
 
+@pytest.mark.slow
 def test_tiny_fusion_differs_between_full_and_regional(tiny):
     _, _, ways = tiny
     # regional: every norm is its own region, so nothing else is fused into the norm backward
@@ -69,6 +71,7 @@ def test_tiny_fusion_differs_between_full_and_regional(tiny):
     assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]
 
 
+@pytest.mark.slow
 def test_tiny_compiled_outputs_match_uncompiled(tiny):
     _, report, ways = tiny
     ref = ways["none"]["numerics"]
@@ -80,6 +83,7 @@ def test_tiny_compiled_outputs_match_uncompiled(tiny):
         assert nm["max_abs_diff_loss"] < 1e-4 and nm["max_abs_diff_grads"] < 1e-4, name
 
 
+@pytest.mark.slow
 def test_tiny_timings(tiny):
     _, report, ways = tiny
     for name, w in ways.items():
@@ -88,6 +92,7 @@ def test_tiny_timings(tiny):
         assert w["fwd_ms"] is None and w["bwd_ms"] is None  # not separable on CPU
 
 
+@pytest.mark.slow
 def test_tiny_markdown_table(tiny):
     proc, _, ways = tiny
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]

@@ -1,4 +1,4 @@
-"""The per-pass report of the pipeline (graph_trainer.passes.pass_report): node kinds, op
+"""The per-pass report of the pipeline (graph_trainer.compiler.report): node kinds, op
 changes, regions and memory per pass, the table, the readable dumps with their diffs, and
 the structured-trace artifacts that tlparse lists."""
 
@@ -15,10 +15,11 @@ import torch.fx
 from passes.conftest import fused_norm_graph, tagged_nodes, trace_step  # tests/ is on sys.path
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.passes import pass_report as report
-from graph_trainer.passes.common import hold
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
-from graph_trainer.passes.pipeline import PASSES, PipelineStep, run_pipeline
+from graph_trainer.compiler import report
+from graph_trainer.compiler.common import hold
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.pipeline import run_pipeline
+from graph_trainer.compiler.registry import PipelineStep, registry
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -26,7 +27,7 @@ ANNOTATE = "annotate_rmsnorm_for_regional_inductor"
 
 
 def _annotate(configs=None):
-    return PipelineStep(ANNOTATE, PASSES[ANNOTATE], {"inductor_configs": configs or {}})
+    return PipelineStep(ANNOTATE, registry()[ANNOTATE].fn, {"inductor_configs": configs or {}})
 
 
 def _hand_built():

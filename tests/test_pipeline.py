@@ -1,5 +1,6 @@
-"""The pipeline layer: registry and order, pass-list resolution from ``[compile]``,
-``build_pipeline`` (config -> pass options, the only place) and the ``run_pipeline`` loop."""
+"""The compiler layer: the registry and its one order, pass-list resolution from ``[compile]``,
+``build_pipeline`` (each pass's declaration turns config into arguments) and the
+``run_pipeline`` loop."""
 
 import json
 import logging
@@ -10,17 +11,17 @@ from passes.conftest import fused_norm_graph, inductor_tag, tagged_nodes  # test
 
 from graph_trainer.config import Compile
 from graph_trainer.model import BlockLayout, block_layout_of_args, model_args
-from graph_trainer.passes.memory_policy import Levers
-from graph_trainer.passes.pipeline import (
-    COMPILING,
-    DEFAULT_ORDER,
-    NUMERICS_CHANGING,
-    PASSES,
-    PipelineStep,
-    build_pipeline,
-    resolve_pass_names,
-    run_pipeline,
-)
+from graph_trainer.compiler.memory_policy import Levers
+from graph_trainer.compiler import registry as reg
+from graph_trainer.compiler.passes import ORDER
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.compiler.registry import PassContext, PipelineStep, registry, resolve
+
+DEFAULT_ORDER = list(registry())
+
+
+def resolve_pass_names(cfg, **kw):
+    return resolve(PassContext(cfg, **kw))
 
 
 def _compile(**groups):
@@ -78,28 +79,31 @@ def test_passes_adds_and_disable_removes():
     assert names == ["remove_dead_code", "sac_recompute", "reshard_after_forward", "overlap_collectives",
                      "bucket_collectives", "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor",
                      "regional_inductor"]
-    assert NUMERICS_CHANGING <= set(PASSES) and COMPILING <= set(PASSES)
 
 
-# ---- registry, resolution and the run loop (ported from the old resolve_pass_names(**kw) API) ----
+def test_registry_reads_every_pass_of_the_order():
+    """Every module of ORDER declares a PASS; the registry keeps ORDER; every option field
+    is a ``--compile.<section>.<field>`` flag with help text; nothing else names a pass."""
+    assert [spec.aliases[0] for spec in registry().values()] == ORDER
+    from graph_trainer.config import Compile, _flag_doc, help_text, project_sections
+
+    for section, cls in reg.option_sections():
+        assert isinstance(getattr(Compile(), section), cls)
+        assert f"compile.{section}" in project_sections()
+        for f in __import__("dataclasses").fields(cls):
+            assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
+    assert {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))} >= {
+        "annotate_rmsnorm_for_regional_inductor", "cudagraph", "async_tp"}
+
 
 def test_registry_and_order():
-    assert list(PASSES) == DEFAULT_ORDER
-    assert DEFAULT_ORDER == [
-        "remove_dead_code",
-        "remove_noop_views",
-        "sac_recompute",
-        "reshard_after_forward",
-        "async_tp",
-        "overlap_collectives",
-        "bucket_collectives",
-        "annotate_flex_attention_for_regional_inductor",
-        "annotate_rmsnorm_for_regional_inductor",
-        "annotate_pointwise_for_regional_inductor",
-        "regional_inductor",
-        "full_inductor",
-        "cudagraph",
-    ]
+    """The order's invariants (not its full list: a new pass adds a line to ORDER only):
+    cleanup first, annotations before the region compile, CUDA graphs last."""
+    order = DEFAULT_ORDER
+    assert order[0] == "remove_dead_code" and order[-1] == "cudagraph"
+    annotations = [i for i, n in enumerate(order) if n.startswith("annotate_")]
+    assert annotations and max(annotations) < order.index("regional_inductor") < order.index("full_inductor")
+    assert order.index("sac_recompute") < order.index("reshard_after_forward") < order.index("bucket_collectives")
 
 
 def test_resolve_defaults():
@@ -155,11 +159,11 @@ def test_resolve_errors():
         resolve_pass_names(_compile(disable_passes="nope"))
     with pytest.raises(ValueError, match="inductor_compilation must be one of"):
         resolve_pass_names(_compile(inductor_compilation="max"))
-    with pytest.raises(ValueError, match="only has an effect when regional_inductor compiles"):
+    with pytest.raises(ValueError, match="only has an effect when regional_inductor runs after it"):
         resolve_pass_names(_compile(numerics_changing_optim=True, inductor_compilation="none", passes="rmsnorm"))
-    with pytest.raises(ValueError, match="only has an effect when regional_inductor compiles"):
+    with pytest.raises(ValueError, match="only has an effect when regional_inductor runs after it"):
         resolve_pass_names(_compile(numerics_changing_optim=True, disable_passes="regional_inductor"))
-    with pytest.raises(ValueError, match="mutually exclusive"):
+    with pytest.raises(ValueError, match="cannot run together"):
         resolve_pass_names(_compile(passes="regional_inductor,full_inductor"))
     with pytest.raises(ValueError, match="changes numerics"):
         resolve_pass_names(_compile(passes="annotate_rmsnorm"))
@@ -168,7 +172,7 @@ def test_resolve_errors():
 def test_run_pipeline_dump_without_compile(tmp_path, caplog):
     gm, fakes = fused_norm_graph(n_norms=2)
     steps = ["remove_dead_code", "remove_noop_views",
-             PipelineStep("annotate_rmsnorm_for_regional_inductor", PASSES["annotate_rmsnorm_for_regional_inductor"],
+             PipelineStep("annotate_rmsnorm_for_regional_inductor", registry()["annotate_rmsnorm_for_regional_inductor"].fn,
                           {"inductor_configs": {"max_autotune": False}})]
     with caplog.at_level(logging.INFO, logger="graph_trainer"):
         gm = run_pipeline(gm, fakes, steps, dump_folder=str(tmp_path))

@@ -1,12 +1,15 @@
-"""--profiling.enable_profiling: trace + kernel-time summary (graph_trainer/profiling.py)."""
+"""--profiling.enable_profiling: trace + kernel-time summary (graph_trainer/tools/profiling.py)."""
 
+import ast
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from graph_trainer.profiling import kernel_category, summarize_events, summary_markdown, timeline_breakdown
+from graph_trainer.tools.profiling import kernel_category, summarize_events, summary_markdown, timeline_breakdown
 from graph_trainer.tools.timeline import pack_step, unpack_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -58,6 +61,7 @@ def test_summarize_events_per_step_and_shares():
     assert "| matmul | 3.00 | 60.0 % | 15 |" in md and "`nvjet_gemm`" in md
 
 
+@pytest.mark.slow  # a training run (in this process)
 def test_profiled_run_writes_trace_and_summary(tmp_path):
     """2 CPU steps, the second recorded: a Chrome trace and a summary whose matmul time is > 0."""
     from graph_trainer.config import parse_args
@@ -89,7 +93,6 @@ def test_profiled_run_writes_trace_and_summary(tmp_path):
 
 
 def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
-    from graph_trainer.profiling import timeline_breakdown
     # step 1 (0..100 us): gemm 0-40, comm 30-60 (10 overlapped, 20 exposed), triton 70-80, idle 20 us
     # step 2 (100..200 us): gemm 100-200, comm 120-140 fully overlapped; a kernel past the step is clipped
     kernels = [(0, 40, "matmul"), (30, 60, "communication"), (70, 80, "inductor triton"),
@@ -119,7 +122,7 @@ def test_timeline_of_device_events_one_window_per_step_no_annotations():
     optimizer ranges as GPU annotations: one window per step, annotations are not kernels."""
     from types import SimpleNamespace as NS
 
-    from graph_trainer.profiling import _timeline_of
+    from graph_trainer.tools.profiling import _timeline_of
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
@@ -140,6 +143,25 @@ def test_timeline_of_device_events_one_window_per_step_no_annotations():
 
 
 # the step timeline picture (graph_trainer/tools/timeline.py)
+
+
+def test_timeline_owns_the_breakdown_and_imports_no_profiling_nor_torch():
+    """graph_trainer.tools.timeline owns the interval arithmetic and the breakdown;
+    profiling imports them from there (re-exporting ``timeline_breakdown``), never the other
+    way round, not even inside a function; importing timeline brings no torch."""
+    from graph_trainer.tools import profiling, timeline
+
+    assert profiling.timeline_breakdown is timeline.timeline_breakdown
+    assert profiling.TIMELINE_ROWS is timeline.TIMELINE_ROWS
+    tree = ast.parse(open(timeline.__file__).read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("graph_trainer") for m in imported), imported
+    code = ("import sys, graph_trainer.tools.timeline; "
+            "print([m for m in ('torch', 'graph_trainer.tools.profiling') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
+
 
 # 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped
 # (30-40), then exposed (40-60, 85-95, 98-100); idle 60-70, 80-85, 95-98; kernels reaching
@@ -175,7 +197,7 @@ def test_draw_timeline_writes_png_and_marks_exposed_and_idle_as_timeline_breakdo
 
 
 def test_pack_step_keeps_the_step_compact_and_lossless(tmp_path):
-    from graph_trainer.profiling import _json_text
+    from graph_trainer.tools.profiling import _json_text
 
     packed = pack_step([(a + 1000, b + 1000, c) for a, b, c in HAND], (1000, 1100), step_num=7)
     assert packed["step"] == 7 and packed["wall_ms"] == pytest.approx(0.1)
@@ -195,7 +217,7 @@ def test_cpu_intervals_count_gloo_collectives_as_communication():
     that gloo's thread runs inside it are part of it, not compute."""
     from types import SimpleNamespace as NS
 
-    from graph_trainer.profiling import _intervals_of
+    from graph_trainer.tools.profiling import _intervals_of
 
     cpu = torch.autograd.DeviceType.CPU
 
@@ -216,7 +238,7 @@ def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, ca
     import logging
     import sys
 
-    from graph_trainer.profiling import _write_picture
+    from graph_trainer.tools.profiling import _write_picture
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     with caplog.at_level(logging.INFO, logger="graph_trainer"):
@@ -226,7 +248,7 @@ def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, ca
 
 
 def _kernels_json(path, kernels, step, step_num=5):
-    from graph_trainer.profiling import _json_text
+    from graph_trainer.tools.profiling import _json_text
 
     summary = {"step": step_num, "unit": "CPU", "timeline": timeline_breakdown(kernels, [step]),
                "step_intervals": pack_step(kernels, step, step_num)}

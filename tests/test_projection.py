@@ -1,5 +1,6 @@
-"""The scale projection's cost model (graph_trainer/projection.py), its constants script's
-fit (scripts/cost_constants.py) and the dry run's projection (CPU, fake process group)."""
+"""The scale projection's cost model (graph_trainer/projection/cost_model.py), its device constants
+(graph_trainer/projection/devices.py) and ``[projection]`` flags, its constants script's fit
+(scripts/cost_constants.py) and the dry run's projection (CPU, fake process group)."""
 
 import importlib.util
 import os
@@ -7,8 +8,10 @@ import os
 import pytest
 import torch
 
-from graph_trainer import projection as P
+from graph_trainer.config import Projection
 from graph_trainer.errors import UserError
+from graph_trainer.projection import cost_model as P
+from graph_trainer.projection import devices as D
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +105,7 @@ def test_flops_and_bytes_of_a_traced_attention_step_match_hand_count():
     matmul 2·M·N·K per product, attention 4·B·H·S²·D·½ forward and 2.5x that backward."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.dry_run import fused_attention_on_meta
+    from graph_trainer.projection.dry_run import fused_attention_on_meta
 
     B, S, H, D = 2, 64, 4, 16
     E = H * D
@@ -127,22 +130,60 @@ def test_flops_and_bytes_of_a_traced_attention_step_match_hand_count():
     assert work.memory_bytes >= 2 * (B * H * S * D * 4)
     views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.view.default]
     assert views and all(P.memory_op_bytes(n) == 0 for n in views)
+    # the dry run's CPU flash op has no formula in torch's registry: counted by the GPU flash op's
+    from torch.utils.flop_counter import flop_registry
+
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry
 
 
-def test_device_constants_defaults_measurements_and_errors(tmp_path, monkeypatch):
+def test_graph_flops_match_torch_flop_counter_on_a_real_model_step():
+    """The graph's FLOPs (graph_work on make_fx's trace) against FlopCounterMode on the same step
+    of a small Llama3 run eagerly on CPU: matmuls exactly; attention half of torch's count
+    (torch counts the whole S x S scores; here causal), with torch's SDPA formulas mapped onto
+    the CPU flash op, which torch's registry lacks (it counts no attention FLOPs there)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    from graph_trainer.model import build_model, loss_fn, model_args
+
+    aten = torch.ops.aten
+    args = model_args("debugmodel", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
+    model = build_model(args, "cpu", seed=0)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    tokens = torch.randint(0, 128, (2, 32))
+
+    def step(state, tokens):
+        logits = torch.func.functional_call(model, state, (tokens,))
+        return torch.autograd.grad(loss_fn(logits, tokens), [v for v in state.values() if v.requires_grad])
+
+    work = P.graph_work(make_fx(step, tracing_mode="fake")(state, tokens))
+    with FlopCounterMode(display=False) as plain:
+        step(state, tokens)
+    sdpa = {aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(q, k, v),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g, q, k, v)}
+    with FlopCounterMode(display=False, custom_mapping=sdpa) as mapped:
+        step(state, tokens)
+    counts = plain.get_flop_counts()["Global"]
+    assert set(counts) == {aten.mm} and work.matmul_flops == counts[aten.mm] > 0
+    assert sum(mapped.get_flop_counts()["Global"][op] for op in sdpa) == 2 * work.attention_flops > 0
+    assert mapped.get_total_flops() == work.matmul_flops + 2 * work.attention_flops
+
+
+def test_device_constants_defaults_measurements_and_errors(tmp_path):
     from graph_trainer.metrics import peak_bf16_for_name
 
-    h100 = P._default_devices()["h100"]
+    h100 = D._default_devices()["h100"]
     assert h100.source == "datasheet defaults" and h100.matmul_flops == h100.peak_bf16_flops
     assert h100.peak_bf16_flops == peak_bf16_for_name("NVIDIA H100 80GB HBM3")
-    assert h100.hbm_Bps < P._default_devices()["h200"].hbm_Bps
+    assert h100.hbm_Bps < D._default_devices()["h200"].hbm_Bps
     data = {"device": "NVIDIA H100 80GB HBM3", "matmul_tflops": 700.0,
             "matmul": [{"m": 8192, "n": 4096, "k": 14336, "tflops": 650.0}],
             "attention_tflops": 400.0, "attention": [{"b": 1, "h": 32, "s": 8192, "d": 128, "tflops": 420.0}],
             "hbm_gbps": 3000.0,
             "nccl": {"all_reduce": {"alpha_us": 20.0, "busbw_gbps": 360.0},
                      "all_gather_into_tensor": {"alpha_us": 10.0, "busbw_gbps": 380.0}}}
-    m = P.apply_measurements(P._default_devices()["h100"], data)
+    m = P.apply_measurements(D._default_devices()["h100"], data)
     assert m.matmul_flops == 700e12 and m.matmul_by_shape[(4096, 8192, 14336)] == 650e12
     assert m.attention_by_shape[(1, 32, 8192, 128)] == 420e12 and m.hbm_Bps == 3e12
     assert m.nvlink.constants("all_reduce") == pytest.approx((20e-6, 360e9))
@@ -154,14 +195,31 @@ def test_device_constants_defaults_measurements_and_errors(tmp_path, monkeypatch
     assert (nic.alpha_s, nic.busbw_Bps) == pytest.approx((30e-6, 40e9))  # busbw per NIC
     f = tmp_path / "c.json"
     f.write_text('{"device": "NVIDIA H200", "hbm_gbps": 4300}')
-    with pytest.raises(UserError, match="COST_CONSTANTS"):
+    with pytest.raises(UserError, match="--projection.cost_constants"):
         P.device_constants("h100", str(f))
     assert P.device_constants("h200", str(f)).hbm_Bps == 4.3e12
-    with pytest.raises(UserError, match="PROJECTION_DEVICE"):
+    with pytest.raises(UserError, match="--projection.device"):
         P.device_constants("a100")
-    monkeypatch.setenv("GPUS_PER_NODE", "0")
-    with pytest.raises(UserError, match="GPUS_PER_NODE"):
-        P.env_settings()
+
+
+def test_projection_flags_to_settings_and_one_line_errors(tmp_path):
+    """``[projection]`` (graph_trainer.config.Projection) -> device constants, node size and
+    overlap; every bad value is a one-line UserError naming its flag."""
+    dev, gpn, overlap = P.settings(Projection())
+    assert (dev.name, gpn, overlap) == ("h100", 8, P.Overlap())
+    assert "measured" in dev.source  # the committed cost_constants/h100.json
+    f = tmp_path / "h200.json"
+    f.write_text('{"device": "NVIDIA H200", "hbm_gbps": 4300}')
+    dev, gpn, overlap = P.settings(Projection(device="h200", gpus_per_node=4, async_tp=True, cost_constants=str(f)))
+    assert (dev.name, dev.hbm_Bps, dev.measured, gpn) == ("h200", 4.3e12, ("hbm",), 4)
+    assert overlap.async_tp and "tp" in overlap.dims()
+    bad = [({"device": "a100"}, "--projection.device"), ({"gpus_per_node": 0}, "--projection.gpus_per_node"),
+           ({"cost_constants": str(tmp_path / "none.json")}, "--projection.cost_constants"),
+           ({"cost_constants": str(f)}, "--projection.cost_constants")]  # an H200 file for an H100
+    for kw, flag in bad:
+        with pytest.raises(UserError, match=flag) as e:
+            P.settings(Projection(**kw))
+        assert "\n" not in str(e.value)
 
 
 def _load_script(name):
@@ -195,17 +253,15 @@ def test_dry_run_prints_the_projection(monkeypatch, caplog):
     import torch.distributed as dist
 
     from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
+    from graph_trainer.projection.dry_run import dry_run
     from graph_trainer.model import flavors
 
     monkeypatch.setenv("NGPU", "4")
-    monkeypatch.setenv("GPUS_PER_NODE", "2")
-    monkeypatch.setenv("PROJECTION_DEVICE", "h200")
-    monkeypatch.delenv("COST_CONSTANTS", raising=False)
     seq = 64
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
                       "--training.seq_len", str(seq), "--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "2", "--compile.sac.save", "all"])
+                      "--parallelism.tensor_parallel_degree", "2", "--compile.sac.save", "all",
+                      "--projection.device", "h200", "--projection.gpus_per_node", "2"])
     try:
         with caplog.at_level(logging.INFO, logger="graph_trainer"):
             s = dry_run(cfg)
@@ -233,7 +289,11 @@ def test_async_tp_fused_ops_count_matmul_flops_and_an_overlapped_collective():
     """The async-TP pass's symm_mem ops: their matmuls are matmul FLOPs, their collective is
     attributed to TP and hidden under compute (not an edge, not exposed)."""
     import torch.distributed._symmetric_memory  # noqa: F401  defines torch.ops.symm_mem
+    from torch.utils.flop_counter import flop_registry
 
+    # no formula in torch's registry: fused_tp_work maps them onto aten.mm's
+    assert not {torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter} & set(
+        flop_registry)
     g = torch.fx.Graph()
     M, K, N, tp = 64, 32, 48, 2
 

@@ -123,6 +123,7 @@ def test_nothing_changes_before_the_first_logged_step(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
+@pytest.mark.slow
 def test_failed_resume_leaves_metrics_byte_identical(tmp_path):
     """--checkpoint.load_step of a checkpoint that does not exist: exit 2, one clear
     paragraph naming the flag and the folder, metrics.jsonl untouched."""

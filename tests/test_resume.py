@@ -1,15 +1,14 @@
 """Resume after any run, with the command the README gives (``--checkpoint.enable
 --checkpoint.interval K``, then the same command again): a finished run is reported
-complete, a larger ``--training.steps`` continues it bitwise, and a model-only last
-checkpoint is named as such (never "corrupt") and is never written over.
+complete and nothing is written; a model-only last checkpoint is named as such (never
+"corrupt") and is never written over.
 
-Runs are the debug model (seq 64, batch 2, no Inductor) with ``--debug.state_hashes``.
-``--lr_scheduler.total_steps 6`` gives the 4- and the 6-step runs the same LR schedule
-(torchtitan's schedule otherwise depends on ``--training.steps``). The README's commands
-(the same command again, then a larger ``--training.steps``; ``--checkpoint.load_step``)
-run through ``run_train.sh``; the other runs are the trainer's entry point forked from
-tests/_launch.py's server (``forked``), and the finished 4-step run is a copy of the
-``finished_run`` fixture (tests/conftest.py), run with these flags.
+Runs are the debug model (seq 64, batch 2, no Inductor). The README's commands (the same
+command again; ``--checkpoint.load_step``) run through ``run_train.sh``; the other runs are
+the trainer's entry point forked from tests/_launch.py's server (``forked``), and the
+finished 4-step run is the ``finished_run`` fixture (tests/conftest.py), run with these flags.
+(A larger ``--training.steps`` continues a finished run bitwise the uninterrupted run, on 1
+and 2 ranks: tests/test_determinism.py::test_run_to_run_and_resume_bitwise_with_pass.)
 """
 
 import os
@@ -19,13 +18,10 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from graph_trainer.checkpoint import is_model_only, latest_step
-from graph_trainer.metrics import read_metrics
-from graph_trainer.tools.loss_compare import first_difference
 
 from _runs import FINISHED, run_debug  # tests/ is on sys.path
 
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
-         "--lr_scheduler.total_steps", "6", "--debug.state_hashes"]
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]  # the project's default for the last save: full
 assert FINISHED == SMALL + CKPT  # the finished_run fixture is the first run of these tests
 
@@ -40,8 +36,8 @@ def _ok(r):
 
 
 @pytest.mark.slow
-def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path, finished_run):
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_rerun_after_a_finished_run_is_reported_complete(tmp_path, finished_run):
+    a = tmp_path / "a"
     shutil.copytree(finished_run, a)  # _train(a, *CKPT, steps=4)
     assert latest_step(str(a / "checkpoint")) == 4
     assert not is_model_only(FileSystemReader(str(a / "checkpoint" / "step-4")).read_metadata())
@@ -53,19 +49,6 @@ def test_rerun_after_a_finished_run_then_continue_bitwise(tmp_path, finished_run
     assert "step:  " not in r.stdout  # no step ran
     assert (a / "metrics.jsonl").read_bytes() == before  # no new rows, no summary
     assert sorted(os.listdir(a / "checkpoint")) == ["step-2", "step-4"]
-
-    r = _ok(_train(a, *CKPT, steps=6))
-    assert "Resumed from" in r.stdout and "(step 4)" in r.stdout
-    rows_a, sum_a = read_metrics(str(a / "metrics.jsonl"))
-    assert [x["step"] for x in rows_a] == [1, 2, 3, 4, 5, 6]
-    assert sum_a["resumed_from_step"] == 4
-
-    _ok(_train(b, *CKPT, steps=6, forked=True))  # uninterrupted
-    rows_b, sum_b = read_metrics(str(b / "metrics.jsonl"))
-    assert [x["step"] for x in rows_b] == [1, 2, 3, 4, 5, 6]
-    assert sum_a["state_hashes"] and sum_b["state_hashes"]
-    assert first_difference(rows_b[4:], rows_a[4:], sum_b["state_hashes"], sum_a["state_hashes"]) is None
-    assert [(x["loss"], x["grad_norm"]) for x in rows_a] == [(x["loss"], x["grad_norm"]) for x in rows_b]
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""End-to-end trainer tests on CPU: aot_fx_trace vs eager, metrics.jsonl, bad input."""
+"""End-to-end trainer tests on CPU, in this process: aot_fx_trace vs eager, metrics.jsonl;
+and run_train.sh's stderr filter. (Bad input, refused before start: tests/test_preflight.py;
+several ranks: tests/test_parallel_layouts.py.)"""
 
 import json
 import os
@@ -56,25 +58,6 @@ def test_metrics_jsonl_fields(tmp_path):
         assert r["tps"] > 0 and r["memory_gib"] > 0 and r["lr"] >= 0
     assert summary["steady_steps"] == [2, 3]
     assert any(r["lr"] > 0 for r in rows)
-
-
-def _run_sh(env_extra, *args):
-    env = {**os.environ, **env_extra}
-    return subprocess.run(
-        ["bash", os.path.join(REPO, "run_train.sh"), *args],
-        capture_output=True, text=True, env=env, timeout=600,
-    )
-
-
-def test_run_train_sh_bad_input_no_traceback(tmp_path):
-    """A bad CONFIG_FILE / CONFIG name; a bad flag value (--compile.mode fast, exit 2, no
-    traceback) is a case of tests/test_preflight.py through run_train.sh. Several ranks
-    through run_train.sh on CPU (torchrun + gloo, data parallel): the ``fsdp4_run`` fixture
-    of tests/conftest.py."""
-    r = _run_sh({"CONFIG_FILE": "missing.toml"})
-    assert r.returncode != 0 and "does not exist" in r.stderr
-    r = _run_sh({"CONFIG": "graph_trainer_llama3_70b"})
-    assert r.returncode != 0 and "not a known config name" in r.stderr
 
 
 def test_stderr_filter_drops_torchrun_report_after_worker_error():

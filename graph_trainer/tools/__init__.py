@@ -13,7 +13,8 @@ worktrees, flags checked by the trainer's config parser, the CLI error handling)
 :mod:`~graph_trainer.tools.runs` (one ``run_train.sh`` run: progress, timeout,
 process-tree control, failure cause), :mod:`~graph_trainer.tools.stats` (statistics
 and tables), :mod:`~graph_trainer.tools.plot` (tps per step) and
-:mod:`~graph_trainer.tools.timeline` (the picture of a profiled step; matplotlib and torch
+:mod:`~graph_trainer.tools.timeline` (a profiled step's timeline: the breakdown of its wall
+time, which :mod:`~graph_trainer.tools.profiling` imports, and its picture; matplotlib
 imported when drawing).
 
 These modules import no torch at import time: they only launch ``run_train.sh`` and

@@ -36,7 +36,7 @@ Output (``--out DIR``, default ``./outputs/compare_<timestamp>``): ``comparison.
 (each run's dump folder, metrics.jsonl) and ``runs/<side><k>.log`` (its full output).
 
 Kernels (``--profile-step N``): every run also records step N with the profiler
-(:mod:`graph_trainer.profiling`); the device (on CPU: CPU) milliseconds of that step by
+(:mod:`graph_trainer.tools.profiling`); the device (on CPU: CPU) milliseconds of that step by
 kernel category -- matmul, attention, communication, Inductor Triton, eager pointwise,
 copy -- are printed per side (median over its runs) with the difference, and stored as
 ``comparison.json["kernels"]``. The profiled step stays in the tps medians (one slower
@@ -100,7 +100,7 @@ def profile_flags(step: int | None) -> list[str]:
 
 
 def profile_json(dump_folder: str, step: int, rank: int = 0) -> str:
-    """Where a run's profile summary of ``step`` lies (:mod:`graph_trainer.profiling`)."""
+    """Where a run's profile summary of ``step`` lies (:mod:`graph_trainer.tools.profiling`)."""
     return os.path.join(dump_folder, "profile_traces", f"iteration_{step}", f"rank{rank}_kernels.json")
 
 
@@ -177,7 +177,7 @@ was run); 130 interrupted.""",
     p.add_argument("--out", help="output folder (default ./outputs/compare_<timestamp>)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (--profiling.*) and print device time per step by kernel "
-                        "category, A vs B (graph_trainer/profiling.py); the profiled step stays in the medians")
+                        "category, A vs B (graph_trainer/tools/profiling.py); the profiled step stays in the medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
     return p
 

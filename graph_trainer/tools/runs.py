@@ -9,6 +9,7 @@ group, then SIGKILL to whatever of the tree is left (Linux ``/proc``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -93,18 +94,19 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
     with open(run.log, "w") as log:
         log.write("$ " + shlex.join(run.cmd) + f"\n# cwd {side.root}; CONFIG_FILE={side.config_file}\n")
         log.flush()
-        proc = subprocess.Popen(run.cmd, cwd=side.root, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                errors="replace", start_new_session=True)
-        timer = None
-        if timeout:
-            def _kill():
-                timed_out.set()
-                _terminate(proc)
-            timer = threading.Timer(timeout, _kill)
-            timer.daemon = True
-            timer.start()
+        proc = timer = None
         try:
+            with _interrupts_deferred():  # a Ctrl-C lands once `proc` is known: the run is stopped
+                proc = subprocess.Popen(run.cmd, cwd=side.root, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                        errors="replace", start_new_session=True)
+            if timeout:
+                def _kill():
+                    timed_out.set()
+                    _terminate(proc)
+                timer = threading.Timer(timeout, _kill)
+                timer.daemon = True
+                timer.start()
             for line in proc.stdout:
                 log.write(line)
                 if verbose:
@@ -120,7 +122,8 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                     )
             proc.wait()
         except BaseException:  # Ctrl-C: stop the run (torchrun forwards SIGTERM to its workers)
-            _terminate(proc)
+            if proc is not None:
+                _terminate(proc)
             raise
         finally:
             if timer:
@@ -151,6 +154,27 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
             run.status, run.error = "failed", f"no tps values in {path}"
         else:
             run.status = "ok"
+
+
+@contextlib.contextmanager
+def _interrupts_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+    """Hold ``signums`` back inside the block, then deliver them to the handlers that were
+    installed before it. Around the start of a run: a Ctrl-C (or SIGTERM) that arrives
+    while ``Popen`` forks would otherwise raise before the caller knows the run's process,
+    and the run (in its own session) would be left running. Holds nothing back outside the
+    main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
 
 
 def _proc_stat(pid: int) -> tuple[int, str] | None:

@@ -4,7 +4,7 @@ Pure functions over metrics rows, the per-step dicts of a run's ``metrics.jsonl`
 (:func:`graph_trainer.metrics.read_metrics`): step 1 (trace and compile) and the
 warm-up steps are excluded from the medians; memory is the max over all steps.
 :func:`kernel_comparison` also reads the runs' profiler summaries
-(:mod:`graph_trainer.profiling`).
+(:mod:`graph_trainer.tools.profiling`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+
+from graph_trainer.tools.timeline import TIMELINE_ROWS
 
 METRICS = ("tps", "tflops", "mfu", "memory_gib")
 METRIC_TITLES = {"tps": "tps", "tflops": "tflops", "mfu": "MFU", "memory_gib": "memory"}
@@ -197,14 +199,12 @@ def kernel_comparison(runs: list, labels: dict, step: int) -> dict:
     """Device (CPU on CPU) milliseconds of the profiled step by kernel category, per side.
 
     Reads ``<dump>/profile_traces/iteration_<step>/rank0_kernels.json`` of every finished
-    run (written by :mod:`graph_trainer.profiling`) and takes, per side and category, the
+    run (written by :mod:`graph_trainer.tools.profiling`) and takes, per side and category, the
     median over its runs; likewise for the step timeline (wall, compute running, exposed
     communication, idle). Returns ``{"step", "unit", "runs": {side: n}, "sides": {side:
     {category: ms}}, "timeline": {side: {key: ms}}, "markdown"}``; a side without a
     readable summary has no entry.
     """
-    from graph_trainer.profiling import TIMELINE_ROWS  # here: the launcher itself imports no torch
-
     found: dict[str, list[dict]] = {"A": [], "B": []}
     for r in runs:
         path = os.path.join(r.dump_folder, "profile_traces", f"iteration_{step}", "rank0_kernels.json")

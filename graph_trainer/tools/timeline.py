@@ -1,19 +1,25 @@
-"""The picture of a profiled step: ``rank<r>_timeline.png`` and ``timeline_a_vs_b.png``.
+"""The timeline of a profiled step: where its wall time goes, and its picture
+(``rank<r>_timeline.png``, ``timeline_a_vs_b.png``).
 
-One recorded step (:mod:`graph_trainer.profiling`) on two lanes: compute (every kernel
-that is not communication) and communication (:data:`graph_trainer.profiling.KERNEL_CATEGORIES`'
-``"communication"``; on CPU the gloo collectives), each kernel (on CPU: ATen op) a bar
+This module owns the interval arithmetic over ``(start_us, end_us, category)`` kernels and
+:func:`timeline_breakdown` (wall = compute + exposed communication + idle);
+:mod:`graph_trainer.tools.profiling` imports them from here, never the other way round.
+
+The picture shows one recorded step (:mod:`graph_trainer.tools.profiling`) on two lanes:
+compute (every kernel that is not communication) and communication
+(:data:`graph_trainer.tools.profiling.KERNEL_CATEGORIES`' ``"communication"``; on CPU the
+gloo collectives), each kernel (on CPU: ATen op) a bar
 coloured by its category; under them a red band where only communication runs (exposed
 communication) and a grey band where nothing runs (idle). The x axis is milliseconds from
-the start of the step; the title holds the step's
-:func:`graph_trainer.profiling.timeline_breakdown`.
+the start of the step; the title holds the step's :func:`timeline_breakdown`.
 
 ``rank<r>_kernels.json`` keeps the step's kernels in a compact form (:func:`pack_step`,
 ``"step_intervals"``), so :func:`timeline_a_vs_b` draws two runs from their JSON files
 without parsing a trace.
 
-Neither torch nor matplotlib is imported at import time: both only inside the drawing
-functions (:mod:`graph_trainer.profiling` brings torch), as in :mod:`graph_trainer.tools.plot`.
+No torch at all, and matplotlib only inside the drawing functions (as in
+:mod:`graph_trainer.tools.plot`): the launchers (:mod:`graph_trainer.tools.compare_mfu`,
+:mod:`graph_trainer.tools.stats`) read a profile's step without the profiler.
 """
 
 from __future__ import annotations
@@ -38,12 +44,88 @@ EXPOSED_COLOR, IDLE_COLOR = "red", "0.7"
 LANES = {"compute": (2.1, 0.8), "communication": (1.1, 0.8), "exposed comm": (0.65, 0.3), "idle": (0.2, 0.3)}
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` merged into disjoint ranges, sorted by start."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    """Summed length of ``intervals`` (disjoint ones: a :func:`_union`)."""
+    return sum(b - a for a, b in intervals)
+
+
+def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The parts of ``intervals`` inside ``[lo, hi]``."""
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def timeline_breakdown(kernels: list[Kernel], steps: list[tuple[float, float]]) -> dict[str, float]:
+    """Where a step's wall time goes on the device, from kernel intervals.
+
+    Args:
+        kernels: ``(start_us, end_us, category)`` of every device kernel in the window,
+            ``category`` as :func:`graph_trainer.tools.profiling.kernel_category` returns it.
+        steps: ``(start_us, end_us)`` of each recorded step (the profiler's
+            ``ProfilerStep#N`` ranges, same clock); kernels are clipped to them.
+
+    Returns:
+        Milliseconds per step (mean over ``steps``): ``wall_ms``; ``compute_ms``, the union
+        of every non-communication kernel (time the GPU computes); ``comm_ms``, the union of
+        communication kernels; ``exposed_comm_ms``, communication while no compute kernel
+        runs; ``idle_ms``, time with no kernel at all (launch-bound or waiting on the host).
+        ``compute_ms + exposed_comm_ms + idle_ms == wall_ms``. Of ``exposed_comm_ms``:
+        ``exposed_head_ms`` lies before the step's first matmul kernel starts (e.g. the
+        first all-gather) and ``exposed_tail_ms`` after its last matmul ends (e.g. the last
+        reduce-scatters before the optimizer); the rest is exposed between matmuls. A step
+        without matmul kernels counts all of it as head. All zero without ``steps``.
+    """
+    out = {"wall_ms": 0.0, "compute_ms": 0.0, "comm_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0,
+           "exposed_head_ms": 0.0, "exposed_tail_ms": 0.0}
+    if not steps:
+        return out
+    comp = _union([(a, b) for a, b, c in kernels if c != "communication"])
+    comm = _union([(a, b) for a, b, c in kernels if c == "communication"])
+    mms = [(a, b) for a, b, c in kernels if c == "matmul"]
+    for lo, hi in steps:
+        c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
+        busy = _length(_union(c + m))
+        out["wall_ms"] += (hi - lo) / 1e3
+        out["compute_ms"] += _length(c) / 1e3
+        out["comm_ms"] += _length(m) / 1e3
+        out["exposed_comm_ms"] += (busy - _length(c)) / 1e3
+        out["idle_ms"] += (hi - lo - busy) / 1e3
+        mm = _clip(mms, lo, hi)
+        first = min((a for a, _ in mm), default=hi)
+        last = max((b for _, b in mm), default=hi)
+        for key, a, b in (("exposed_head_ms", lo, first), ("exposed_tail_ms", last, hi)):
+            cc, mc = _clip(c, a, b), _clip(m, a, b)
+            out[key] += (_length(_union(cc + mc)) - _length(cc)) / 1e3
+    return {k: v / len(steps) for k, v in out.items()}
+
+
+#: the rows of :func:`timeline_breakdown` that add up to the wall time, in print order
+TIMELINE_ROWS: list[tuple[str, str]] = [
+    ("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
+    ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
+]
+#: further rows (not part of the sum)
+TIMELINE_EXTRA_ROWS: list[tuple[str, str]] = [
+    ("exposed_head_ms", "(of it: before the first matmul)"), ("exposed_tail_ms", "(of it: after the last matmul)"),
+    ("comm_ms", "(communication running, overlapped or not)"),
+]
+
+
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
     """The compact JSON form of one step's kernels (``rank<r>_kernels.json["step_intervals"]``).
 
     Args:
-        kernels: ``(start_us, end_us, category)`` as :func:`graph_trainer.profiling.timeline_breakdown`
-            takes them (any window; only the parts inside ``step`` are kept).
+        kernels: ``(start_us, end_us, category)`` as :func:`timeline_breakdown` takes them (any window; only the parts inside ``step`` are kept).
         step: ``(start_us, end_us)`` of the step, same clock.
         step_num: the training step, stored as ``"step"``.
 
@@ -92,8 +174,6 @@ def read_step(path: str) -> tuple[list[Kernel], tuple[float, float], dict]:
 
 def _gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     """The parts of ``[lo, hi]`` that no interval covers."""
-    from graph_trainer.profiling import _clip, _union
-
     out, at = [], lo
     for a, b in _clip(_union(intervals), lo, hi):
         if a > at:
@@ -107,8 +187,7 @@ def _gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 def bands(kernels: list[Kernel], step: tuple[float, float]) -> dict[str, list[tuple[float, float]]]:
     """``{"exposed comm": [...], "idle": [...]}``: the ``(start_us, end_us)`` ranges of
     ``step`` where only communication kernels run, and where no kernel runs. Their lengths
-    add up to :func:`graph_trainer.profiling.timeline_breakdown`'s ``exposed_comm_ms`` and
-    ``idle_ms`` of the step."""
+    add up to :func:`timeline_breakdown`'s ``exposed_comm_ms`` and ``idle_ms`` of the step."""
     lo, hi = step
     compute = [(a, b) for a, b, c in kernels if c != "communication"]
     idle = _gaps([(a, b) for a, b, _ in kernels], lo, hi)
@@ -129,8 +208,6 @@ def _depths(kernels: list[Kernel]) -> list[int]:
 
 def _draw_step(ax, kernels: list[Kernel], step: tuple[float, float], title: str) -> dict:
     """Draw one step on ``ax``; returns its breakdown plus the bands (ms from the step start)."""
-    from graph_trainer.profiling import timeline_breakdown
-
     lo, hi = step
     ms = lambda a, b: ((a - lo) / 1e3, (b - a) / 1e3)  # noqa: E731 -- (x, width) of a bar
     used = set()
@@ -185,13 +262,13 @@ def draw_timeline(path: str, kernels: list[Kernel], step: tuple[float, float], t
 
     Args:
         kernels: ``(start_us, end_us, category)``, categories as
-            :func:`graph_trainer.profiling.kernel_category` returns them; the parts outside
+            :func:`graph_trainer.tools.profiling.kernel_category` returns them; the parts outside
             ``step`` are not drawn.
         step: ``(start_us, end_us)`` of the step (the x axis starts at 0 there).
         title: the title's start; the step's wall / compute / exposed-comm / idle ms follow.
 
     Returns:
-        :func:`graph_trainer.profiling.timeline_breakdown` of the step (ms) plus
+        :func:`timeline_breakdown` of the step (ms) plus
         ``"exposed_ranges_ms"`` and ``"idle_ranges_ms"``, the marked ``(start_ms, end_ms)``
         ranges from the step's start, and ``"path"``.
 

@@ -1,2 +1,2 @@
-"""Tests of graph_trainer.passes: one ``test_<pass>.py`` per pass (a package, so that the
+"""Tests of graph_trainer.compiler.passes: one ``test_<pass>.py`` per pass (a package, so that the
 test modules import the shared helpers of ``conftest.py`` relatively)."""

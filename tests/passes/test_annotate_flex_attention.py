@@ -5,7 +5,9 @@ import operator
 import torch
 import torch.fx
 
-from graph_trainer.passes import annotate_flex_attention_for_regional_inductor_pass, propose_region_partitions
+from graph_trainer.compiler.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
+
+from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions
 
 from .conftest import inductor_tag
 

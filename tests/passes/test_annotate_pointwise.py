@@ -8,14 +8,9 @@ import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.config import Compile
-from graph_trainer.passes import (
-    annotate_pointwise_for_regional_inductor_pass,
-    build_pipeline,
-    find_pointwise_regions,
-    resolve_pass_names,
-    run_pipeline,
-)
-from graph_trainer.passes.common import is_collective, module_fqn_of, phase_of, split_acyclic
+from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass, find_pointwise_regions
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.compiler.common import is_collective, module_fqn_of, phase_of, split_acyclic
 
 from .conftest import assert_close, trace_step
 
@@ -114,7 +109,3 @@ def test_end_to_end_numerics_and_pipeline_gate(tiny_llama):
     assert aten.silu.default not in remaining and aten.silu_backward.default not in remaining  # compiled away
     assert aten.mm.default in remaining  # matmuls stay eager
     assert_close(cgm(*inputs), ref)
-    with pytest.raises(ValueError, match="numerics_changing_optim"):
-        resolve_pass_names(Compile(inductor_compilation="regional", passes="annotate_pointwise"))
-    with pytest.raises(ValueError, match="only has an effect"):
-        resolve_pass_names(Compile(numerics_changing_optim=True, inductor_compilation="none", passes="pointwise"))

@@ -15,16 +15,9 @@ import torch.fx
 
 from graph_trainer.config import Compile
 from graph_trainer.model import loss_fn
-from graph_trainer.passes import (
-    DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
-    DEFAULT_RMSNORM_INDUCTOR_CONFIGS,
-    annotate_rmsnorm_for_regional_inductor_pass,
-    build_pipeline,
-    find_rmsnorm_instances,
-    propose_region_partitions,
-    regional_inductor_pass,
-    run_pipeline,
-)
+from graph_trainer.compiler.passes.annotate_rmsnorm import DEFAULT_RMSNORM_CANDIDATE_CONFIGS, DEFAULT_RMSNORM_INDUCTOR_CONFIGS, annotate_rmsnorm_for_regional_inductor_pass, find_rmsnorm_instances
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
 
 from .conftest import (
     D,

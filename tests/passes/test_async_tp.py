@@ -1,13 +1,16 @@
 """async_tp_pass: the matching on hand-built and traced TP graphs (fake 2- and 8-rank process
-groups, one process), the pipeline and config wiring, the CPU run on 2 gloo ranks (the pass
+groups, one process), what Inductor's own micro_pipeline_tp_pass misses on them, the
+pipeline and config wiring, the CPU run on 2 gloo ranks (the pass
 skips, the step stays bitwise; with reference kernels for the fused ops the rewritten step
 equals the traced one), and the 8B FSDP4 x TP2 dry run listing the fused ops."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -16,8 +19,9 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from graph_trainer.passes import async_tp_pass, find_async_tp_matches
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.passes.async_tp import async_tp_pass, find_async_tp_matches
+from graph_trainer.compiler.common import (
+    RESHAPE_OPS,
     collective_kind,
     detect_graph_fake_mode,
     is_collective,
@@ -31,6 +35,7 @@ aten = torch.ops.aten
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FUSED_AG = "fused_all_gather_matmul"
 FUSED_RS = "fused_matmul_reduce_scatter"
+SAC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 
 
 @contextlib.contextmanager
@@ -215,8 +220,8 @@ def _traced_tp(world: int, shard: int, batch: int = 2, *flags):
     current (fake) process group; ``(graph after the passes before async_tp, TraceParallel)``."""
     from graph_trainer.config import parse_args
     from graph_trainer.model import build_model, loss_fn, model_args
-    from graph_trainer.parallelize import _patch_torchtitan_device_type, build_parallel_dims, distribute_for_trace
-    from graph_trainer.passes.pipeline import run_pipeline
+    from graph_trainer.distributed.parallelize import _patch_torchtitan_device_type, build_parallel_dims, distribute_for_trace
+    from graph_trainer.compiler.pipeline import run_pipeline
 
     _patch_torchtitan_device_type("cpu")
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
@@ -242,10 +247,7 @@ def _group_kinds(gm, group_name) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("world, shard, flags", [
-    (2, 1, ()),
-    (8, 4, ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),
-], ids=["tp2", "fsdp4xtp2_op_sac"])
+@pytest.mark.parametrize("world, shard, flags", [(2, 1, ()), (8, 4, SAC_OP)], ids=["tp2", "fsdp4xtp2_op_sac"])
 def test_traced_llama_blocks(world, shard, flags):
     """Per block (L = 2): the attention and FFN input all-gathers with their 3 / 2
     projections and the wo / w2 reduce-scatters in the forward, the all-gathers of the wo /
@@ -280,6 +282,93 @@ def test_traced_llama_blocks(world, shard, flags):
         assert [tuple(x.shape) for x in after] == [tuple(x.shape) for x in before]
 
 
+# --------------------------------------------------------------------------- Inductor's own pass
+
+
+def _as_reshapes(gm):
+    """``gm`` with every ``view`` / ``_unsafe_view`` retargeted to ``aten.reshape`` (the op of
+    Inductor's post-grad graph that its matmul patterns look for; same values)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in RESHAPE_OPS:
+            n.target = aten.reshape.default
+    gm.recompile()
+    return gm
+
+
+def _inductor_pass(gm, group_name):
+    """Run Inductor's ``micro_pipeline_tp_pass`` on ``gm`` as on a CUDA host with symmetric
+    memory enabled for ``group_name`` only (NCCL reported available, torch's symmetric-memory
+    test mode): ``(all-gathers fused, matmuls in them, reduce-scatters fused, fused nodes)``."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from torch._inductor.fx_passes.micro_pipeline_tp import micro_pipeline_tp_pass
+
+    with mock.patch.object(dist, "is_nccl_available", lambda: True), symm_mem._test_mode({group_name}):
+        micro_pipeline_tp_pass(gm.graph)
+    gm.recompile()
+    fused = [n for n in gm.graph.nodes if collective_kind(n) in (FUSED_AG, FUSED_RS)]
+    ags = [n for n in fused if collective_kind(n) == FUSED_AG]
+    return len(ags), sum(len(n.args[1]) for n in ags), len(fused) - len(ags), fused
+
+
+@pytest.mark.parametrize("world, shard, batch, flags, inductor, misread", [
+    (2, 1, 2, (), (9, 15, 5), 0),
+    (2, 1, 1, (), (0, 0, 5), 10),
+    (8, 4, 2, SAC_OP, (5, 5, 5), 4),
+], ids=["tp2", "tp2_batch1", "fsdp4xtp2_op_sac"])
+def test_inductor_micro_pipeline_tp_on_traced_graphs(world, shard, batch, flags, inductor, misread):
+    """Why the all-gather side is ours, not Inductor's ``micro_pipeline_tp_pass`` (L = 2; ours
+    fuses 4L+1 all-gathers with 7L+1 matmuls and 2L+1 reduce-scatters on each graph). On the
+    graph as traced it fuses nothing: it finds matmuls through ``aten.reshape``, make_fx
+    records ``view`` / ``_unsafe_view``. With those retargeted to ``reshape`` it fuses what
+    ours fuses at batch 2, but at batch 1 (funcol's one-``view`` layout; Llama3 8B's batch)
+    no all-gather, and under op-level SAC only the all-gathers whose layout SAC did not copy
+    into the backward: ``misread`` all-gathers it takes for gathers on dim 0 of the
+    rank-major buffer, read by no matmul. Its fused nodes carry no fake value."""
+    from torch._inductor.fx_passes.micro_pipeline_tp import find_all_gather_patterns
+
+    layers = 2
+    with fake_group(world):
+        gm, tpar = _traced_tp(world, shard, batch, *flags)
+        tp = tpar.tp_mesh.get_group().group_name
+        plan = find_async_tp_matches(gm, tp)
+        assert (len(plan.fusible_all_gathers), sum(len(m.matmuls) for m in plan.fusible_all_gathers),
+                len(plan.fusible_reduce_scatters)) == (4 * layers + 1, 7 * layers + 1, 2 * layers + 1)
+        assert _inductor_pass(copy.deepcopy(gm), tp)[:3] == (0, 0, 0)
+        ours = {m.ag: m.gather_dim for m in plan.all_gathers}
+        theirs = [a for a in find_all_gather_patterns(gm.graph) if a.group_name == tp]
+        assert len(theirs) == len(ours) and sum(a.gather_dim != ours[a.ag_node] for a in theirs) == misread
+        *counts, fused = _inductor_pass(_as_reshapes(gm), tp)
+        assert tuple(counts) == inductor
+        assert fused and all("val" not in n.meta for n in fused)
+
+
+def test_inductor_micro_pipeline_tp_other_phase_and_chunk_order():
+    """The two other rules ours adds to Inductor's: a matmul of another phase (SAC's recomputed
+    projection in the backward) stays out of the forward's fused all-gather, where
+    Inductor's pass fuses it too; a reduce-scatter of chunks concatenated out of rank order
+    is not a scatter of the matmul, where Inductor's finder (which ours reuses) takes it for
+    one on dimension 1."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.fx_passes.micro_pipeline_tp import find_reduce_scatter_patterns
+
+    with fake_group(2):
+        group = dist.group.WORLD
+        gm = _block(1, 2)
+        mms = [n for n in gm.graph.nodes if n.target is aten.mm.default]
+        mms[1].meta["custom"] = {"phase": "backward"}
+        assert len(find_async_tp_matches(gm).all_gathers[0].matmuls) == 1
+        assert _inductor_pass(_as_reshapes(gm), group.group_name)[:2] == (1, 2)
+
+        def unordered(x, w):
+            a, b = torch.split(torch.mm(x, w), 4, 1)
+            return funcol.reduce_scatter_tensor(torch.cat([b, a]), "sum", 0, group)
+
+        gm = _trace(unordered, (8, 16), (16, 8))
+        assert [m.scatter_dim for m in find_reduce_scatter_patterns(gm.graph)] == [1]
+        (rs,) = find_async_tp_matches(gm, group.group_name).reduce_scatters
+        assert rs.reason == "reduce-scatter input not recognised (chunks out of rank order)"
+
+
 # --------------------------------------------------------------------------- pipeline and config
 
 
@@ -288,12 +377,14 @@ def test_pipeline_place_options_and_flag():
     and before overlap / bucketing and the Inductor passes; build_pipeline hands it
     --compile.async_tp.fuse and the TP group name."""
     from graph_trainer.config import parse_args
-    from graph_trainer.passes.pipeline import DEFAULT_ORDER, build_pipeline, resolve_pass_names
+    from graph_trainer.compiler.pipeline import build_pipeline
+    from graph_trainer.compiler.registry import PassContext, registry, resolve
 
-    i = DEFAULT_ORDER.index("async_tp")
-    assert DEFAULT_ORDER.index("reshard_after_forward") < i < DEFAULT_ORDER.index("overlap_collectives")
+    order = list(registry())
+    i = order.index("async_tp")
+    assert order.index("reshard_after_forward") < i < order.index("overlap_collectives")
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")])
-    assert "async_tp" not in resolve_pass_names(cfg.compile)
+    assert "async_tp" not in resolve(PassContext(cfg.compile))
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
                       "--compile.passes", "micro_pipeline_tp", "--compile.async_tp.fuse", "all_gather_matmul",
                       "--compile.inductor_compilation", "full"])
@@ -312,7 +403,8 @@ def _gloo_worker(rank, world, store_path, q, reference_kernels):
     try:
         import copy
 
-        from graph_trainer.passes.pipeline import PASSES, PipelineStep, run_pipeline
+        from graph_trainer.compiler.pipeline import run_pipeline
+        from graph_trainer.compiler.registry import PipelineStep, pass_step
 
         gm, tpar = _traced_tp_real(world)
         inputs = tpar.inputs
@@ -328,7 +420,7 @@ def _gloo_worker(rank, world, store_path, q, reference_kernels):
                 lib = torch.library.Library("symm_mem", "IMPL")
                 lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
                 lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
-            fused = run_pipeline(copy.deepcopy(gm), None, [PipelineStep("async_tp", PASSES["async_tp"],
+            fused = run_pipeline(copy.deepcopy(gm), None, [PipelineStep("async_tp", pass_step("async_tp").fn,
                                                                         {"rewrite": True})], quiet=True, records=rec)
             out = fused(*inputs)
             rewritten = (rec[-1]["summary"], _kinds(fused), [torch.equal(a, b) for a, b in zip(out, ref)],
@@ -343,8 +435,8 @@ def _traced_tp_real(world: int):
     the passes before async_tp); the TraceParallel gets ``inputs``: the step's real inputs."""
     from graph_trainer.config import parse_args
     from graph_trainer.model import build_model, loss_fn, model_args
-    from graph_trainer.parallelize import _patch_torchtitan_device_type, build_parallel_dims, distribute_for_trace
-    from graph_trainer.passes.pipeline import run_pipeline
+    from graph_trainer.distributed.parallelize import _patch_torchtitan_device_type, build_parallel_dims, distribute_for_trace
+    from graph_trainer.compiler.pipeline import run_pipeline
 
     _patch_torchtitan_device_type("cpu")
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),

@@ -1,11 +1,13 @@
-"""graph_trainer.passes.common: the one way the passes recognise collectives, the one
+"""graph_trainer.compiler.common: the one way the passes recognise collectives, the one
 ``hold`` target, and what makes an all-gather an FSDP parameter all-gather."""
 
 import torch
 import torch.fx
 
-from graph_trainer.passes import bucket_collectives, memory_estimate, overlap_collectives, reshard_after_forward
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives, reshard_after_forward
+
+from graph_trainer.compiler import memory_estimate
+from graph_trainer.compiler.common import (
     collective_kind,
     hold,
     is_collective,

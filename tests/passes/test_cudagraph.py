@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graph_trainer.passes import cudagraph_pass
+from graph_trainer.compiler.passes.cudagraph import cudagraph_pass
 
 from .conftest import fused_norm_graph
 

@@ -4,7 +4,7 @@
 import torch
 
 from graph_trainer.config import Compile
-from graph_trainer.passes import build_pipeline, run_pipeline
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 
 from .conftest import assert_close, trace_step
 
@@ -31,7 +31,7 @@ def test_cpu_scalars_move_to_the_inputs_device():
     the graph runs there; a CPU graph is left alone and computes the same values."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from graph_trainer.passes.full_inductor import move_cpu_scalars
+    from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars
 
     def f(x, mask):
         y = x.index_put((mask,), torch.tensor(0))

@@ -5,8 +5,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graph_trainer.passes.common import hold
-from graph_trainer.passes.memory_estimate import estimate_peak_memory, peak_breakdown
+from graph_trainer.compiler.common import hold
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory, peak_breakdown
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

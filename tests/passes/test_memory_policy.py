@@ -1,4 +1,4 @@
-"""The memory policy (graph_trainer/passes/memory_policy.py): the choice for hand-built
+"""The memory policy (graph_trainer/compiler/memory_policy.py): the choice for hand-built
 estimates and budgets, its calibration against the measured peaks of docs/perf.md, and the
 dry run's plan for the debug model on a fake 2-rank group."""
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from graph_trainer.passes.memory_policy import (
+from graph_trainer.compiler.memory_policy import (
     BUCKET_BLOCKS,
     CALIBRATION,
     GiB,
@@ -113,7 +113,7 @@ def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save
 
 
 def test_every_mode_and_save_level_is_calibrated():
-    from graph_trainer.passes.memory_policy import SAVE_LEVELS, calibration
+    from graph_trainer.compiler.memory_policy import SAVE_LEVELS, calibration
 
     assert {(m, s) for m in ("regional", "full") for s in SAVE_LEVELS} == set(CALIBRATION)
     assert calibration("none", "all") == CALIBRATION[("regional", "all")]
@@ -121,7 +121,7 @@ def test_every_mode_and_save_level_is_calibrated():
 
 def _dry_run(*flags):
     from graph_trainer.config import parse_args
-    from graph_trainer.dry_run import dry_run
+    from graph_trainer.projection.dry_run import dry_run
 
     cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
                       "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",

@@ -1,11 +1,15 @@
 """overlap_collectives_pass on a traced FSDP step (1-rank gloo group: the collectives
-really run, so numerics before/after the pass are compared bit for bit)."""
+really run, so numerics before/after the pass are compared bit for bit), and why it is not
+torch's ``schedule_overlap_bucketing`` (``torch._inductor.fx_passes.overlap_scheduling``)."""
+
+import copy
+import inspect
 
 import pytest
 import torch
 
-from graph_trainer.passes import overlap_collectives_pass
-from graph_trainer.passes.common import collective_kind, hold, is_wait, strip_holds
+from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
+from graph_trainer.compiler.common import collective_kind, hold, is_wait, strip_holds
 
 
 def _pending_max(gm, kind):
@@ -110,3 +114,49 @@ def test_cpu_collectives_never_left_in_flight_by_default(fsdp_step):
     waits = [n for n in gm.graph.nodes if is_wait(n)]
     assert waits and all(w.prev is w.args[0] for w in waits)
     assert not any(n.target is hold for n in gm.graph.nodes)
+
+
+def _torch_scheduler():
+    """torch's ``schedule_overlap_bucketing`` and the keyword arguments that keep it to
+    scheduling: torch 2.13 buckets FSDP collectives first unless told not to."""
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    params = inspect.signature(schedule_overlap_bucketing).parameters
+    kwargs = {"pre_bucketing_fsdp_collectives": False} if "pre_bucketing_fsdp_collectives" in params else {}
+    return schedule_overlap_bucketing, kwargs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what torch's scheduler does without a GPU")
+def test_torch_scheduler_needs_a_gpu(fsdp_step):
+    """torch's scheduler estimates compute nodes from the GPU (benchmarks, or a roofline of
+    its bandwidth, computed even with ``custom_runtime_estimation``): without one (the dry
+    run, these tests, CI) it cannot schedule the traced step."""
+    schedule, kwargs = _torch_scheduler()
+    traced, _, _ = fsdp_step
+
+    def one_ms(node, override_size=None):
+        return 1.0
+
+    for extra in ({}, {"custom_runtime_estimation": one_ms}):
+        with pytest.raises((RuntimeError, AssertionError)):
+            schedule(copy.deepcopy(traced.gm), **kwargs, **extra)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's scheduler needs a GPU")
+def test_torch_scheduler_leaves_every_reduce_scatter_in_flight(fsdp_step):
+    """With a GPU, torch's scheduler bounds what is in flight by bytes and peak memory, not
+    by count: on the traced step every reduce-scatter stays in flight to the end of the
+    backward, each keeping its unsharded gradient alive; this pass keeps ``max_in_flight``."""
+    from torch.utils.flop_counter import flop_registry
+
+    schedule, kwargs = _torch_scheduler()
+    traced, _, n_params = fsdp_step
+
+    def one_ms(node, override_size=None):  # deterministic: 1 ms per matmul-like op and collective
+        return 1.0 if collective_kind(node) or getattr(node.target, "overloadpacket", None) in flop_registry else None
+
+    gm = schedule(copy.deepcopy(traced.gm), custom_runtime_estimation=one_ms, **kwargs)
+    gm.graph.lint()
+    assert _pending_max(gm, "reduce_scatter_tensor") == n_params
+    ours = overlap_collectives_pass(traced.gm, None, max_in_flight=2, cpu_async=True)
+    assert _pending_max(ours, "reduce_scatter_tensor") <= 3

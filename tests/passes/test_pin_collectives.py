@@ -1,15 +1,16 @@
 """pin_collectives: overlap_collectives' schedule survives full-graph Inductor
-(graph_trainer/passes/pin_collectives.py), on a traced FSDP step of a 2-layer debug Llama
+(graph_trainer/compiler/pin_collectives.py), on a traced FSDP step of a 2-layer debug Llama
 over a 1-rank gloo group."""
 
 import re
 
+import pytest
 import torch
 
-from graph_trainer.passes import overlap_collectives_pass
-from graph_trainer.passes.full_inductor import full_inductor_pass
-from graph_trainer.passes.common import collective_kind, is_wait
-from graph_trainer.passes.pin_collectives import _is_anchor, collective_pin_deps
+from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
+from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
+from graph_trainer.compiler.common import collective_kind, is_wait
+from graph_trainer.compiler.pin_collectives import _is_anchor, collective_pin_deps
 
 _ISSUE = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
@@ -81,6 +82,7 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
     assert list(gm.graph.nodes) == list(pos)  # pure: the graph is unchanged
 
 
+@pytest.mark.slow
 def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
     """Pinned, the compiled code keeps every collective that the FX schedule overlaps with a
     matmul overlapped, with no more in flight at once than the FX schedule (unpinned,

@@ -9,12 +9,9 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.passes import (
-    annotate_rmsnorm_for_regional_inductor_pass,
-    propose_region_partitions,
-    regional_inductor_pass,
-)
-from graph_trainer.passes.regional_inductor import scoop_regions
+from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
+from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
+from graph_trainer.compiler.passes.regional_inductor import scoop_regions
 
 from .conftest import D, assert_close, fake_prop, fused_norm_graph, inductor_tag, region_ids, tagged_nodes
 
@@ -85,7 +82,7 @@ def test_candidate_configs_timed_and_fastest_kept(fastest):
 @pytest.mark.parametrize("candidate_ms,chosen", [(0.99, 0), (0.97, 1)])
 def test_candidate_must_beat_defaults_by_the_guard_margin(candidate_ms, chosen):
     """A candidate 1 % faster than Inductor's defaults is noise (defaults kept); 3 % wins."""
-    from graph_trainer.passes.regional_inductor import MIN_CANDIDATE_GAIN
+    from graph_trainer.compiler.passes.regional_inductor import MIN_CANDIDATE_GAIN
 
     assert 0.01 < MIN_CANDIDATE_GAIN < 0.03
     gm, fakes = _timed_fused_graph(n_norms=1, candidates=[{"max_autotune_gemm": False}])
@@ -142,7 +139,7 @@ def test_independent_norms_not_merged():
     # torch's own scooper agrees with ours when it understands region ids.
     from torch.fx.passes import regional_inductor as ri
 
-    from graph_trainer.passes.regional_inductor import _supports_region_ids
+    from graph_trainer.compiler.passes.regional_inductor import _supports_region_ids
 
     if _supports_region_ids():
         gm2, fakes2 = _independent_norms_graph()

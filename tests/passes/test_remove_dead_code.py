@@ -3,7 +3,7 @@
 import torch
 import torch.fx
 
-from graph_trainer.passes import remove_dead_code_pass
+from graph_trainer.compiler.passes.remove_dead_code import remove_dead_code_pass
 
 aten = torch.ops.aten
 

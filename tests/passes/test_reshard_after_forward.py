@@ -4,8 +4,10 @@ FSDP step whose collectives really run (1-rank gloo group, fixture in tests/conf
 import pytest
 import torch
 
-from graph_trainer.passes import overlap_collectives_pass, reshard_after_forward_pass
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
+
+from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 

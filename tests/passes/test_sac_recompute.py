@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
-from graph_trainer.passes import remove_noop_views_pass, sac_recompute_pass
-from graph_trainer.passes.common import custom_meta, phase_of
-from graph_trainer.passes.memory_estimate import estimate_peak_memory
-from graph_trainer.passes.sac_recompute import RECOMPUTED_FROM_KEY, saved_for_backward
+from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
+from graph_trainer.compiler.passes.sac_recompute import sac_recompute_pass
+from graph_trainer.compiler.common import custom_meta, phase_of
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, saved_for_backward
 
 MM = torch.ops.aten.mm.default
 N_LAYERS = 3
@@ -22,7 +23,7 @@ def _traced(tiny_llama, tmp_path, mode, option="op", seq=16):
     from torchtitan.config import ActivationCheckpoint
 
     from graph_trainer.model import loss_fn
-    from graph_trainer.parallelize import apply_ac_for_trace
+    from graph_trainer.distributed.parallelize import apply_ac_for_trace
     from graph_trainer.trace import trace_train_step
 
     model = tiny_llama(N_LAYERS)
@@ -135,6 +136,7 @@ def test_save_matmuls_recomputes_only_the_cheap_ops(tiny_llama, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
+@pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     """With sac_recompute disabled the tags are still there; full_inductor drops them, so
     torch >= 2.12's own remat inside compile_fx does not run: it rejected this graph (the

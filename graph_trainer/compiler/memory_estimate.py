@@ -2,7 +2,7 @@
 ``node.meta["val"]``.
 
 Not a pipeline pass: an analysis helper (it never changes the graph), used by the dry
-run (:mod:`graph_trainer.dry_run`, peak before / after the passes) and by the tests of
+run (:mod:`graph_trainer.projection.dry_run`, peak before / after the passes) and by the tests of
 the memory-policy passes (``sac_recompute``, ``reshard_after_forward``) to check them
 without running them.
 
@@ -11,7 +11,7 @@ base's storage) is allocated by the first node producing it and freed after the 
 node that uses any tensor on it, as the FX-generated code frees a value after its last
 use. Graph inputs (parameters, buffers, batch) are held by the caller and not counted;
 values returned by the graph live to the end. Collectives allocate their output at the
-issue node, and ``wait_tensor`` (like :func:`~graph_trainer.passes.common.hold`)
+issue node, and ``wait_tensor`` (like :func:`~graph_trainer.compiler.common.hold`)
 returns that same buffer: at run time it is an alias, although its fake value is a
 separate tensor. Not modelled: the allocator's fragmentation and caching, kernel workspaces,
 and Inductor regions' internal buffers.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import DisjointSet, hold, is_wait, storages
+from graph_trainer.compiler.common import DisjointSet, hold, is_wait, storages
 
 
 def estimate_peak_memory(gm: torch.fx.GraphModule) -> tuple[int, str | None]:

@@ -1,6 +1,6 @@
 """What each pass of the pipeline did, in numbers and text (an analysis module, not a pass).
 
-:func:`graph_trainer.passes.pipeline.run_pipeline` takes a :class:`GraphSnapshot` of the
+:func:`graph_trainer.compiler.pipeline.run_pipeline` takes a :class:`GraphSnapshot` of the
 graph before the first pass and after every pass, and turns each pair into a record
 (:func:`pass_record`): wall time, nodes by kind, ops added / removed, Inductor regions and
 the static peak-memory estimate. :func:`format_pass_table` renders the records for the log.
@@ -48,7 +48,7 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.passes.common import collective_kind, custom_meta, is_wait, op_namespace, packet_name, target_name
+from graph_trainer.compiler.common import collective_kind, custom_meta, is_wait, op_namespace, packet_name, target_name
 
 logger = logging.getLogger("graph_trainer")
 
@@ -144,11 +144,11 @@ def count_regions(gm: Any) -> int | None:
 
 
 def peak_memory_bytes(gm: Any) -> int | None:
-    """:func:`graph_trainer.passes.memory_estimate.estimate_peak_memory` of ``gm`` in bytes,
+    """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes,
     or None when it cannot be estimated (no FX graph, no ``meta["val"]`` on any node, or the
     estimator fails). Never raises. Cost: linear in the graph's nodes (one walk over the
     fake values)."""
-    from graph_trainer.passes.memory_estimate import estimate_peak_memory
+    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
     graph = _graph(gm)
     if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):

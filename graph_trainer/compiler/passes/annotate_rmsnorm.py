@@ -40,7 +40,7 @@ Matches
    (the matmuls consuming the norm output and the gradient-accumulation adds
    have other / no ``module_fqn``). A group that cannot be one region without
    a dependency cycle is split into the fewest cycle-free parts
-   (:func:`graph_trainer.passes.common.split_acyclic`), each its own instance:
+   (:func:`graph_trainer.compiler.common.split_acyclic`), each its own instance:
    with activation checkpointing the backward group of a norm holds the
    recomputed forward norm and the norm backward, which become two backward
    instances. A module called several times in one phase is otherwise one
@@ -63,22 +63,27 @@ creating a cycle (horizontal fusion), so on its own two norm instances without
 a path between them (e.g. the weight-gradient reductions of two backward norms)
 could end up in one compiled region. Newer torch (2.13 here) partitions per
 ``inductor_region`` id and never merges across ids; torch 2.11 ignores the key.
-:func:`graph_trainer.passes.regional_inductor.regional_inductor_pass` therefore
+:func:`graph_trainer.compiler.passes.regional_inductor.regional_inductor_pass` therefore
 forms the partitions itself, one per region id, on every torch version: every
 norm instance (forward and backward separately) is exactly one compiled region.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import difflib
 import operator
 from collections.abc import Mapping
 from typing import Any
 
+import logging
+
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
+    json_object,
     CAST_OPS,
     RESHAPE_OPS,
     is_collective,
@@ -91,6 +96,7 @@ from graph_trainer.passes.common import (
     split_acyclic,
     tag_for_inductor,
 )
+from graph_trainer.compiler.registry import GraphPass, PassContext
 
 aten = torch.ops.aten
 
@@ -123,6 +129,8 @@ DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
 ]
 
 _PHASES = ("forward", "backward")
+
+logger = logging.getLogger("graph_trainer")
 
 
 def _op(name: str, overload: str = "default"):
@@ -374,3 +382,40 @@ __all__ = [
     "find_rmsnorm_instances",
     "validate_inductor_configs",
 ]
+
+
+@dataclass
+class RMSNormOptions:
+    """``[compile.rmsnorm]``: options of ``annotate_rmsnorm_for_regional_inductor``
+    (run by ``--compile.numerics_changing_optim`` with regional Inductor)."""
+
+    inductor_configs: str = ""
+    """Inductor configs of the RMSNorm regions: JSON on the CLI, a table in TOML.
+    Empty: DEFAULT_RMSNORM_INDUCTOR_CONFIGS (graph_trainer/compiler/passes/annotate_rmsnorm.py)."""
+
+    tune: bool = True
+    """Also compile each distinct RMSNorm region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS
+    (split sizes of the norm backward's reduction), time them on CUDA and keep a candidate
+    only when it beats Inductor's defaults by 2 %. About a second of compile per candidate
+    and distinct region. No effect on CPU; off with --debug.deterministic (the pick depends
+    on timings). Measured: docs/perf.md."""
+
+    def check(self) -> None:
+        """Raises ValueError: inductor_configs is not a JSON object of known Inductor keys."""
+        validate_inductor_configs(json_object(self.inductor_configs, "--compile.rmsnorm.inductor_configs"))
+
+
+def _kwargs(options: RMSNormOptions, ctx: PassContext) -> dict[str, Any]:
+    configs = json_object(options.inductor_configs, "--compile.rmsnorm.inductor_configs")
+    tune = options.tune and not ctx.deterministic
+    if options.tune and ctx.deterministic:
+        logger.info("--debug.deterministic: RMSNorm regions use Inductor's defaults (no timed config pick)")
+    return {"inductor_configs": configs or None, "candidate_configs": DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None}
+
+
+PASS = GraphPass(
+    name="annotate_rmsnorm_for_regional_inductor", fn=annotate_rmsnorm_for_regional_inductor_pass,
+    options=RMSNormOptions, section="rmsnorm", kwargs=_kwargs, changes_numerics=True, requires=("regional_inductor",),
+    enabled=lambda ctx: ctx.compile_cfg.numerics_changing_optim and ctx.compile_cfg.inductor_compilation == "regional",
+    aliases=("rmsnorm",),
+)

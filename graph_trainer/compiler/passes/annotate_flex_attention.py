@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import is_getitem, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.common import is_getitem, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.registry import GraphPass
 
 
 def _flex_targets() -> tuple:
@@ -78,3 +79,9 @@ def annotate_flex_attention_for_regional_inductor_pass(
         regions=len(calls),
     )
     return gm
+
+
+PASS = GraphPass(
+    name="annotate_flex_attention_for_regional_inductor", fn=annotate_flex_attention_for_regional_inductor_pass,
+    enabled=lambda ctx: ctx.uses_flex_attention, requires=("regional_inductor",),
+)

@@ -1,11 +1,11 @@
 """Shared helpers of the graph passes (not a pass itself).
 
-Every pass module of :mod:`graph_trainer.passes` imports what it shares with other
+Every pass module of :mod:`graph_trainer.compiler.passes` imports what it shares with other
 passes from here, never from another pass module. What is here:
 
 * **Pass summaries**: every pass reports what it did through :func:`set_pass_summary`
   (a one-line summary and a dict of numbers on ``gm.meta``);
-  :func:`graph_trainer.passes.pipeline.run_pipeline` reads them back with
+  :func:`graph_trainer.compiler.pipeline.run_pipeline` reads them back with
   :func:`pop_pass_summary` for its log line and its ``summary.json``.
 * **Node metadata** written at trace time (``custom["phase"]``, ``custom["module_fqn"]``)
   and the ``compile_with_inductor`` tag of the annotation passes.
@@ -23,6 +23,7 @@ passes from here, never from another pass module. What is here:
 
 from __future__ import annotations
 
+import json
 import operator
 from collections import Counter
 from collections.abc import Iterable
@@ -434,3 +435,23 @@ def fake_inputs_for(gm: torch.fx.GraphModule, example_inputs: Any = None) -> lis
     if example_inputs is None:
         raise ValueError("graph placeholders carry no meta['val'] and no example_inputs were given")
     return list(pytree.tree_leaves(example_inputs))
+
+
+def json_object(value: Any, flag: str) -> dict[str, Any]:
+    """``value`` (a JSON object as text, a dict, or empty) as a dict; ``{}`` when empty.
+
+    Raises:
+        ValueError: not a JSON object (the message names ``flag``).
+    """
+    if isinstance(value, dict):
+        return dict(value)
+    if not value or not str(value).strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"coordinate_descent_tuning\": true}}'; "
+                         f"got {value!r} ({e})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
+    return parsed

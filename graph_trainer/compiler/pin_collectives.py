@@ -41,7 +41,7 @@ import logging
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import collective_kind, is_wait, packet_name
+from graph_trainer.compiler.common import collective_kind, is_wait, packet_name
 
 logger = logging.getLogger("graph_trainer")
 

@@ -1,7 +1,7 @@
 """Bucket the traced FSDP collectives: one all-gather / reduce-scatter per group of
 parameters instead of one per parameter, after ``overlap_collectives`` placed them.
 
-Why: traceable FSDP (:mod:`graph_trainer.fsdp`) issues one collective per parameter
+Why: traceable FSDP (:mod:`graph_trainer.distributed.fsdp`) issues one collective per parameter
 (9 per Llama3 block), where FSDP2 issues one per block. Each NCCL kernel holds SMs
 while it runs, so many small collectives overlapped with the matmuls slow them down
 (docs/perf.md, "bucketed collectives and kept blocks in full-graph Inductor"). The
@@ -25,16 +25,44 @@ Changes, per bucket of ``n`` collectives of a ``W``-rank group:
   casts defined after the bucket's issue point are moved up to it (they depend only on
   placeholders); a member whose input cannot move ends the bucket.
 * **reduce-scatter** (issued where the last member was, once every gradient exists;
-  waited where the last member wait was): the ``n`` flat gradients viewed ``[W, chunk]``,
-  concatenated along dim 1 (rank-major, so rank ``r`` gets its chunk of every member)
-  -> one reduce-scatter -> split into the members' ``[chunk]`` results (views). The
-  members' gradient buffers die at the ``cat``; one bucket buffer stays alive until the
-  wait. Each element is reduced by the same op over the same ranks; NCCL may order a
-  sum differently for a different message size, so only the 2-rank case (``a + b``) is
-  exact by construction.
+  waited where the last member wait was): torch's
+  ``torch._inductor.fx_passes.bucketing.merge_reduce_scatter_bucket`` builds it: the
+  ``n`` flat gradients viewed ``[W, chunk]``, concatenated along dim 1 (rank-major, so
+  rank ``r`` gets its chunk of every member) -> one reduce-scatter -> split into the
+  members' ``[chunk]`` results (views); this pass tells it where to issue and where to
+  wait, and holds the bucket buffer until the wait. The members' gradient buffers die at
+  the ``cat``; one bucket buffer stays alive until the wait. Each element is reduced by
+  the same op over the same ranks; NCCL may order a sum differently for a different
+  message size, so only the 2-rank case (``a + b``) is exact by construction.
 
 A bucket whose members' results are read before the new wait position is split there.
-``bucket_size`` 1 or a graph without such collectives: unchanged.
+``bucket_size`` 1 or a graph without such collectives: unchanged. Numerics: the same bits
+(bucketing copies bytes; the tests compare whole steps bit for bit).
+
+What stays ours, and why (tests/passes/test_bucket_collectives.py shows each on the traced
+step, with torch 2.11 and 2.13):
+
+* **Which collectives form a bucket, and where it is issued and waited.** This pass runs
+  after ``overlap_collectives`` has placed every issue and wait. torch's
+  ``bucket_all_gather`` / ``bucket_reduce_scatter`` (greedy, by wait order, capped in MB by
+  a size determinator) insert each bucket after its last member's issue with the wait
+  right behind it: on our graphs the first members' readers then come before the values
+  they read: the graph fails ``lint`` (torch 2.13 re-sorts a reduce-scatter bucket's
+  region so that it lints; each bucket's wait then follows its issue, and the overlap
+  ``overlap_collectives`` placed is gone). torch's
+  ``OverlapPreservingBucketer`` (``overlap_preserving_bucketer``, built for graphs that
+  torch's own scheduler placed) keeps every collective's hiding interval, so with our
+  prefetch windows it merges almost nothing. And ``bucket_size`` counts collectives (the
+  pipeline: blocks x parameters per block; tests/test_fsdp.py checks ``ceil(n / 4)``
+  reduce-scatters for ``bucket_size`` 4), which no cap in MB reproduces: parameters of
+  one block differ in size.
+* **The all-gather merge** (:func:`unbucket_all_gather`). torch's
+  ``merge_all_gather_bucket`` gathers into a preallocated buffer with
+  ``all_gather_into_tensor_out`` (after ``_foreach_copy_`` / ``copy_`` of the shards into
+  a rank-specific slice), a collective kind that ``reshard_after_forward``, the memory
+  policy and the cost model do not count as an all-gather (the cost model has no formula
+  for it); it hands the members back as views of the bucket (``split`` + ``reshape``), and
+  torch 2.11 ignores its ``insert_before``.
 """
 
 from __future__ import annotations
@@ -42,10 +70,15 @@ from __future__ import annotations
 import contextlib
 import operator
 
+from typing import Any
+
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
+from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
+
+from graph_trainer.compiler.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
+from graph_trainer.compiler.registry import GraphPass, PassContext
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -175,13 +208,7 @@ def _bucket_all_gather(graph, members) -> int:
             out = _call(graph, hold, (out, flat), first_wait)
         parts = _call(graph, torch.ops.graph_trainer.unbucket_all_gather.default, (out, w, sizes), first_wait)
         results = [_call(graph, operator.getitem, (parts, i), first_wait) for i in range(len(members))]
-    return _replace_members(graph, members, results)
-
-
-def _replace_members(graph, members, results) -> int:
-    """Point every use of a member's result (its hold, else its wait) at ``results[i]``
-    and erase the member's hold, wait and issue; returns the number of members."""
-    for (issue, wait, hld), res in zip(members, results):
+    for (issue, wait, hld), res in zip(members, results):  # every use of a member's result
         (hld or wait).replace_all_uses_with(res)
         for n in (hld, wait, issue):
             if n is not None:
@@ -190,24 +217,27 @@ def _replace_members(graph, members, results) -> int:
 
 
 def _bucket_reduce_scatter(graph, members) -> int:
-    """Replace the reduce-scatters ``members`` by one; returns the number replaced."""
-    last_issue = members[-1][0]
-    op, w, group = last_issue.args[1], last_issue.args[2], last_issue.args[3]
-    chunks = [m[0].args[0].meta["val"].numel() // w for m in members]
-    with graph.inserting_before(last_issue):
-        rows = [_call(graph, aten.view.default, (m[0].args[0], [w, c]), m[0]) for m, c in zip(members, chunks)]
-        cat = _call(graph, aten.cat.default, (rows, 1), last_issue)
-        flat = _call(graph, aten.view.default, (cat, [-1]), last_issue)
-        rs = _call(graph, _c10d.reduce_scatter_tensor.default, (flat, op, w, group), last_issue)
+    """Replace the reduce-scatters ``members`` by one, built by torch's
+    ``merge_reduce_scatter_bucket``: issued just after the last member's issue, its wait
+    and split moved to just after the last member's wait; returns the number replaced."""
+    held = any(m[2] is not None for m in members)
+    for _, wait, hld in members:  # torch replaces the waits' uses: read the waits, not the holds
+        if hld is not None:
+            hld.replace_all_uses_with(wait)
+            graph.erase_node(hld)
     pos = _pos(graph)
+    last_issue = max((m[0] for m in members), key=pos.__getitem__)
     last_wait = max((m[1] for m in members), key=pos.__getitem__)
-    with graph.inserting_before(last_wait.next):
-        out = _call(graph, _c10d.wait_tensor.default, (rs,), last_wait)
-        if any(m[2] is not None for m in members):
-            out = _call(graph, hold, (out, flat), last_wait)
-        parts = _call(graph, aten.split_with_sizes.default, (out, chunks), last_wait)
-        results = [_call(graph, operator.getitem, (parts, i), last_wait) for i in range(len(members))]
-    return _replace_members(graph, members, results)
+    new_nodes, _ = merge_reduce_scatter_bucket(
+        graph, [m[0] for m in members], "default", insert_before=last_issue.next, wait_insertion_point=last_wait.next,
+    )
+    if held:  # the bucket buffer lives until the wait, as each member's input did
+        wait = next(n for n in new_nodes if is_wait(n))
+        with graph.inserting_after(wait):
+            kept = graph.call_function(hold, (wait, wait.args[0].args[0]))
+        kept.meta = dict(wait.meta)
+        wait.replace_all_uses_with(kept, delete_user_cb=lambda u: u is not kept)
+    return len(members)
 
 
 def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple]]:
@@ -275,8 +305,33 @@ def bucket_collectives_pass(
         gm,
         f"all-gathers {before['all_gather_into_tensor']} -> {after['all_gather_into_tensor']}, "
         f"reduce-scatters {before['reduce_scatter_tensor']} -> {after['reduce_scatter_tensor']} "
-        f"(buckets of <= {bucket_size})",
+        f"(buckets of <= {bucket_size}; reduce-scatters merged by torch's merge_reduce_scatter_bucket)",
         all_gather_before=before["all_gather_into_tensor"], all_gather_after=after["all_gather_into_tensor"],
         reduce_scatter_before=before["reduce_scatter_tensor"], reduce_scatter_after=after["reduce_scatter_tensor"],
     )
     return gm
+
+
+def _bucket_blocks(ctx: PassContext) -> int:
+    """Blocks per bucket: the memory policy's choice, else ``[compile.fsdp] bucket_blocks``
+    (-1: auto, so on until the policy decides)."""
+    return ctx.levers.bucket_blocks if ctx.levers is not None else ctx.compile_cfg.fsdp.bucket_blocks
+
+
+def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
+    """Blocks per bucket -> collectives per bucket (``ctx.layout.params_per_block`` each).
+
+    Raises:
+        ValueError: buckets without the model's block layout.
+    """
+    blocks = _bucket_blocks(ctx)
+    if blocks <= 0:
+        return {}
+    if ctx.layout is None:
+        raise ValueError("--compile.fsdp.bucket_blocks needs the model's block layout")
+    return {"bucket_size": blocks * ctx.layout.params_per_block}
+
+
+PASS = GraphPass(
+    name="bucket_collectives", fn=bucket_collectives_pass, enabled=lambda ctx: _bucket_blocks(ctx) != 0, kwargs=_kwargs,
+)

@@ -8,11 +8,11 @@
   ``tensor_parallel_degree > 1``), activation checkpointing wrappers (torchtitan's
   ``apply_ac``; make_fx traces layer-level recomputation into the backward, op-level SAC
   only tags nodes for the ``sac_recompute`` pass), then traceable FSDP over the
-  ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`). The FSDP and TP collectives are nodes of
+  ``dp_shard`` ranks (:mod:`graph_trainer.distributed.fsdp`). The FSDP and TP collectives are nodes of
   the traced graph. Mixed precision is a cast of the parameters inside the graph
   (:mod:`graph_trainer.trace`). With FSDP or TP, a replicate dimension (HSDP, replicate x
   TP) all-reduces each reduce-scattered / TP-local gradient over the replicas, also inside
-  the graph (:func:`graph_trainer.fsdp.all_reduce_grad`). Replicated data parallelism
+  the graph (:func:`graph_trainer.distributed.fsdp.all_reduce_grad`). Replicated data parallelism
   alone (``dp_replicate`` only) sums the gradients after the graph in one flat all-reduce
   (:func:`all_reduce_grads`).
 """
@@ -39,7 +39,7 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     ``RANK`` / ``WORLD_SIZE`` span every host (``NNODES x NGPU``); the GPU is this host's
     ``LOCAL_RANK``-th, and ``MASTER_ADDR`` / ``MASTER_PORT`` come from torchrun's rendezvous.
     With ``fake_world > 0`` (``COMM_MODE=fake_collectives``) this process is rank 0 of
-    ``fake_world`` ranks whose collectives are local copies (:mod:`graph_trainer.fake_pg`),
+    ``fake_world`` ranks whose collectives are local copies (:mod:`graph_trainer.distributed.fake_pg`),
     on the first GPU, else the CPU.
 
     Returns:
@@ -69,7 +69,7 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
         device = torch.device("cpu")
     _patch_torchtitan_device_type(device.type)
     if fake_world and not dist.is_initialized():
-        from graph_trainer import fake_pg
+        from graph_trainer.distributed import fake_pg
 
         fake_pg.init(fake_world)
     elif world_size > 1 and not dist.is_initialized():
@@ -321,7 +321,7 @@ class TraceParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it."""
         if self.sharded:
-            from graph_trainer import fsdp
+            from graph_trainer.distributed import fsdp
 
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
         from torchtitan.distributed.utils import clip_grad_norm_
@@ -332,9 +332,9 @@ class TraceParallel:
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
     """Prepare ``model`` for ``aot_fx_trace`` under ``parallel_dims``: TP (torchtitan's
     Llama3 plan, sequence-parallel norms, loss parallel), then activation checkpointing,
-    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.fsdp`), then, with
+    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.distributed.fsdp`), then, with
     ``dp_replicate > 1``, the gradient all-reduce over the replicas
-    (:func:`graph_trainer.fsdp.all_reduce_grad`). The mesh is torchtitan's order
+    (:func:`graph_trainer.distributed.fsdp.all_reduce_grad`). The mesh is torchtitan's order
     ``(dp_replicate, dp_shard, tp)``: rank = (replica x shard + shard rank) x tp + tp rank.
 
     The collectives of both end up in the traced graph: DTensor ops traced by make_fx
@@ -378,7 +378,7 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         out.opt_module = model
         return out
 
-    from graph_trainer import fsdp
+    from graph_trainer.distributed import fsdp
 
     if tp > 1:
         from torch.distributed.tensor import DTensor, Replicate

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     PERMUTE_OPS,
     RESHAPE_OPS,
     DisjointSet,
@@ -49,6 +49,7 @@ from graph_trainer.passes.common import (
     split_acyclic,
     tag_for_inductor,
 )
+from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
@@ -153,3 +154,9 @@ def annotate_pointwise_for_regional_inductor_pass(
 
 
 __all__ = ["annotate_pointwise_for_regional_inductor_pass", "find_pointwise_regions"]
+
+
+PASS = GraphPass(
+    name="annotate_pointwise_for_regional_inductor", fn=annotate_pointwise_for_regional_inductor_pass,
+    changes_numerics=True, requires=("regional_inductor",), aliases=("pointwise",),
+)

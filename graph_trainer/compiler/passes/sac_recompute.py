@@ -28,7 +28,7 @@ annotation passes treat them as recomputed forward ops. Not recomputed even when
 tagged: ops that mutate an input, random ops, and collectives. Numerics: the copies run
 the same ops on the same inputs, so every value equals the forward's bit for bit, and
 the step equals eager op-level SAC (which recomputes the same ops). Afterwards the tags
-are removed from every node (:func:`~graph_trainer.passes.common.strip_recompute_tags`).
+are removed from every node (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
 
 torch >= 2.12 has the same idea upstream for Inductor-compiled forward-loss-backward graphs
 (``remat_using_tags_for_fwd_loss_bwd_graph``, run inside ``compile_fx``); torch 2.11, the GPU
@@ -41,12 +41,14 @@ from __future__ import annotations
 import contextlib
 import operator
 
+from typing import Any
+
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     custom_meta,
     is_collective,
     phase_of,
@@ -54,6 +56,7 @@ from graph_trainer.passes.common import (
     storages,
     strip_recompute_tags,
 )
+from graph_trainer.compiler.registry import GraphPass, PassContext
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
 
@@ -197,3 +200,16 @@ def sac_recompute_pass(
         saved_bytes_after=saved_after,
     )
     return gm
+
+
+def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
+    """``[compile.sac] save`` as the memory policy resolved it (``ctx.levers.save``)."""
+    save = ctx.levers.save if ctx.levers is not None else "recompute"
+    if save == "matmuls":
+        return {"save_ops": [torch.ops.aten.mm.default]}
+    return {"save_all": True} if save == "all" else {}
+
+
+PASS = GraphPass(
+    name="sac_recompute", fn=sac_recompute_pass, enabled=lambda ctx: True, kwargs=_kwargs, in_memory_trial=True,
+)

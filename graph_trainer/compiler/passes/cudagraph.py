@@ -37,7 +37,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graph_trainer.passes.common import set_pass_summary
+from graph_trainer.compiler.common import set_pass_summary
+from graph_trainer.compiler.registry import GraphPass
 
 logger = logging.getLogger("graph_trainer")
 
@@ -119,3 +120,6 @@ def cudagraph_pass(
     gm.forward = CUDAGraphWrapper(gm.forward, warmup=warmup, static_input_indices=static_input_indices)
     set_pass_summary(gm, f"wrapped forward in a CUDA graph (warmup={warmup}, capture on the next call)")
     return gm
+
+
+PASS = GraphPass(name="cudagraph", fn=cudagraph_pass, compiles=True)

@@ -18,7 +18,7 @@ transformer block), so it overlaps the backward of the layers before. Values are
 for bit the same (an all-gather of the same shard); the cost is one more all-gather
 of every parameter per step. Saves up to one unsharded copy of the model's parameters
 per rank, less the parameters of the layers in flight. FSDP parameter all-gathers are
-recognised by :func:`~graph_trainer.passes.common.shard_chain`; ``first_params`` limits
+recognised by :func:`~graph_trainer.compiler.common.shard_chain`; ``first_params`` limits
 the pass to the earliest parameters (the pipeline derives it from
 ``--compile.fsdp.keep_last_blocks K``: the last K blocks keep their forward copy).
 """
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 
+from typing import Any
+
 import torch
 import torch.fx
 
 from graph_trainer import PHASE_KEY
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     CAST_OPS,
     VIEW_OPS,
     collective_kind,
@@ -41,6 +43,7 @@ from graph_trainer.passes.common import (
     set_pass_summary,
     shard_chain,
 )
+from graph_trainer.compiler.registry import GraphPass, PassContext
 
 # Views and casts of a gathered parameter: with its wait and hold, the view closure.
 _VIEW_OR_CAST = VIEW_OPS | CAST_OPS
@@ -98,7 +101,7 @@ def reshard_after_forward_pass(
     gathered copies (see the module docstring). ``prefetch`` >= 0: how many re-gathers
     ahead (in backward order) each is issued; for parameters on CPU it is 0 unless
     ``cpu_async`` (gloo collectives are never left in flight, see
-    :mod:`graph_trainer.passes.overlap_collectives`). ``first_params``: only the first N
+    :mod:`graph_trainer.compiler.passes.overlap_collectives`). ``first_params``: only the first N
     FSDP parameters in forward order (graph order of their all-gathers, i.e. the model's
     parameter order: for Llama3 the embedding, then 9 per block) are resharded; the rest
     keep their forward copy, as FSDP2 does for the last block. ``None``: all. The early
@@ -189,3 +192,23 @@ def reshard_after_forward_pass(
         rewired_uses=rewired,
     )
     return gm
+
+
+def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
+    """``[compile.fsdp] keep_last_blocks`` (as the memory policy resolved it) in parameters.
+
+    Raises:
+        ValueError: kept blocks without the model's block layout.
+    """
+    keep = ctx.levers.keep_last_blocks if ctx.levers is not None else 0
+    if keep <= 0:
+        return {}
+    if ctx.layout is None:
+        raise ValueError("--compile.fsdp.keep_last_blocks needs the model's block layout")
+    return {"first_params": ctx.layout.params_of_first_blocks(ctx.layout.n_blocks - keep)}
+
+
+PASS = GraphPass(
+    name="reshard_after_forward", fn=reshard_after_forward_pass, enabled=lambda ctx: True, kwargs=_kwargs,
+    in_memory_trial=True,
+)

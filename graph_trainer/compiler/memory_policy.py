@@ -28,7 +28,7 @@ Prediction (:func:`predict_peak`): peak reserved memory per rank =
 ``state + scale * graph peak + overhead``, where ``state`` is the fp32 parameter shards
 plus the optimizer state (AdamW: two fp32 moments; the gradients of the previous step
 are freed before the step runs), ``graph peak`` the static estimate of the step's
-intermediates (:func:`graph_trainer.passes.memory_estimate.estimate_peak_memory`,
+intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`,
 gradients included: they are graph outputs) and ``scale`` / ``overhead`` the calibration
 of :data:`CALIBRATION`, fitted per Inductor mode against measured peaks (docs/perf.md,
 "Fast by default").
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -53,6 +54,38 @@ HEADROOM = 0.10
 CPU_BUDGET_GIB = 16.0
 #: Device sizes the dry run plans for when no budget is given, GiB (80 GB and 141 GB parts).
 DRY_RUN_DEVICES_GIB = (79.1, 139.8)
+
+
+#: Lever -> the pass whose arguments it sets (the registry's name).
+LEVER_PASSES = {"save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives"}
+
+
+@dataclass
+class SACOptions:
+    """``[compile.sac]``: what op-level selective AC keeps (``sac_recompute``'s lever)."""
+
+    save: Literal["auto", "recompute", "matmuls", "all"] = "auto"
+    """What op-level selective AC keeps from the forward for the backward. recompute:
+    torchtitan's policy (every other matmul and the cheap ops are recomputed); matmuls:
+    every matmul output is kept, only the cheap ops are recomputed; all: nothing is
+    recomputed; auto: the memory policy picks within --compile.memory_budget_gib
+    (graph_trainer/compiler/memory_policy.py). Numerics unchanged in every case."""
+
+
+@dataclass
+class FSDPOptions:
+    """``[compile.fsdp]``: the traced FSDP levers (``reshard_after_forward``, ``bucket_collectives``)."""
+
+    bucket_blocks: int = -1
+    """> 0: the bucket_collectives pass merges the FSDP all-gathers / reduce-scatters of up
+    to N consecutive transformer blocks into one collective each. 0: one collective per
+    parameter. -1: the memory policy picks (2 when it fits). Numerics unchanged."""
+
+    keep_last_blocks: int = -1
+    """The last K transformer blocks (in forward order) keep their all-gathered parameters
+    from the forward for the backward instead of gathering them again (more memory, fewer
+    all-gathers). 0: every block is resharded after the forward. -1: the memory policy
+    picks as many as fit. Numerics unchanged."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +160,7 @@ def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: s
 
     Args:
         state_bytes: fp32 parameter shards + optimizer state, bytes per rank.
-        graph_peak_bytes: :func:`~graph_trainer.passes.memory_estimate.estimate_peak_memory`.
+        graph_peak_bytes: :func:`~graph_trainer.compiler.memory_estimate.estimate_peak_memory`.
         inductor: ``--compile.inductor_compilation`` (``regional`` / ``full`` / ``none``).
         save: the ``sac.save`` level of the graph (selects the calibration).
     """

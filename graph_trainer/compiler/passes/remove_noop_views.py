@@ -23,7 +23,18 @@ tensors), and nodes in an alias group that some op mutates (in-place ops,
 ``out=`` ops, or any op we cannot analyse, such as higher-order ops).
 
 Changes: every matched node's uses are replaced by its input and the node is
-erased; the graph is recompiled. Counts per kind are reported in the stats.
+erased; the graph is recompiled. Counts per kind are reported in the stats. Numerics:
+unchanged (every removed node returns its input's values).
+
+Why not Inductor's ``torch._inductor.fx_passes.post_grad.remove_noop_ops``
+(``tests/passes/test_remove_noop_views.py::test_inductor_remove_noop_ops_on_this_graph``
+runs it on the same graphs): it is written for Inductor's functionalized post-grad graph,
+and this make_fx graph keeps its in-place ops. It has no mutation analysis, so it removes
+a ``clone`` whose source is later updated in place, and the clone's readers then see the
+updated values. It has no rule for ``detach``, ``_unsafe_view`` or ``reshape``, and its
+``view`` rule compares the size argument literally (``view(x, [-1, n])`` stays), so on a
+traced training step it removes none of the detaches. Nor does it offer a hook to keep
+the mutated alias groups out, hence this pass's own matcher.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from graph_trainer.passes.common import RESHAPE_OPS, DisjointSet, is_collective, set_pass_summary
+from graph_trainer.compiler.common import RESHAPE_OPS, DisjointSet, is_collective, set_pass_summary
+from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
@@ -217,3 +229,6 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
         **{f"removed_{k}": n for k, n in removed.items()},
     )
     return gm
+
+
+PASS = GraphPass(name="remove_noop_views", fn=remove_noop_views_pass, enabled=lambda ctx: True, in_memory_trial=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import is_collective, num_nodes, set_pass_summary
+from graph_trainer.compiler.common import is_collective, num_nodes, set_pass_summary
+from graph_trainer.compiler.registry import GraphPass
 
 
 def _is_impure(node: torch.fx.Node) -> bool:
@@ -38,3 +39,8 @@ def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torc
         removed=removed,
     )
     return gm
+
+
+PASS = GraphPass(
+    name="remove_dead_code", fn=remove_dead_code_pass, enabled=lambda ctx: True, in_memory_trial=True, aliases=("dce",),
+)

@@ -47,13 +47,14 @@ import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, NUMERICS_KEY
 from graph_trainer.numerics import output_key
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     custom_meta,
     detect_graph_fake_mode,
     is_getitem,
     set_pass_summary,
     split_acyclic,
 )
+from graph_trainer.compiler.registry import GraphPass
 
 logger = logging.getLogger("graph_trainer")
 
@@ -420,3 +421,9 @@ def regional_inductor_pass(
         compile_s=round(compile_s, 3),
     )
     return gm
+
+
+PASS = GraphPass(
+    name="regional_inductor", fn=regional_inductor_pass, compiles=True, excludes=("full_inductor",),
+    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "regional",
+)

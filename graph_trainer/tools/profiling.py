@@ -15,9 +15,10 @@ For each recorded window this writes, under
   category (matmul, attention, communication, Inductor Triton, eager ATen pointwise /
   reduction, copy, other) and the top kernels, so two runs (``jit`` vs ``aot_fx_trace``,
   a pass on vs off) can be compared without opening a trace; and the step's timeline
-  (:func:`timeline_breakdown`): wall time, time with compute kernels running, time with
-  only communication running (exposed communication) and time with nothing running (the
-  GPU waiting on the CPU). The tables are also logged. The JSON also holds the kernels of
+  (:func:`graph_trainer.tools.timeline.timeline_breakdown`, re-exported here): wall time,
+  time with compute kernels running, time with only communication running (exposed
+  communication) and time with nothing running (the GPU waiting on the CPU). The tables
+  are also logged. The JSON also holds the kernels of
   the window's last step (``"step_intervals"``, :func:`graph_trainer.tools.timeline.pack_step`);
 * ``rank<r>_timeline.png``: that step as a picture, compute and communication lanes with
   the exposed communication and idle time marked (:mod:`graph_trainer.tools.timeline`;
@@ -46,6 +47,13 @@ from typing import Any
 import torch
 
 from graph_trainer.metrics import keep_previous
+from graph_trainer.tools.timeline import (
+    TIMELINE_EXTRA_ROWS,
+    TIMELINE_ROWS,
+    draw_timeline,
+    pack_step,
+    timeline_breakdown,
+)
 
 logger = logging.getLogger("graph_trainer")
 
@@ -104,80 +112,6 @@ def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int 
     }
     rows.sort(key=lambda r: -r["ms"])
     return {"steps": steps, "total_ms": total, "categories": categories, "top": rows[:top]}
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
-
-
-def timeline_breakdown(kernels: list[tuple[float, float, str]], steps: list[tuple[float, float]]) -> dict[str, float]:
-    """Where a step's wall time goes on the device, from kernel intervals.
-
-    Args:
-        kernels: ``(start_us, end_us, category)`` of every device kernel in the window,
-            ``category`` as :func:`kernel_category` returns it.
-        steps: ``(start_us, end_us)`` of each recorded step (the profiler's
-            ``ProfilerStep#N`` ranges, same clock); kernels are clipped to them.
-
-    Returns:
-        Milliseconds per step (mean over ``steps``): ``wall_ms``; ``compute_ms``, the union
-        of every non-communication kernel (time the GPU computes); ``comm_ms``, the union of
-        communication kernels; ``exposed_comm_ms``, communication while no compute kernel
-        runs; ``idle_ms``, time with no kernel at all (launch-bound or waiting on the host).
-        ``compute_ms + exposed_comm_ms + idle_ms == wall_ms``. Of ``exposed_comm_ms``:
-        ``exposed_head_ms`` lies before the step's first matmul kernel starts (e.g. the
-        first all-gather) and ``exposed_tail_ms`` after its last matmul ends (e.g. the last
-        reduce-scatters before the optimizer); the rest is exposed between matmuls. A step
-        without matmul kernels counts all of it as head. All zero without ``steps``.
-    """
-    out = {"wall_ms": 0.0, "compute_ms": 0.0, "comm_ms": 0.0, "exposed_comm_ms": 0.0, "idle_ms": 0.0,
-           "exposed_head_ms": 0.0, "exposed_tail_ms": 0.0}
-    if not steps:
-        return out
-    comp = _union([(a, b) for a, b, c in kernels if c != "communication"])
-    comm = _union([(a, b) for a, b, c in kernels if c == "communication"])
-    mms = [(a, b) for a, b, c in kernels if c == "matmul"]
-    for lo, hi in steps:
-        c, m = _clip(comp, lo, hi), _clip(comm, lo, hi)
-        busy = _length(_union(c + m))
-        out["wall_ms"] += (hi - lo) / 1e3
-        out["compute_ms"] += _length(c) / 1e3
-        out["comm_ms"] += _length(m) / 1e3
-        out["exposed_comm_ms"] += (busy - _length(c)) / 1e3
-        out["idle_ms"] += (hi - lo - busy) / 1e3
-        mm = _clip(mms, lo, hi)
-        first = min((a for a, _ in mm), default=hi)
-        last = max((b for _, b in mm), default=hi)
-        for key, a, b in (("exposed_head_ms", lo, first), ("exposed_tail_ms", last, hi)):
-            cc, mc = _clip(c, a, b), _clip(m, a, b)
-            out[key] += (_length(_union(cc + mc)) - _length(cc)) / 1e3
-    return {k: v / len(steps) for k, v in out.items()}
-
-
-#: the rows of :func:`timeline_breakdown` that add up to the wall time, in print order
-TIMELINE_ROWS: list[tuple[str, str]] = [
-    ("wall_ms", "wall"), ("compute_ms", "compute kernels running"),
-    ("exposed_comm_ms", "only communication running"), ("idle_ms", "nothing running"),
-]
-#: further rows (not part of the sum)
-TIMELINE_EXTRA_ROWS: list[tuple[str, str]] = [
-    ("exposed_head_ms", "(of it: before the first matmul)"), ("exposed_tail_ms", "(of it: after the last matmul)"),
-    ("comm_ms", "(communication running, overlapped or not)"),
-]
 
 
 def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
@@ -287,8 +221,6 @@ def _json_text(summary: dict[str, Any]) -> str:
 def _write_picture(path: str, kernels: list, step: tuple[float, float], title: str) -> None:
     """:func:`graph_trainer.tools.timeline.draw_timeline`, or one log line when it cannot draw
     (no matplotlib, or a drawing error: the run goes on)."""
-    from graph_trainer.tools.timeline import draw_timeline
-
     try:
         draw_timeline(path, kernels, step, title)
     except ImportError as e:
@@ -324,8 +256,6 @@ class StepProfiler:
         logger.info(f"Profiling every {cfg.profile_freq} steps; traces and kernel summaries in {self.trace_dir}")
 
     def _ready(self, prof) -> None:
-        from graph_trainer.tools.timeline import pack_step
-
         events, unit = _events_of(prof)
         summary = summarize_events(events, self.active)
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded

@@ -3,8 +3,8 @@
 Matches: the entire graph (every node; no annotation needed).
 
 Changes: the keep-alive ``hold`` nodes of ``overlap_collectives`` and the recompute tags
-of selective AC are removed (:func:`~graph_trainer.passes.common.strip_holds`,
-:func:`~graph_trainer.passes.common.strip_recompute_tags`: Inductor owns buffer lifetimes,
+of selective AC are removed (:func:`~graph_trainer.compiler.common.strip_holds`,
+:func:`~graph_trainer.compiler.common.strip_recompute_tags`: Inductor owns buffer lifetimes,
 and ``sac_recompute`` owns recomputation), and one-element CPU tensors move to the
 inputs' accelerator (:func:`move_cpu_scalars`). Then the graph is copied with flat inputs /
 a tuple output and compiled by
@@ -26,6 +26,8 @@ compiled callable is also available as ``gm.compiled_fn`` (flat ``*args``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import logging
 import operator
 import time
@@ -35,7 +37,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
+    json_object,
     collective_kind,
     detect_graph_fake_mode,
     fake_inputs_for,
@@ -44,6 +47,7 @@ from graph_trainer.passes.common import (
     strip_holds,
     strip_recompute_tags,
 )
+from graph_trainer.compiler.registry import GraphPass
 
 logger = logging.getLogger("graph_trainer")
 
@@ -121,7 +125,7 @@ def full_inductor_pass(
             unknown keys raise ``AttributeError`` from ``config.patch``.
         pin_collectives: keep the issue / wait positions of the collectives between
             the same two matmuls as in ``gm`` (``--compile.full_inductor.pin_collectives``:
-            the hook of :mod:`graph_trainer.passes.pin_collectives` as Inductor's
+            the hook of :mod:`graph_trainer.compiler.pin_collectives` as Inductor's
             ``post_grad_custom_post_pass``, with ``reorder_for_locality`` off); without it
             Inductor's peak-memory reordering puts each wait right after its collective.
             Nothing changes for a graph without collectives.
@@ -141,7 +145,7 @@ def full_inductor_pass(
     patches = dict(inductor_configs or {})
     pin_collectives = pin_collectives and any(collective_kind(n) for n in gm.graph.nodes)
     if pin_collectives:
-        from graph_trainer.passes.pin_collectives import PinCollectivesPass
+        from graph_trainer.compiler.pin_collectives import PinCollectivesPass
 
         patches["post_grad_custom_post_pass"] = PinCollectivesPass()
         # Inductor compiles the traced step as an inference graph, and for those its
@@ -197,3 +201,33 @@ def full_inductor_pass(
     )
     return new_gm
 
+
+
+@dataclass
+class FullInductorOptions:
+    """``[compile.full_inductor]``: options of ``full_inductor``
+    (``--compile.inductor_compilation full``)."""
+
+    configs: str = ""
+    """``torch._inductor.config`` overrides for the whole-graph compile: JSON on the CLI, a
+    table in TOML, dotted keys, e.g.
+    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
+
+    pin_collectives: bool = True
+    """Keep overlap_collectives' placement of every collective and wait (under the same
+    matmuls) inside Inductor's schedule (graph_trainer/compiler/pin_collectives.py). Without it
+    Inductor's peak-memory reordering waits for each collective right after issuing it,
+    so nothing overlaps."""
+
+    def check(self) -> None:
+        """Raises ValueError: configs is not a JSON object."""
+        json_object(self.configs, "--compile.full_inductor.configs")
+
+
+PASS = GraphPass(
+    name="full_inductor", fn=full_inductor_pass, options=FullInductorOptions, compiles=True,
+    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full",
+    kwargs=lambda options, ctx: {"inductor_configs": json_object(options.configs, "--compile.full_inductor.configs")
+                                 or None, "pin_collectives": options.pin_collectives},
+    aliases=("full_inductor_compilation",),
+)

@@ -2,12 +2,12 @@
 
 Matches: ``_c10d_functional.wait_tensor`` nodes whose input is a functional
 collective (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
-``all_reduce``...). As traced (:mod:`graph_trainer.fsdp`), every collective is
+``all_reduce``...). As traced (:mod:`graph_trainer.distributed.fsdp`), every collective is
 followed at once by its wait, so the compute stream blocks on each all-gather and
 reduce-scatter in turn and no communication overlaps with compute.
 
 Changes: the positions of waits and of reduce-scatters (with their cast / pad chain),
-plus a :func:`~graph_trainer.passes.common.hold` identity after every wait that no
+plus a :func:`~graph_trainer.compiler.common.hold` identity after every wait that no
 longer follows its collective; no computation is added, removed or rewired, so the
 values computed are bit for bit those of the input graph (a test checks it).
 
@@ -43,13 +43,27 @@ in-flight collective's input alive: every wait that no longer follows its collec
 goes through ``hold``, an identity that also takes the collective's input, so the
 input lives until the wait (for a reduce-scatter: one unsharded gradient per collective
 in flight, bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes
-before compiling (:func:`~graph_trainer.passes.common.strip_holds`).
+before compiling (:func:`~graph_trainer.compiler.common.strip_holds`).
 
 CPU (gloo): with 2 gloo ranks, collectives left in flight while the main thread computes
 intermittently corrupted the heap (``malloc(): unaligned tcache chunk``), with or without
 the holds; the root cause was not found. Overlap buys nothing on CPU, so by default a
 collective on CPU tensors is only hoisted, together with its wait, and never left in
 flight; ``cpu_async=True`` separates them anyway (the 1-rank tests of the schedule).
+
+Why not torch's scheduler: ``torch._inductor.fx_passes.overlap_scheduling`` has the
+equivalent pass, ``schedule_overlap_bucketing`` (``OverlapScheduler``, which the
+``overlap_preserving_bucketer`` then buckets). It decides from runtime estimates of every
+compute node, and those come from the GPU: benchmarks, or a roofline of the device's
+bandwidth that torch computes even when given ``custom_runtime_estimation``. With no CUDA
+device, where the dry run, the tests and CI run, it raises (torch 2.11 and 2.13). With
+one, on the traced step, it bounds what is in flight by bytes and its peak-memory budget
+rather than by count, and leaves every reduce-scatter in flight to the end of the backward
+(every unsharded gradient alive until then), where ``max_in_flight`` bounds them here; its
+estimates are benchmarks aligned across ranks by a collective inside the pass; and torch
+2.13 also buckets FSDP collectives first, which is ``bucket_collectives``' job in this
+pipeline. tests/passes/test_overlap_collectives.py shows both cases (one runs where there
+is no GPU, the other where there is).
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     CAST_OPS,
     RESHAPE_OPS,
     SLICE_OPS,
@@ -67,6 +81,7 @@ from graph_trainer.passes.common import (
     set_pass_summary,
     shard_chain,
 )
+from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
@@ -256,3 +271,6 @@ def overlap_collectives_pass(
         **counts,
     )
     return gm
+
+
+PASS = GraphPass(name="overlap_collectives", fn=overlap_collectives_pass, enabled=lambda ctx: True)

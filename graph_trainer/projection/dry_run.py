@@ -2,24 +2,25 @@
 
 The process joins a fake process group as rank 0 of ``NGPU`` ranks, builds the model
 on the meta device (the 8B costs no memory), applies TP and traceable FSDP exactly as
-training does (:func:`graph_trainer.parallelize.distribute_for_trace`),
+training does (:func:`graph_trainer.distributed.parallelize.distribute_for_trace`),
 traces forward + loss + backward with make_fx, and prints a graph summary:
 node count, collectives by kind with bytes per rank, parameter / gradient /
 optimizer-state bytes per rank, the memory policy's choice for ``--compile.memory_budget_gib``
 (or for an 80 GB and a 141 GB device when it is 0) with its predicted peak
-(:mod:`graph_trainer.passes.memory_policy`), and the estimated peak of the step's intermediate
-tensors (:mod:`graph_trainer.passes.memory_estimate`) as traced and after the
+(:mod:`graph_trainer.compiler.memory_policy`), and the estimated peak of the step's intermediate
+tensors (:mod:`graph_trainer.compiler.memory_estimate`) as traced and after the
 pipeline's graph-level passes (the compiling passes are skipped: they need real tensors),
-and the projected step on a GPU kind (:mod:`graph_trainer.projection`): compute, exposed
+and the projected step on a GPU kind (:mod:`graph_trainer.projection.cost_model`): compute, exposed
 communication by kind and mesh dimension, step time, tps/GPU and MFU, for the graph after the
 passes of the memory policy's plan for that GPU's memory. Nothing is executed and no GPU is
 needed.
 
-The projection reads the environment (like ``NGPU``): ``PROJECTION_DEVICE`` (``h100`` |
-``h200``, default ``h100``), ``GPUS_PER_NODE`` (default 8), ``PROJECTION_ASYNC_TP=1`` (TP
-collectives overlap with compute) and ``COST_CONSTANTS`` (a JSON file of
-``scripts/cost_constants.py``; default ``graph_trainer/cost_constants/<device>.json`` when it
-exists, else datasheet values).
+The projection reads the ``[projection]`` flags (``graph_trainer.config.Projection``):
+``--projection.device`` (``h100`` | ``h200``), ``--projection.gpus_per_node``,
+``--projection.async_tp`` (TP collectives overlap with compute) and
+``--projection.cost_constants`` (a JSON file of ``scripts/cost_constants.py``; default
+``graph_trainer/projection/cost_constants/<device>.json`` when it exists, else datasheet values).
+The world size is ``NGPU``, the launcher's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     """``{op name: {"count": n, "bytes": output bytes per rank}}`` for ``_c10d_functional``
     collectives in ``gm`` (``wait_tensor`` excluded)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
-    from graph_trainer.passes.common import collective_kind
+    from graph_trainer.compiler.common import collective_kind
 
     for n in gm.graph.nodes:
         if (name := collective_kind(n)) is not None:
@@ -104,16 +105,18 @@ def dry_run(cfg) -> dict:
     """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; returns the summary.
 
     Raises:
-        UserError: invalid layout for NGPU (see :func:`graph_trainer.parallelize.build_parallel_dims`);
-            a bad projection variable (:func:`graph_trainer.projection.env_settings`).
+        UserError: invalid layout for NGPU (see :func:`graph_trainer.distributed.parallelize.build_parallel_dims`);
+            a bad ``[projection]`` flag (:func:`graph_trainer.projection.cost_model.settings`).
     """
-    from graph_trainer import parallelize, projection
+    from graph_trainer.distributed import parallelize
+    from graph_trainer.projection import cost_model as projection
     from graph_trainer.model import block_layout, build_model, build_model_args, build_tokenizer, flavors, loss_fn
-    from graph_trainer.passes.memory_estimate import estimate_peak_memory
-    from graph_trainer.passes.memory_policy import DRY_RUN_DEVICES_GIB, HEADROOM, GiB
-    from graph_trainer.passes.pipeline import COMPILING, plan_pipeline, run_pipeline
+    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+    from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB, HEADROOM, GiB
+    from graph_trainer.compiler.pipeline import plan_pipeline, run_pipeline
+    from graph_trainer.compiler.registry import registry
 
-    device, gpus_per_node, overlap = projection.env_settings()
+    device, gpus_per_node, overlap = projection.settings(cfg.projection)
     world = int(os.environ.get("NGPU", "8"))
     if not dist.is_initialized():
         try:
@@ -156,7 +159,7 @@ def dry_run(cfg) -> dict:
     # device: the budget given, or the dry-run device size nearest to its memory
     chosen = 0 if len(plans) == 1 else min(range(len(plans)),
                                            key=lambda i: abs(DRY_RUN_DEVICES_GIB[i] - device.memory_gib))
-    pipeline = [s for s in plans[chosen] if s.name not in COMPILING]
+    pipeline = [s for s in plans[chosen] if not registry()[s.name].compiles]
     gm = run_pipeline(gm, traced.example_inputs, pipeline)
     names = [s.name for s in pipeline]
     peak_after, peak_node = estimate_peak_memory(gm)
@@ -218,7 +221,7 @@ def layout_name(replicate: int, shard: int, tp: int) -> str:
 
 
 def group_dims(tpar) -> dict[str, str]:
-    """``{process group name: mesh dimension}`` of a :class:`graph_trainer.parallelize.TraceParallel`:
+    """``{process group name: mesh dimension}`` of a :class:`graph_trainer.distributed.parallelize.TraceParallel`:
     its replicate (``dp_replicate``), FSDP (``dp_shard``) and TP (``tp``) groups, and the
     data-parallel group (``dp``: replicate x shard flattened, the world under replicated DP
     alone) where it is none of those."""
@@ -232,10 +235,10 @@ def group_dims(tpar) -> dict[str, str]:
 
 
 def _project(gm, tpar, pdims, device, gpus_per_node, overlap, shards, tokens, flops_per_token):
-    """The projection of the step graph ``gm`` (:mod:`graph_trainer.projection`), with what runs
+    """The projection of the step graph ``gm`` (:mod:`graph_trainer.projection.cost_model`), with what runs
     after the graph: the optimizer and clipping (HBM traffic), the gradient norm's all-reduce
     (sharded layouts) and replicated DP's flat gradient all-reduce."""
-    from graph_trainer import projection as P
+    from graph_trainer.projection import cost_model as P
 
     world = pdims.dp_replicate * pdims.dp_shard * pdims.tp
     params = sum(p.numel() for p in shards)

@@ -2,7 +2,7 @@
 torch's micro-pipelined symmetric-memory ops.
 
 Matches, on the TP process group only (sequence parallel, torchtitan's Llama3 plan as
-traced by :func:`graph_trainer.parallelize.distribute_for_trace`):
+traced by :func:`graph_trainer.distributed.parallelize.distribute_for_trace`):
 
 * **all-gather -> matmul**: ``_c10d_functional.all_gather_into_tensor(shard, g, tp)``, its
   ``wait_tensor`` and the layout ops that turn the rank-major result into the gathered
@@ -22,17 +22,30 @@ traced by :func:`graph_trainer.parallelize.distribute_for_trace`):
   matmul's result. ``return_A=False`` when nothing else reads ``A``; in a training step
   the gathered activation is saved for the weight gradient, so ``A`` is returned.
 * **matmul -> reduce-scatter**: ``_c10d_functional.reduce_scatter_tensor(X, "sum" | "avg",
-  g, tp)`` and its wait, where ``X`` is, directly or through ``split`` / ``slice`` on
-  dimension ``d`` -> ``cat`` on 0 (funcol's scatter on ``d``), the output of an
-  ``aten.mm`` (2-D, ``d = 0``) or of ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])``
-  that nothing else reads. It becomes
-  ``symm_mem.fused_matmul_reduce_scatter(A, B, op, d, tp)``, which replaces the wait.
+  g, tp)`` and its wait as Inductor's ``micro_pipeline_tp.find_reduce_scatter_patterns``
+  finds them (reused here): ``X`` directly, or through funcol's ``split`` on dimension
+  ``d`` -> ``getitem`` s -> ``cat`` on 0 (its scatter on ``d``; newer torch also finds
+  the ``slice`` form), the ``g`` chunks in rank order (checked here: Inductor's pattern
+  takes any number in any order). ``X`` must be the output of an ``aten.mm`` (2-D,
+  ``d = 0``) or of ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])`` that nothing
+  else reads. It becomes ``symm_mem.fused_matmul_reduce_scatter(A, B, op, d, tp)``, which
+  replaces the wait.
 
-These are the rules of Inductor's ``torch/_inductor/fx_passes/micro_pipeline_tp.py``
-(``find_all_gather_patterns``, ``find_reduce_scatter_patterns``,
-``_find_consumer_matmuls``, ``_find_producer_matmul``) on this graph's ops: make_fx
-records ``view`` / ``_unsafe_view`` where Inductor's post-grad graph has ``reshape``. As
-Inductor: a matmul whose right operand depends on ``A`` is left out; the fused op is
+Why not Inductor's ``torch._inductor.fx_passes.micro_pipeline_tp.micro_pipeline_tp_pass``
+itself (``tests/passes/test_async_tp.py::test_inductor_micro_pipeline_tp_*`` run it on the
+traced graphs): it is written for Inductor's post-grad graph and finds its matmuls
+(``_find_consumer_matmuls``, ``_find_producer_matmul``) through ``aten.reshape`` ->
+``mm`` -> ``aten.reshape``, while make_fx records ``view`` / ``_unsafe_view``, so on this
+graph it fuses nothing. With those retargeted to ``reshape`` it still misses every
+all-gather whose result is rebuilt by one ``view`` (batch 1, the Llama3 8B setting) and,
+under op-level SAC, the all-gathers whose layout ops SAC copied into the backward (its
+``find_all_gather_patterns`` then takes the rank-major buffer for a gather on dimension
+0); it fuses matmuls of another phase, leaves its new nodes without fake values, and
+rewrites only where NCCL and symmetric memory are set up, never on the dry run's fake
+group. So the all-gather layouts and the matmuls are matched here, and only its
+reduce-scatter finder is reused.
+
+As Inductor: a matmul whose right operand depends on ``A`` is left out; the fused op is
 inserted at the all-gather (the nodes the right operands need that come later are moved
 up) or at the reduce-scatter. Left as they are (counted, with the reason, in the
 summary): gathers / scatters on the last dimension (Inductor's extra last-dim paths: not
@@ -46,7 +59,7 @@ forward and keep them alive until the backward.
 
 The TP group: the option ``tp_group_name``, else the one group of the all-gathers of
 activations, i.e. all-gathers whose input is not a parameter shard
-(:func:`~graph_trainer.passes.common.shard_chain`): FSDP's parameter all-gathers (and
+(:func:`~graph_trainer.compiler.common.shard_chain`): FSDP's parameter all-gathers (and
 its gradient reduce-scatters) are on ``dp_shard`` and never match; several candidate
 groups: the pass skips. Only pairs on that group are matched.
 
@@ -87,7 +100,7 @@ outputs a permuted layout; each output the graph reads is then copied to the con
 layout the traced graph expects (``clone``; the ``restrided`` stat), so later ``view`` s
 stay valid.
 
-Where it runs in :data:`~graph_trainer.passes.pipeline.DEFAULT_ORDER`: after
+Where it runs in :data:`~graph_trainer.compiler.passes.ORDER`: after
 ``sac_recompute`` (it must see which projections the backward recomputes, and the
 recomputed copies must read the returned ``A``) and ``reshard_after_forward`` (which only
 touches FSDP parameter all-gathers); before ``overlap_collectives`` /
@@ -95,7 +108,7 @@ touches FSDP parameter all-gathers); before ``overlap_collectives`` /
 has no wait and overlaps inside itself, and ``overlap_collectives`` hoists it like any
 non-all-gather collective, to just after its inputs) and before the annotation and
 Inductor passes: the fused ops are collectives
-(:data:`~graph_trainer.passes.common.COLLECTIVE_NAMESPACES`), so no annotation pass puts
+(:data:`~graph_trainer.compiler.common.COLLECTIVE_NAMESPACES`), so no annotation pass puts
 them into a ``regional_inductor`` region (it compiles tagged nodes only); ``full_inductor``
 lowers them as fallback kernels with fixed input strides (their
 ``needs_fixed_stride_order`` tag), as for Inductor's own ``micro_pipeline_tp``.
@@ -108,13 +121,13 @@ import math
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
 
 from graph_trainer import NUMERICS_KEY
-from graph_trainer.passes.common import (
+from graph_trainer.compiler.common import (
     RESHAPE_OPS,
     collective_kind,
     custom_meta,
@@ -125,6 +138,7 @@ from graph_trainer.passes.common import (
     set_pass_summary,
     shard_chain,
 )
+from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
@@ -239,7 +253,7 @@ def _is_mm(node: Any) -> bool:
 def infer_tp_group(gm: torch.fx.GraphModule) -> tuple[str | None, str | None]:
     """``(group name, None)`` of the TP group of ``gm``: the group of the all-gathers of
     activations (functional all-gathers whose input is not a parameter shard:
-    :func:`~graph_trainer.passes.common.shard_chain` is None); ``(None, reason)`` when
+    :func:`~graph_trainer.compiler.common.shard_chain` is None); ``(None, reason)`` when
     there is none or more than one."""
     groups = sorted({
         str(_group_name(n)) for n in gm.graph.nodes
@@ -412,54 +426,34 @@ def _match_all_gather(ag: torch.fx.Node, order: dict[torch.fx.Node, int]) -> All
     return m
 
 
-def _scatter_layout(cat: torch.fx.Node, g: Any) -> tuple[torch.fx.Node, int, list[torch.fx.Node]] | None:
-    """``(X, d, layout nodes)`` when ``cat`` (on dim 0) concatenates the ``g`` chunks of one
-    tensor ``X`` along ``d`` in order -- ``split(X, size, d)`` -> ``getitem`` 0..g-1, or
-    ``slice(X, d, ...)`` s -- each read only there; else None."""
-    parts = list(cat.args[0]) if isinstance(cat.args[0], (list, tuple)) else []
-    if not isinstance(g, int) or len(parts) != g or not all(isinstance(p, torch.fx.Node) and len(p.users) == 1
-                                                            for p in parts):
+def _chunk_index(part: torch.fx.Node) -> int | None:
+    """Which chunk ``part`` is: ``getitem`` i of the split, or the slice of chunk i."""
+    if is_getitem(part):
+        return part.args[1]
+    if part.target is not aten.slice.Tensor or _shape(part) is None:
         return None
-    first = parts[0]
-    if is_getitem(first) and isinstance(first.args[0], torch.fx.Node) and first.args[0].target in _SPLITS:
-        split = first.args[0]
-        if len(split.users) == g and all(is_getitem(p) and p.args[0] is split and p.args[1] == i
-                                         for i, p in enumerate(parts)):
-            return split.args[0], _arg(split, 2, "dim", 0), [split, *parts, cat]
-        return None
-    if all(p.target is aten.slice.Tensor for p in parts):
-        src, dims = parts[0].args[0], {_arg(p, 1, "dim", 0) for p in parts}
-        shape, d = _shape(src), next(iter(dims))
-        if (isinstance(src, torch.fx.Node) and len(dims) == 1 and shape is not None
-                and all(p.args[0] is src and _arg(p, 2, "start") == i * (shape[d] // g) for i, p in enumerate(parts))):
-            return src, d, [*parts, cat]
-    return None
+    return (_arg(part, 2, "start") or 0) // max(1, _shape(part)[_arg(part, 1, "dim", 0)])
 
 
-def _match_reduce_scatter(rs: torch.fx.Node) -> ReduceScatterMatch:
+def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int]) -> ReduceScatterMatch:
+    """``rs`` as Inductor's ``find_reduce_scatter_patterns`` matched it (``found``: its matches
+    by reduce-scatter), checked and with its producer matmul."""
     m = ReduceScatterMatch(rs)
-    waits = [u for u in rs.users if is_wait(u)]
-    if len(waits) != 1 or len(rs.users) != 1:
-        m.reason = "reduce-scatter not followed by exactly one wait"
+    if len(rs.users) != 1 or rs not in found:
+        m.reason = ("reduce-scatter not followed by exactly one wait" if len(rs.users) != 1
+                    else "reduce-scatter input not recognised")
         return m
-    m.wait = waits[0]
-    m.reduce_op = str(_arg(rs, 1, "reduce_op"))
+    t = found[rs]
+    nodes = t.match.nodes if hasattr(t.match, "nodes") else t.match  # newer torch: a list for the slice form
+    m.wait, m.reduce_op, m.scatter_dim, x = t.wait_tensor_node, str(t.reduce_op), t.scatter_dim, t.input_node
+    m.layout = sorted((n for n in nodes if n is not rs and n is not m.wait), key=order.__getitem__)
+    if m.layout and [_chunk_index(p) for p in m.layout[-1].args[0]] != list(range(_arg(rs, 2, "group_size"))):
+        m.reason = "reduce-scatter input not recognised (chunks out of rank order)"
+        return m
     if m.reduce_op not in ("sum", "avg"):
         m.reason = f"reduce op {m.reduce_op!r}"
         return m
-    g = _arg(rs, 2, "group_size")
-    x = rs.args[0]
-    # split / slice on d -> cat on 0: the scatter dimension is d
-    if isinstance(x, torch.fx.Node) and x.target is aten.cat.default and _arg(x, 1, "dim", 0) == 0:
-        found = _scatter_layout(x, g)
-        if found is None:
-            m.reason = "reduce-scatter input not recognised"
-            return m
-        x, m.scatter_dim, m.layout = found
-        if not all(u in m.layout for u in x.users):
-            m.reason = "the matmul output has other users"
-            return m
-    elif not isinstance(x, torch.fx.Node) or len(x.users) != 1:
+    if not all(u in m.layout or u is rs for u in x.users):
         m.reason = "the matmul output has other users"
         return m
     shape = _shape(x)
@@ -494,7 +488,10 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
         tp_group_name, reason = infer_tp_group(gm)
     if tp_group_name is None:
         return AsyncTPPlan(None, reason, [], [])
+    from torch._inductor.fx_passes.micro_pipeline_tp import find_reduce_scatter_patterns
+
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    found = {t.reduce_scatter_node: t for t in find_reduce_scatter_patterns(gm.graph)}
     ags, rss = [], []
     for n in gm.graph.nodes:
         kind = collective_kind(n)
@@ -503,7 +500,7 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
         if kind == "all_gather_into_tensor":
             ags.append(_match_all_gather(n, order))
         else:
-            rss.append(_match_reduce_scatter(n))
+            rss.append(_match_reduce_scatter(n, found, order))
     return AsyncTPPlan(tp_group_name, None, ags, rss)
 
 
@@ -805,3 +802,23 @@ def _left_text(plan: AsyncTPPlan, ags: list[AllGatherMatch], rss: list[ReduceSca
             n = sum(reasons.values())
             parts.append(f"{n} {label}{'s' if n > 1 else ''} (" + "; ".join(f"{v}: {k}" for k, v in reasons.items()) + ")")
     return f"; left {', '.join(parts)}" if parts else ""
+
+
+@dataclass
+class AsyncTPOptions:
+    """``[compile.async_tp]``: options of ``async_tp`` (``--compile.passes async_tp``)."""
+
+    fuse: Literal["all", "all_gather_matmul", "matmul_reduce_scatter"] = "all"
+    """Which TP pairs the async_tp pass replaces with torch's symmetric-memory ops: all:
+    all-gather -> matmul (symm_mem.fused_all_gather_matmul) and matmul -> reduce-scatter
+    (symm_mem.fused_matmul_reduce_scatter); all_gather_matmul / matmul_reduce_scatter:
+    only that one. CUDA only (the pass skips elsewhere). The fused matmuls run in
+    per-rank row chunks: equal to the unfused step up to the matmul kernels' choice, not
+    guaranteed bitwise (graph_trainer/compiler/passes/async_tp.py)."""
+
+
+PASS = GraphPass(
+    name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
+    kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name},
+    aliases=("micro_pipeline_tp",),
+)

@@ -1,13 +1,15 @@
 """Scale projection: step time, tps/GPU and MFU of a traced step on a layout of GPUs.
 
 A small cost model over the traced graph of one rank (the dry run's,
-:mod:`graph_trainer.dry_run`), per rank per training step::
+:mod:`graph_trainer.projection.dry_run`), per rank per training step::
 
     step      = compute + exposed communication
-    compute   = Σ_matmul 2·M·N·K / R_mm(shape)          aten.mm / addmm (bmm / baddbmm: ·B)
-              + Σ_attention F / R_attn(shape)           fused SDPA ops, forward and backward
+    compute   = Σ_matmul F_mm / R_mm(shape)               aten.mm / addmm / bmm / baddbmm (and
+                                                          any other op with a torch FLOP formula)
+              + Σ_attention F_attn / R_attn(shape)        fused SDPA ops, forward and backward
               + Σ_other (bytes read + bytes written) / B_hbm      every other op that moves data
               + optimizer bytes / B_hbm                  AdamW and grad-norm clipping, after the graph
+    F_mm      = 2·M·N·K (·B batched)
     F_attn    = 4·B·H·S_q·S_k·D, ·½ when causal (forward); 2.5 × that for the backward
     t_coll    = α_link + bytes_on_wire / β_link
     bytes_on_wire = (n−1)/n · S   all_gather (S = gathered output), reduce_scatter (S = input)
@@ -15,9 +17,11 @@ A small cost model over the traced graph of one rank (the dry run's,
     tps/GPU   = local_batch · seq_len / (step · tp)
     MFU       = flops_per_token · tps/GPU / peak_bf16
 
-Sources: matmul FLOPs 2·M·N·K; attention FLOPs as FlashAttention-2 counts them (Dao 2023,
-arXiv:2307.08691, §4.1: ``4·seqlen²·head_dim·n_heads``, halved when causal, backward 2.5×
-the forward: 5 matmuls against 2); ``flops_per_token`` is torchtitan's
+Sources: F_mm and F_attn are ``torch.utils.flop_counter``'s per-op formulas
+(``flop_registry``, :func:`node_flops`); its attention backward counts five matmuls against the
+forward's two (the recomputed scores included), as FlashAttention-2 does (Dao 2023,
+arXiv:2307.08691, §4.1: ``4·seqlen²·head_dim·n_heads``, backward 2.5×); the causal halving is
+FlashAttention-2's, which torch's formulas leave out. ``flops_per_token`` is torchtitan's
 ``get_nparams_and_flops`` (6·N + 12·layers·heads·head_dim·seq: non-causal attention, no
 recompute), so MFU here is the MFU ``graph_trainer.metrics`` reports; ``peak_bf16`` is its table
 (:func:`graph_trainer.metrics.peak_bf16_for_name`). The collective cost is the α–β (Hockney)
@@ -41,37 +45,36 @@ only where together they exceed the compute time:
 the loss's token count, those after the graph) is exposed, except the collectives inside the
 async-TP pass's fused ops (``symm_mem.fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter``: their matmul FLOPs count as matmuls, their collective as
-overlapped); ``Overlap.async_tp`` (``PROJECTION_ASYNC_TP=1``) overlaps every TP collective,
+overlapped); ``Overlap.async_tp`` (``--projection.async_tp``) overlaps every TP collective,
 for a graph traced without that pass.
 
 Left out (each makes the projection optimistic unless noted): the ring's per-hop latency
 (``(n−1)`` steps; matters when ``S / n`` is small, large rings of small buckets); NCCL
-kernels slowing the matmuls they overlap (measured +11 % on the 8B, docs/perf.md, "pinned
-full-graph Inductor"); kernel launch gaps and host overhead; fusion: every "other" op reads
-its inputs and writes its output once (no fusion: pessimistic for full-graph Inductor);
-contention between concurrent groups beyond the NIC rule above; SHARP / NVLS; the dry run's
-GQA head repeat on the meta device (two ``[B, H, S, D]`` copies per layer that a GPU does
-not make, counted as memory traffic).
+kernels slowing the matmuls they overlap (docs/perf.md, "pinned full-graph Inductor");
+kernel launch gaps and host overhead; fusion: every "other" op reads its inputs and writes
+its output once (no fusion: pessimistic for full-graph Inductor); contention between
+concurrent groups beyond the NIC rule above; SHARP / NVLS; the dry run's GQA head repeat on
+the meta device (two ``[B, H, S, D]`` copies per layer that a GPU does not make, counted as
+memory traffic).
 
-Constants (:class:`DeviceConstants`): vendor datasheet values until
-``scripts/cost_constants.py`` has measured them on the GPU and written a JSON file; a file
-``graph_trainer/cost_constants/<device>.json`` or ``$COST_CONSTANTS`` replaces the defaults
-field by field, and the projection says which fields were measured.
+Settings: the ``[projection]`` flags (``graph_trainer.config.Projection``, :func:`settings`);
+constants: :mod:`graph_trainer.projection.devices`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.errors import UserError
+from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
+    DEVICES, DeviceConstants, Link, apply_measurements, device_constants)
 
 #: Mesh dimension names, in torchtitan's mesh order (outermost first).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -87,180 +90,22 @@ OPTIMIZER_BYTES_PER_PARAM = 40
 FLAT_ALL_REDUCE_BYTES_PER_PARAM = 16
 #: NCCL ring traffic per byte of collective size S (nccl-tests doc/PERFORMANCE.md, busbw).
 _RING_FACTOR = {
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "all_gather_into_tensor_coalesced": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor_coalesced": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_reduce_coalesced": lambda n: 2 * (n - 1) / n,
+    **dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+                     "reduce_scatter_tensor_coalesced", "all_to_all_single"), lambda n: (n - 1) / n),
+    **dict.fromkeys(("all_reduce", "all_reduce_coalesced"), lambda n: 2 * (n - 1) / n),
     "broadcast": lambda n: 1.0,
 }
 
 aten = torch.ops.aten
-_MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-#: Fused attention ops (GPU: cuDNN / flash / memory-efficient; meta: the dry run's CPU flash op).
-_ATTENTION_FWD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu"}
-_ATTENTION_BWD = {f"{name}_backward" for name in _ATTENTION_FWD}
-
-
-# --------------------------------------------------------------------------- device constants
-
-
-@dataclass(frozen=True)
-class Link:
-    """One link type's α–β constants.
-
-    Attributes:
-        alpha_s: latency per collective, seconds.
-        busbw_Bps: bus bandwidth, bytes/s (nccl-tests' busbw: one direction, per GPU).
-        by_kind: ``{collective kind: (alpha_s, busbw_Bps)}`` measured per kind; kinds not
-            in it use ``alpha_s`` / ``busbw_Bps``.
-    """
-
-    alpha_s: float
-    busbw_Bps: float
-    by_kind: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-
-    def constants(self, kind: str) -> tuple[float, float]:
-        """``(alpha_s, busbw_Bps)`` for collective ``kind``."""
-        return tuple(self.by_kind.get(kind, (self.alpha_s, self.busbw_Bps)))
-
-
-@dataclass(frozen=True)
-class DeviceConstants:
-    """Throughputs of one GPU kind. Rates in FLOP/s and bytes/s, sizes in GiB.
-
-    Attributes:
-        name: ``"h100"`` / ``"h200"``.
-        peak_bf16_flops: dense bf16 peak, the MFU denominator (``graph_trainer.metrics``).
-        matmul_flops: bf16 matmul rate for shapes not in ``matmul_by_shape``.
-        attention_flops: causal SDPA forward + backward rate (FLOPs counted as in the
-            module docstring) for shapes not in ``attention_by_shape``.
-        hbm_Bps: memory bandwidth, bytes read + written per second.
-        nvlink: the link inside a node.
-        nic: one GPU's network link (the NIC of a GPU, rail-optimized).
-        memory_gib: device memory the dry run's memory policy plans for.
-        matmul_by_shape: ``{sorted (M, N, K): FLOP/s}`` measured.
-        attention_by_shape: ``{(B, H, S, D): FLOP/s}`` measured (H: query heads).
-        measured: the fields a measurement file set.
-        source: where the values came from (printed with the projection).
-    """
-
-    name: str
-    peak_bf16_flops: float
-    matmul_flops: float
-    attention_flops: float
-    hbm_Bps: float
-    nvlink: Link
-    nic: Link
-    memory_gib: float
-    matmul_by_shape: Mapping[tuple, float] = field(default_factory=dict)
-    attention_by_shape: Mapping[tuple, float] = field(default_factory=dict)
-    measured: tuple[str, ...] = ()
-    source: str = "datasheet defaults"
-
-
-def _defaults(name: str, gpu: str, hbm_Bps: float, memory_gib: float) -> DeviceConstants:
-    """Vendor datasheet values (NVIDIA H100 / H200 SXM data sheets): dense bf16 peak for the
-    matmul and attention rates (no efficiency applied), HBM bandwidth, NVLink 4 at 900 GB/s
-    bidirectional = 450 GB/s per direction, ConnectX-7 400 Gb/s = 50 GB/s per GPU. The α
-    values are assumptions (no datasheet gives them): 10 µs inside a node, 20 µs across."""
-    from graph_trainer.metrics import peak_bf16_for_name
-
-    peak = peak_bf16_for_name(gpu)
-    return DeviceConstants(name=name, peak_bf16_flops=peak, matmul_flops=peak, attention_flops=peak,
-                           hbm_Bps=hbm_Bps, nvlink=Link(10e-6, 450e9), nic=Link(20e-6, 50e9), memory_gib=memory_gib)
-
-
-def _default_devices() -> dict[str, DeviceConstants]:
-    from graph_trainer.passes.memory_policy import DRY_RUN_DEVICES_GIB
-
-    return {
-        "h100": _defaults("h100", "H100", 3.35e12, DRY_RUN_DEVICES_GIB[0]),
-        "h200": _defaults("h200", "H200", 4.8e12, DRY_RUN_DEVICES_GIB[1]),
-    }
-
-
-#: The device kinds ``PROJECTION_DEVICE`` accepts.
-DEVICES = ("h100", "h200")
-_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_constants")
-
-
-def device_constants(name: str, path: str | None = None) -> DeviceConstants:
-    """The constants of device kind ``name``: datasheet defaults, with every field that the
-    measurement file sets replaced.
-
-    Args:
-        name: ``"h100"`` or ``"h200"`` (case-insensitive; ``PROJECTION_DEVICE``).
-        path: a JSON file written by ``scripts/cost_constants.py``; ``None``: ``$COST_CONSTANTS``
-            if set, else ``graph_trainer/cost_constants/<name>.json`` if it exists, else none.
-
-    Raises:
-        UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU.
-    """
-    key = name.strip().lower()
-    if key not in DEVICES:
-        raise UserError(f"PROJECTION_DEVICE={name!r} is not known; use one of {', '.join(DEVICES)}.")
-    dev = _default_devices()[key]
-    if path is None:
-        path = os.environ.get("COST_CONSTANTS") or os.path.join(_HERE, f"{key}.json")
-        if not os.environ.get("COST_CONSTANTS") and not os.path.exists(path):
-            return dev
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"COST_CONSTANTS={path}: cannot read a JSON file ({e}).") from None
-    return apply_measurements(dev, data, path)
-
-
-def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -> DeviceConstants:
-    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``:
-    ``device``, ``matmul`` rows ``{m, n, k, tflops}``, ``matmul_tflops``, ``attention`` rows
-    ``{b, h, s, d, tflops}``, ``attention_tflops``, ``hbm_gbps``, ``nccl``
-    ``{kind: {alpha_us, busbw_gbps}}`` measured inside one node, ``nccl_network`` the same
-    measured across nodes with ``gpus_per_node`` each).
-
-    Raises:
-        UserError: ``data["device"]`` names another GPU than ``dev``.
-    """
-    gpu = str(data.get("device", ""))
-    if gpu and dev.name.upper() not in gpu.upper():
-        raise UserError(f"COST_CONSTANTS={path} was measured on {gpu!r}, not an {dev.name.upper()}.")
-    upd, measured = {}, []
-    if data.get("matmul_tflops"):
-        upd["matmul_flops"] = data["matmul_tflops"] * 1e12
-        upd["matmul_by_shape"] = {tuple(sorted((r["m"], r["n"], r["k"]))): r["tflops"] * 1e12
-                                  for r in data.get("matmul", [])}
-        measured.append("matmul")
-    if data.get("attention_tflops"):
-        upd["attention_flops"] = data["attention_tflops"] * 1e12
-        upd["attention_by_shape"] = {(r["b"], r["h"], r["s"], r["d"]): r["tflops"] * 1e12
-                                     for r in data.get("attention", [])}
-        measured.append("attention")
-    if data.get("hbm_gbps"):
-        upd["hbm_Bps"] = data["hbm_gbps"] * 1e9
-        measured.append("hbm")
-    nccl = {k: (v["alpha_us"] * 1e-6, v["busbw_gbps"] * 1e9) for k, v in (data.get("nccl") or {}).items()}
-    if nccl:
-        # the NVLink default for kinds not measured: the mean of the measured ones
-        alpha = sum(a for a, _ in nccl.values()) / len(nccl)
-        beta = sum(b for _, b in nccl.values()) / len(nccl)
-        upd["nvlink"] = Link(alpha, beta, nccl)
-        measured.append("nvlink")
-    net = data.get("nccl_network") or {}
-    if net:  # measured across hosts with k GPUs each: k NICs at once (module docstring), per NIC / k
-        alpha = sum(v["alpha_us"] * 1e-6 for v in net.values()) / len(net)
-        beta = sum(v["busbw_gbps"] * 1e9 / v.get("gpus_per_node", 1) for v in net.values()) / len(net)
-        upd["nic"] = Link(alpha, beta)
-        measured.append("nic")
-    if not measured:
-        return dev
-    return dataclasses.replace(dev, **upd, measured=tuple(measured),
-                               source=f"measured ({', '.join(measured)}) in {os.path.basename(path)}, "
-                                      "the rest datasheet defaults")
+#: Ops whose FLOPs torch's registry holds under another op with the same leading arguments:
+#: the dry run traces the GPU's fused flash attention as the CPU flash op on the meta device
+#: (:func:`graph_trainer.projection.dry_run.fused_attention_on_meta`), which has no formula there.
+_FLOP_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+#: Matmuls keyed by sorted ``(M, N, K)`` (``(B, ...)`` batched), the keys of the measured rates.
+_MM_KEYED = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
 
 
 # --------------------------------------------------------------------------- layout and links
@@ -368,48 +213,63 @@ def _meta(arg):
     return arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
 
 
-def matmul_flops(node: torch.fx.Node) -> tuple[int, tuple] | None:
-    """``(FLOPs, shape key)`` of an ``aten.mm / addmm / bmm / baddbmm`` node, else None:
-    ``2·M·N·K`` (·B for the batched ones); key = sorted ``(M, N, K)`` (``(B, ...)`` batched).
-    Uses the input shapes of the nodes' ``meta["val"]``."""
-    if node.target not in _MATMUL_OPS:
+def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
+    """``(term, FLOPs, shape key)`` of a node whose op has a formula in
+    ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm, baddbmm, ``_scaled_mm``,
+    convolution, the fused SDPA ops and their backward), else None. ``term``: ``"attention"``
+    for attention ops, else ``"matmul"``.
+
+    FLOPs: torch's formula evaluated on the arguments' ``meta["val"]`` (fake / meta tensors),
+    as ``FlopCounterMode`` evaluates it on the live ones: ``2·M·N·K`` per matmul (``·B``
+    batched); SDPA forward ``4·B·H·S_q·S_k·D``, backward 2.5× (five matmuls, the recomputed
+    scores included, as FlashAttention-2 counts them, arXiv:2307.08691 §4.1). Two things torch's
+    registry cannot do here, added on top: attention is halved when ``is_causal`` (its formulas
+    count the whole ``S_q × S_k`` score matrix, "not accounting for causal attention"), the
+    causal count of FlashAttention-2 §4.1 and of the measured attention rates; and the dry
+    run's CPU flash op is counted with the GPU flash op's formula (:data:`_FLOP_ALIASES`).
+
+    Key: sorted ``(M, N, K)`` for mm / addmm, ``(B, *sorted(M, N, K))`` for bmm / baddbmm,
+    ``(B, H, S_q, D)`` (query shape) for attention, ``(op name, input shapes...)`` otherwise.
+    """
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
-    a = _args(node)
-    x, w = _meta(a.get("mat1", a.get("self"))), _meta(a.get("mat2"))
-    if node.target in (aten.bmm.default, aten.baddbmm.default):
-        x, w = _meta(a.get("batch1", a.get("self"))), _meta(a.get("batch2", a.get("mat2")))
-        b, m, k = x.shape
-        n = w.shape[-1]
-        return 2 * b * m * n * k, (b, *sorted((m, n, k)))
-    m, k = x.shape
-    n = w.shape[-1]
-    return 2 * m * n * k, tuple(sorted((m, n, k)))
-
-
-def attention_flops(node: torch.fx.Node) -> tuple[float, tuple] | None:
-    """``(FLOPs, (B, H, S_q, D))`` of a fused SDPA forward or backward node, else None.
-    Forward ``4·B·H·S_q·S_k·D``, halved when ``is_causal``; backward 2.5× (FlashAttention-2,
-    §4.1). Shapes from the ``query`` / ``key`` arguments ``[B, H, S, D]``."""
-    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
-    if name not in _ATTENTION_FWD and name not in _ATTENTION_BWD:
+    packet = node.target.overloadpacket
+    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
+    if formula is None:
         return None
-    a = _args(node)
-    q, k = _meta(a["query"]), _meta(a["key"])
-    b, h, s_q, d = q.shape
-    flops = 4.0 * b * h * s_q * k.shape[-2] * d * (0.5 if a.get("is_causal") else 1.0)
-    return flops * (2.5 if name in _ATTENTION_BWD else 1.0), (b, h, s_q, d)
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta)
+    out = node.meta.get("val")
+    flops = formula(*args, out_val=out, **kwargs)
+    if "attention" in packet.__name__:
+        a = _args(node)
+        causal = 0.5 if a.get("is_causal") else 1.0
+        return "attention", flops * causal, tuple(_meta(a["query"]).shape)
+    if packet in _MM_KEYED and isinstance(out, torch.Tensor) and out.numel():
+        *b, m, n = out.shape
+        return "matmul", flops, (*b, *sorted((m, n, flops // (2 * math.prod(out.shape)))))
+    shapes = [tuple(v.shape) for v in args if isinstance(v, torch.Tensor)]
+    return "matmul", flops, (packet.__name__, *shapes)
 
 
-#: Async TP's micro-pipelined ops (graph_trainer/passes/async_tp.py) -> the collective inside.
+#: Async TP's micro-pipelined ops (graph_trainer/compiler/passes/async_tp.py) -> the collective inside.
 _FUSED_TP = {"fused_all_gather_matmul": "all_gather_into_tensor",
              "fused_matmul_reduce_scatter": "reduce_scatter_tensor"}
+
+
+def _mm(m: int, k: int, n: int) -> tuple[int, tuple]:
+    """``(FLOPs, sorted (M, N, K))`` of ``[M, K] @ [K, N]`` by torch's ``aten.mm`` formula."""
+    return flop_registry[aten.mm]((m, k), (k, n)), tuple(sorted((m, k, n)))
 
 
 def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, str] | None:
     """``([(FLOPs, shape key) per matmul], S bytes, collective kind)`` of an async-TP op
     (``symm_mem.fused_all_gather_matmul(A, Bs, ...)``: the gathered ``A [M, K]`` times each
     ``B [K, N_i]``, S = gathered A; ``fused_matmul_reduce_scatter(A, B, ...)``: ``A [M, K] @
-    B [K, N]``, S = the ``[M, N]`` product), else None. Shapes from ``meta["val"]``."""
+    B [K, N]``, S = the ``[M, N]`` product), else None. Shapes from ``meta["val"]``.
+
+    Own code because ``torch.utils.flop_counter`` has no formula for the ``symm_mem`` ops
+    (tests/test_projection.py checks it): it maps them onto ``aten.mm``'s formula (``2·M·N·K``)
+    and names the collective inside, which the projection counts as overlapped."""
     name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
     if node.op != "call_function" or name not in _FUSED_TP:
         return None
@@ -419,16 +279,15 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
     if name == "fused_all_gather_matmul":
         bs = [_meta(b) for b in a["Bs"]]
         m = node.meta["val"][1][0].numel() // bs[0].shape[-1]  # rows after the gather
-        mms = [(2 * m * k * b.shape[-1], tuple(sorted((m, k, b.shape[-1])))) for b in bs]
-        return mms, m * k * A.element_size(), _FUSED_TP[name]
+        return [_mm(m, k, b.shape[-1]) for b in bs], m * k * A.element_size(), _FUSED_TP[name]
     m, n = A.numel() // k, _meta(a["B"]).shape[-1]
-    return [(2 * m * k * n, tuple(sorted((m, k, n))))], m * n * node.meta["val"].element_size(), _FUSED_TP[name]
+    return [_mm(m, k, n)], m * n * node.meta["val"].element_size(), _FUSED_TP[name]
 
 
 def _is_view(target) -> bool:
     """An op that returns an alias of an input (no data moves): its schema says so, or it is
     one of the passes' view ops (``_unsafe_view`` declares no alias)."""
-    from graph_trainer.passes.common import VIEW_OPS
+    from graph_trainer.compiler.common import VIEW_OPS
 
     if target in VIEW_OPS:
         return True
@@ -440,12 +299,12 @@ def _is_view(target) -> bool:
 def memory_op_bytes(node: torch.fx.Node) -> int:
     """Bytes read + written by ``node`` when it is an "other" op (not a matmul, attention,
     collective, view or graph bookkeeping), else 0: its tensor inputs' and outputs' sizes."""
-    from graph_trainer.passes.common import is_collective
+    from graph_trainer.compiler.common import is_collective
 
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
-    if (node.target in _MATMUL_OPS or is_collective(node) or _is_view(node.target)
-            or attention_flops(node) is not None or fused_tp_work(node) is not None):
+    if (is_collective(node) or _is_view(node.target) or node_flops(node) is not None
+            or fused_tp_work(node) is not None):
         return 0
     reads = sum(_val_bytes(_meta(a)) for a in node.all_input_nodes)
     return reads + _val_bytes(node.meta.get("val"))
@@ -468,7 +327,7 @@ def collectives_of(gm: torch.fx.GraphModule, group_dims: Mapping[str, str]) -> l
     """The functional collectives of ``gm`` in graph order, each attributed to a mesh dimension
     through its ``group_name`` argument (``group_dims``: group name -> dim; unknown groups:
     ``"?"``). Size = the larger of input and output bytes."""
-    from graph_trainer.passes.common import collective_kind
+    from graph_trainer.compiler.common import collective_kind
 
     out = []
     for i, n in enumerate(gm.graph.nodes):
@@ -507,8 +366,9 @@ class GraphWork:
 
 
 def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = None) -> GraphWork:
-    """Count matmul and attention FLOPs, other ops' bytes and collectives of ``gm`` (whose
-    nodes carry ``meta["val"]``, as make_fx leaves them)."""
+    """Count matmul and attention FLOPs (:func:`node_flops`, :func:`fused_tp_work`), other ops'
+    bytes (:func:`memory_op_bytes`) and collectives (:func:`collectives_of`) of ``gm``, whose
+    nodes carry ``meta["val"]`` as make_fx leaves them. FLOPs in FLOP, bytes in bytes."""
     mm: dict[tuple, float] = defaultdict(float)
     attn: dict[tuple, float] = defaultdict(float)
     mem = 0
@@ -520,10 +380,8 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
             for flops, key in f[0]:
                 mm[key] += flops
             colls.append(CollectiveOp(f[2], (group_dims or {}).get(str(_args(n)["group_name"]), "?"), f[1], i, True))
-        elif (m := matmul_flops(n)) is not None:
-            mm[m[1]] += m[0]
-        elif (a := attention_flops(n)) is not None:
-            attn[a[1]] += a[0]
+        elif (f := node_flops(n)) is not None:
+            (attn if f[0] == "attention" else mm)[f[2]] += f[1]
         else:
             mem += memory_op_bytes(n)
     return GraphWork(dict(mm), dict(attn), mem, sorted(colls, key=lambda c: c.index))
@@ -724,19 +582,19 @@ def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:
     return params * (OPTIMIZER_BYTES_PER_PARAM + FLAT_ALL_REDUCE_BYTES_PER_PARAM * flat_all_reduce)
 
 
-def env_settings() -> tuple[DeviceConstants, int, Overlap]:
-    """``(device constants, gpus_per_node, overlap)`` from the environment:
-    ``PROJECTION_DEVICE`` (h100 | h200, default h100), ``GPUS_PER_NODE`` (default 8),
-    ``PROJECTION_ASYNC_TP`` (1: TP collectives overlap), ``COST_CONSTANTS`` (a JSON file).
+def settings(opts) -> tuple[DeviceConstants, int, Overlap]:
+    """``(device constants, gpus_per_node, overlap)`` of the ``[projection]`` flags ``opts``
+    (``cfg.projection``, ``graph_trainer.config.Projection``): ``device``, ``cost_constants``
+    (:func:`device_constants`), ``gpus_per_node`` and ``async_tp`` (:class:`Overlap`).
 
     Raises:
-        UserError: a bad value, naming the variable.
+        UserError: a bad value, naming its flag.
     """
-    dev = device_constants(os.environ.get("PROJECTION_DEVICE", "h100"))
-    raw = os.environ.get("GPUS_PER_NODE", "8").strip()
-    if not (raw.isascii() and raw.isdigit() and int(raw) > 0):
-        raise UserError(f"GPUS_PER_NODE={raw!r} must be a positive integer.")
-    async_tp = os.environ.get("PROJECTION_ASYNC_TP", "0").strip()
-    if async_tp not in ("0", "1"):
-        raise UserError(f"PROJECTION_ASYNC_TP={async_tp!r} must be 0 or 1.")
-    return dev, int(raw), Overlap(async_tp=async_tp == "1")
+    gpn = opts.gpus_per_node
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise UserError(f"--projection.gpus_per_node must be a positive integer, got {gpn!r}.")
+    if not isinstance(opts.async_tp, bool):
+        raise UserError(f"--projection.async_tp must be true or false, got {opts.async_tp!r}.")
+    if not isinstance(opts.cost_constants, str):
+        raise UserError(f"--projection.cost_constants must be a file name, got {opts.cost_constants!r}.")
+    return device_constants(opts.device, opts.cost_constants), gpn, Overlap(async_tp=opts.async_tp)

@@ -20,7 +20,7 @@ placeholders; here the placeholders are the local shards.
 
 As traced, autograd saves the all-gathered parameters for the backward: one unsharded
 bf16 copy of the model per rank for the whole step. The ``reshard_after_forward`` pass
-(:mod:`graph_trainer.passes`) rewires the backward to a second all-gather of each shard,
+(:mod:`graph_trainer.compiler.passes`) rewires the backward to a second all-gather of each shard,
 so the forward copy dies after its last forward use (``--compile.fsdp.keep_last_blocks K``
 keeps the forward copy of the last K blocks instead).
 

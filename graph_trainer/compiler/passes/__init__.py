@@ -1,0 +1,22 @@
+"""The graph passes, one per module, each ``(gm, example_inputs, **kwargs) -> gm`` with its
+declaration ``PASS`` beside it (:class:`graph_trainer.compiler.registry.GraphPass`).
+
+:data:`ORDER` is the one default order (module names). Adding a pass: its file here, its
+line in :data:`ORDER`, its test in ``tests/passes/`` (``docs/passes.md``).
+"""
+
+ORDER = [
+    "remove_dead_code",
+    "remove_noop_views",
+    "sac_recompute",            # op-level SAC: what the backward recomputes   [compile.sac]
+    "reshard_after_forward",    # FSDP: re-gather in the backward               [compile.fsdp]
+    "async_tp",                 # TP: all-gather/reduce-scatter + matmul fused   (opt-in, CUDA)
+    "overlap_collectives",
+    "bucket_collectives",       # FSDP: collectives of N blocks as one          [compile.fsdp]
+    "annotate_flex_attention",
+    "annotate_rmsnorm",         # --compile.numerics_changing_optim
+    "annotate_pointwise",       # opt-in, numerics-changing
+    "regional_inductor",        # --compile.inductor_compilation regional
+    "full_inductor",            # --compile.inductor_compilation full
+    "cudagraph",                # opt-in, CUDA
+]

@@ -1,0 +1,259 @@
+"""The pipeline: build it from the config and the registry, plan its memory levers, run it.
+
+The passes and their one default order are in :mod:`graph_trainer.compiler.passes`; what
+each declares (options, when it runs, numerics) in :mod:`graph_trainer.compiler.registry`.
+:func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments;
+:func:`plan_pipeline` first lets the memory policy (:mod:`graph_trainer.compiler.memory_policy`)
+pick the levers left on ``auto`` from the traced graph; :func:`run_pipeline` runs the result
+in a plain loop and records what each pass did (:mod:`graph_trainer.compiler.report`: the
+per-pass table, readable dumps with diffs, TORCH_TRACE artifacts for tlparse).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from graph_trainer.compiler.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
+from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
+from graph_trainer.compiler.registry import PassContext, PipelineStep, pass_step, registry, resolve
+
+logger = logging.getLogger("graph_trainer")
+
+
+def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
+    """``(levers, fields the config sets)``: ``[compile.sac] save`` and ``[compile.fsdp]``
+    ``keep_last_blocks`` / ``bucket_blocks`` where set; the others from ``levers`` (the
+    memory policy's choice), else the leanest (``recompute``, 0, 0)."""
+    fsdp = compile_cfg.fsdp
+    given = {
+        "save": compile_cfg.sac.save if compile_cfg.sac.save != "auto" else None,
+        "keep_last_blocks": fsdp.keep_last_blocks if fsdp.keep_last_blocks >= 0 else None,
+        "bucket_blocks": fsdp.bucket_blocks if fsdp.bucket_blocks >= 0 else None,
+    }
+    base = levers or Levers()
+    merged = Levers(**{k: getattr(base, k) if v is None else v for k, v in given.items()})
+    return merged, {k for k, v in given.items() if v is not None}
+
+
+def build_pipeline(
+    compile_cfg: Any,
+    layout: Any = None,
+    *,
+    levers: Levers | None = None,
+    deterministic: bool = False,
+    uses_flex_attention: bool = False,
+    tp_group_name: str | None = None,
+) -> list[PipelineStep]:
+    """The passes ``compile_cfg`` (the ``[compile]`` section) runs, in the default order,
+    each with the arguments its declaration derives from the config
+    (:class:`graph_trainer.compiler.registry.GraphPass`).
+
+    Args:
+        compile_cfg: ``graph_trainer.config.Compile``.
+        layout: the model's ``graph_trainer.model.BlockLayout``; needed when blocks are
+            kept or bucketed (the config counts blocks, the passes parameters / collectives).
+        levers: the memory policy's choice for the levers left on ``auto``
+            (:func:`configured_levers`); ``None``: the leanest.
+        deterministic: ``--debug.deterministic`` (no timed choices).
+        uses_flex_attention: the model uses FlexAttention.
+        tp_group_name: the TP process group's ``group_name``; None: found in the graph.
+
+    Raises:
+        ValueError: as :func:`graph_trainer.compiler.registry.resolve`; block options
+            without ``layout``.
+    """
+    chosen, _ = configured_levers(compile_cfg, levers)
+    ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name)
+    return [pass_step(name, ctx) for name in resolve(ctx)]
+
+
+def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
+    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm``
+    (the block's gathered weights: what keeping it, or one more block in a bucket, costs);
+    0 without FSDP all-gathers or ``layout``. The FSDP all-gathers come in graph order, one
+    per parameter in the model's order (:mod:`graph_trainer.distributed.fsdp`)."""
+    if layout is None or layout.n_blocks == 0:
+        return 0
+    sizes = [
+        sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor))
+        for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"
+    ]
+    blocks = sizes[layout.params_before: layout.params_of_first_blocks(layout.n_blocks)]
+    return sum(blocks) // layout.n_blocks if len(blocks) == layout.n_blocks * layout.params_per_block else 0
+
+
+def plan_pipeline(
+    compile_cfg: Any,
+    layout: Any,
+    gm: torch.fx.GraphModule,
+    *,
+    budget_bytes: int,
+    state_bytes: int,
+    has_fsdp: bool,
+    deterministic: bool = False,
+    uses_flex_attention: bool = False,
+    tp_group_name: str | None = None,
+) -> tuple[list[PipelineStep], MemoryPolicy]:
+    """:func:`build_pipeline` after the memory policy picked the levers the config leaves on
+    ``auto`` for the traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
+
+    Each estimate runs the passes declared ``in_memory_trial`` with the candidate's levers
+    on a copy of ``gm`` (those before the first lever's pass once) and takes
+    :func:`~graph_trainer.compiler.memory_estimate.estimate_peak_memory`; ``gm`` is not changed.
+
+    Args:
+        budget_bytes: peak reserved bytes per rank to plan for.
+        state_bytes: :func:`graph_trainer.compiler.memory_policy.state_bytes`.
+        has_fsdp: the step shards parameters with traced FSDP.
+        tp_group_name: as :func:`build_pipeline`.
+
+    Returns:
+        ``(pipeline, policy)``; with every lever set by the config the policy only predicts
+        the peak of that setting.
+    """
+    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+    from graph_trainer.compiler.memory_policy import choose_levers
+
+    fixed, fixed_fields = configured_levers(compile_cfg)
+    ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name)
+    names = resolve(ctx)
+    trial = [n for n in names if registry()[n].in_memory_trial]
+    # the trial passes before the first lever's pass do not depend on the candidate: run them once
+    first = next((i for i, n in enumerate(trial) if n in LEVER_PASSES.values()), len(trial))
+    has_sac = LEVER_PASSES["save"] in names and has_recompute_tags(gm.graph)
+    has_fsdp = has_fsdp and LEVER_PASSES["keep_last_blocks"] in names
+    clean = None
+
+    def estimate(save: str) -> int:
+        nonlocal clean
+        if clean is None:
+            clean = run_pipeline(copy.deepcopy(gm), None, trial[:first], quiet=True)
+        candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))
+        steps = [pass_step(n, candidate) for n in trial[first:]]
+        return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True))[0]
+
+    t0 = time.perf_counter()
+    policy = choose_levers(
+        estimate, n_blocks=layout.n_blocks if layout is not None else 0, block_bytes=block_gather_bytes(gm, layout),
+        state=state_bytes, budget=budget_bytes, inductor=compile_cfg.inductor_compilation, fixed=fixed,
+        fixed_fields=fixed_fields, has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
+    )
+    logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
+    if not policy.fits:
+        logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); the step may run out of memory")
+    steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
+                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name)
+    return steps, policy
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def run_pipeline(
+    gm: torch.fx.GraphModule,
+    example_inputs: Any,
+    pipeline: Iterable[PipelineStep | str],
+    *,
+    dump_folder: str | None = None,
+    quiet: bool = False,
+    records: list[dict[str, Any]] | None = None,
+    memory_estimates: bool | None = None,
+) -> torch.fx.GraphModule:
+    """Run the passes of ``pipeline`` in order and return the final module.
+
+    ``pipeline``: :class:`PipelineStep` s (:func:`build_pipeline`) or pass names (run with
+    their default options). Logs one line per pass on the ``graph_trainer`` logger: name,
+    wall time, node count before -> after and the pass's own summary.
+
+    Every pass gets a record (:func:`graph_trainer.compiler.report.pass_record`: time,
+    nodes by kind, ops added / removed, regions, static peak memory before / after), appended
+    to ``records`` when a list is given; ``format_pass_table(records)`` renders them.
+    ``memory_estimates``: take the static peak estimate of every graph state (one linear walk
+    each); default: not ``quiet``. Without it the memory fields are None.
+
+    With ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py``
+    per pass (readable code of the graph after it, with every node's full ``custom``
+    annotation), ``NN_<pass>.diff`` (unified diff against the previous graph; empty when the
+    pass changed nothing) and ``summary.json`` (the records plus op counts per target;
+    rewritten after each pass).
+
+    With ``TORCH_TRACE`` set (and not ``quiet``), emits structured-trace artifacts for
+    tlparse (:mod:`graph_trainer.compiler.report`): ``graph_before_passes``,
+    ``graph_after_<pass>`` and ``graph_diff_<pass>`` (text), ``pass_record_<pass>`` (json)
+    and, at the end, ``pass_table`` (text) and ``pass_records`` (json).
+
+    ``quiet``: no log lines, no trace artifacts (the memory policy's trial runs).
+
+    Raises:
+        ValueError: an unknown pass name; whatever a pass raises.
+    """
+    from graph_trainer.compiler import report
+
+    steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
+    memory = not quiet if memory_estimates is None else memory_estimates
+    trace = not quiet and report.trace_enabled()
+    graphs_dir = os.path.join(dump_folder, "graphs") if dump_folder is not None else None
+    run_records: list[dict[str, Any]] = []
+    dumped: list[dict[str, Any]] = []
+    text = report.readable_graph(gm) if graphs_dir is not None or trace else None
+    if graphs_dir is not None:
+        os.makedirs(graphs_dir, exist_ok=True)
+        _write(os.path.join(graphs_dir, "00_input.py"), text)
+        dumped.append({"index": 0, "pass": "input", "nodes": num_nodes(gm), "ops": op_counts(gm)})
+    if trace:
+        report.trace_artifact("graph_before_passes", lambda: text)
+
+    pop_pass_summary(gm)
+    before = report.snapshot(gm, memory=memory)
+    prev_name = "00_input"
+    for i, step in enumerate(steps, start=1):
+        t0 = time.perf_counter()
+        gm = step(gm, example_inputs)
+        elapsed = time.perf_counter() - t0
+        summary, stats = pop_pass_summary(gm)
+        after = report.snapshot(gm, memory=memory)
+        record = report.pass_record(i, step.name, elapsed, before, after, summary, stats)
+        run_records.append(record)
+        if records is not None:
+            records.append(record)
+        before = after
+        if not quiet:
+            logger.info(
+                "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
+                step.name,
+                elapsed,
+                "n/a" if record["nodes_before"] is None else record["nodes_before"],
+                "n/a" if record["nodes_after"] is None else record["nodes_after"],
+                summary,
+            )
+        if text is None:
+            continue
+        name = f"{i:02d}_{step.name}"
+        new_text = report.readable_graph(gm)
+        diff = report.graph_diff(text, new_text, f"{prev_name}.py", f"{name}.py")
+        text, prev_name = new_text, name
+        if graphs_dir is not None:
+            _write(os.path.join(graphs_dir, f"{name}.py"), text)
+            _write(os.path.join(graphs_dir, f"{name}.diff"), diff)
+            dumped.append({**record, "ops": op_counts(gm)})
+            _write(os.path.join(graphs_dir, "summary.json"), json.dumps(dumped, indent=1))
+        if trace:
+            report.trace_artifact(f"graph_after_{step.name}", lambda: text)
+            report.trace_artifact(f"graph_diff_{step.name}", lambda: diff)
+            report.trace_artifact(f"pass_record_{step.name}", lambda: record, encoding="json")
+    if trace:
+        report.trace_artifact("pass_table", lambda: report.format_pass_table(run_records))
+        report.trace_artifact("pass_records", lambda: run_records, encoding="json")
+    return gm

@@ -1,0 +1,229 @@
+"""The pass registry: what every graph pass declares, and the one place that reads it.
+
+A pass is one module of :mod:`graph_trainer.compiler.passes` that defines its function
+``(gm, example_inputs, **kwargs) -> gm`` and, beside it, a module-level ``PASS``
+(:class:`GraphPass`): its name, its options (a dataclass that becomes the
+``[compile.<section>]`` TOML table and the ``--compile.<section>.<field>`` flags, the field
+docstrings their ``--help`` text), when the default pipeline runs it, whether it changes
+numerics, and how its options become the function's keyword arguments. The default order
+is :data:`graph_trainer.compiler.passes.ORDER`, one list of module names.
+
+Everything that needs to know about passes asks this module: the config (flags and
+``--help``), preflight (:func:`resolve`), the pipeline builder
+(:func:`graph_trainer.compiler.pipeline.build_pipeline`), the dry run and the per-pass
+report. None of them names a pass. The recipe for a new pass: ``docs/passes.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: ``[compile] inductor_compilation`` values.
+INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
+
+
+@dataclass
+class PassContext:
+    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options.
+
+    Attributes:
+        compile_cfg: the ``[compile]`` section (``graph_trainer.config.Compile``).
+        layout: the model's ``graph_trainer.model.BlockLayout`` (None in unit tests).
+        levers: the memory policy's choice (``graph_trainer.compiler.memory_policy.Levers``;
+            None: the leanest).
+        deterministic: ``--debug.deterministic``.
+        uses_flex_attention: the model uses FlexAttention.
+        tp_group_name: the TP process group's ``group_name`` (None: not known / no TP).
+    """
+
+    compile_cfg: Any
+    layout: Any = None
+    levers: Any = None
+    deterministic: bool = False
+    uses_flex_attention: bool = False
+    tp_group_name: str | None = None
+
+
+def _never(ctx: PassContext) -> bool:
+    return False
+
+
+def _no_kwargs(options: Any, ctx: PassContext) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """One pass's declaration (the module-level ``PASS`` of its file).
+
+    Attributes:
+        name: the canonical name (``--compile.passes`` / ``disable_passes``, logs, dumps).
+        fn: ``fn(gm, example_inputs, **kwargs) -> gm``.
+        options: a dataclass of the pass's options, or None. Its fields become
+            ``[compile.<section>]`` / ``--compile.<section>.<field>``; a ``check()`` method,
+            if present, is called at config validation and raises ``ValueError``.
+        section: the ``[compile.<section>]`` name; default: the module name.
+        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass (the user's
+            ``--compile.passes`` / ``disable_passes`` add and remove on top).
+        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments. Default:
+            the options' fields as they are.
+        changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
+        compiles: the pass compiles the graph (needs real tensors; the dry run and the
+            memory policy's trials skip it).
+        in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
+        requires: names of passes that must also run (after it) for it to have an effect.
+        excludes: names of passes that cannot run together with it.
+        aliases: other accepted spellings (the module name is always accepted).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    options: type | None = None
+    section: str | None = None
+    enabled: Callable[[PassContext], bool] = _never
+    kwargs: Callable[[Any, PassContext], dict[str, Any]] | None = None
+    changes_numerics: bool = False
+    compiles: bool = False
+    in_memory_trial: bool = False
+    requires: tuple[str, ...] = ()
+    excludes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+
+    def arguments(self, options: Any, ctx: PassContext) -> dict[str, Any]:
+        """The keyword arguments of :attr:`fn` for ``options`` (this pass's section of the
+        config, or None) and ``ctx``."""
+        if self.kwargs is not None:
+            return dict(self.kwargs(options, ctx))
+        return dataclasses.asdict(options) if options is not None else {}
+
+
+@functools.cache
+def registry() -> dict[str, GraphPass]:
+    """Canonical name -> :class:`GraphPass`, in the default order
+    (:data:`graph_trainer.compiler.passes.ORDER`), each read from its module's ``PASS``.
+
+    Raises:
+        TypeError: a module of the order without a ``PASS``, or two passes with one name.
+    """
+    from graph_trainer.compiler.passes import ORDER
+
+    out: dict[str, GraphPass] = {}
+    for module in ORDER:
+        spec = getattr(importlib.import_module(f"graph_trainer.compiler.passes.{module}"), "PASS", None)
+        if not isinstance(spec, GraphPass):
+            raise TypeError(f"graph_trainer/compiler/passes/{module}.py defines no PASS = GraphPass(...)")
+        if spec.name in out:
+            raise TypeError(f"two passes are named {spec.name!r}")
+        if spec.section is None:
+            spec = dataclasses.replace(spec, section=module)
+        out[spec.name] = dataclasses.replace(spec, aliases=tuple(dict.fromkeys((module, *spec.aliases))))
+    return out
+
+
+def option_sections() -> list[tuple[str, type]]:
+    """``[(section, options dataclass)]`` of the passes that have options, in pass order
+    (the fields :func:`graph_trainer.config` adds to ``[compile]``)."""
+    return [(p.section, p.options) for p in registry().values() if p.options is not None]
+
+
+def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
+    """``spec``'s section of ``compile_cfg``, or None for a pass without options (or a
+    config built without the section, as in unit tests: then the options' defaults)."""
+    if spec.options is None:
+        return None
+    return getattr(compile_cfg, spec.section, None) or spec.options()
+
+
+def canonical_name(name: str) -> str:
+    """Canonical registry name for ``name`` (the name, ``<name>_pass``, the module name or
+    a declared alias).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+    """
+    key = name.strip()
+    for spec in registry().values():
+        if key in (spec.name, f"{spec.name}_pass", *spec.aliases):
+            return spec.name
+    raise ValueError(f"unknown graph pass {name!r}; valid passes: {', '.join(registry())}")
+
+
+def split_names(value: str | Iterable[str] | None) -> list[str]:
+    """``"a, b,,c"`` (or a list of names) -> ``["a", "b", "c"]``."""
+    items = value.split(",") if isinstance(value, str) else list(value or ())
+    return [v.strip() for v in items if v.strip()]
+
+
+def resolve(ctx: PassContext) -> list[str]:
+    """The pass names ``ctx.compile_cfg`` runs, in the default order: every pass whose
+    ``enabled(ctx)`` holds, plus ``--compile.passes``, less ``--compile.disable_passes``.
+
+    Raises:
+        ValueError: unknown names or ``inductor_compilation``; a numerics-changing pass
+            without ``numerics_changing_optim``; a pass without one it requires, or with one
+            it excludes.
+    """
+    cfg = ctx.compile_cfg
+    if cfg.inductor_compilation not in INDUCTOR_COMPILATION_MODES:
+        raise ValueError(f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; "
+                         f"got {cfg.inductor_compilation!r}")
+    reg = registry()
+    added = {canonical_name(n) for n in split_names(cfg.passes)}
+    disabled = {canonical_name(n) for n in split_names(cfg.disable_passes)}
+    names = [n for n, spec in reg.items() if (spec.enabled(ctx) or n in added) and n not in disabled]
+    changing = [n for n in names if reg[n].changes_numerics]
+    if changing and not cfg.numerics_changing_optim:
+        raise ValueError(f"{', '.join(changing)} changes numerics: add --compile.numerics_changing_optim to enable it")
+    for n in names:
+        missing = [r for r in reg[n].requires if r not in names[names.index(n):]]
+        if missing:
+            raise ValueError(f"{n} only has an effect when {', '.join(missing)} runs after it, but the passes are "
+                             f"{names} (--compile.inductor_compilation {cfg.inductor_compilation}); "
+                             f"change the compilation or disable {n}")
+        clash = [x for x in reg[n].excludes if x in names]
+        if clash:
+            raise ValueError(f"{n} and {', '.join(clash)} cannot run together")
+    return names
+
+
+def check_options(compile_cfg: Any) -> None:
+    """Call ``check()`` on every pass's options section of ``compile_cfg`` that has one.
+
+    Raises:
+        ValueError: what a ``check()`` raises (it names the flag).
+    """
+    for spec in registry().values():
+        options = options_of(spec, compile_cfg)
+        if options is not None and hasattr(options, "check"):
+            options.check()
+
+
+@dataclass
+class PipelineStep:
+    """One pass of a pipeline with its arguments: ``step(gm, example_inputs)`` runs
+    ``fn(gm, example_inputs, **options)``."""
+
+    name: str
+    fn: Callable[..., Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        return self.fn(gm, example_inputs, **self.options)
+
+
+def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
+    """The :class:`PipelineStep` of pass ``name`` (any accepted spelling) with the arguments
+    its options and ``ctx`` give (no ``ctx``: the function's own defaults).
+
+    Raises:
+        ValueError: unknown name.
+    """
+    spec = registry()[canonical_name(name)]
+    if ctx is None:
+        return PipelineStep(spec.name, spec.fn)
+    return PipelineStep(spec.name, spec.fn, spec.arguments(options_of(spec, ctx.compile_cfg), ctx))
