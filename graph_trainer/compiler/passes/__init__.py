@@ -15,6 +15,7 @@ ORDER = [
     "bucket_collectives",       # FSDP: collectives of N blocks as one          [compile.fsdp]
     "annotate_flex_attention",
     "annotate_rmsnorm",         # --compile.numerics_changing_optim
+    "annotate_residual_rmsnorm",  # opt-in, numerics-changing: the residual add joins each norm region
     "annotate_pointwise",       # opt-in, numerics-changing
     "regional_inductor",        # --compile.inductor_compilation regional
     "full_inductor",            # --compile.inductor_compilation full

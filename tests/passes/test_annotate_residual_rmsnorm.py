@@ -1,0 +1,59 @@
+"""annotate_residual_rmsnorm: each RMSNorm region of a traced tiny Llama3 step takes in its
+residual add (forward) and the residual-gradient add (backward); the compiled step stays
+close to the uncompiled one."""
+
+import logging
+
+import pytest
+import torch
+
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.config import Compile
+
+from .conftest import assert_close, inductor_tag, region_ids, trace_step
+
+aten = torch.ops.aten
+NAME = "annotate_residual_rmsnorm_for_regional_inductor"
+
+
+def _pipeline(compile_=False):
+    steps = build_pipeline(Compile(numerics_changing_optim=True, passes="residual_rmsnorm"))
+    return [s for s in steps if compile_ or s.name != "regional_inductor"]
+
+
+def test_residual_adds_join_the_norm_regions(tiny_llama):
+    n_layers = 2
+    gm, example_inputs, _ = trace_step(tiny_llama(n_layers))
+    names = [s.name for s in _pipeline()]
+    assert names.index(NAME) == names.index("annotate_rmsnorm_for_regional_inductor") + 1
+    regions_before = None
+    for step in _pipeline():
+        if step.name == NAME:
+            regions_before = region_ids(gm)
+        gm = step(gm, example_inputs)
+    assert region_ids(gm) == regions_before  # no new region, only bigger ones
+    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and inductor_tag(n)]
+    joined = {}
+    for n in adds:
+        kind = inductor_tag(n)["inductor_region"].split("_")[1]
+        joined[kind] = joined.get(kind, 0) + 1
+        # the add feeds (forward) or is fed by (backward) a node of its own region
+        region = inductor_tag(n)["inductor_region"]
+        peers = [m for m in (*n.users, *n.all_input_nodes) if (inductor_tag(m) or {}).get("inductor_region") == region]
+        assert peers, n
+    # 2 norms per block + the final norm; all but the first block's attention norm read a residual add
+    assert joined.get("forward") == 2 * n_layers
+    assert joined.get("backward", 0) >= 2 * n_layers - 1
+
+
+def test_compiled_step_matches_and_needs_the_flag(tiny_llama, caplog):
+    gm, example_inputs, inputs = trace_step(tiny_llama(1))
+    ref = gm(*inputs)
+    with caplog.at_level(logging.INFO, logger="graph_trainer"):
+        cgm = run_pipeline(gm, example_inputs, _pipeline(compile_=True))
+    assert any("joined 2 forward" in r.getMessage() for r in caplog.records)
+    assert_close(cgm(*inputs), ref)
+    from graph_trainer.compiler.registry import PassContext, resolve
+
+    with pytest.raises(ValueError, match="numerics_changing_optim"):
+        resolve(PassContext(Compile(passes="residual_rmsnorm")))
