@@ -11,6 +11,9 @@
 # seed_full: the seed layout's rank under full Inductor, without vs with the cudagraph pass.
 # seed_jit: rank 0 of the seed layout, torch.compile per block (--compile.mode jit) vs traced.
 # fsdp2:    rank 0 of FSDP2 (2 ranks), plain vs cudagraph.
+# seed_norm: rank 0 of the seed layout, plain vs the RMSNorm pass (--compile.numerics_changing_optim).
+# seed_residual: rank 0 of the seed layout, the RMSNorm pass vs the same + --compile.passes residual_rmsnorm.
+# REPEATS=N (default 1): N runs per side, alternating.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export COMM_MODE=fake_collectives CONFIG_FILE=train_configs/llama3_8b.toml
@@ -27,11 +30,15 @@ seed_full) F="--compile.inductor_compilation full"; A="$S4 $F"; B="$S4 $F $CG"; 
     LB="FSDP4xTP2 rank full cudagraph"; T=560 ;;
 seed_jit) A="$S4 --compile.mode jit"; B="$S4"; LA="FSDP4xTP2 rank jit"; LB="FSDP4xTP2 rank traced"; T=260 ;;
 fsdp2) A=""; B="$CG"; LA="FSDP2 rank"; LB="FSDP2 rank cudagraph"; T=200 ;;
-*) echo "usage: $0 regional|full|seed|seed_full|seed_jit|fsdp2 ..." >&2; exit 2 ;;
+seed_norm) N="--compile.numerics_changing_optim"; A="$S4"; B="$S4 $N"; LA="FSDP4xTP2 rank"
+    LB="FSDP4xTP2 rank RMSNorm pass"; T=200 ;;
+seed_residual) N="--compile.numerics_changing_optim"; A="$S4 $N"; B="$S4 $N --compile.passes residual_rmsnorm"
+    LA="FSDP4xTP2 rank RMSNorm pass"; LB="FSDP4xTP2 rank RMSNorm + residual add"; T=200 ;;
+*) echo "usage: $0 regional|full|seed|seed_full|seed_jit|fsdp2|seed_norm|seed_residual ..." >&2; exit 2 ;;
 esac
 [[ "$mode" == seed* ]] && export NGPU=8 || export NGPU=2
-timeout "$T" python3 scripts/compare_mfu.py --a-flags "$A" --b-flags "$B" --a-label "$LA" --b-label "$LB" \
-    --repeats 1 --steps 12 --warmup 3 --profile-step 8 --run-timeout $(( T / 2 - 5 )) --out "/tmp/cmp_$mode" \
+timeout $(( T * ${REPEATS:-1} )) python3 scripts/compare_mfu.py --a-flags "$A" --b-flags "$B" --a-label "$LA" --b-label "$LB" \
+    --repeats "${REPEATS:-1}" --steps 12 --warmup 3 --profile-step 8 --run-timeout $(( T / 2 - 5 )) --out "/tmp/cmp_$mode" \
     > "$OUT/cmp_$mode.log" 2>&1
 echo "cmp_$mode rc=$?"
 cp /tmp/cmp_"$mode"/comparison.json "$OUT/comparison_$mode.json" 2>/dev/null
