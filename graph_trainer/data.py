@@ -1,17 +1,5 @@
-"""Offline data for graph_trainer: an embedded text corpus, a BPE tokenizer
-trained on it, and torchtitan dataset registration.
-
-Everything is built on first use and cached under :func:`cache_dir`
-(``$GRAPH_TRAINER_CACHE``, default ``~/.cache/graph_trainer``)::
-
-    <cache>/corpus_v1/part-0000.jsonl ...   {"text": ...} per line
-    <cache>/tokenizer_<vocab>/tokenizer.json, tokenizer_config.json
-
-The corpus is real English that ships with Python: the help topics of
-``pydoc_data.topics`` plus the longer docstrings of the top-level stdlib
-modules. Builds are atomic (a temporary folder renamed into place) and
-serialized with ``fcntl.flock``, so torchrun ranks racing on a cold cache all
-end up with the same files.
+"""Offline data: an embedded English corpus (``pydoc_data`` help topics and stdlib docstrings), a
+BPE tokenizer trained on it, built once under :func:`cache_dir`, and torchtitan dataset registration.
 """
 
 from __future__ import annotations
@@ -26,51 +14,35 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from contextlib import contextmanager
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from graph_trainer.errors import UserError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
-EMBEDDED = "embedded"
-
 _CORPUS_NAME = "corpus_v1"  # bump when the corpus recipe changes
 _CORPUS_SHARDS = 4
 _DOC_CHARS = 2000  # documents are paragraphs merged up to about this size
-#: The names ``--training.dataset`` accepts (case-insensitive): what
-#: :func:`register_datasets` leaves in torchtitan's ``DATASETS`` table.
+#: The names ``--training.dataset`` accepts (case-insensitive), as registered in torchtitan's ``DATASETS``.
 DATASET_NAMES = ("c4", "c4_test", "c4_validation", "local")
 #: Files torchtitan's ``HuggingFaceTokenizer`` loads a tokenizer from (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt")
 _PREFLIGHT_RECORDS = 5  # records whose values preflight() checks per data file
 _PREFLIGHT_FILES = 8  # data files of a folder read by preflight()
-
-
-# --------------------------------------------------------------------------- #
-# cache helpers
-# --------------------------------------------------------------------------- #
+_FIX = "fix or delete it (--training.dataset_path wants JSON objects with a 'text' string, one per line)"
 
 
 def cache_dir() -> Path:
-    """Return the graph_trainer cache folder (not created).
-
-    Returns:
-        ``$GRAPH_TRAINER_CACHE`` if set, else ``~/.cache/graph_trainer``.
-    """
+    """The cache folder (not created): ``$GRAPH_TRAINER_CACHE``, else ``~/.cache/graph_trainer``."""
     env = os.environ.get("GRAPH_TRAINER_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "graph_trainer"
 
 
 def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
-    """Create folder ``final`` by calling ``build(tmp_folder)`` exactly once.
-
-    An exclusive flock on ``<final>.lock`` serializes concurrent builders; the
-    result is written into a temporary sibling and renamed into place, so a
-    reader never sees a half-written folder.
-    """
+    """Create folder ``final`` with ``build(tmp)`` once: flock-serialized, built in a temporary
+    sibling and renamed into place, so no reader sees a half-written folder."""
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -85,19 +57,13 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
                 build(tmp)
                 os.rename(tmp, final)
             except OSError:
-                # Lost a race on a filesystem without working flock: keep theirs.
-                if not final.is_dir():
+                if not final.is_dir():  # else: lost a race on a filesystem without working flock
                     raise
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final
-
-
-# --------------------------------------------------------------------------- #
-# embedded corpus
-# --------------------------------------------------------------------------- #
 
 
 def _chunk(text: str, size: int = _DOC_CHARS) -> list[str]:
@@ -111,35 +77,26 @@ def _chunk(text: str, size: int = _DOC_CHARS) -> list[str]:
         if len(cur) >= size:
             chunks.append(cur)
             cur = ""
-    if cur:
-        chunks.append(cur)
-    return chunks
+    return chunks + [cur] if cur else chunks
 
 
 def _stdlib_docstrings(min_chars: int = 200) -> list[str]:
     """One text per top-level stdlib module: its docstrings of >= min_chars."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     texts = []
-    for file in sorted(root.glob("*.py")):
+    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
             tree = ast.parse(file.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
             continue
         defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
         nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, defs)]
-        docs = [d for n in nodes if (d := ast.get_docstring(n)) and len(d) >= min_chars]
-        if docs:
+        if docs := [d for n in nodes if (d := ast.get_docstring(n)) and len(d) >= min_chars]:
             texts.append("\n\n".join(docs))
     return texts
 
 
 def corpus_documents() -> list[str]:
-    """Return the documents of the embedded corpus, in a fixed order.
-
-    Returns:
-        A list of English text documents (about 2 KB each, several hundred):
-        the ``pydoc_data`` help topics followed by stdlib module docstrings.
-    """
+    """The embedded corpus in a fixed order: several hundred English documents of about 2 KB."""
     from pydoc_data.topics import topics
 
     sources = [topics[k] for k in sorted(topics)] + _stdlib_docstrings()
@@ -147,20 +104,12 @@ def corpus_documents() -> list[str]:
 
 
 def corpus_dir() -> Path:
-    """Return where the embedded corpus lives (it may not exist yet).
-
-    Returns:
-        ``<cache>/corpus_v1``.
-    """
+    """Where the embedded corpus lives (it may not exist yet): ``<cache>/corpus_v1``."""
     return cache_dir() / _CORPUS_NAME
 
 
 def ensure_corpus() -> Path:
-    """Build the embedded corpus if needed and return its folder.
-
-    Returns:
-        The folder of ``part-*.jsonl`` files, one ``{"text": ...}`` record per line.
-    """
+    """Build the embedded corpus if needed; returns its folder of ``part-*.jsonl`` (``{"text": ...}`` lines)."""
 
     def build(tmp: Path) -> None:
         docs = corpus_documents()
@@ -173,33 +122,21 @@ def ensure_corpus() -> Path:
     return _build_once(corpus_dir(), build)
 
 
-# --------------------------------------------------------------------------- #
-# tokenizer
-# --------------------------------------------------------------------------- #
-
-
 def ensure_tokenizer(vocab_size: int) -> Path:
-    """Train (once) a byte-level BPE tokenizer on the embedded corpus.
-
-    Training is deterministic, so every process and rerun gets byte-identical
-    files. If the corpus cannot support ``vocab_size`` merges, the vocabulary is
-    padded with ``<|reserved_special_token_N|>`` tokens so that its size is exact.
-
-    Args:
-        vocab_size: Total vocabulary size, including the two special tokens.
+    """Train (once, deterministically) a byte-level BPE tokenizer of exactly ``vocab_size`` tokens
+    (BOS and EOS included; padded with reserved special tokens) on the embedded corpus.
 
     Returns:
-        Folder ``<cache>/tokenizer_<vocab_size>`` with ``tokenizer.json`` and
-        ``tokenizer_config.json``, loadable by torchtitan's ``HuggingFaceTokenizer``.
+        ``<cache>/tokenizer_<vocab_size>``, loadable by torchtitan's ``HuggingFaceTokenizer``.
 
     Raises:
-        UserError: if ``vocab_size`` is smaller than 258 (256 bytes + BOS + EOS).
+        UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
     """
     if vocab_size < 258:
         raise UserError(
-            f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes "
-            f"plus BOS and EOS), got {vocab_size}. Set the model's vocab_size to 258 "
-            f"or more, or point --model.hf_assets_path at your own tokenizer folder."
+            f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
+            f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at your "
+            f"own tokenizer folder."
         )
 
     def build(tmp: Path) -> None:
@@ -208,77 +145,38 @@ def ensure_tokenizer(vocab_size: int) -> Path:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[BOS_TOKEN, EOS_TOKEN],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS_TOKEN, EOS_TOKEN],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         tok.train_from_iterator(corpus_documents(), trainer=trainer)
-        missing = vocab_size - tok.get_vocab_size()
-        if missing > 0:
-            tok.add_special_tokens(
-                [f"<|reserved_special_token_{i}|>" for i in range(missing)]
-            )
+        if (missing := vocab_size - tok.get_vocab_size()) > 0:
+            tok.add_special_tokens([f"<|reserved_special_token_{i}|>" for i in range(missing)])
         tok.save(str(tmp / "tokenizer.json"))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "add_bos_token": True,
-            "add_eos_token": True,
-            "clean_up_tokenization_spaces": False,
-        }
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
+                  "add_bos_token": True, "add_eos_token": True, "clean_up_tokenization_spaces": False}
         (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     return _build_once(cache_dir() / f"tokenizer_{vocab_size}", build)
 
 
-def is_embedded_tokenizer(hf_assets_path: str | None) -> bool:
-    """Whether ``--model.hf_assets_path`` asks for the built-in tokenizer.
-
-    Returns:
-        True for None, "" and "embedded".
-    """
-    return not hf_assets_path or hf_assets_path == EMBEDDED
-
-
 def check_tokenizer_folder(hf_assets_path: str) -> Path:
-    """Check that ``--model.hf_assets_path`` is a folder torchtitan can load a tokenizer from.
-
-    Cheap: looks at file names and parses ``tokenizer_config.json`` if there is one; the
-    tokenizer itself is not loaded.
-
-    Args:
-        hf_assets_path: The folder (not one of the embedded spellings).
-
-    Returns:
-        The folder, with ``~`` expanded.
-
-    Raises:
-        UserError: the folder does not exist, is a file, holds none of
-            :data:`TOKENIZER_FILES`, or its ``tokenizer_config.json`` is not valid JSON.
-    """
+    """``--model.hf_assets_path``, ``~`` expanded, once checked (cheaply) to hold a tokenizer torchtitan
+    can load. Raises UserError: missing, a file, none of :data:`TOKENIZER_FILES`, bad ``tokenizer_config.json``."""
     flag = f"--model.hf_assets_path {hf_assets_path}"
-    embedded_hint = "or set --model.hf_assets_path embedded for the built-in offline tokenizer."
+    embedded = "or set --model.hf_assets_path embedded for the built-in offline tokenizer."
     path = Path(hf_assets_path).expanduser()
     if not path.exists():
-        raise UserError(
-            f"{flag}: this tokenizer folder does not exist. Download the model's tokenizer there "
-            f"(torchtitan's scripts/download_hf_assets.py --assets tokenizer), {embedded_hint}"
-        )
+        raise UserError(f"{flag}: this tokenizer folder does not exist. Download the model's tokenizer there "
+                        f"(torchtitan's scripts/download_hf_assets.py --assets tokenizer), {embedded}")
     if not path.is_dir():
         raise UserError(f"{flag}: is a file, not a tokenizer folder. Point it at the folder holding "
-                        f"tokenizer.json, {embedded_hint}")
+                        f"tokenizer.json, {embedded}")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         found = sorted(p.name for p in path.iterdir())
         listed = ", ".join(found[:10]) + (", ..." if len(found) > 10 else "") if found else "nothing"
         sentencepiece = (" (tokenizer.model alone, a SentencePiece model, is not loadable by "
                          "torchtitan's HuggingFaceTokenizer)" if "tokenizer.model" in found else "")
-        raise UserError(
-            f"{flag}: contains none of {', '.join(TOKENIZER_FILES)} (found: {listed}){sentencepiece}.\n"
-            f"Put your model's tokenizer files in this folder, {embedded_hint}"
-        )
+        raise UserError(f"{flag}: contains none of {', '.join(TOKENIZER_FILES)} (found: {listed}){sentencepiece}.\n"
+                        f"Put your model's tokenizer files in this folder, {embedded}")
     config = path / "tokenizer_config.json"
     if config.is_file():
         try:
@@ -290,30 +188,15 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
 
 
 def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
-    """Return the tokenizer folder to load for ``--model.hf_assets_path``.
-
-    Args:
-        hf_assets_path: A folder with tokenizer files, or None / "" / "embedded"
-            for the built-in tokenizer trained on the embedded corpus.
-        vocab_size: Vocabulary size of the embedded tokenizer (ignored otherwise).
-
-    Returns:
-        Path of a folder that ``HuggingFaceTokenizer`` can load.
+    """The tokenizer folder for ``--model.hf_assets_path``: None / "" / "embedded" is the built-in
+    tokenizer of ``vocab_size`` tokens (:func:`ensure_tokenizer`), else the folder, checked.
 
     Raises:
-        UserError: if the folder does not exist or holds no tokenizer file
-            (:func:`check_tokenizer_folder`).
+        UserError: see :func:`check_tokenizer_folder`.
     """
-    if is_embedded_tokenizer(hf_assets_path):
+    if not hf_assets_path or hf_assets_path == "embedded":
         return str(ensure_tokenizer(vocab_size))
     return str(check_tokenizer_folder(hf_assets_path))
-
-
-# --------------------------------------------------------------------------- #
-# datasets
-# --------------------------------------------------------------------------- #
-
-_FIX = "fix or delete it (--training.dataset_path wants JSON objects with a 'text' string, one per line)"
 
 
 def _builder_for(file: Path) -> str | None:
@@ -325,16 +208,8 @@ def _builder_for(file: Path) -> str | None:
 
 
 def _data_files(path: str) -> tuple[str, list[str]]:
-    """Return (builder, sorted data files) for a file or a folder of files.
-
-    Own check: given a folder, ``datasets`` picks files by its own patterns, so it would not
-    refuse a folder without data files, files of unknown type or a JSON/Parquet mix with a
-    message naming the flag (``test_bad_data_named``).
-
-    Raises:
-        UserError: ``<path>: does not exist`` / ``is not a .json, ...`` / ``contains no ...``
-            / ``mixes JSON and Parquet files``.
-    """
+    """(builder, sorted data files) of a file or a folder's top-level files; own check, as ``datasets``
+    picks a folder's files by its own patterns and names no flag. Raises UserError."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"{path}: does not exist (--training.dataset_path). Point it at a .json/.jsonl/.parquet "
@@ -352,8 +227,7 @@ def _data_files(path: str) -> tuple[str, list[str]]:
 
 
 def _json_error(file: Path | str, e: ValueError, lineno: int | None = None) -> str:
-    """``"<file>:<line>: not valid JSON (<reason>)"`` for a ``JSONDecodeError`` or
-    ``UnicodeDecodeError``; the line is ``lineno``, else the decoder's, else left out."""
+    """``"<file>:<line>: not valid JSON (<reason>)"`` for a JSON or UTF-8 decoding error."""
     line = lineno or getattr(e, "lineno", None)
     reason = f"{e.msg.removesuffix(' at')}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
     return f"{file}{f':{line}' if line else ''}: not valid JSON ({reason})"
@@ -369,18 +243,9 @@ def _text_problem(record: Any) -> str | None:
 
 
 def _first_bad_record(file: str) -> str | None:
-    """Find the first record of a JSON / JSON Lines file (gzipped or not) that is not a document.
-
-    Own code because the ``datasets`` JSON loader's errors carry no usable line: its scan of
-    a file's first chunk reports a position within a line only, and pyarrow's "row N" counts
-    from the start of a read block and skips empty lines; a null or non-string ``text`` loads
-    without error (``test_bad_data_named``). Only called after the loader failed, or left the
-    ``text`` column unusable.
-
-    Returns:
-        ``"<file>:<line>: <problem>"`` for a line that is empty, not valid JSON (or not
-        UTF-8), or has no ``text`` string; ``"<file>: record <n> of the JSON array: ..."``
-        in a file holding one JSON array; ``"<file>: holds no records"``; None if all is fine.
+    """``"<file>:<line>: <problem>"`` for the first record of a JSON / JSON Lines file (gzipped or
+    not) that is not a document, or None. Own code: the ``datasets`` JSON loader's errors carry no
+    usable line, and a null ``text`` loads without error.
 
     Raises:
         OSError, EOFError: the file (or its gzip stream) cannot be read.
@@ -388,7 +253,7 @@ def _first_bad_record(file: str) -> str | None:
     with (gzip.open if file.lower().endswith(".gz") else open)(file, "rb") as f:
         lineno = 0
         for lineno, raw in enumerate(f, 1):
-            if lineno == 1 and raw.lstrip().startswith(b"["):
+            if lineno == 1 and raw.lstrip().startswith(b"["):  # one JSON array
                 try:
                     records = json.loads(raw + f.read())
                 except ValueError as e:
@@ -408,11 +273,8 @@ def _first_bad_record(file: str) -> str | None:
 
 
 def _bad_data(builder: str, files: list[str], label: str, error: Exception | None) -> UserError:
-    """The ``UserError`` for a load that raised ``error``, or (None) left ``text`` unusable.
-
-    Names the first bad record of the JSON files (:func:`_first_bad_record`); failing that,
-    ``label`` and the loader's own error.
-    """
+    """The error for a load that raised ``error`` (or, None, left ``text`` unusable): the first bad
+    record of the JSON files, else ``label`` and the loader's own error."""
     for file in files if builder == "json" else ():
         try:
             if where := _first_bad_record(file):
@@ -428,46 +290,22 @@ def _bad_data(builder: str, files: list[str], label: str, error: Exception | Non
                      f"(--training.dataset_path); rewrite or remove the file.")
 
 
-@contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Mute ``datasets``' loggers: its builders log a failure before raising it, and we report it."""
-    log = logging.getLogger("datasets")
+def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None,
+                  preview: int | None = None):
+    """``datasets.load_dataset(builder, data_files=files)`` (``train`` split), checked for a ``text``
+    string column; with ``preview``, streamed and only the first ``preview`` records' values checked."""
+    from datasets import load_dataset
+
+    log = logging.getLogger("datasets")  # its builders log a failure before raising it; we report it
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None,
-                  preview: int | None = None):
-    """``datasets.load_dataset(builder, data_files=files)``, checked for a ``text`` string column.
-
-    Args:
-        builder: ``"json"`` or ``"parquet"``.
-        files: The data files, loaded in this order.
-        label: What the user named (file or folder), for messages that name no single file.
-        hf_cache: ``datasets`` Arrow cache folder (default: the HF cache).
-        preview: Stream the files and check only the first ``preview`` records' values (the
-            JSON loader still parses the first chunk of a file, about 10 MB, and infers its
-            column types from it); None: load and check the files whole.
-
-    Returns:
-        The ``datasets.Dataset`` (``train`` split); an ``IterableDataset`` with ``preview``.
-
-    Raises:
-        UserError: see :func:`_bad_data`; ``<label>: no 'text' column`` if no record has one.
-    """
-    from datasets import load_dataset
-
-    try:
-        with _quiet_datasets():
-            ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache,
-                              streaming=preview is not None)
-            rows = list(islice(ds, preview)) if preview else []
+        ds = load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache, streaming=preview is not None)
+        rows = list(islice(ds, preview)) if preview else []
     except Exception as e:  # noqa: BLE001 - pyarrow / pandas / ujson / datasets errors of every type
         raise _bad_data(builder, files, label, e) from None
+    finally:
+        log.setLevel(level)
     features = ds.features  # None when streaming a JSON array file
     names = list(features or (rows[0] if rows else {}))
     if "text" not in names:
@@ -482,26 +320,15 @@ def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | No
 
 
 def load_local_text(path: str | None, hf_cache: str | None = None):
-    """Load a local JSON / JSONL / Parquet file or folder as a ``datasets.Dataset``.
-
-    Args:
-        path: A data file, or a folder whose top-level data files are loaded
-            (sorted by name). Records need a ``text`` string.
-        hf_cache: ``datasets`` Arrow cache folder (default: the HF cache).
-
-    Returns:
-        A map-style ``datasets.Dataset`` (the ``train`` split).
+    """A local JSON / JSONL / Parquet file, or a folder's top-level data files (sorted), as a
+    map-style ``datasets.Dataset`` whose records each hold a ``text`` string.
 
     Raises:
-        UserError: if the path is None or missing, holds no supported files, or has no
-            ``text`` column; ``<file>:<line>: ...`` for the first record that is not valid
-            JSON or has no ``text`` string; else the loader's error, with the path.
+        UserError: no path, an unusable path or record (``<file>:<line>: ...``), no ``text`` column.
     """
     if path is None:
-        raise UserError(
-            "Dataset 'local' needs a file or folder: set --training.dataset_path to "
-            "a .json/.jsonl/.parquet file or a folder of them with a 'text' column."
-        )
+        raise UserError("Dataset 'local' needs a file or folder: set --training.dataset_path to "
+                        "a .json/.jsonl/.parquet file or a folder of them with a 'text' column.")
     builder, files = _data_files(path)
     return _load_checked(builder, files, path, hf_cache)
 
@@ -509,70 +336,47 @@ def load_local_text(path: str | None, hf_cache: str | None = None):
 def _load_embedded_or_local(path: str | None):
     """``c4_test`` loader: the embedded corpus (built on demand) or a local path."""
     if path is None or Path(path).expanduser() == corpus_dir():
-        hf_cache = str(cache_dir() / "hf_datasets")
-        return load_local_text(str(ensure_corpus()), hf_cache=hf_cache)
+        return load_local_text(str(ensure_corpus()), hf_cache=str(cache_dir() / "hf_datasets"))
     return load_local_text(path)
+
+
+def _has_data_files(p: Path) -> bool:
+    return p.is_file() or (p.is_dir() and any(_builder_for(f) for f in p.iterdir()))
 
 
 def _local_or(hub_loader: Callable[[str], Any]) -> Callable[[str], Any]:
     """Wrap a hub loader so that a local data file / folder is loaded locally."""
 
     def loader(path: str):
-        p = Path(path).expanduser()
-        if p.is_file() or (p.is_dir() and any(_builder_for(f) for f in p.iterdir())):
-            return load_local_text(path)
-        return hub_loader(path)
+        return load_local_text(path) if _has_data_files(Path(path).expanduser()) else hub_loader(path)
 
     loader._graph_trainer_local = True
     return loader
 
 
-def _text(sample: dict[str, Any]) -> str:
+def _text(sample: dict[str, Any]) -> str:  # a module function: dataloader workers pickle it
     return sample["text"]
 
 
 def register_datasets() -> None:
-    """Register graph_trainer's datasets in torchtitan's ``DATASETS`` table.
-
-    * ``c4_test``: the embedded offline corpus (built on first load).
-    * ``c4`` / ``c4_validation``: torchtitan's streaming ``allenai/c4``.
-    * ``local``: the file or folder given by ``--training.dataset_path``.
-
-    With ``--training.dataset_path`` pointing at a local JSON/JSONL/Parquet file
-    or folder, every name loads it locally. Safe to call repeatedly (re-reads
-    ``$GRAPH_TRAINER_CACHE``).
-    """
+    """Register in torchtitan's ``DATASETS``: ``c4_test`` (the embedded corpus), ``local``
+    (``--training.dataset_path``), and ``c4`` / ``c4_validation`` (torchtitan's streaming
+    ``allenai/c4``); every name loads a local ``--training.dataset_path`` locally. Idempotent."""
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
     for name in ("c4", "c4_validation"):
         cfg = DATASETS[name]
         if not getattr(cfg.loader, "_graph_trainer_local", False):
-            DATASETS[name] = DatasetConfig(
-                path=cfg.path,
-                loader=_local_or(cfg.loader),
-                sample_processor=cfg.sample_processor,
-            )
-    DATASETS["c4_test"] = DatasetConfig(
-        path=str(corpus_dir()), loader=_load_embedded_or_local, sample_processor=_text
-    )
-    DATASETS["local"] = DatasetConfig(
-        path=None, loader=load_local_text, sample_processor=_text
-    )
+            DATASETS[name] = DatasetConfig(cfg.path, _local_or(cfg.loader), cfg.sample_processor)
+    DATASETS["c4_test"] = DatasetConfig(str(corpus_dir()), _load_embedded_or_local, _text)
+    DATASETS["local"] = DatasetConfig(None, load_local_text, _text)
 
 
 def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
-    """Validate ``--training.dataset`` / ``--training.dataset_path`` early, before any model is built.
-
-    Args:
-        name: Dataset name (case-insensitive), one of :data:`DATASET_NAMES`.
-        path: Optional ``--training.dataset_path``.
-        preview: Also stream the first files of a local path through ``datasets``
-            (:func:`_load_checked`): the first chunk of each (about 10 MB of JSON, or a
-            Parquet row group) must parse and hold a ``text`` string column, and its first
-            records a ``text`` string. Values further on (a null ``text`` deep in a file, or
-            anything in a JSON array file, which is streamed JSON-encoded) are checked when
-            :func:`load_local_text` loads the data.
+    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built;
+    ``preview``: also stream the first records of a local path's first files through ``datasets``
+    (the rest is checked when :func:`load_local_text` loads the data).
 
     Raises:
         UserError: an unknown name (with the closest valid one), ``local`` without a path, a
@@ -591,9 +395,8 @@ def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
             load_local_text(None)  # raises the UserError explaining the fix
         return
     p = Path(path).expanduser()
-    if (key == "c4_test" and p == corpus_dir()) or (
-        key in ("c4", "c4_validation") and p.is_dir() and not any(_builder_for(f) for f in p.iterdir())
-    ):
+    if (key == "c4_test" and p == corpus_dir()) or (key in ("c4", "c4_validation") and p.is_dir()
+                                                     and not _has_data_files(p)):
         return  # the embedded corpus (built on first use), or a local clone of the hub dataset
     builder, files = _data_files(path)
     for i, file in enumerate(files[:_PREFLIGHT_FILES] if preview else []):
@@ -602,23 +405,12 @@ def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
 
 
 def preflight(cfg) -> None:
-    """Check what the config says about data and tokenizer, fast, before anything starts.
-
-    Trains nothing and imports no torchtitan, so it can run in the launcher's config
-    check. Checks ``--training.dataset`` and ``--training.dataset_path`` with the first
-    records of the data (:func:`check_dataset` with ``preview``), and that
-    ``--model.hf_assets_path`` is ``embedded`` (or empty) or a folder holding a tokenizer
-    torchtitan can load (:func:`check_tokenizer_folder`). Not checked: hub datasets (``c4``
-    without a local path) and the vocabulary size the embedded tokenizer is built for.
-
-    Args:
-        cfg: The parsed JobConfig (``training.dataset``, ``training.dataset_path``,
-            ``model.hf_assets_path`` are read).
+    """Check the data and tokenizer flags of a parsed JobConfig fast, importing no torchtitan
+    (:func:`check_dataset` with ``preview``, :func:`check_tokenizer_folder`); hub datasets are not checked.
 
     Raises:
-        UserError: one or two lines naming the flag and the file (``<file>:<line>`` for
-            a bad record).
+        UserError: one or two lines naming the flag and the file (``<file>:<line>`` for a bad record).
     """
     check_dataset(cfg.training.dataset or "", cfg.training.dataset_path or None, preview=True)
-    if not is_embedded_tokenizer(cfg.model.hf_assets_path):
+    if cfg.model.hf_assets_path not in (None, "", "embedded"):
         check_tokenizer_folder(cfg.model.hf_assets_path)

@@ -1,2 +1,2 @@
 class UserError(Exception):
-    """A configuration / input problem the user can fix. main() prints the message (no traceback) and exits with code 2."""
+    """A configuration / input problem the user can fix: main() prints the message, no traceback, exit 2."""

@@ -1,35 +1,13 @@
 """Record every op's output of one training step, keyed so two runs can be matched op by op.
 
-``--debug.record_numerics DIR`` makes step 1 of a run write ``DIR/rank<r>.pt``: for each op
-the step executes, in execution order, its key and a :class:`Record` of its output. The
-first-divergence finder (``scripts/numerics_diff.py``, :mod:`graph_trainer.tools.numerics_diff`)
-runs two sides so and names the first op whose output differs.
-
-The key of an op (the matching rule)::
-
-    (phase, module FQN, op name, occurrence)
-
-``phase`` is ``"forward"`` or ``"backward"``, the FQN the innermost module that ran the op
-(backward ops: the module of the forward op they differentiate, through the autograd
-``seq_nr``; ``""`` outside any module, e.g. the loss), ``op`` the ATen overload
-(``aten.mm.default``; output ``i > 0`` of a multi-output op is ``op[i]``), and
-``occurrence`` counts the earlier ops with the same first three fields. For the traced step the key is computed on the graph as traced, *before* any pass
-(:func:`assign_keys`), and stays on the node through the passes (``node.meta``), so a pass
-that moves nodes does not change them; the outputs of an Inductor region carry the key of
-the node whose value they return (``regional_inductor``). For ``eager`` / ``jit`` the key
-is computed in execution order by a dispatch mode (:class:`EagerRecorder`); make_fx records
-the same ATen ops in the same order, so the traced and the eager step share keys.
-
-Where keys cannot match: nodes a pass creates (bucketed collectives, copies) have no key
-and are not recorded; the nodes inside an Inductor region or a fully compiled graph
-(``--compile.inductor_compilation full``: only the loss and the gradients are recorded)
-do not run; recomputation (SAC / AC) runs forward ops again in the backward (the traced
-graph keeps the forward key, and only an op's first output is recorded; eager records the
-rerun ops as backward ops); torch.compile'd regions (``jit``) run Inductor kernels, not ATen
-ops. Keys found on one side only are counted, not compared.
-
-Every run records, besides the ops, ``"loss"`` and ``"grad:<parameter FQN>"`` (the step's
-outputs), so fully compiled runs and runs with unmatched keys still compare those.
+``--debug.record_numerics DIR``: step 1 writes ``DIR/rank<r>.pt``, each executed op's key and a
+:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``
+(:mod:`graph_trainer.tools.numerics_diff` names the first op that differs). A key is ``(phase,
+module FQN, op, occurrence)``: the innermost module that ran the op (backward ops: that of the
+forward op they differentiate, by autograd ``seq_nr``), the ATen overload (``op[i]`` for output
+``i > 0``) and the count of earlier ops with the same first three fields. The traced graph is keyed
+before any pass (:func:`assign_keys`); eager / jit in execution order by :class:`EagerRecorder`, so
+both share keys. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
 """
 
 from __future__ import annotations
@@ -53,15 +31,9 @@ SAMPLE_NUMEL = 1 << 16
 
 @dataclass
 class Record:
-    """One op output, as recorded.
-
-    Attributes:
-        shape / dtype: of the output tensor.
-        fingerprint: a hash of its bytes (bitwise equality of the whole tensor).
-        values: the tensor (CPU) when it has at most :data:`FULL_NUMEL` elements, else
-            :data:`SAMPLE_NUMEL` evenly strided elements of it (flattened); ``sampled`` says which.
-        nonfinite: number of NaN / inf elements in the whole tensor.
-    """
+    """One op output: its shape, dtype, :func:`fingerprint` (bitwise equality), ``values`` (on the
+    CPU: the tensor, or :data:`SAMPLE_NUMEL` strided elements past :data:`FULL_NUMEL`, ``sampled``)
+    and the number of NaN / inf elements (``nonfinite``)."""
 
     shape: tuple
     dtype: str
@@ -97,14 +69,9 @@ def fingerprint(t: torch.Tensor) -> int:
 def record(t: torch.Tensor) -> Record:
     """The :class:`Record` of tensor ``t`` (moved to the CPU)."""
     t = t.detach().resolve_conj().resolve_neg()
-    flat = t.reshape(-1)
-    sampled = flat.numel() > FULL_NUMEL
-    if sampled:
-        # integer positions (a float linspace rounds past the end on ~1e9 elements)
-        idx = torch.arange(SAMPLE_NUMEL, device=flat.device, dtype=torch.int64) * (flat.numel() - 1) // (SAMPLE_NUMEL - 1)
-        values = flat[idx]
-    else:
-        values = flat
+    flat = values = t.reshape(-1)
+    if sampled := flat.numel() > FULL_NUMEL:  # integer positions: a float linspace rounds past the end
+        values = flat[torch.arange(SAMPLE_NUMEL, device=flat.device) * (flat.numel() - 1) // (SAMPLE_NUMEL - 1)]
     if values.is_complex():
         values = torch.view_as_real(values)
     nonfinite = int((~torch.isfinite(flat)).sum()) if flat.is_floating_point() else 0
@@ -112,13 +79,14 @@ def record(t: torch.Tensor) -> Record:
                   nonfinite)
 
 
-def _outputs(out: Any) -> list[tuple[int, torch.Tensor]]:
-    """``(output index, tensor)`` of an op's result (one tensor, or a tuple / list)."""
-    if isinstance(out, torch.Tensor):
-        return [(0, out)]
-    if isinstance(out, (tuple, list)):
-        return [(i, t) for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
-    return []
+def _add(records: dict, key: tuple, out: Any, per_output: bool = True) -> None:
+    """Record the tensor outputs of an op's result (one tensor, or a tuple / list) under ``key``
+    (``per_output``: output ``i`` under :func:`output_key`), each first occurrence only."""
+    outs = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
+    for i, t in enumerate(outs):
+        k = output_key(key, i) if per_output else key
+        if isinstance(t, torch.Tensor) and k not in records:
+            records[k] = record(t)
 
 
 def output_key(key: tuple, index: int) -> tuple:
@@ -169,12 +137,8 @@ class GraphRecorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
-        key = n.meta.get(NUMERICS_KEY)
-        if key is not None:
-            for i, t in _outputs(out):
-                k = output_key(key, i) if n.target is not operator.getitem else key
-                if k not in self.records:
-                    self.records[k] = record(t)
+        if (key := n.meta.get(NUMERICS_KEY)) is not None:
+            _add(self.records, key, out, per_output=n.target is not operator.getitem)
         return out
 
 
@@ -203,11 +167,8 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
             node = torch._C._current_autograd_node()
             fqn = self._fqn_of_seq.get(node._sequence_nr(), "") if node is not None else ""
         base = (self.phase, fqn, op_name(func))
-        key = (*base, self._seen[base])
+        _add(self.records, (*base, self._seen[base]), out)
         self._seen[base] += 1
-        for i, t in _outputs(out):
-            if output_key(key, i) not in self.records:
-                self.records[output_key(key, i)] = record(t)
         return out
 
 
@@ -228,11 +189,9 @@ def add_step_outputs(records: dict, loss: torch.Tensor, named_grads: list[tuple[
         loss = loss.full_tensor()
     records["loss"] = record(loss)
     for name, g in named_grads:
-        name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
         if g is not None:
-            if hasattr(g, "to_local"):
-                g = g.to_local()
-            records[f"grad:{name}"] = record(g)
+            name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
+            records[f"grad:{name}"] = record(g.to_local() if hasattr(g, "to_local") else g)
 
 
 def save(folder: str, rank: int, records: dict, meta: dict) -> str:

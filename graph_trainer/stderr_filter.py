@@ -1,12 +1,9 @@
 """``run_train.sh`` pipes torchrun's stderr through this filter.
 
-Once a worker has printed this project's one-paragraph ``error: ...`` (a
-:class:`graph_trainer.errors.UserError`: bad input, a corrupt checkpoint, a NaN loss),
-the lines torchrun itself adds afterwards -- its ``ChildFailedError`` traceback and
-failure report, which say nothing more -- are dropped. Worker lines (``[rankN]:``
-prefixed) always pass, and nothing is dropped before such an error, so torchrun's own
-failures stay visible. The exit status is :data:`SAW_USER_ERROR` when such an error was
-seen (run_train.sh then exits 2, the code of a user error, instead of torchrun's 1), else 0.
+After a worker's one-paragraph ``error: ...`` (a :class:`graph_trainer.errors.UserError`), the lines
+torchrun adds (its ``ChildFailedError`` traceback and report) are dropped; worker (``[rankN]:``)
+lines and anything before such an error always pass. Exits :data:`SAW_USER_ERROR` when such an
+error was seen (run_train.sh then exits 2), else 0.
 """
 
 import re

@@ -1,26 +1,13 @@
 """aot_fx_trace: capture forward + loss + backward of one training step as ONE FX graph.
 
-:func:`trace_train_step` runs ``make_fx`` (fake tensors, real shapes — no memory is
-used for activations while tracing) over a function of the *flattened* inputs::
-
-    step(*params, *buffers, tokens, labels) -> (loss, *grads)      # one grad per param
-
-so graph placeholders are, in order, the parameters (``named_parameters`` order),
-the buffers, ``tokens`` and ``labels``; the output is a flat tuple. Inside, the model
-runs re-parametrized with the placeholders (``torch.nn.utils.stateless``, kept through
-the backward) and ``torch.autograd.grad`` produces the gradients, so the backward is traced by
-autograd itself. Layer-level activation checkpointing recomputes inside the traced
-backward; op-level selective AC only tags the nodes it would recompute
-(``node.meta["recompute"]``) and the ``sac_recompute`` pass does the recomputation.
-
-Mixed precision (``param_dtype``): floating parameters are cast to ``param_dtype``
-at the start of the forward (``aten._to_copy`` in the graph; with ``materialize``, the
-FSDP all-gather / TP ``DTensor`` wrap of :mod:`graph_trainer.distributed.parallelize` happen there too);
-autograd casts their gradients back, so gradients and the optimizer stay in the
-parameters' dtype (fp32).
-
-Metadata written on the nodes: see :mod:`graph_trainer` (``custom["phase"]``,
-``custom["module_fqn"]``, ``custom["ac_region"]``).
+:func:`trace_train_step` runs ``make_fx`` (fake tensors, real shapes) over
+``step(*params, *buffers, tokens, labels) -> (loss, *grads)``: placeholders in that order, a flat
+tuple out. The model runs re-parametrized with the placeholders (kept through the backward, where
+layer-level activation checkpointing recomputes) and ``torch.autograd.grad`` traces the backward.
+Op-level selective AC only tags nodes (``node.meta["recompute"]``); the ``sac_recompute`` pass
+recomputes. With ``param_dtype`` floating parameters are cast at the start of the forward (and,
+with ``materialize``, FSDP-gathered / TP-wrapped there); gradients stay in the parameters' dtype.
+Node metadata written here: see :mod:`graph_trainer`.
 """
 
 from __future__ import annotations
@@ -42,15 +29,10 @@ from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY, PHASE_KEY
 
 
 def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
-    """Make backward nodes carry the ``seq_nr`` of the forward op they differentiate.
-
-    Uses the autograd pre/post hooks that AOTAutograd installs for the same purpose
-    (stack traces and seq_nr of backward nodes); a no-op if the helper is missing.
-    """
+    """Make backward nodes carry the ``seq_nr`` of the forward op they differentiate (AOTAutograd's
+    hooks for the same purpose; a no-op where this torch lacks them)."""
     try:
-        from torch._functorch._aot_autograd.logging_utils import (
-            setup_stacktrace_preservation_hooks,
-        )
+        from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
     except ImportError:  # pragma: no cover - older/newer torch
         return
     if loss.grad_fn is not None:
@@ -59,23 +41,16 @@ def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def annotate_module_fqns(model: torch.nn.Module):
-    """Annotate every node produced inside a submodule's forward with its FQN.
-
-    Registers forward pre/post hooks that enter/leave
-    ``torch.fx.traceback.annotate({"module_fqn": fqn})``; nested modules override
-    the outer FQN and restore it on exit. Hooks are removed on exit. Nodes inside an
-    activation-checkpointed module (a ``CheckpointWrapper``) also get
-    ``{"ac_region": its fqn}``: the block whose inputs checkpointing saves (used by
-    :func:`graph_trainer.compiler.passes.sac_recompute_pass`).
-    """
+    """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (the
+    innermost module wins) and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}`` (read by
+    ``sac_recompute``), through forward hooks removed on exit."""
     handles = []
     stacks: list[contextlib.ExitStack] = []
 
     def make_pre(annotation):
         def pre(_mod, _args):
-            stack = contextlib.ExitStack()
-            stack.enter_context(fx_traceback.annotate(annotation))
-            stacks.append(stack)
+            stacks.append(contextlib.ExitStack())
+            stacks[-1].enter_context(fx_traceback.annotate(annotation))
 
         return pre
 
@@ -100,28 +75,18 @@ def annotate_module_fqns(model: torch.nn.Module):
             stacks.pop().close()
 
 
-def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> int:
-    """Give backward nodes the module FQN of the forward node with the same ``seq_nr``.
-
-    Returns the number of backward nodes that received an FQN.
-    """
-    fwd_fqn: dict[int, str] = {}
+def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> None:
+    """Give backward nodes the module FQN of the forward node with the same ``seq_nr``."""
+    fwd_fqn = {}
     for node in gm.graph.nodes:
         custom = node.meta.get("custom", {})
-        if custom.get(PHASE_KEY) == "forward" and MODULE_FQN_KEY in custom:
-            seq_nr = node.meta.get("seq_nr")
-            if seq_nr is not None:
-                fwd_fqn[seq_nr] = custom[MODULE_FQN_KEY]
-    n = 0
+        if custom.get(PHASE_KEY) == "forward" and MODULE_FQN_KEY in custom and node.meta.get("seq_nr") is not None:
+            fwd_fqn[node.meta["seq_nr"]] = custom[MODULE_FQN_KEY]
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
-        if not custom or custom.get(PHASE_KEY) != "backward" or MODULE_FQN_KEY in custom:
-            continue
-        fqn = fwd_fqn.get(node.meta.get("seq_nr"))
-        if fqn is not None:
-            node.meta["custom"] = {**custom, MODULE_FQN_KEY: fqn}
-            n += 1
-    return n
+        if custom and custom.get(PHASE_KEY) == "backward" and MODULE_FQN_KEY not in custom:
+            if (fqn := fwd_fqn.get(node.meta.get("seq_nr"))) is not None:
+                node.meta["custom"] = {**custom, MODULE_FQN_KEY: fqn}
 
 
 def ops_by_kind(gm: torch.fx.GraphModule) -> Counter:
@@ -131,15 +96,9 @@ def ops_by_kind(gm: torch.fx.GraphModule) -> Counter:
 
 @dataclass
 class TracedStep:
-    """The traced training step and how to call it.
-
-    Attributes:
-        gm: the FX graph (after :func:`trace_train_step`; passes may replace it with
-            a compiled callable taking the same flat inputs).
-        param_names / buffer_names: FQNs in placeholder order.
-        trace_time_s: wall time of make_fx, seconds.
-        example_inputs: fake tensors of the placeholders (for passes).
-    """
+    """The traced training step: ``gm`` (the FX graph, or after passes a compiled callable of the
+    same flat inputs), parameter / buffer FQNs in placeholder order, make_fx wall time (s), and
+    the placeholders' fake tensors (``example_inputs``, for passes)."""
 
     gm: Callable
     param_names: list[str]
@@ -167,21 +126,17 @@ def trace_train_step(
     """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` into one graph.
 
     Args:
-        model: the (possibly AC-wrapped / parallelized) model; its parameters must
-            require grad. Not modified (hooks are removed afterwards).
+        model: the (possibly AC-wrapped / parallelized) model, parameters requiring grad; not modified.
         loss_fn: ``loss_fn(logits [B, S, V], labels [B, S] int64) -> 0-d tensor``.
-        tokens, labels: ``[B, S]`` int64 example batch; only shapes/dtypes are used
-            (tracing runs on fake tensors).
+        tokens, labels: ``[B, S]`` int64 example batch (only shapes / dtypes are used).
         param_dtype: compute dtype for floating parameters (``None``: keep theirs).
-        params / param_names: graph inputs that stand for the parameters and the
-            module FQNs they fill (default: ``model.named_parameters()``). With FSDP
-            these are the local shards (:mod:`graph_trainer.distributed.fsdp`).
-        materialize: maps the ``params`` inputs to the full compute parameters inside
-            the graph (FSDP: all-gather + cast). Default: cast to ``param_dtype``.
+        params / param_names: the graph inputs standing for the parameters and the FQNs they fill
+            (default: ``model.named_parameters()``; FSDP: the local shards).
+        materialize: maps ``params`` to the full compute parameters inside the graph (FSDP:
+            all-gather + cast). Default: cast to ``param_dtype``.
 
     Returns:
-        A :class:`TracedStep` whose graph maps
-        ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
+        A :class:`TracedStep` mapping ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
 
     Raises:
         Whatever make_fx raises for untraceable models (e.g. data-dependent control flow).
@@ -201,15 +156,11 @@ def trace_train_step(
             if materialize is not None:
                 compute = materialize(list(params))
             else:
-                compute = [
-                    p.to(param_dtype)
-                    if param_dtype is not None and p.is_floating_point() and p.dtype != param_dtype
-                    else p
-                    for p in params
-                ]
+                cast = param_dtype is not None
+                compute = [p.to(param_dtype) if cast and p.is_floating_point() and p.dtype != param_dtype else p
+                           for p in params]
             state = {**dict(zip(param_names, compute)), **dict(zip(buffer_names, bufs))}
-        # The module stays re-parametrized through the backward too: activation
-        # checkpointing recomputes the forward there and must see the placeholders.
+        # re-parametrized through the backward too: activation checkpointing recomputes there
         with _reparametrize_module(model, state):
             with fx_traceback.annotate({PHASE_KEY: "forward"}):
                 logits = model(toks)
@@ -217,9 +168,7 @@ def trace_train_step(
             _preserve_seq_nr_in_backward(loss)
             with fx_traceback.annotate({PHASE_KEY: "backward"}):
                 grads = torch.autograd.grad(loss, params)
-        # TP with loss parallel: the loss is a replicated DTensor; return its local value
-        # (a plain tensor the graph computes, not a constant)
-        if hasattr(loss, "to_local"):
+        if hasattr(loss, "to_local"):  # TP loss parallel: a replicated DTensor; return the computed local value
             loss = loss.to_local()
         return (loss, *grads)
 

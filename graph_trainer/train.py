@@ -1,11 +1,8 @@
 """The training loop: config -> model -> layout + step -> loop -> metrics.
 
-Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train
---job.config_file train_configs/debug_model.toml``. The step (:mod:`graph_trainer.step`)
-hides the mode: under ``aot_fx_trace`` it traces forward + loss + backward into one FX
-graph on its first call, runs the pass pipeline over it and replays it; under ``eager`` /
-``jit`` it is ``loss_fn(model(tokens), labels).backward()``. Everything after the
-gradients (clipping, AdamW, LR schedule, checkpoints, metrics) is eager and the same
+Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --job.config_file
+train_configs/debug_model.toml``. The step (:mod:`graph_trainer.step`) hides the mode; everything
+after the gradients (clipping, AdamW, LR schedule, checkpoints, metrics) is eager and the same
 for every mode.
 """
 
@@ -30,11 +27,9 @@ def setup_logging(rank: int = 0) -> None:
     from torchtitan.tools.logging import init_logger
 
     init_logger()
-    fmt = logging.Formatter("[graph_trainer] %(asctime)s - %(levelname)s - %(message)s")
     logger.handlers.clear()
-    h = logging.StreamHandler(sys.stdout)
-    h.setFormatter(fmt)
-    logger.addHandler(h)
+    logger.addHandler(logging.StreamHandler(sys.stdout))
+    logger.handlers[0].setFormatter(logging.Formatter("[graph_trainer] %(asctime)s - %(levelname)s - %(message)s"))
     logger.setLevel(logging.INFO)
     logger.propagate = False
 
@@ -50,13 +45,13 @@ def train(cfg) -> dict:
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
     from graph_trainer import data
-    from graph_trainer.distributed import parallelize
     from graph_trainer.checkpoint import Checkpointer
     from graph_trainer.determinism import apply_determinism
+    from graph_trainer.distributed import parallelize
     from graph_trainer.metrics import MetricsLogger
     from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
-    from graph_trainer.tools.profiling import maybe_start_profiler
     from graph_trainer.step import build_train_step
+    from graph_trainer.tools.profiling import maybe_start_profiler
 
     # Data and layout first: both fail fast on bad input, before any memory is allocated.
     data.register_datasets()
@@ -81,9 +76,8 @@ def train(cfg) -> dict:
     logger.info(f"Tokenizer ({tokenizer.get_vocab_size():,} tokens) and data ({cfg.training.dataset}) "
                 f"ready in {time.perf_counter() - t0:.1f}s")
     t0 = time.perf_counter()
-    # Under COMM_MODE=fake_collectives a traced FSDP / TP step needs only rank 0's shards: the
-    # model is built on the meta device (buffers on the device) and distribute_for_trace
-    # allocates the shards, so one GPU holds one rank of a model that no GPU holds whole.
+    # fake_collectives, traced FSDP / TP: built on the meta device; distribute_for_trace allocates
+    # rank 0's shards, so one GPU holds one rank of a model that no GPU holds whole
     meta = fake and mode == "aot_fx_trace" and (parallel_dims.tp > 1 or parallel_dims.dp_shard > 1)
     model = build_model(model_args, "meta" if meta else device)
     if meta:
@@ -92,11 +86,8 @@ def train(cfg) -> dict:
         logger.info(f"Model built on the meta device; rank 0's shards are allocated on {device} (N(0, 0.02), "
                     "norms 1)")
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
-    logger.info(
-        f"Model llama3 {cfg.model.flavor}: {nparams:,} params (without embedding), "
-        f"{flops_per_token:,} FLOPs/token, built in {time.perf_counter() - t0:.1f}s on {device}; "
-        f"mode {mode}, world {world_size}"
-    )
+    logger.info(f"Model llama3 {cfg.model.flavor}: {nparams:,} params (without embedding), {flops_per_token:,} "
+                f"FLOPs/token, built in {time.perf_counter() - t0:.1f}s on {device}; mode {mode}, world {world_size}")
     step_fn = build_train_step(cfg, model, parallel_dims, device, rank, world_size)
 
     # Optimizer, schedule, metrics and checkpoints see what the step updates.
@@ -115,23 +106,18 @@ def train(cfg) -> dict:
                             enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
                             rank=rank, resume_step=start_step)
     logger.info("Outputs: " + "; ".join(metrics.outputs(cfg, checkpointer.folder if checkpointer.enabled else None)))
-    extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism}
-    if fake:
-        extra["comm_mode"] = cfg.comm.mode
-    if start_step:
-        extra["resumed_from_step"] = start_step
+    extra: dict = {"mode": mode, "device": str(device), "torch": torch.__version__, **determinism,
+                   **({"comm_mode": cfg.comm.mode} if fake else {}),
+                   **({"resumed_from_step": start_step} if start_step else {})}
 
     data_iter = iter(dataloader)
     profiler = maybe_start_profiler(cfg.profiling, cfg.job.dump_folder, rank, start_step)
     for step in range(start_step + 1, cfg.training.steps + 1):
         t_data = time.perf_counter()
         input_dict, labels = next(data_iter)
-        tokens = input_dict["input"].to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
+        tokens, labels = input_dict["input"].to(device, non_blocking=True), labels.to(device, non_blocking=True)
         data_time = time.perf_counter() - t_data
-
-        # Gradients (the first traced step also traces and compiles), then eager update.
-        optimizers.zero_grad()
+        optimizers.zero_grad()  # gradients (the first traced step also traces and compiles), then eager update
         loss = step_fn(tokens, labels)
         grad_norm = step_fn.clip_grad_norm_(cfg.training.max_norm)
         optimizers.step()
@@ -143,8 +129,8 @@ def train(cfg) -> dict:
         saving = checkpointer.enabled and (step % cfg.checkpoint.interval == 0 or last)
         if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or last or saving:
             loss_val = step_fn.global_loss(loss)
-            bad = [f"loss is {v}" for v in (loss_val,) if not math.isfinite(v)]
-            bad += [f"grad norm is {v}" for v in (float(grad_norm),) if not math.isfinite(v)]
+            checked = (("loss", loss_val), ("grad norm", float(grad_norm)))
+            bad = [f"{k} is {v}" for k, v in checked if not math.isfinite(v)]
             if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
                 raise UserError(
                     f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this state is "
@@ -189,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             train(cfg)
             if dist.is_initialized() and dist.get_world_size() > 1:
-                # Let every rank finish its last collective before any rank tears down: a
-                # rank destroying its gloo group while a peer still talks to it aborted at
-                # exit ("terminate called without an active exception", intermittently on TP2 CPU runs).
+                # every rank finishes its last collective before any tears down (gloo aborts otherwise)
                 dist.barrier(device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None)
     except UserError as e:
         print(f"\nerror: {e}\n", file=sys.stderr)

@@ -42,8 +42,8 @@ HSDP_SHARD = {"8B": 8, "70B": 64}
 #: TP degree of the FSDP x TP layout, per model.
 TP_DEGREE = {"8B": 2, "70B": 8}
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
-#: ``(label, train_configs file, NGPU, device, flags, docs/perf.md section)`` of the layouts
-#: measured on GPUs; their measured tps live in docs/perf.md only.
+#: ``(label, train_configs file, NGPU, device, flags, docs/perf_archive.md section)`` of the layouts
+#: measured on GPUs; their measured tps live in docs/perf.md ("Scale projection") only.
 VALIDATION = (
     ("1B, 1 GPU, plain command", "llama3_1b.toml", 1, "h100", [],
      "fifth session, Call 3"),

@@ -1,4 +1,4 @@
-"""Import ``scripts/<name>.py`` by path for the script tests (the scripts are not a package)."""
+"""Helpers of the script tests: import ``scripts/<name>.py`` by path, read a markdown table."""
 
 import importlib.util
 import sys
@@ -8,12 +8,15 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str):
-    """The module of ``scripts/<name>.py``, imported once and registered in
-    ``sys.modules`` (dataclasses look their module up there)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The module of ``scripts/<name>.py``, imported once and registered in ``sys.modules``."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up there
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def table(text: str) -> tuple[str, dict[str, list[str]]]:
+    """The first markdown table of ``text``: its header line and ``{first cell: other cells}``."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return rows[0], {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows[2:]}

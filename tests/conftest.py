@@ -1,19 +1,12 @@
-"""Shared fixtures: the tiny models of the tests, built with :mod:`graph_trainer.model`, and
-the runs that several test modules start from or check: a finished 1-rank run with
-checkpoints (``finished_run``), a 4-rank FSDP run through run_train.sh (``fsdp4_run``) and
-the 8B dry run of the seed layout (``dry_run_8b_fsdp4_tp2``).
+"""Shared fixtures: the tests' tiny models and the runs several test modules start from.
 
-Tiers: ``pytest -m "not slow" tests`` is the inner loop. Tests that start training runs in
-subprocesses, dry-run the 8B or compile with Inductor for long are marked ``slow``; so is,
-by :func:`pytest_collection_modifyitems`, every test that uses a fixture of
-:data:`SLOW_FIXTURES` (a session run: its cost would otherwise land in the fast tier).
-
-Every process of the tests runs one OpenMP thread (``OMP_NUM_THREADS=1``, unless set
-already; torchrun's own default for several ranks): the tests start several CPU-bound
-processes at once on a machine of a few cores, where threads that wait for each other's
-cores made single ops up to 20x slower. Runs whose numbers a test compares all use one thread.
+Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using
+a fixture of :data:`SLOW_FIXTURES`. Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
+unless set): several CPU-bound processes on a few cores otherwise slow single ops many times over.
 """
 
+import contextlib
+import logging
 import os
 import subprocess
 
@@ -25,8 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-#: The tiny Llama3 of the pass tests: the debug flavor shrunk to dim 32, 2 heads,
-#: vocabulary 64 and sequences of up to 32 tokens.
+#: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
@@ -42,8 +34,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    """``tiny_llama(n_layers, seed=0)``: a new tiny Llama3 (:data:`TINY_LLAMA`, ``n_layers``
-    blocks) from ``graph_trainer.model.build_model``: seeded, weights initialised, train mode."""
+    """``tiny_llama(n_layers, seed=0)``: a new seeded, initialised tiny Llama3 (:data:`TINY_LLAMA`) in train mode."""
     from graph_trainer.model import build_model, model_args
 
     def build(n_layers: int, seed: int = 0):
@@ -54,10 +45,9 @@ def tiny_llama():
 
 @pytest.fixture
 def fsdp_trace():
-    """``fsdp_trace(param_dtype=None)``: a traced FSDP training step of a 2-layer debug Llama
-    on a 1-rank gloo group (the collectives really run), all-gathering parameters in
-    ``param_dtype`` (None: as stored): ``(TracedStep, flat inputs, number of parameters)``.
-    The process group lives until the end of the test."""
+    """``fsdp_trace(param_dtype=None)``: a traced FSDP step of a 2-layer debug Llama on a 1-rank gloo
+    group (living until the end of the test), gathering parameters in ``param_dtype`` (None: as
+    stored): ``(TracedStep, flat inputs, number of parameters)``."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     def trace(param_dtype=None):
@@ -66,17 +56,12 @@ def fsdp_trace():
         from graph_trainer.trace import trace_train_step
 
         model = build_model(model_args("debugmodel", n_layers=2), seed=0)
-        tokens = torch.randint(0, 2048, (2, 16))
-        labels = torch.randint(0, 2048, (2, 16))
-        bufs = list(model.buffers())
-        group = dist.group.WORLD
-        specs, shards = fsdp.shard_parameters(model, group)
-        traced = trace_train_step(
-            model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
-            materialize=lambda ps: [fsdp.all_gather_param(p, s, group, param_dtype=param_dtype)
-                                    for p, s in zip(ps, specs)],
-        )
-        return traced, (*shards, *bufs, tokens, labels), len(specs)
+        tokens, labels = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
+        specs, shards = fsdp.shard_parameters(model, dist.group.WORLD)
+        traced = trace_train_step(model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
+                                  materialize=lambda ps: [fsdp.all_gather_param(p, s, dist.group.WORLD, param_dtype)
+                                                          for p, s in zip(ps, specs)])
+        return traced, (*shards, *model.buffers(), tokens, labels), len(specs)
 
     try:
         yield trace
@@ -92,10 +77,8 @@ def fsdp_step(fsdp_trace):
 
 @pytest.fixture(scope="session")
 def fsdp4_run(tmp_path_factory):
-    """``NGPU=4 ./run_train.sh`` on the debug model, FSDP4 (seq 64, batch 2, 2 steps; CPU
-    only, no launcher variables inherited): ``(stdout, losses, grad norms)``. The one-host
-    reference of tests/test_multinode.py and the traced FSDP4 run of
-    tests/test_parallel_layouts.py."""
+    """``NGPU=4 ./run_train.sh`` on the debug model, FSDP4 (``_runs.fsdp4_flags``, CPU only):
+    ``(stdout, losses, grad norms)``."""
     from _runs import fsdp4_flags, launch_env
     from graph_trainer.metrics import read_metrics
 
@@ -104,16 +87,14 @@ def fsdp4_run(tmp_path_factory):
                        env=launch_env(NGPU="4"), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
-    assert summary["final_loss"] > 0  # the README's multi-process command on CPU: torchrun + gloo, data parallel
+    assert summary["final_loss"] > 0
     return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
 
 
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
-    """The dump folder of a finished run: the debug model, 4 steps, flags ``_runs.FINISHED``
-    (full checkpoints at steps 2 and 4), the trainer's entry point forked from
-    tests/_launch.py's server. Tests copy it (``shutil.copytree``) before they change
-    anything: tests/test_resume.py, tests/test_records.py, tests/test_determinism.py."""
+    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4).
+    Tests copy it (``shutil.copytree``) before they change anything."""
     from _runs import FINISHED, run_debug
 
     dump = tmp_path_factory.mktemp("finished_run") / "run"
@@ -122,17 +103,9 @@ def finished_run(tmp_path_factory):
     return dump
 
 
-@pytest.fixture(scope="session")
-def dry_run_8b_fsdp4_tp2():
-    """The seed layout's dry run, once per session: Llama3 8B, FSDP4 x TP2 on 8 fake ranks
-    (``COMM_MODE=fake_backend NGPU=8``), with ``--compile.passes async_tp``, in this process.
-    ``(summary, log messages of graph_trainer)``; the summary's collective counts are those
-    of the traced graph (before any pass). Used by tests/test_fsdp.py and
-    tests/passes/test_async_tp.py."""
-    import logging
-
-    from _runs import dry_run_8b_8_ranks
-
+@contextlib.contextmanager
+def graph_trainer_logs():
+    """graph_trainer's log messages (INFO and up) while the context is open, in the yielded list."""
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -141,9 +114,26 @@ def dry_run_8b_fsdp4_tp2():
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
-                                     "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp")
+        yield messages
     finally:
         log.removeHandler(handler)
         log.setLevel(old_level)
+
+
+@pytest.fixture
+def log_lines():
+    """graph_trainer's log messages during the test."""
+    with graph_trainer_logs() as lines:
+        yield lines
+
+
+@pytest.fixture(scope="session")
+def dry_run_8b_fsdp4_tp2():
+    """The seed layout's dry run, in this process: Llama3 8B, FSDP4 x TP2 on 8 fake ranks with
+    ``--compile.passes async_tp``: ``(summary, graph_trainer's log messages)``."""
+    from _runs import dry_run_8b_8_ranks
+
+    with graph_trainer_logs() as messages:
+        summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
+                                     "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp")
     return summary, messages

@@ -1,7 +1,5 @@
-"""``COMM_MODE`` of run_train.sh: ``fake_collectives`` trains rank 0 of an NGPU-rank layout in
-one process (every collective a local copy: graph_trainer/distributed/fake_pg.py).
-(``fake_backend``, the dry run: tests/test_fsdp.py; unsupported modes and checkpoints under
-``fake_collectives``, refused: tests/test_preflight.py.)"""
+"""``COMM_MODE=fake_collectives``: rank 0 of an NGPU-rank layout trains in one process, every
+collective a local copy (graph_trainer/distributed/fake_pg.py). (The dry run: tests/test_fsdp.py.)"""
 
 import math
 import os
@@ -10,30 +8,26 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from graph_trainer.metrics import read_metrics
 
 from _runs import launch_env  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none"]
-
-
-def _run_sh(env_extra, *args, timeout=600):
-    return subprocess.run(["bash", "run_train.sh", *args], cwd=REPO, env=launch_env(**env_extra),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
 def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process(tmp_path):
-    """NGPU=64, FSDP32xTP2: one process, the model built on the meta device and only rank 0's
-    shards allocated, its step traced with the FSDP and TP collectives of 64 ranks (counted
-    in the pass table), 3 steps logged with finite losses, this rank's tps and memory; the
-    summary says the mode. No torchrun: no worker rank prefix in the output."""
+    """NGPU=64, FSDP32xTP2: one process (no torchrun rank prefix), the model built on the meta
+    device and only rank 0's shards allocated, its step traced with the collectives of 64 ranks
+    (pass table), 3 steps with finite losses; the summary says the mode."""
     dump = tmp_path / "out"
-    r = _run_sh({"COMM_MODE": "fake_collectives", "NGPU": "64"}, *SMALL, "--training.steps", "3",
-                "--parallelism.data_parallel_shard_degree", "32", "--parallelism.tensor_parallel_degree", "2",
-                "--job.dump_folder", str(dump))
+    flags = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
+             "--training.steps", "3", "--parallelism.data_parallel_shard_degree", "32",
+             "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(dump)]
+    r = subprocess.run(["bash", "run_train.sh", *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=launch_env(COMM_MODE="fake_collectives", NGPU="64"))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "COMM_MODE=fake_collectives: rank 0 of 64 ranks on cpu" in out
@@ -43,17 +37,13 @@ def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process(tmp_path):
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in rows), rows  # defined data
     assert summary["comm_mode"] == "fake_collectives" and summary["tps"] > 0
-    # the traced graph holds the collectives of both mesh dimensions (pass table, input row)
-    table = [line for line in out.splitlines() if line.startswith("| 0 | (input)")]
-    assert table, out[-3000:]
-    collectives = int(table[0].split("|")[6])
-    assert collectives > 0, table[0]
+    table = [line for line in out.splitlines() if line.startswith("| 0 | (input)")]  # the pass table's input row
+    assert table and int(table[0].split("|")[6]) > 0, out[-3000:]  # its collectives
 
 
 def test_local_copy_process_group_semantics():
-    """graph_trainer.distributed.fake_pg on 4 ranks, a 2 x 2 device mesh: functional all-gather repeats
-    the input, reduce-scatter keeps this rank's chunk, all-reduce leaves the tensor, on the
-    world and on a mesh dimension (its own process group); scatter gives this rank's piece."""
+    """4 ranks, a 2 x 2 mesh: all-gather repeats the input, reduce-scatter keeps this rank's chunk,
+    all-reduce leaves the tensor, on the world and on a mesh dimension; scatter gives this rank's piece."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -83,8 +73,6 @@ def test_local_copy_process_group_semantics():
 def test_materialize_meta_shards_norms_ones_others_normal():
     """Meta shards become fp32 tensors on the device: RMSNorm weights ones, the rest finite
     N(0, 0.02); a shard already allocated is kept as it is."""
-    import torch
-
     from graph_trainer.distributed.parallelize import materialize_meta_shards
 
     names = ["layers.0.attention_norm.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"]

@@ -1,12 +1,10 @@
-"""The config layer: parsing, validation before start, and every command
-line the README, docs/design.md and scripts/gpu/*.sh show."""
+"""The config layer: parsing, validation before start, and every command line the README,
+docs/design.md and scripts/gpu/*.sh show."""
 
-import dataclasses
 import json
 import os
 import re
 import shlex
-import typing
 
 import pytest
 
@@ -27,7 +25,8 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
         (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
         (["--compile.full_inductor.configs", '{"a": 1}', "--compile.mode", "jit"],
          "[compile.full_inductor] is set, but full_inductor does not run"),
-        (["--compile.rmsnorm.no-tune"], "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
+        (["--compile.rmsnorm.no-tune"],
+         "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
         (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
          "--compile.full_inductor.configs must be a JSON object"),
         (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
@@ -39,17 +38,17 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
         (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
         (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
         (["--compile.sac.save", "some"], "recompute, matmuls, all"),
+        (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
+        (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", "{oops"],
+         "rmsnorm.inductor_configs must be a JSON object"),
+        (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", '{"not_a_config": 1}'],
+         "not_a_config"),
     ],
 )
 def test_bad_config_is_rejected(flags, needle):
     with pytest.raises(UserError) as e:
         parse_args(["--job.config_file", DEBUG, *flags])
     assert needle in str(e.value)
-
-
-def test_missing_config_file():
-    with pytest.raises(UserError, match="does not exist"):
-        parse_args(["--job.config_file", "nope.toml"])
 
 
 def test_aliases_and_config_names(monkeypatch):
@@ -63,19 +62,9 @@ def test_aliases_and_config_names(monkeypatch):
     assert cfg.compile.mode == "aot_fx_trace"
 
 
-def test_rmsnorm_inductor_configs_json():
-    on = ["--job.config_file", DEBUG, "--compile.numerics_changing_optim"]
-    cfg = parse_args([*on, "--compile.rmsnorm.inductor_configs", '{"split_reductions": false}'])
-    assert json.loads(cfg.compile.rmsnorm.inductor_configs) == {"split_reductions": False}
-    with pytest.raises(UserError, match="rmsnorm.inductor_configs must be a JSON object"):
-        parse_args([*on, "--compile.rmsnorm.inductor_configs", "{oops"])
-    with pytest.raises(UserError, match="unknown Inductor config|not_a_config"):
-        parse_args([*on, "--compile.rmsnorm.inductor_configs", '{"not_a_config": 1}'])
-
-
 def test_nested_groups_from_toml_and_cli(tmp_path):
-    """[compile.<group>] tables in TOML, --compile.<group>.<key> on the CLI (CLI wins), and
-    Inductor config tables read as JSON text."""
+    """[compile.<group>] tables in TOML, --compile.<group>.<key> on the CLI (CLI wins), Inductor
+    config tables read as JSON text, a JSON text flag."""
     toml = tmp_path / "c.toml"
     toml.write_text(
         open(DEBUG).read()
@@ -87,6 +76,9 @@ def test_nested_groups_from_toml_and_cli(tmp_path):
     assert (cfg.compile.fsdp.bucket_blocks, cfg.compile.fsdp.keep_last_blocks) == (2, 3)
     assert json.loads(cfg.compile.full_inductor.configs) == {"max_autotune": False}
     assert cfg.compile.full_inductor.pin_collectives is False
+    cfg = parse_args(["--job.config_file", DEBUG, "--compile.numerics_changing_optim",
+                      "--compile.rmsnorm.inductor_configs", '{"split_reductions": false}'])
+    assert json.loads(cfg.compile.rmsnorm.inductor_configs) == {"split_reductions": False}
 
 
 def test_validate_returns_the_pass_list():
@@ -106,22 +98,10 @@ SCRIPTS = sorted(f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scri
 
 
 def _run_train_commands(path):
-    """``(env, args)`` of every ``run_train.sh`` command line in a fenced code block of
-    ``path`` (continuation lines joined; comments dropped)."""
-    blocks, block, lang = [], None, None
-    for line in open(os.path.join(REPO, path)).read().splitlines(keepends=True):
-        if line.startswith("```"):  # fences pair up in order: an opening one names its language
-            if block is None:
-                block, lang = [], line[3:].strip()
-            else:
-                if lang in ("", "bash", "sh"):
-                    blocks.append("".join(block))
-                block = None
-        elif block is not None:
-            block.append(line)
+    """``(env, args)`` of every ``run_train.sh`` command in a fenced shell block of ``path``."""
     out = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
+    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", open(os.path.join(REPO, path)).read(), re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines() if lang in ("", "bash", "sh") else ():
             line = line.split(" #")[0].strip()
             if "./run_train.sh" not in line:
                 continue
@@ -132,58 +112,29 @@ def _run_train_commands(path):
     return out
 
 
-def _parse_like_run_train_sh(env, args, monkeypatch):
-    for key in ("CONFIG", "CONFIG_FILE", "NGPU"):
-        monkeypatch.delenv(key, raising=False)
-    pre = []
-    if "CONFIG_FILE" in env:
-        pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"])]
-    elif "CONFIG" in env:
-        monkeypatch.setenv("CONFIG", env["CONFIG"])
-    else:
-        pre = ["--job.config_file", DEBUG]
-    return parse_args(pre + args)
-
-
 @pytest.mark.parametrize("path", DOCS)
 def test_documented_commands_parse(path, monkeypatch):
+    """Each parses as run_train.sh would: CONFIG_FILE, else CONFIG, else the debug model."""
     commands = _run_train_commands(path)
-    if path == "README.md":
-        assert len(commands) >= 5
+    assert path != "README.md" or len(commands) >= 5
     for env, args in commands:
-        _parse_like_run_train_sh(env, args, monkeypatch)
-
-
-def _known_flags():
-    """Every ``--section.key`` the parser accepts (underscore spelling, ``no-`` forms too)."""
-    from torchtitan.config import JobConfig as TitanJobConfig
-
-    from graph_trainer.config import JobConfig, _config_manager_cls
-
-    merged = _config_manager_cls()._merge_configs(TitanJobConfig, JobConfig)
-    flags = set()
-
-    def walk(cls, prefix):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            name = f"{prefix}.{f.name}"
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], name)
-            else:
-                flags.add(name)
-                head, _, leaf = name.rpartition(".")
-                flags.add(f"{head}.no-{leaf}")
-
-    walk(merged, "")
-    return {"--" + f.lstrip(".") for f in flags}
+        for key in ("CONFIG", "CONFIG_FILE", "NGPU"):
+            monkeypatch.delenv(key, raising=False)
+        if "CONFIG" in env and "CONFIG_FILE" not in env:
+            monkeypatch.setenv("CONFIG", env["CONFIG"])
+            pre = []
+        else:
+            pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
+        parse_args(pre + args)
 
 
 @pytest.mark.parametrize("path", DOCS + SCRIPTS)
 def test_every_flag_spelling_is_known(path):
-    """Flags in docs and GPU scripts are spelled as the parser knows them (new spellings)."""
-    known = _known_flags()
-    text = open(os.path.join(REPO, path)).read()
-    flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", text))
+    """Flags in docs and GPU scripts are spelled as --help lists them (new spellings)."""
+    from graph_trainer.config import _merged_cls, help_text
+
+    known = {f for pair in re.findall(r"^  (--\S+)(?: / (--\S+))?", help_text(_merged_cls()), re.M) for f in pair}
+    flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", open(os.path.join(REPO, path)).read()))
     aliases = ("--dataloader.", "--profiler.", "--section.key")  # newer torchtitan spellings; a placeholder
     unknown = sorted(f for f in flags if f not in known and not f.startswith(aliases))
     assert not unknown, f"{path}: unknown flags {unknown}"

@@ -1,38 +1,28 @@
-"""Tests for scripts/fusion_report.py: one --tiny CPU run + its parsing helpers."""
+"""scripts/fusion_report.py: one --tiny CPU run and its parsing helpers."""
 
 import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from _scripts import load_script
+from _scripts import SCRIPTS, load_script, table
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "fusion_report.py"
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
 COMPILED = ["full", "regional+rmsnorm", POINTWISE]
 
 
-def _load():
-    return load_script("fusion_report")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fusion_report") / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+@pytest.mark.slow
+def test_tiny_run(tmp_path):
+    """The ways and their kernels; regional keeps the norm backward alone while full fuses into it;
+    every way matches the uncompiled numerics; timings; the markdown table matches the JSON."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "fusion_report.py"), "--tiny", "--json", str(out)],
+                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
-    return proc, report, {w["way"]: w for w in report["ways"]}
-
-
-@pytest.mark.slow
-def test_tiny_ways_and_kernels(tiny):
-    _, report, ways = tiny
+    ways = {w["way"]: w for w in report["ways"]}
     assert report["device_type"] == "cpu" and report["n_layers"] == 1
     assert (report["seq_len"], report["batch"], report["steps"]) == (32, 1, 2)
     assert list(ways)[:4] == ["none", "full", "regional+rmsnorm", POINTWISE]
@@ -40,8 +30,7 @@ def test_tiny_ways_and_kernels(tiny):
         assert list(ways) == ["none", "full", "regional+rmsnorm", POINTWISE, NOMIX]
     else:
         assert NOMIX not in ways and any("knob missing" in n for n in report["notes"])
-    for w in ways.values():
-        assert w["status"] == "ok", w.get("reason")
+    assert all(w["status"] == "ok" for w in ways.values()), [w.get("reason") for w in ways.values()]
     none = ways["none"]
     assert none["kernels"] == 0 and none["largest_kernel"] is None and none["rms_norm_bwd_kernels"] == []
     for name in COMPILED + ([NOMIX] if NOMIX in ways else []):
@@ -52,63 +41,34 @@ def test_tiny_ways_and_kernels(tiny):
         assert w["rms_norm_bwd_kernels"], f"{name}: no kernel holds the rms_norm backward"
         assert all(k["phase"] in ("forward", "backward", "both") for k in w["kernel_list"])
         assert all(k["phase"] in ("backward", "both") for k in w["kernel_list"] if k["rms_norm_bwd"])
-    # a region lies in one phase: regional kernels never mix forward and backward ops
-    for name in ("regional+rmsnorm", POINTWISE):
+    for name in ("regional+rmsnorm", POINTWISE):  # a region lies in one phase
         assert all(k["phase"] in ("forward", "backward") for k in ways[name]["kernel_list"]), name
-    # the pointwise chains add kernels (SwiGLU, adds, loss) but keep the norm backward alone
-    assert ways[POINTWISE]["kernels"] > ways["regional+rmsnorm"]["kernels"]
-    assert all(k["fused_with"] == {} for k in ways[POINTWISE]["rms_norm_bwd_kernels"])
-
-
-@pytest.mark.slow
-def test_tiny_fusion_differs_between_full_and_regional(tiny):
-    _, _, ways = tiny
-    # regional: every norm is its own region, so nothing else is fused into the norm backward
+        assert all(k["fused_with"] == {} for k in ways[name]["rms_norm_bwd_kernels"])  # the norm backward alone
+    assert ways[POINTWISE]["kernels"] > ways["regional+rmsnorm"]["kernels"]  # SwiGLU, adds, loss
     assert ways["regional+rmsnorm"]["fused_with"] == []
-    assert all(k["fused_with"] == {} for k in ways["regional+rmsnorm"]["rms_norm_bwd_kernels"])
     assert ways["regional+rmsnorm"]["pass_stats"]["regions"] >= 6  # 3 norms x (fwd, bwd) for one layer
-    # full: Inductor fuses neighbouring forward recomputation / adds into the norm backward
-    assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]
-
-
-@pytest.mark.slow
-def test_tiny_compiled_outputs_match_uncompiled(tiny):
-    _, report, ways = tiny
-    ref = ways["none"]["numerics"]
+    assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]  # forward recompute / adds fused in
+    ref = none["numerics"]
     assert math.isfinite(ref["loss"]) and ref["max_abs_diff_loss"] == 0 and ref["max_abs_diff_grads"] == 0
     for name, w in ways.items():
         nm = w["numerics"]
         assert nm["ok"] and nm["rel"] <= report["tolerance"], name
         assert abs(nm["loss"] - ref["loss"]) == pytest.approx(nm["max_abs_diff_loss"], abs=1e-6)
         assert nm["max_abs_diff_loss"] < 1e-4 and nm["max_abs_diff_grads"] < 1e-4, name
-
-
-@pytest.mark.slow
-def test_tiny_timings(tiny):
-    _, report, ways = tiny
-    for name, w in ways.items():
-        assert len(w["step_ms_all"]) == report["steps"], name
-        assert math.isfinite(w["step_ms"]) and w["step_ms"] > 0, name
+        assert len(w["step_ms_all"]) == report["steps"] and math.isfinite(w["step_ms"]) and w["step_ms"] > 0, name
         assert w["fwd_ms"] is None and w["bwd_ms"] is None  # not separable on CPU
-
-
-@pytest.mark.slow
-def test_tiny_markdown_table(tiny):
-    proc, _, ways = tiny
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    assert rows[0] == ("| way | kernels | largest kernel lines | kernels with rms_norm bwd | fused with it | "
-                       "fwd ms | bwd ms | step ms | max abs diff loss / grads vs none |")  # fmt: skip
-    body = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows[2:]}
+    header, body = table(proc.stdout)
+    assert header == ("| way | kernels | largest kernel lines | kernels with rms_norm bwd | fused with it | "
+                      "fwd ms | bwd ms | step ms | max abs diff loss / grads vs none |")
     assert list(body) == list(ways)
     for name, cells in body.items():
-        assert cells[0] == str(ways[name]["kernels"])
-        assert cells[2] == str(len(ways[name]["rms_norm_bwd_kernels"]))
+        assert cells[0] == str(ways[name]["kernels"]) and cells[2] == str(len(ways[name]["rms_norm_bwd_kernels"]))
         assert cells[4] == cells[5] == "n/a" and float(cells[6]) > 0
     assert "fwd/bwd ms: n/a on CPU" in proc.stdout
 
 
 def test_parse_kernels_triton_header_and_cpp_call_site():
-    fr = _load()
+    fr = load_script("fusion_report")
     src = "\n".join([
         "async_compile = AsyncCompile()",
         "",
@@ -137,7 +97,7 @@ def test_parse_kernels_triton_header_and_cpp_call_site():
 
 
 def test_split_phase_times_marker_and_kernel_phase():
-    fr = _load()
+    fr = load_script("fusion_report")
 
     def ann(name, ts, dur=0):
         return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}

@@ -1,14 +1,5 @@
-"""Several hosts through torchrun's own rendezvous: ``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT``.
-
-* The pre-check counts ``NNODES x NGPU`` ranks.
-* Two "hosts" of 2 CPU ranks on the loopback interface train bitwise as one host of 4 ranks
-  (loss and grad norm, every step), and ``NODE_RANK`` decides the ranks: global rank 0, which
-  writes ``metrics.jsonl``, is on the ``NODE_RANK=0`` host whichever host starts first (the
-  static rendezvous orders hosts by ``NODE_RANK``, not by arrival). The one-host run is the
-  ``fsdp4_run`` fixture of tests/conftest.py (also checked by tests/test_parallel_layouts.py).
-
-(Bad launcher variables, refused by run_train.sh: tests/test_preflight.py.)
-"""
+"""Several hosts through torchrun's rendezvous (``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT``): the
+pre-check counts ``NNODES x NGPU`` ranks; two "hosts" of 2 CPU ranks train bitwise as one of 4."""
 
 import os
 import signal
@@ -24,7 +15,6 @@ from _runs import LAUNCH_VARS, fixed_port, fsdp4_flags  # tests/ is on sys.path
 from _runs import launch_env as _env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = fsdp4_flags()
 
 
 def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
@@ -44,26 +34,21 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
     assert "NNODES x NGPU=2x2=4" in capsys.readouterr().err
 
 
-def _metrics(dump):
-    rows, _ = read_metrics(os.path.join(dump, "metrics.jsonl"))
-    return [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
-
-
 @pytest.mark.slow
 def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
-    _, ref_loss, ref_norm = fsdp4_run  # NGPU=4 ./run_train.sh with FLAGS, one host
+    """Loss and grad norm at every step; global rank 0, which writes ``metrics.jsonl``, is on the
+    ``NODE_RANK=0`` host whichever host starts first (static rendezvous: hosts ordered by ``NODE_RANK``)."""
+    _, ref_loss, ref_norm = fsdp4_run  # NGPU=4 ./run_train.sh with fsdp4_flags(), one host
     assert len(ref_loss) == 2
-
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it
     procs, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
     try:
         for node in (1, 0):  # NODE_RANK=1 first: a first-come rendezvous would make it rank 0
             with open(logs[node], "w") as log:  # a file, not a pipe: no host blocks on a full pipe
                 procs[node] = subprocess.Popen(
-                    ["bash", "run_train.sh", *FLAGS, "--job.dump_folder", str(tmp_path / f"node{node}")], cwd=REPO,
-                    env=_env(NNODES="2", NODE_RANK=str(node), NGPU="2", RDZV_ENDPOINT=endpoint),
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                )
+                    ["bash", "run_train.sh", *fsdp4_flags(), "--job.dump_folder", str(tmp_path / f"node{node}")],
+                    cwd=REPO, env=_env(NNODES="2", NODE_RANK=str(node), NGPU="2", RDZV_ENDPOINT=endpoint),
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         for p in procs.values():
             p.wait(timeout=900)
     finally:
@@ -76,5 +61,5 @@ def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
         assert p.returncode == 0, f"node {node}:\n" + out[node][-3000:]
     assert "world 4" in out[0] and "world 4" in out[1]
     assert not (tmp_path / "node1" / "metrics.jsonl").exists()  # rank 0 is on NODE_RANK=0
-    loss, norm = _metrics(tmp_path / "node0")
-    assert loss == ref_loss and norm == ref_norm  # bitwise, every step
+    rows, _ = read_metrics(os.path.join(tmp_path / "node0", "metrics.jsonl"))
+    assert [x["loss"] for x in rows] == ref_loss and [x["grad_norm"] for x in rows] == ref_norm  # bitwise

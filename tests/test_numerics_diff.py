@@ -11,52 +11,36 @@ import torch
 
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.model import build_model, loss_fn, model_args
-from graph_trainer.numerics import (
-    EagerRecorder,
-    GraphRecorder,
-    assign_keys,
-    fingerprint,
-    load,
-    record,
-    record_eager_forward,
-    save,
-)
+from graph_trainer.numerics import (EagerRecorder, GraphRecorder, assign_keys, fingerprint, key_text, load, record,
+                                    record_eager_forward, save)
 from graph_trainer.tools.numerics_diff import compare, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _model():
-    return build_model(model_args("debugmodel", n_layers=2, vocab_size=64), seed=0)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
-
-
-def _traced(model, tokens, labels):
+def _traced_step():
+    """The debug model (2 layers, vocabulary 64), its traced step with keys, and the step's flat inputs."""
     from graph_trainer.trace import trace_train_step
 
+    model = build_model(model_args("debugmodel", n_layers=2, vocab_size=64), seed=0)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
     traced = trace_train_step(model, loss_fn, tokens, labels)
     assign_keys(traced.gm)
-    flat = [p for p in model.parameters()] + list(model.buffers()) + [tokens, labels]
-    return traced, flat
+    return model, tokens, labels, traced, [*model.parameters(), *model.buffers(), tokens, labels]
 
 
 def _record_graph(gm, flat):
     rec = GraphRecorder(gm)
     with torch.no_grad():
-        out = rec.run(*flat)
-    return rec.records, out
+        rec.run(*flat)
+    return rec.records
 
 
 def _brute_force_first(a, b):
     """The first key of A (in order) whose values differ from B's, by direct comparison."""
-    for k, ra in a.items():
-        if k in b and not (ra.shape == b[k].shape and torch.equal(ra.values, b[k].values)):
-            return k
-    return None
+    return next((k for k, ra in a.items()
+                 if k in b and not (ra.shape == b[k].shape and torch.equal(ra.values, b[k].values))), None)
 
 
 def test_fingerprint_is_bitwise():
@@ -72,17 +56,15 @@ def test_fingerprint_is_bitwise():
     assert big.sampled and big.values.numel() == 1 << 16
 
 
-def test_run_to_run_and_trace_vs_eager_have_no_divergence():
-    """fp32 on CPU: two replays of the traced step agree bitwise op by op, and the traced
-    step agrees with eager autograd on every op both run (keys matched, not only outputs)."""
-    model = _model()
-    tokens, labels = _batch()
-    traced, flat = _traced(model, tokens, labels)
-    a, _ = _record_graph(traced.gm, flat)
-    b, _ = _record_graph(traced.gm, flat)
-    cmp = compare(a, b)
+def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
+    """fp32 on CPU: two replays of the traced step agree bitwise op by op, and eager autograd
+    agrees on every op both run (keys matched, not only outputs). Then 1 ulp added to one op's
+    output (the second block's FFN w1 matmul in the backward): the finder names exactly that op,
+    no earlier op differs, and a tolerance of 1e-5 accepts it."""
+    model, tokens, labels, traced, flat = _traced_step()
+    a = _record_graph(traced.gm, flat)
+    cmp = compare(a, _record_graph(traced.gm, flat))
     assert cmp.matched == len(a) > 300 and not cmp.divergent
-
     rec = EagerRecorder()
     with record_eager_forward(model, rec):
         loss = loss_fn(model(tokens), labels)
@@ -90,20 +72,9 @@ def test_run_to_run_and_trace_vs_eager_have_no_divergence():
     with rec:
         loss.backward()
     cmp = compare(a, rec.records)
-    assert not cmp.divergent
-    assert cmp.matched > 0.9 * len(a)  # forward and backward ops matched by key
-    phases = {k[0] for k in a if k in rec.records}
-    fqns = {k[1] for k in a if k in rec.records}
-    assert phases == {"forward", "backward"} and "layers.1.feed_forward.w2" in fqns
-
-
-def test_perturbed_op_is_named_first():
-    """A test pass adds 1 ulp to one chosen op's output (the second block's FFN w1 matmul in
-    the backward): the finder names exactly that op, and no earlier op differs."""
-    model = _model()
-    tokens, labels = _batch()
-    traced, flat = _traced(model, tokens, labels)
-    a, ref_out = _record_graph(traced.gm, flat)
+    assert not cmp.divergent and cmp.matched > 0.9 * len(a)  # forward and backward ops matched by key
+    assert {k[0] for k in a if k in rec.records} == {"forward", "backward"}
+    assert "layers.1.feed_forward.w2" in {k[1] for k in a if k in rec.records}
 
     chosen = [n for n in traced.gm.graph.nodes
               if n.meta.get(NUMERICS_KEY, ("",))[0] == "backward" and n.target == torch.ops.aten.mm.default
@@ -116,50 +87,48 @@ def test_perturbed_op_is_named_first():
 
     chosen.target = mm_plus_ulp  # the node keeps its key (node.meta)
     traced.gm.recompile()
-    b, out = _record_graph(traced.gm, flat)
+    b = _record_graph(traced.gm, flat)
     cmp = compare(a, b)
     assert cmp.divergent[0].key == key == _brute_force_first(a, b)
     assert cmp.divergent[0].max_abs > 0 and cmp.divergent[0].max_rel < 1e-6
-    assert key not in {d.key for d in compare(a, b, rtol=1e-5).divergent}  # 1 ulp is within 1e-5
+    assert key not in {d.key for d in compare(a, b, rtol=1e-5).divergent}
 
 
 def test_save_load_and_bad_input(tmp_path, capsys):
     recs = {("forward", "x", "aten.mm.default", 0): record(torch.ones(3)), "loss": record(torch.tensor(1.0))}
     path = save(str(tmp_path / "a"), 0, recs, {"mode": "test"})
-    again = save(str(tmp_path / "a"), 0, recs, {"mode": "test"})  # an earlier record is kept aside
-    assert path == again and os.path.exists(tmp_path / "a" / "rank0.1.pt")
+    assert save(str(tmp_path / "a"), 0, recs, {"mode": "test"}) == path  # the earlier record is kept aside
+    assert os.path.exists(tmp_path / "a" / "rank0.1.pt")
     loaded, meta = load(path)
     assert list(loaded) == list(recs) and meta == {"mode": "test"}
     save(str(tmp_path / "b"), 0, {**recs, "loss": record(torch.tensor(2.0))}, {})
     assert main(["--records", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
     assert main(["--records", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
     assert "first difference: loss" in capsys.readouterr().out
-    assert main(["--records", str(tmp_path / "a"), str(tmp_path / "nothing")]) == 2
-    assert main(["--records", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"]) == 2
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "rank0.pt").write_text("not a record")
-    assert main(["--records", str(tmp_path / "a"), str(tmp_path / "c")]) == 2
-    err = capsys.readouterr().err
-    assert "not a numerics record" in err and "Traceback" not in err
+    for args, needle in ((["--records", str(tmp_path / "a"), str(tmp_path / "nothing")], "no rank<r>.pt record"),
+                         (["--records", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"], "--rtol must be"),
+                         (["--records", str(tmp_path / "a"), str(tmp_path / "c")], "not a numerics record")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
 
 
 @pytest.mark.slow
 def test_cli_names_the_rmsnorm_node(tmp_path):
-    """The default pipeline against --compile.numerics_changing_optim on the debug model
-    (seq 64, batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no
-    op before it in A's execution order differs (brute force over the records)."""
+    """The default pipeline against --compile.numerics_changing_optim on the debug model (seq 64,
+    batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no op before
+    it in A's execution order differs (brute force over the records)."""
     out = tmp_path / "nd"
     r = subprocess.run([sys.executable, "scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
                         "--compile.numerics_changing_optim", "--out", str(out),
                         "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads((out / "numerics_diff.json").read_text())
-    first = result["ranks"]["0"]["divergent"][0]
+    first = json.loads((out / "numerics_diff.json").read_text())["ranks"]["0"]["divergent"][0]
     assert first["key"].split()[1].endswith("norm"), first
     assert f"first difference: {first['key']}" in r.stdout
     a, _ = load(str(out / "a" / "numerics" / "rank0.pt"))
     b, _ = load(str(out / "b" / "numerics" / "rank0.pt"))
-    from graph_trainer.numerics import key_text
-
     assert key_text(_brute_force_first(a, b)) == first["key"]

@@ -1,23 +1,21 @@
 """The compiler layer: the registry and its one order, pass-list resolution from ``[compile]``,
-``build_pipeline`` (each pass's declaration turns config into arguments) and the
-``run_pipeline`` loop."""
+and ``build_pipeline`` (each pass's declaration turns config into arguments)."""
 
-import json
-import logging
+import dataclasses
 
 import pytest
 import torch
-from passes.conftest import fused_norm_graph, inductor_tag, tagged_nodes  # tests/ is on sys.path
 
 from graph_trainer.config import Compile
 from graph_trainer.model import BlockLayout, block_layout_of_args, model_args
 from graph_trainer.compiler.memory_policy import Levers
 from graph_trainer.compiler import registry as reg
 from graph_trainer.compiler.passes import ORDER
-from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
-from graph_trainer.compiler.registry import PassContext, PipelineStep, registry, resolve
+from graph_trainer.compiler.pipeline import build_pipeline
+from graph_trainer.compiler.registry import PassContext, registry, resolve
 
 DEFAULT_ORDER = list(registry())
+RMSNORM, POINTWISE = "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor"
 
 
 def resolve_pass_names(cfg, **kw):
@@ -61,39 +59,31 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
 
 def test_rmsnorm_options_and_deterministic_pick():
     cfg = _compile(numerics_changing_optim=True, rmsnorm={"inductor_configs": {"split_reductions": False}})
-    opts = {s.name: s.options for s in build_pipeline(cfg)}["annotate_rmsnorm_for_regional_inductor"]
+    opts = {s.name: s.options for s in build_pipeline(cfg)}[RMSNORM]
     assert opts["inductor_configs"] == {"split_reductions": False} and opts["candidate_configs"]
     for off in (dict(deterministic=True), dict()):
         c = _compile(numerics_changing_optim=True, rmsnorm={"tune": bool(off)})  # tune on only with deterministic
         steps = build_pipeline(c, **off)
-        assert {s.name: s.options for s in steps}["annotate_rmsnorm_for_regional_inductor"]["candidate_configs"] is None
+        assert {s.name: s.options for s in steps}[RMSNORM]["candidate_configs"] is None
     # JSON strings (a Compile built without parse_args) are read too
     c = _compile(inductor_compilation="full", full_inductor={"configs": '{"max_autotune": false}'})
-    assert {s.name: s.options for s in build_pipeline(c)}["full_inductor"]["inductor_configs"] == {"max_autotune": False}
-
-
-def test_passes_adds_and_disable_removes():
-    assert resolve_pass_names(_compile(passes="cudagraph")) == resolve_pass_names(Compile()) + ["cudagraph"]
-    names = resolve_pass_names(_compile(numerics_changing_optim=True, passes="pointwise, dce",
-                                        disable_passes="remove_noop_views"))
-    assert names == ["remove_dead_code", "sac_recompute", "reshard_after_forward", "overlap_collectives",
-                     "bucket_collectives", "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor",
-                     "regional_inductor"]
+    opts = {s.name: s.options for s in build_pipeline(c)}["full_inductor"]
+    assert opts["inductor_configs"] == {"max_autotune": False}
 
 
 def test_registry_reads_every_pass_of_the_order():
     """Every module of ORDER declares a PASS; the registry keeps ORDER; every option field
     is a ``--compile.<section>.<field>`` flag with help text; nothing else names a pass."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
-    from graph_trainer.config import Compile, _flag_doc, help_text, project_sections
+    from graph_trainer.config import _flag_doc, project_sections
 
     for section, cls in reg.option_sections():
         assert isinstance(getattr(Compile(), section), cls)
         assert f"compile.{section}" in project_sections()
-        for f in __import__("dataclasses").fields(cls):
+        for f in dataclasses.fields(cls):
             assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
-    assert {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))} >= {
-        "annotate_rmsnorm_for_regional_inductor", "cudagraph", "async_tp"}
+    names = {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))}
+    assert names >= {RMSNORM, "cudagraph", "async_tp"}
 
 
 def test_registry_and_order():
@@ -106,50 +96,34 @@ def test_registry_and_order():
     assert order.index("sac_recompute") < order.index("reshard_after_forward") < order.index("bucket_collectives")
 
 
-def test_resolve_defaults():
-    assert resolve_pass_names(_compile(inductor_compilation="none")) == [
-        "remove_dead_code",
-        "remove_noop_views",
-        "sac_recompute",
-        "reshard_after_forward",
-        "overlap_collectives",
-        "bucket_collectives",  # bucket_blocks auto: the memory policy may pick 0 (then it is dropped)
-    ]
-    assert resolve_pass_names(_compile(inductor_compilation="regional")) == [
-        "remove_dead_code",
-        "remove_noop_views",
-        "sac_recompute",
-        "reshard_after_forward",
-        "overlap_collectives",
-        "bucket_collectives",
-        "regional_inductor",
-    ]
-    assert resolve_pass_names(
-        _compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True
-    ) == [n for n in DEFAULT_ORDER[:9] if n != "async_tp"] + ["regional_inductor", "cudagraph"]  # async_tp: opt-in
-    # bucketing unless set to 0, right after overlap_collectives
-    assert resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 1}))[-3:] == [
-        "overlap_collectives", "bucket_collectives", "full_inductor"]
-    assert "bucket_collectives" not in resolve_pass_names(_compile(inductor_compilation="full", fsdp={"bucket_blocks": 0}))
-    assert "bucket_collectives" in resolve_pass_names(_compile(inductor_compilation="full"))  # auto
-    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="annotate_pointwise"))[-3:] == [
-        "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor", "regional_inductor"]
-    # full inductor compiles every norm anyway: no annotation pass
-    assert "annotate_rmsnorm_for_regional_inductor" not in resolve_pass_names(
-        _compile(numerics_changing_optim=True, inductor_compilation="full"))
+def test_resolve_defaults_and_additions():
+    """Relative to the passes that run without Inductor (none compiles or changes numerics), so
+    a new default pass needs no edit here."""
+    base = resolve_pass_names(_compile(inductor_compilation="none"))
+    assert base == [n for n in DEFAULT_ORDER if n in base]
+    assert not any(registry()[n].compiles or registry()[n].changes_numerics for n in base)
+    assert "bucket_collectives" in base  # bucket_blocks auto: the memory policy may pick 0 (then it is dropped)
+    assert resolve_pass_names(_compile(inductor_compilation="regional")) == base + ["regional_inductor"]
+    assert resolve_pass_names(_compile(inductor_compilation="full")) == base + ["full_inductor"]
+    # numerics_changing_optim: the RMSNorm regions; full inductor compiles every norm anyway
+    assert resolve_pass_names(_compile(numerics_changing_optim=True)) == base + [RMSNORM, "regional_inductor"]
+    assert RMSNORM not in resolve_pass_names(_compile(numerics_changing_optim=True, inductor_compilation="full"))
+    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True) \
+        == base + ["annotate_flex_attention_for_regional_inductor", RMSNORM, "regional_inductor", "cudagraph"]
+    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="pointwise, dce",
+                                       disable_passes="remove_noop_views")) \
+        == [n for n in base if n != "remove_noop_views"] + [RMSNORM, POINTWISE, "regional_inductor"]
+    assert "bucket_collectives" not in resolve_pass_names(_compile(fsdp={"bucket_blocks": 0}))
+    assert "bucket_collectives" in resolve_pass_names(_compile(fsdp={"bucket_blocks": 1}))
 
 
 def test_resolve_aliases_and_disable():
     names = resolve_pass_names(_compile(numerics_changing_optim=True,
                                         passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass"))
     assert names == resolve_pass_names(_compile(numerics_changing_optim=True))
-    assert names[-2:] == ["annotate_rmsnorm_for_regional_inductor", "regional_inductor"]
-    names = resolve_pass_names(_compile(
-        numerics_changing_optim=True,
-        disable_passes="remove_noop_views,annotate_rmsnorm_for_regional_inductor,overlap_collectives,"
-                       "reshard_after_forward",
-    ))
-    assert names == ["remove_dead_code", "sac_recompute", "bucket_collectives", "regional_inductor"]
+    disabled = ["remove_noop_views", RMSNORM, "overlap_collectives"]
+    names = resolve_pass_names(_compile(numerics_changing_optim=True, disable_passes=",".join(disabled)))
+    assert names == [n for n in resolve_pass_names(_compile()) if n not in disabled]
 
 
 def test_resolve_errors():
@@ -167,21 +141,3 @@ def test_resolve_errors():
         resolve_pass_names(_compile(passes="regional_inductor,full_inductor"))
     with pytest.raises(ValueError, match="changes numerics"):
         resolve_pass_names(_compile(passes="annotate_rmsnorm"))
-
-
-def test_run_pipeline_dump_without_compile(tmp_path, caplog):
-    gm, fakes = fused_norm_graph(n_norms=2)
-    steps = ["remove_dead_code", "remove_noop_views",
-             PipelineStep("annotate_rmsnorm_for_regional_inductor", registry()["annotate_rmsnorm_for_regional_inductor"].fn,
-                          {"inductor_configs": {"max_autotune": False}})]
-    with caplog.at_level(logging.INFO, logger="graph_trainer"):
-        gm = run_pipeline(gm, fakes, steps, dump_folder=str(tmp_path))
-    assert all(inductor_tag(n)["inductor_configs"] == {"max_autotune": False} for n in tagged_nodes(gm))
-    msgs = [r.getMessage() for r in caplog.records if "graph pass" in r.getMessage()]
-    assert len(msgs) == 3 and all(" -> " in m and "s  nodes" in m for m in msgs)
-    graphs = tmp_path / "graphs"
-    assert (graphs / "00_input.py").read_text().strip()
-    assert "_fused_rms_norm" in (graphs / "03_annotate_rmsnorm_for_regional_inductor.py").read_text()
-    summary = json.loads((graphs / "summary.json").read_text())
-    assert summary[3]["stats"]["regions"] == 3
-    assert summary[3]["ops"]["aten._fused_rms_norm.default"] == 2

@@ -1,55 +1,60 @@
-"""--profiling.enable_profiling: trace + kernel-time summary (graph_trainer/tools/profiling.py)."""
+"""--profiling.enable_profiling (graph_trainer/tools/profiling.py) and the step timeline (tools/timeline.py)."""
 
-import ast
 import json
+import logging
 import struct
 import subprocess
 import sys
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
-from graph_trainer.tools.profiling import kernel_category, summarize_events, summary_markdown, timeline_breakdown
-from graph_trainer.tools.timeline import pack_step, unpack_step
+from graph_trainer.tools.profiling import (_intervals_of, _json_text, _write_picture, kernel_category,
+                                           summarize_events, summary_markdown)
+from graph_trainer.tools.timeline import (draw_timeline, pack_step, read_step, timeline_a_vs_b, timeline_breakdown,
+                                          unpack_step)
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUM_KEYS = ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")
+# 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped (30-40),
+# then exposed (40-60, 85-95, 98-100); idle 60-70, 80-85, 95-98; kernels outside the step are clipped
+HAND = [(0, 40, "eager pointwise / reduction"), (5, 35, "matmul"), (30, 60, "communication"),
+        (70, 80, "inductor triton"), (85, 95, "communication"), (-10, 2, "copy"), (98, 130, "communication")]
 
 
 def _check_png(path, min_size=(800, 200)):
-    """A PNG file (signature, IHDR) of at least ``min_size`` pixels; returns (width, height)."""
+    """A PNG (signature, IHDR) of at least ``min_size`` pixels; returns (width, height)."""
     data = open(path, "rb").read()
-    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) > 5000
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000
     width, height = struct.unpack(">II", data[16:24])
     assert width >= min_size[0] and height >= min_size[1]
     return width, height
 
 
-@pytest.mark.parametrize(
-    "name, category",
-    [
-        ("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_TNT", "matmul"),
-        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
-        ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
-        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
-        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
-        ("gloo:all_gather", "communication"),
-        ("gloo:broadcast", "communication"),
-        ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
-        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
-        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),
-        ("Memcpy DtoD (Device -> Device)", "copy"),
-        ("aten::mm", "matmul"),
-        ("aten::view", "view / metadata (CPU)"),
-        ("some_custom_kernel", "other"),
-    ],
-)
+def _assert_ranges(actual, expected):
+    """``[(start, end), ...]`` equal up to ``pytest.approx``, flattened (approx compares no nested sequences)."""
+    assert len(actual) == len(expected), (actual, expected)
+    assert [x for r in actual for x in r] == pytest.approx([x for r in expected for x in r]), (actual, expected)
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_TNT", "matmul"), ("aten::mm", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("gloo:all_gather", "communication"), ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),
+    ("Memcpy DtoD (Device -> Device)", "copy"), ("aten::view", "view / metadata (CPU)"), ("some_kernel", "other"),
+])
 def test_kernel_category(name, category):
     assert kernel_category(name) == category
 
 
 def test_summarize_events_per_step_and_shares():
-    events = [("nvjet_gemm", 6000.0, 30), ("triton_poi_fused_add_0", 2000.0, 20), ("ncclDevKernel_AllGather", 2000.0, 4),
-              ("aten::idle_zero", 0.0, 1)]
+    events = [("nvjet_gemm", 6000.0, 30), ("triton_poi_fused_add_0", 2000.0, 20),
+              ("ncclDevKernel_AllGather", 2000.0, 4), ("aten::idle_zero", 0.0, 1)]
     s = summarize_events(events, steps=2, top=2)
     assert s["steps"] == 2 and s["total_ms"] == pytest.approx(5.0)  # 10 ms over 2 steps
     cats = s["categories"]
@@ -59,37 +64,6 @@ def test_summarize_events_per_step_and_shares():
     assert [r["name"] for r in s["top"]] == ["nvjet_gemm", "triton_poi_fused_add_0"]
     md = summary_markdown(s)
     assert "| matmul | 3.00 | 60.0 % | 15 |" in md and "`nvjet_gemm`" in md
-
-
-@pytest.mark.slow  # a training run (in this process)
-def test_profiled_run_writes_trace_and_summary(tmp_path):
-    """2 CPU steps, the second recorded: a Chrome trace and a summary whose matmul time is > 0."""
-    from graph_trainer.config import parse_args
-    from graph_trainer.train import train
-    from test_train import DEBUG, TINY
-
-    out = tmp_path / "prof"
-    cfg = parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), *TINY, "--training.steps", "2",
-                      "--profiling.enable_profiling", "--profiling.profile_freq", "2",
-                      "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"])
-    train(cfg)
-    folder = out / "profile_traces" / "iteration_2"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "rank0_kernels.json", "rank0_kernels.md", "rank0_timeline.png", "rank0_trace.json"]
-    summary = json.loads((folder / "rank0_kernels.json").read_text())
-    assert summary["unit"] == "CPU" and summary["step"] == 2
-    assert summary["categories"]["matmul"]["ms"] > 0 and summary["categories"]["matmul"]["calls"] > 0
-    t = summary["timeline"]  # on CPU: ATen op time inside the recorded step
-    assert 0 < t["compute_ms"] <= t["wall_ms"] and t["idle_ms"] >= 0
-    assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
-    # the step's kernels, stored compactly: the same breakdown as the summary's (one recorded step)
-    si = summary["step_intervals"]
-    assert si["step"] == 2 and "matmul" in si["categories"] and len(si["kernels"]) > 100
-    kernels, step = unpack_step(si)
-    again = timeline_breakdown(kernels, [step])
-    for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):  # times rounded to 0.1 us
-        assert again[key] == pytest.approx(t[key], abs=0.05)
-    _check_png(folder / "rank0_timeline.png")
 
 
 def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
@@ -111,135 +85,59 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
                             (35, 60, "matmul"), (55, 70, "communication")], [(0, 70)])
     assert (t2["exposed_head_ms"], t2["exposed_comm_ms"], t2["exposed_tail_ms"]) == pytest.approx((0.01, 0.025, 0.01))
     s = summarize_events([("nvjet_gemm", 150.0, 2)], steps=2)
-    s["timeline"] = t
-    md = summary_markdown(s)
+    md = summary_markdown({**s, "timeline": t})
     assert "| only communication running | 0.01 | 10.0 % |" in md and "| nothing running | 0.01 | 15.0 % |" in md
     assert "| (of it: after the last matmul) | 0.01 | 10.0 % |" in md
 
 
-def test_timeline_of_device_events_one_window_per_step_no_annotations():
-    """On CUDA the profiler lists a step twice (host range + GPU annotation) and NCCL /
-    optimizer ranges as GPU annotations: one window per step, annotations are not kernels."""
-    from types import SimpleNamespace as NS
+def _evt(name, a, b, dev="CPU", ann=False, thread=1):
+    return NS(name=name, time_range=NS(start=a, end=b), device_type=getattr(torch.autograd.DeviceType, dev),
+              is_user_annotation=ann, thread=thread)
 
-    from graph_trainer.tools.profiling import _timeline_of
 
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-
-    def evt(name, a, b, dev, ann=False):
-        return NS(name=name, time_range=NS(start=a, end=b), device_type=dev, is_user_annotation=ann)
-
-    events = [
-        evt("ProfilerStep#10", 0, 1000, cpu, ann=True),
-        evt("ProfilerStep*", 100, 900, cuda, ann=True),  # the GPU-side range of the same step
-        evt("nccl:all_gather", 100, 400, cuda, ann=True),
-        evt("nvjet_gemm", 200, 600, cuda),
-        evt("ncclDevKernel_AllGather", 100, 400, cuda),
-    ]
-    t = _timeline_of(NS(events=lambda: events), on_device=True)
+def test_profiler_events_to_intervals_on_cuda_and_cpu():
+    """CUDA: the profiler lists a step twice (host range + GPU annotation) and NCCL ranges as GPU
+    annotations; one window per step, annotations are not kernels. CPU: a gloo collective's range
+    (on gloo's thread) is communication, and the ATen ops gloo's thread runs inside it are part of it."""
+    cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep*", 100, 900, "CUDA", ann=True),
+            _evt("nccl:all_gather", 100, 400, "CUDA", ann=True), _evt("nvjet_gemm", 200, 600, "CUDA"),
+            _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
+    t = timeline_breakdown(*_intervals_of(NS(events=lambda: cuda), on_device=True))
     assert t["wall_ms"] == pytest.approx(1.0)  # one window, the host step
-    assert t["compute_ms"] == pytest.approx(0.4) and t["exposed_comm_ms"] == pytest.approx(0.1)
-    assert t["idle_ms"] == pytest.approx(0.5)
+    assert (t["compute_ms"], t["exposed_comm_ms"], t["idle_ms"]) == pytest.approx((0.4, 0.1, 0.5))
+    cpu = [_evt("ProfilerStep#2", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
+           _evt("_c10d_functional::wait_tensor", 300, 700), _evt("gloo:all_gather", 250, 650, ann=True, thread=2),
+           _evt("aten::copy_", 600, 650, thread=2), _evt("aten::add", 700, 800)]
+    kernels, steps = _intervals_of(NS(events=lambda: cpu), on_device=False)
+    assert steps == [(0, 1000)]
+    assert sorted(kernels) == [(0, 300, "matmul"), (250, 650, "communication"),
+                               (700, 800, "eager pointwise / reduction")]
+    t = timeline_breakdown(kernels, steps)
+    assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
 
 
-# the step timeline picture (graph_trainer/tools/timeline.py)
-
-
-def test_timeline_owns_the_breakdown_and_imports_no_profiling_nor_torch():
-    """graph_trainer.tools.timeline owns the interval arithmetic and the breakdown;
-    profiling imports them from there (re-exporting ``timeline_breakdown``), never the other
-    way round, not even inside a function; importing timeline brings no torch."""
-    from graph_trainer.tools import profiling, timeline
-
-    assert profiling.timeline_breakdown is timeline.timeline_breakdown
-    assert profiling.TIMELINE_ROWS is timeline.TIMELINE_ROWS
-    tree = ast.parse(open(timeline.__file__).read())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(m and m.startswith("graph_trainer") for m in imported), imported
+def test_timeline_imports_no_profiling_nor_torch():
+    """A profile's timeline is read and drawn without torch and without the profiler module."""
     code = ("import sys, graph_trainer.tools.timeline; "
             "print([m for m in ('torch', 'graph_trainer.tools.profiling') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
 
 
-# 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped
-# (30-40), then exposed (40-60, 85-95, 98-100); idle 60-70, 80-85, 95-98; kernels reaching
-# outside the step are clipped
-HAND = [(0, 40, "eager pointwise / reduction"), (5, 35, "matmul"), (30, 60, "communication"),
-        (70, 80, "inductor triton"), (85, 95, "communication"), (-10, 2, "copy"), (98, 130, "communication")]
-
-
-def _assert_ranges(actual, expected):
-    """``[(start, end), ...]`` ranges equal to ``expected`` up to ``pytest.approx``, pair by pair
-    (pytest >= 9.2's approx compares no nested sequences)."""
-    assert len(actual) == len(expected), (actual, expected)
-    assert [x for r in actual for x in r] == pytest.approx([x for r in expected for x in r]), (actual, expected)
-
-
-def test_draw_timeline_writes_png_and_marks_exposed_and_idle_as_timeline_breakdown(tmp_path):
-    from graph_trainer.tools.timeline import draw_timeline
-
-    step = (0, 100)
-    out = draw_timeline(str(tmp_path / "t.png"), HAND, step, "hand-built")
-    width, height = _check_png(tmp_path / "t.png")
-    assert width > 2 * height
-    t = timeline_breakdown(HAND, [step])
-    assert t["exposed_comm_ms"] == pytest.approx(0.032) and t["idle_ms"] == pytest.approx(0.018)
-    for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
-        assert out[key] == pytest.approx(t[key])
-    # the drawn bands: ms from the step's start, as long as the breakdown's figures
-    _assert_ranges(out["exposed_ranges_ms"], [(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
-    _assert_ranges(out["idle_ranges_ms"], [(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
-    assert sum(b - a for a, b in out["idle_ranges_ms"]) == pytest.approx(t["idle_ms"])
-    assert sum(b - a for a, b in out["exposed_ranges_ms"]) == pytest.approx(t["exposed_comm_ms"])
-    assert out["path"] == str(tmp_path / "t.png")
-
-
-def test_pack_step_keeps_the_step_compact_and_lossless(tmp_path):
-    from graph_trainer.tools.profiling import _json_text
-
+def test_pack_step_keeps_the_step_compact_and_lossless():
     packed = pack_step([(a + 1000, b + 1000, c) for a, b, c in HAND], (1000, 1100), step_num=7)
     assert packed["step"] == 7 and packed["wall_ms"] == pytest.approx(0.1)
     assert packed["kernels"][0] == [0.0, 0.002, packed["categories"].index("copy")]  # clipped to the step
     assert len(packed["kernels"]) == len(HAND) and len(packed["categories"]) == 5
     kernels, step = unpack_step(packed)
     assert step == (0.0, pytest.approx(100.0))
-    a, b = timeline_breakdown(kernels, [step]), timeline_breakdown(HAND, [(0, 100)])
-    assert a == pytest.approx(b)
+    assert timeline_breakdown(kernels, [step]) == pytest.approx(timeline_breakdown(HAND, [(0, 100)]))
     text = _json_text({"steps": 1, "step_intervals": packed})  # one row per line
     assert json.loads(text)["step_intervals"] == packed
     assert '\n   [0.0, 0.002, ' in text and len(text.splitlines()) < 30
 
 
-def test_cpu_intervals_count_gloo_collectives_as_communication():
-    """On CPU: a gloo collective's range (on gloo's thread) is communication; the ATen ops
-    that gloo's thread runs inside it are part of it, not compute."""
-    from types import SimpleNamespace as NS
-
-    from graph_trainer.tools.profiling import _intervals_of
-
-    cpu = torch.autograd.DeviceType.CPU
-
-    def evt(name, a, b, thread, ann=False):
-        return NS(name=name, time_range=NS(start=a, end=b), device_type=cpu, is_user_annotation=ann, thread=thread)
-
-    events = [evt("ProfilerStep#2", 0, 1000, 1, ann=True), evt("aten::mm", 0, 300, 1),
-              evt("_c10d_functional::wait_tensor", 300, 700, 1), evt("gloo:all_gather", 250, 650, 2, ann=True),
-              evt("aten::copy_", 600, 650, 2), evt("aten::add", 700, 800, 1)]
-    kernels, steps = _intervals_of(NS(events=lambda: events), on_device=False)
-    assert steps == [(0, 1000)]
-    assert sorted(kernels) == [(0, 300, "matmul"), (250, 650, "communication"), (700, 800, "eager pointwise / reduction")]
-    t = timeline_breakdown(kernels, steps)
-    assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
-
-
 def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, caplog):
-    import logging
-    import sys
-
-    from graph_trainer.tools.profiling import _write_picture
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     with caplog.at_level(logging.INFO, logger="graph_trainer"):
         _write_picture(str(tmp_path / "t.png"), HAND, (0, 100), "x")
@@ -247,32 +145,32 @@ def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, ca
     assert [r.message for r in caplog.records if "timeline" in r.message][0].startswith("no step timeline picture")
 
 
-def _kernels_json(path, kernels, step, step_num=5):
-    from graph_trainer.tools.profiling import _json_text
-
-    summary = {"step": step_num, "unit": "CPU", "timeline": timeline_breakdown(kernels, [step]),
-               "step_intervals": pack_step(kernels, step, step_num)}
-    path.write_text(_json_text(summary))
-    return str(path)
-
-
-def test_timeline_a_vs_b_from_two_kernels_json(tmp_path):
-    from graph_trainer.tools.timeline import read_step, timeline_a_vs_b
-
-    a = _kernels_json(tmp_path / "a.json", HAND, (0, 100))
+def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path):
+    """One step (draw_timeline), and two from their kernels.json files, A above B (timeline_a_vs_b):
+    the drawn bands (ms from the step's start) are as long as the breakdown's figures."""
+    t = timeline_breakdown(HAND, [(0, 100)])
+    assert t["exposed_comm_ms"] == pytest.approx(0.032) and t["idle_ms"] == pytest.approx(0.018)
+    one = draw_timeline(str(tmp_path / "t.png"), HAND, (0, 100), "hand-built")
+    width, height = _check_png(tmp_path / "t.png")
+    assert width > 2 * height and one["path"] == str(tmp_path / "t.png")
+    _assert_ranges(one["exposed_ranges_ms"], [(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
+    _assert_ranges(one["idle_ranges_ms"], [(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
     b_kernels = [(0, 50, "matmul"), (20, 70, "communication"), (80, 150, "inductor triton")]
-    b = _kernels_json(tmp_path / "b.json", b_kernels, (0, 160))
-    out = timeline_a_vs_b(str(tmp_path / "ab.png"), a, b, ("pass off", "pass on"))
-    _, height = _check_png(tmp_path / "ab.png", min_size=(800, 400))
+    paths = []
+    for name, kernels, step in (("a", HAND, (0, 100)), ("b", b_kernels, (0, 160))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(_json_text({"step": 5, "unit": "CPU", "step_intervals": pack_step(kernels, step, 5)}))
+    out = timeline_a_vs_b(str(tmp_path / "ab.png"), *map(str, paths), ("pass off", "pass on"))
+    _check_png(tmp_path / "ab.png", min_size=(800, 400))
     assert out["path"] == str(tmp_path / "ab.png")
-    for side, kernels, step in (("A", HAND, (0, 100)), ("B", b_kernels, (0, 160))):
+    for drawn, kernels, step in ((one, HAND, (0, 100)), (out["A"], HAND, (0, 100)), (out["B"], b_kernels, (0, 160))):
         t = timeline_breakdown(kernels, [step])
-        for key in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"):
-            assert out[side][key] == pytest.approx(t[key])
+        assert [drawn[k] for k in SUM_KEYS] == pytest.approx([t[k] for k in SUM_KEYS])
+    _assert_ranges(out["A"]["idle_ranges_ms"], one["idle_ranges_ms"])
     _assert_ranges(out["B"]["exposed_ranges_ms"], [(0.05, 0.07)])
     (tmp_path / "old.json").write_text(json.dumps({"step": 5, "categories": {}}))  # profiled before step_intervals
     with pytest.raises(ValueError, match="no step intervals"):
         read_step(str(tmp_path / "old.json"))
     with pytest.raises(ValueError):
-        timeline_a_vs_b(str(tmp_path / "x.png"), a, str(tmp_path / "old.json"))
+        timeline_a_vs_b(str(tmp_path / "x.png"), str(paths[0]), str(tmp_path / "old.json"))
     assert not (tmp_path / "x.png").exists()

@@ -1,24 +1,10 @@
-"""Shared helpers of the graph passes (not a pass itself).
+"""Shared helpers of the graph passes (not a pass itself); pass modules import what they share
+from here, never from another pass module.
 
-Every pass module of :mod:`graph_trainer.compiler.passes` imports what it shares with other
-passes from here, never from another pass module. What is here:
-
-* **Pass summaries**: every pass reports what it did through :func:`set_pass_summary`
-  (a one-line summary and a dict of numbers on ``gm.meta``);
-  :func:`graph_trainer.compiler.pipeline.run_pipeline` reads them back with
-  :func:`pop_pass_summary` for its log line and its ``summary.json``.
-* **Node metadata** written at trace time (``custom["phase"]``, ``custom["module_fqn"]``)
-  and the ``compile_with_inductor`` tag of the annotation passes.
-* **Ops**: names of targets, op counts, and the one definition of each view / cast op
-  set (:data:`RESHAPE_OPS`, :data:`SLICE_OPS`, :data:`PERMUTE_OPS`, :data:`VIEW_OPS`,
-  :data:`CAST_OPS`).
-* **Collectives**: the one way to recognise them (:func:`is_collective`,
-  :func:`collective_kind`, :func:`is_wait`; the fused symmetric-memory ops of ``async_tp``
-  included), the keep-alive identity :func:`hold` that
-  ``overlap_collectives`` inserts after a moved wait, and :func:`shard_chain` (what makes
-  an all-gather an FSDP parameter all-gather).
-* **Graph analysis**: :class:`DisjointSet`, :func:`storages`, :func:`split_acyclic`,
-  :func:`strip_recompute_tags`, and the fake mode / fake inputs of a graph.
+Pass summaries (:func:`set_pass_summary`), trace-time node metadata and the
+``compile_with_inductor`` tag, op names and the view / cast op sets, collectives (the
+``symm_mem`` fused ops of ``async_tp`` included), the keep-alive :func:`hold`, and graph
+analysis (:class:`DisjointSet`, :func:`storages`, :func:`split_acyclic`, fake inputs).
 """
 
 from __future__ import annotations
@@ -42,19 +28,12 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-# --------------------------------------------------------------------------- pass summaries
-
-
 def set_pass_summary(gm: torch.nn.Module, summary: str, **stats: Any) -> None:
-    """Record what a pass did: ``summary`` (one short line) and numeric ``stats``."""
-    meta = getattr(gm, "meta", None)
-    if meta is None:
-        try:
-            gm.meta = meta = {}  # type: ignore[attr-defined]
-        except Exception:  # pragma: no cover - exotic callables
-            return
-    meta[SUMMARY_KEY] = summary
-    meta[STATS_KEY] = dict(stats)
+    """Record what a pass did on ``gm.meta``: ``summary`` (one short line) and numeric ``stats``."""
+    if not isinstance(getattr(gm, "meta", None), dict):
+        gm.meta = {}  # type: ignore[attr-defined]
+    gm.meta[SUMMARY_KEY] = summary
+    gm.meta[STATS_KEY] = dict(stats)
 
 
 def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
@@ -63,9 +42,6 @@ def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(meta, dict):
         return "", {}
     return meta.pop(SUMMARY_KEY, ""), meta.pop(STATS_KEY, {})
-
-
-# --------------------------------------------------------------------------- node metadata
 
 
 def custom_meta(node: torch.fx.Node) -> dict[str, Any]:
@@ -80,8 +56,7 @@ def phase_of(node: torch.fx.Node) -> str | None:
 
 
 def module_fqn_of(node: torch.fx.Node) -> str | None:
-    """The FQN of the innermost module that ran ``node`` (backward nodes: that of their
-    forward op), or None."""
+    """The FQN of the innermost module that ran ``node`` (backward nodes: their forward op's), or None."""
     return custom_meta(node).get(MODULE_FQN_KEY)
 
 
@@ -96,26 +71,13 @@ def tag_for_inductor(
     region: str,
     candidate_configs: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Tag ``node`` for regional_inductor, keeping its other ``custom`` entries.
-
-    The ``custom`` dict is copied (it may be shared between nodes created under
-    the same ``fx.traceback.annotate`` block) and every node gets its own
-    ``inductor_configs`` copy. ``region`` becomes the ``inductor_region`` key:
-    nodes with different region ids are never fused into one compiled region.
-    Non-empty ``candidate_configs`` become ``"candidate_inductor_configs"``: config
-    sets ``regional_inductor_pass`` also compiles and times for this region.
-    """
-    custom = dict(custom_meta(node))
-    custom[COMPILE_WITH_INDUCTOR_KEY] = {
-        "inductor_configs": dict(inductor_configs),
-        "inductor_region": region,
-    }
+    """Tag ``node`` for regional_inductor as part of region ``region`` (never fused with another
+    region), keeping its other ``custom`` entries (copied: they may be shared between nodes).
+    Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""
+    tag: dict[str, Any] = {"inductor_configs": dict(inductor_configs), "inductor_region": region}
     if candidate_configs:
-        custom[COMPILE_WITH_INDUCTOR_KEY]["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
-    node.meta["custom"] = custom
-
-
-# --------------------------------------------------------------------------- ops
+        tag["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
+    node.meta["custom"] = {**custom_meta(node), COMPILE_WITH_INDUCTOR_KEY: tag}
 
 
 def is_getitem(node: torch.fx.Node) -> bool:
@@ -133,11 +95,9 @@ def _op_name(target: Any) -> str | None:
 
 
 def packet_name(node: torch.fx.Node) -> str | None:
-    """The op packet name of a ``call_function`` OpOverload node (``"mm"`` for
-    ``aten.mm.default``), else None."""
-    t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        return _op_name(t)
+    """The op packet name of a ``call_function`` OpOverload node (``"mm"`` for ``aten.mm.default``)."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return _op_name(node.target)
     return None
 
 
@@ -149,14 +109,14 @@ def op_namespace(target: Any) -> str | None:
 
 
 def target_name(node: torch.fx.Node) -> str:
-    """A stable printable name for a node's target (for op counts)."""
+    """A stable name for a node's target (``"aten.mm.default"``, ``"_operator.getitem"``)."""
     if node.op in ("placeholder", "output", "get_attr"):
         return node.op
     t = node.target
     if isinstance(t, str):
         return f"{node.op}:{t}"
     if isinstance(t, torch._ops.OpOverload):
-        return f"{t.namespace}.{t._schema.name.split('::')[-1]}.{t._overloadname}"
+        return str(t)
     if isinstance(t, torch._ops.HigherOrderOperator):
         return f"higher_order.{t.name()}"
     mod = getattr(t, "__module__", None) or ""
@@ -165,7 +125,7 @@ def target_name(node: torch.fx.Node) -> str:
 
 
 def op_counts(gm: Any) -> dict[str, int]:
-    """Counts of nodes per target (``{}`` if ``gm`` has no FX graph)."""
+    """Counts of nodes per :func:`target_name` (``{}`` if ``gm`` has no FX graph)."""
     graph = getattr(gm, "graph", None)
     if not isinstance(graph, torch.fx.Graph):
         return {}
@@ -175,133 +135,96 @@ def op_counts(gm: Any) -> dict[str, int]:
 def num_nodes(gm: Any) -> int | None:
     """Number of nodes of ``gm``'s FX graph (None if it has none, e.g. a compiled callable)."""
     graph = getattr(gm, "graph", None)
-    if not isinstance(graph, torch.fx.Graph):
-        return None
-    return len(graph.nodes)
+    return len(graph.nodes) if isinstance(graph, torch.fx.Graph) else None
 
 
-#: Views with the same elements in another shape: ``view``, ``_unsafe_view``, ``reshape``.
+#: Views with the same elements in another shape.
 RESHAPE_OPS: frozenset = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-#: Views onto (part of) a buffer: ``slice``, ``alias``, ``as_strided`` (a gathered FSDP
-#: buffer is read through ``slice -> view``).
+#: Views onto (part of) a buffer (a gathered FSDP buffer is read through ``slice -> view``).
 SLICE_OPS: frozenset = frozenset({aten.slice.Tensor, aten.alias.default, aten.as_strided.default})
-#: Views that reorder or broadcast dimensions: ``t``, ``transpose``, ``permute``, ``expand``.
+#: Views that reorder or broadcast dimensions.
 PERMUTE_OPS: frozenset = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default})
-#: Every view op the passes follow: the three sets above and ``detach``.
+#: Every view op the passes follow.
 VIEW_OPS: frozenset = RESHAPE_OPS | SLICE_OPS | PERMUTE_OPS | {aten.detach.default}
 #: dtype casts: ``aten._to_copy`` (make_fx's ``.to(dtype)``) and ``prims.convert_element_type``.
 CAST_OPS: frozenset = frozenset({aten._to_copy.default, prims.convert_element_type.default})
 
 
 def packet_names(ops: Iterable[Any]) -> frozenset[str]:
-    """The packet names of ``ops`` (``{"view", "reshape"}`` for ``{aten.view.default,
-    aten.reshape.default}``), for passes that match every overload of an op."""
+    """The packet names of ``ops`` (``{"view"}`` for ``{aten.view.default}``), to match every overload."""
     return frozenset(name for op in ops if (name := _op_name(op)) is not None)
 
 
-# --------------------------------------------------------------------------- collectives
-
-#: Namespaces of collective / communication ops: never removed as dead code,
-#: never recomputed, never put inside an Inductor region by an annotation pass.
-#: ``symm_mem``: torch's symmetric-memory ops (the fused collective-matmul ops of the
-#: ``async_tp`` pass), which communicate inside the op.
+#: Namespaces of collective / communication ops: never removed as dead code, never
+#: recomputed, never put inside an Inductor region. ``symm_mem``: the fused
+#: collective-matmul ops of ``async_tp``, which communicate inside the op.
 COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
-#: Namespace of the functional collectives that make_fx records for traced FSDP / TP:
-#: each issue op returns a buffer that its ``wait_tensor`` completes.
-FUNCTIONAL_COLLECTIVES = "_c10d_functional"
-#: Namespace of torch's symmetric-memory ops (``torch.distributed._symmetric_memory``).
-SYMM_MEM = "symm_mem"
-#: The fused collective-matmul ops of ``symm_mem`` that :func:`collective_kind` reports:
-#: each all-gathers / reduce-scatters inside the op and returns completed values (no
-#: ``wait_tensor``).
-FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
+_FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
 
 
 def is_collective(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a collective / communication op (any of
-    :data:`COLLECTIVE_NAMESPACES`, ``wait_tensor`` included)."""
+    """Whether ``node`` is a collective / communication op (``wait_tensor`` included)."""
     return node.op == "call_function" and op_namespace(node.target) in COLLECTIVE_NAMESPACES
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
-    """The kind of a functional collective's issue node (``"all_gather_into_tensor"``,
-    ``"reduce_scatter_tensor"``, ``"all_reduce"`` ...: its op name in
-    :data:`FUNCTIONAL_COLLECTIVES`) or of a fused symmetric-memory collective-matmul op
-    (``"fused_all_gather_matmul"``, ``"fused_matmul_reduce_scatter"``:
-    :data:`FUSED_COLLECTIVE_KINDS`, which have no wait), else None (waits and other nodes)."""
+    """The op name of a functional collective's issue node (``"all_gather_into_tensor"``, ``"all_reduce"``
+    ...) or of a fused ``symm_mem`` collective-matmul (no wait); None for waits and other nodes."""
     if not is_collective(node):
         return None
-    name = _op_name(node.target)
-    if op_namespace(node.target) == SYMM_MEM:
-        return name if name in FUSED_COLLECTIVE_KINDS else None
-    if op_namespace(node.target) != FUNCTIONAL_COLLECTIVES:
-        return None
-    return None if name == "wait_tensor" else name
+    namespace, name = op_namespace(node.target), _op_name(node.target)
+    if namespace == "symm_mem":
+        return name if name in _FUSED_COLLECTIVE_KINDS else None
+    return name if namespace == "_c10d_functional" and name != "wait_tensor" else None
 
 
 def is_wait(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a functional collective's ``wait_tensor`` (its input is the
-    issue node, its result the completed buffer)."""
+    """Whether ``node`` is a functional collective's ``wait_tensor`` (input: the issue node)."""
     return (
-        is_collective(node)
-        and op_namespace(node.target) == FUNCTIONAL_COLLECTIVES
+        node.op == "call_function"
+        and op_namespace(node.target) == "_c10d_functional"
         and _op_name(node.target) == "wait_tensor"
     )
 
 
 def hold(x, *keep_alive):
-    """Identity on ``x``; ``keep_alive`` only extends the lifetime of its arguments
-    (the inputs of an in-flight collective) to this call in the generated code.
-
-    ``overlap_collectives`` inserts it after every wait that no longer follows its
-    collective; other passes recognise it by identity (``node.target is hold``), so this
-    is the one function object used as that target. At run time the result is the
-    wait's buffer (an alias, for memory estimates)."""
+    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call.
+    ``overlap_collectives`` inserts it after moved waits; passes test ``node.target is hold``."""
     return x
 
 
 def strip_holds(gm: torch.fx.GraphModule) -> int:
     """Replace every :func:`hold` node by its first argument (before a compiler that owns
     buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
-    n = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is hold:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            n += 1
-    if n:
+    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold]
+    for node in holds:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    if holds:
         gm.recompile()
-    return n
+    return len(holds)
 
 
 def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The nodes between a graph input and ``all_gather``'s input (views, casts, waits),
-    earliest first; None when the input is not computed from a placeholder that way.
-
-    An all-gather with a chain is an FSDP parameter all-gather (its input is the
-    parameter's shard, perhaps cast); all-gathers of activations (TP sequence parallel)
-    have none."""
+    """The nodes (views, casts, waits) between a placeholder and ``all_gather``'s input, earliest
+    first; None when there is no such chain (an activation all-gather, not an FSDP parameter's)."""
     chain = []
-    cur = all_gather.args[0] if all_gather.args and isinstance(all_gather.args[0], torch.fx.Node) else None
+    cur = all_gather.args[0] if all_gather.args else None
     while (
-        cur is not None and cur.op == "call_function"
+        isinstance(cur, torch.fx.Node) and cur.op == "call_function"
         and (cur.target in VIEW_OPS or cur.target in CAST_OPS or is_wait(cur))
     ):
         chain.append(cur)
-        cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
-    if cur is None or cur.op != "placeholder":
+        cur = cur.args[0] if cur.args else None
+    if not isinstance(cur, torch.fx.Node) or cur.op != "placeholder":
         return None
-    return list(reversed(chain))
-
-
-# --------------------------------------------------------------------------- graph analysis
+    return chain[::-1]
 
 
 def has_recompute_tags(graph: torch.fx.Graph) -> bool:
-    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (op-level SAC
-    traced, ``sac_recompute`` not run yet)."""
+    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
@@ -309,38 +232,29 @@ def has_recompute_tags(graph: torch.fx.Graph) -> bool:
 
 
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:
-    """Delete ``meta["recompute"]`` / ``meta["ac_graph_id"]`` (selective activation
-    checkpointing's tags) from every node; returns how many nodes had a tag.
-
-    Once ``sac_recompute`` consumed them (or decided not to) they must go: torch >= 2.12's
-    ``compile_fx`` runs its own remat on tagged forward-loss-backward graphs
-    (``torch._functorch._activation_checkpointing.remat_using_tags_for_fwd_loss_bwd_graph``),
-    which would recompute a second time (and rejects graphs whose tagged ops it cannot
-    replay)."""
+    """Delete selective AC's ``meta["recompute"]`` / ``["ac_graph_id"]`` (else torch >= 2.12's
+    ``compile_fx`` recomputes a second time); returns how many nodes had a tag."""
     n = 0
     for node in graph.nodes:
-        had = node.meta.pop("recompute", None) is not None
+        n += node.meta.pop("recompute", None) is not None
         node.meta.pop("ac_graph_id", None)
-        n += had
     return n
 
 
 class DisjointSet:
-    """Union-find over hashable items (nodes, storage keys): each item is its own set
-    until joined; ``find`` compresses paths."""
+    """Union-find over hashable items: each item is its own set until joined."""
 
     def __init__(self) -> None:
         self.parent: dict[Any, Any] = {}
 
     def find(self, item: Any) -> Any:
-        root = item
-        while (up := self.parent.get(root, root)) != root:
-            root = up
-        while item != root:  # path compression
-            up = self.parent.get(item, item)
-            self.parent[item] = root
+        path = []
+        while (up := self.parent.get(item, item)) != item:
+            path.append(item)
             item = up
-        return root
+        for p in path:  # path compression
+            self.parent[p] = item
+        return item
 
     def union(self, a: Any, b: Any) -> None:
         ra, rb = self.find(a), self.find(b)
@@ -349,8 +263,8 @@ class DisjointSet:
 
 
 def storages(val: Any) -> list[tuple[Any, int]]:
-    """``(storage key, bytes)`` of every tensor in ``val`` (a fake value, or a pytree of
-    them); views share their base's key. Tensor subclasses without a storage are skipped."""
+    """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
+    views share their base's key; tensor subclasses without a storage are skipped."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     out = []
@@ -358,7 +272,7 @@ def storages(val: Any) -> list[tuple[Any, int]]:
         if isinstance(t, torch.Tensor):
             try:
                 st = t.untyped_storage()
-            except Exception:  # tensor subclasses without storage
+            except Exception:
                 continue
             out.append((StorageWeakRef(st), st.nbytes()))
     return out
@@ -367,19 +281,11 @@ def storages(val: Any) -> list[tuple[Any, int]]:
 def split_acyclic(
     nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int] | None = None
 ) -> list[list[torch.fx.Node]]:
-    """Split ``nodes`` into the fewest "layers" that can each be fused into one
-    sub-graph without creating a dependency cycle.
+    """Split ``nodes`` into the fewest parts that can each be fused without a dependency cycle,
+    in graph order (``[nodes]`` if acyclic). ``order``: node -> graph position.
 
-    A set S cannot be fused when some node of S is reachable from S through a
-    node outside S (e.g. an activation-checkpoint recompute of a norm and that
-    norm's backward: recompute -> attention recompute/backward -> norm backward).
-    The nodes of S reachable that way ("late") are split off and the rest
-    ("early", never empty: it holds S's first node) is one cycle-free part; the
-    late nodes are split again. Each search only visits nodes up to S's last
-    node in graph order, so a compact S costs a few dozen node visits.
-    Returns the parts in graph order, each in graph order; a cycle-free S gives
-    ``[S]``.
-    """
+    The nodes reachable from the set through an outside node (an AC-recomputed norm and its
+    backward, the attention backward between them) are split off, and split again."""
     if not nodes:
         return []
     if order is None:
@@ -405,30 +311,26 @@ def split_acyclic(
     return parts
 
 
-# --------------------------------------------------------------------------- fake values
-
-
 def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
     """``meta.get("val")`` of every placeholder of ``gm``, in order (None where missing)."""
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):
-    """The FakeTensorMode of the graph (placeholder ``meta["val"]``), else of
-    ``example_inputs``, else ``None``."""
+    """The FakeTensorMode of the placeholders' ``meta["val"]``, else of ``example_inputs``, else None."""
     from torch._guards import detect_fake_mode
 
-    vals = [v for v in placeholder_vals(gm) if isinstance(v, torch.Tensor)]
-    mode = detect_fake_mode(vals) if vals else None
-    if mode is None and example_inputs is not None:
-        flat = [x for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)]
-        mode = detect_fake_mode(flat) if flat else None
-    return mode
+    for vals in (placeholder_vals(gm), pytree.tree_leaves(example_inputs)):
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        mode = detect_fake_mode(tensors) if tensors else None
+        if mode is not None:
+            return mode
+    return None
 
 
 def fake_inputs_for(gm: torch.fx.GraphModule, example_inputs: Any = None) -> list[Any]:
-    """Flat fake example inputs: placeholder ``meta["val"]`` when every placeholder
-    has one, else the pytree leaves of ``example_inputs``."""
+    """Flat fake example inputs: the placeholders' ``meta["val"]`` if all have one, else the
+    leaves of ``example_inputs``; raises ``ValueError`` when neither exists."""
     vals = placeholder_vals(gm)
     if vals and all(v is not None for v in vals):
         return vals

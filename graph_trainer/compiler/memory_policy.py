@@ -1,37 +1,21 @@
 """The memory policy: from the traced graph and a memory budget, pick what the step keeps.
 
-Not a pipeline pass: it reads the traced graph (and transforms copies of it) to choose
-the options of three memory-policy passes that the config leaves on ``auto``:
+Not a pipeline pass: it reads the traced graph (and transforms copies of it) to choose the
+options the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``: ``recompute``
+as torchtitan's op-SAC policy, ``matmuls`` kept, or ``all`` kept), ``--compile.fsdp.keep_last_blocks``
+(``reshard_after_forward``: blocks whose gathered weights stay for the backward) and
+``--compile.fsdp.bucket_blocks`` (``bucket_collectives``). None changes numerics.
 
-* ``--compile.sac.save`` (``sac_recompute``): what op-level selective AC keeps from the
-  forward for the backward: ``recompute`` (torchtitan's op-SAC policy: every other matmul
-  and the cheap ops are recomputed), ``matmuls`` (every matmul output kept, only the
-  cheap ops recomputed) or ``all`` (nothing recomputed);
-* ``--compile.fsdp.keep_last_blocks`` (``reshard_after_forward``): how many of the last
-  transformer blocks keep their all-gathered weights from the forward for the backward;
-* ``--compile.fsdp.bucket_blocks`` (``bucket_collectives``): transformer blocks per FSDP
-  all-gather / reduce-scatter bucket.
+Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block)
+to the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by
+one, then the rest of the activations; every rung with buckets of :data:`BUCKET_BLOCKS`. The
+highest rung whose predicted peak fits the budget wins; when even the leanest does not fit, the
+buckets go too and the policy says so.
 
-Every choice keeps the numerics (recompute and re-gather produce the same bits; buckets
-move the same bytes), so the policy never changes a loss.
-
-Rule (:func:`choose_levers`, a pure function of the estimates and the budget): the
-settings form a ladder from the leanest (``recompute``, no kept block) to the fattest,
-in the order of the levers' measured gain per GiB (docs/perf.md, sections on SAC, kept
-blocks and buckets): matmul outputs first, then kept blocks one by one, then the rest of
-the activations once every block is kept; every rung has buckets of
-:data:`BUCKET_BLOCKS` blocks. The policy takes the highest rung whose predicted peak fits
-the budget. When even the leanest does not fit, it also drops the buckets and says that
-the budget is exceeded.
-
-Prediction (:func:`predict_peak`): peak reserved memory per rank =
-``state + scale * graph peak + overhead``, where ``state`` is the fp32 parameter shards
-plus the optimizer state (AdamW: two fp32 moments; the gradients of the previous step
-are freed before the step runs), ``graph peak`` the static estimate of the step's
-intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`,
-gradients included: they are graph outputs) and ``scale`` / ``overhead`` the calibration
-of :data:`CALIBRATION`, fitted per Inductor mode against measured peaks (docs/perf.md,
-"Fast by default").
+Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak``:
+``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak`` the static estimate
+of the step's intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`),
+``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks).
 """
 
 from __future__ import annotations
@@ -47,17 +31,16 @@ GiB = 2**30
 SAVE_LEVELS = ("recompute", "matmuls", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2
-#: Share of a CUDA device's memory the default budget leaves free (NCCL buffers, the
-#: CUDA context and cuBLAS / cuDNN workspaces live outside PyTorch's allocator).
+#: Share of a CUDA device's memory the default budget leaves free (NCCL, CUDA context, workspaces).
 HEADROOM = 0.10
 #: Budget without a CUDA device (CPU runs), GiB.
 CPU_BUDGET_GIB = 16.0
 #: Device sizes the dry run plans for when no budget is given, GiB (80 GB and 141 GB parts).
 DRY_RUN_DEVICES_GIB = (79.1, 139.8)
-
-
 #: Lever -> the pass whose arguments it sets (the registry's name).
-LEVER_PASSES = {"save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives"}
+LEVER_PASSES = {
+    "save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives",
+}
 
 
 @dataclass
@@ -66,10 +49,9 @@ class SACOptions:
 
     save: Literal["auto", "recompute", "matmuls", "all"] = "auto"
     """What op-level selective AC keeps from the forward for the backward. recompute:
-    torchtitan's policy (every other matmul and the cheap ops are recomputed); matmuls:
-    every matmul output is kept, only the cheap ops are recomputed; all: nothing is
-    recomputed; auto: the memory policy picks within --compile.memory_budget_gib
-    (graph_trainer/compiler/memory_policy.py). Numerics unchanged in every case."""
+    torchtitan's policy (every other matmul and the cheap ops recomputed); matmuls: every
+    matmul output kept, the cheap ops recomputed; all: nothing recomputed; auto: the memory
+    policy picks within --compile.memory_budget_gib. Numerics unchanged in every case."""
 
 
 @dataclass
@@ -82,44 +64,30 @@ class FSDPOptions:
     parameter. -1: the memory policy picks (2 when it fits). Numerics unchanged."""
 
     keep_last_blocks: int = -1
-    """The last K transformer blocks (in forward order) keep their all-gathered parameters
-    from the forward for the backward instead of gathering them again (more memory, fewer
-    all-gathers). 0: every block is resharded after the forward. -1: the memory policy
-    picks as many as fit. Numerics unchanged."""
+    """The last K transformer blocks keep their all-gathered parameters from the forward for
+    the backward instead of gathering them again (more memory, fewer all-gathers). 0: every
+    block is resharded after the forward. -1: the memory policy picks as many as fit.
+    Numerics unchanged."""
 
 
-@dataclass(frozen=True)
-class Calibration:
-    """``measured peak reserved ~= state + scale * graph estimate + overhead_gib``."""
-
-    scale: float
-    overhead_gib: float
-
-
-#: Per ``(--compile.inductor_compilation, sac.save)``; fitted against measured peaks with the
-#: estimate of the GPU-traced graph (docs/perf.md, "Fast by default"). Running the graph's
-#: ops one by one, the allocator's caching adds a share of the activations (scale > 1).
-#: Full-graph Inductor fuses pointwise chains and recomputes cheap values inside its
-#: kernels instead of keeping them, so it needs less than the graph estimate (scale < 1).
-CALIBRATION: dict[tuple[str, str], Calibration] = {
-    ("regional", "recompute"): Calibration(1.10, 0.0),
-    ("regional", "matmuls"): Calibration(1.10, 0.0),
-    ("regional", "all"): Calibration(1.10, 0.0),
-    ("full", "recompute"): Calibration(0.68, 0.0),
-    ("full", "matmuls"): Calibration(0.76, 0.0),
-    ("full", "all"): Calibration(0.65, 0.0),
+#: ``scale`` of ``measured peak reserved ~= state + scale * graph estimate`` per
+#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf.md). Op by
+#: op, the allocator's caching adds a share (> 1); full-graph Inductor fuses and recomputes
+#: cheap values inside its kernels (< 1).
+CALIBRATION: dict[tuple[str, str], float] = {
+    ("regional", "recompute"): 1.10, ("regional", "matmuls"): 1.10, ("regional", "all"): 1.10,
+    ("full", "recompute"): 0.68, ("full", "matmuls"): 0.76, ("full", "all"): 0.65,
 }
 
 
-def calibration(inductor: str, save: str) -> Calibration:
-    """The :data:`CALIBRATION` entry (``none`` uses ``regional``'s: both run the graph's
-    ops one by one)."""
+def calibration(inductor: str, save: str) -> float:
+    """The :data:`CALIBRATION` scale (``none`` uses ``regional``'s: both run the ops one by one)."""
     return CALIBRATION[("full" if inductor == "full" else "regional", save)]
 
 
 @dataclass(frozen=True)
 class Levers:
-    """The three pass options the policy sets (see the module docstring)."""
+    """The three pass options the policy sets (module docstring)."""
 
     save: str = "recompute"
     keep_last_blocks: int = 0
@@ -127,10 +95,8 @@ class Levers:
 
     def flags(self) -> str:
         """The command-line flags that pin this choice."""
-        return (
-            f"--compile.sac.save {self.save} --compile.fsdp.keep_last_blocks {self.keep_last_blocks} "
-            f"--compile.fsdp.bucket_blocks {self.bucket_blocks}"
-        )
+        return (f"--compile.sac.save {self.save} --compile.fsdp.keep_last_blocks {self.keep_last_blocks} "
+                f"--compile.fsdp.bucket_blocks {self.bucket_blocks}")
 
 
 @dataclass
@@ -156,25 +122,16 @@ class MemoryPolicy:
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str) -> int:
-    """Predicted peak reserved bytes per rank (formula in the module docstring).
-
-    Args:
-        state_bytes: fp32 parameter shards + optimizer state, bytes per rank.
-        graph_peak_bytes: :func:`~graph_trainer.compiler.memory_estimate.estimate_peak_memory`.
-        inductor: ``--compile.inductor_compilation`` (``regional`` / ``full`` / ``none``).
-        save: the ``sac.save`` level of the graph (selects the calibration).
-    """
-    cal = calibration(inductor, save)
-    return int(state_bytes + cal.scale * graph_peak_bytes + cal.overhead_gib * GiB)
+    """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (fp32
+    shards + optimizer state per rank), ``graph_peak_bytes`` (the static estimate), ``inductor``
+    (``--compile.inductor_compilation``) and ``save`` (the graph's ``sac.save`` level)."""
+    return int(state_bytes + calibration(inductor, save) * graph_peak_bytes)
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
     """Bytes per rank of the fp32 parameter shards and ``optimizer_states`` fp32 tensors of
     the same size each (AdamW: ``exp_avg``, ``exp_avg_sq``). DTensors count their local shard."""
-    total = 0
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * 4
+    total = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params)
     return total * (1 + optimizer_states)
 
 
@@ -187,53 +144,27 @@ def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
     return int(CPU_BUDGET_GIB * GiB), f"{CPU_BUDGET_GIB:g} GiB without a CUDA device"
 
 
-#: ``estimate(save) -> graph peak bytes`` with no kept block and no buckets.
-Estimator = Callable[[str], int]
-
-
 def choose_levers(
-    estimate: Estimator,
-    *,
-    n_blocks: int,
-    block_bytes: int,
-    state: int,
-    budget: int,
-    inductor: str,
-    fixed: Levers | None = None,
-    fixed_fields: Iterable[str] = (),
-    has_fsdp: bool = True,
-    has_sac: bool = True,
+    estimate: Callable[[str], int], *, n_blocks: int, block_bytes: int, state: int, budget: int, inductor: str,
+    fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
 ) -> MemoryPolicy:
-    """Pick the levers (rule in the module docstring); a pure function of its arguments.
+    """Pick the levers (module docstring); a pure function of its arguments. The ladder,
+    leanest first: ``recompute``; ``matmuls`` with 0 .. ``n_blocks`` kept blocks; ``all`` with
+    all kept (levers named in ``fixed_fields`` keep ``fixed``'s value), searched from the top.
 
-    The candidates form a ladder, leanest first: ``recompute``; ``matmuls`` with 0 .. n kept
-    blocks; ``all`` with n kept blocks (levers the user set stay fixed). The policy takes
-    the highest rung whose predicted peak fits, searching from the top.
-
-    Args:
-        estimate: graph peak bytes of a save level with no kept block and no buckets;
-            called lazily, once per save level looked at. A kept block and each block of a
-            bucket add ``block_bytes``.
-        n_blocks: transformer blocks.
-        block_bytes: one block's gathered weights, bytes per rank.
-        state: :func:`state_bytes`.
-        budget: bytes per rank the predicted peak may reach.
-        inductor: ``--compile.inductor_compilation`` (selects the calibration).
-        fixed: values of the levers the user set; ``fixed_fields`` names which.
-        has_fsdp: the graph has FSDP collectives (else keep / bucket stay 0).
-        has_sac: the graph has op-SAC recompute tags (else ``save`` is irrelevant: ``all``).
-
-    Returns:
-        :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget).
+    ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level
+    looked at); a kept block and each block of a bucket add ``block_bytes`` (one block's gathered
+    weights per rank). ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor``
+    selects the calibration. Without FSDP collectives keep / bucket stay 0; without SAC tags
+    ``save`` is ``all``. Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest
+    choice exceeds the budget).
     """
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
     bucket = fixed.bucket_blocks if "bucket_blocks" in fixed_fields else (BUCKET_BLOCKS if has_fsdp else 0)
     saves = [fixed.save] if "save" in fixed_fields else (list(SAVE_LEVELS) if has_sac else ["all"])
-    if "keep_last_blocks" in fixed_fields:
-        keeps = [fixed.keep_last_blocks]
-    else:
-        keeps = list(range(n_blocks + 1)) if has_fsdp else [0]
+    keeps = [fixed.keep_last_blocks] if "keep_last_blocks" in fixed_fields else (
+        list(range(n_blocks + 1)) if has_fsdp else [0])
     cache: dict[str, int] = {}
 
     def graph_peak(save: str, keep: int, bucket: int) -> int:

@@ -1,12 +1,9 @@
 """The pipeline: build it from the config and the registry, plan its memory levers, run it.
 
-The passes and their one default order are in :mod:`graph_trainer.compiler.passes`; what
-each declares (options, when it runs, numerics) in :mod:`graph_trainer.compiler.registry`.
-:func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments;
-:func:`plan_pipeline` first lets the memory policy (:mod:`graph_trainer.compiler.memory_policy`)
-pick the levers left on ``auto`` from the traced graph; :func:`run_pipeline` runs the result
-in a plain loop and records what each pass did (:mod:`graph_trainer.compiler.report`: the
-per-pass table, readable dumps with diffs, TORCH_TRACE artifacts for tlparse).
+:func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments
+(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick
+the levers left on ``auto``; :func:`run_pipeline` runs the passes and records what each did
+(:mod:`graph_trainer.compiler.report`).
 """
 
 from __future__ import annotations
@@ -15,9 +12,9 @@ import copy
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +29,7 @@ logger = logging.getLogger("graph_trainer")
 
 def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
     """``(levers, fields the config sets)``: ``[compile.sac] save`` and ``[compile.fsdp]``
-    ``keep_last_blocks`` / ``bucket_blocks`` where set; the others from ``levers`` (the
-    memory policy's choice), else the leanest (``recompute``, 0, 0)."""
+    ``keep_last_blocks`` / ``bucket_blocks`` where set, the others from ``levers`` (else the leanest)."""
     fsdp = compile_cfg.fsdp
     given = {
         "save": compile_cfg.sac.save if compile_cfg.sac.save != "auto" else None,
@@ -54,23 +50,19 @@ def build_pipeline(
     uses_flex_attention: bool = False,
     tp_group_name: str | None = None,
 ) -> list[PipelineStep]:
-    """The passes ``compile_cfg`` (the ``[compile]`` section) runs, in the default order,
-    each with the arguments its declaration derives from the config
-    (:class:`graph_trainer.compiler.registry.GraphPass`).
+    """The passes ``compile_cfg`` (``graph_trainer.config.Compile``) runs, in the default order,
+    each with the arguments its declaration derives from the config.
 
     Args:
-        compile_cfg: ``graph_trainer.config.Compile``.
-        layout: the model's ``graph_trainer.model.BlockLayout``; needed when blocks are
-            kept or bucketed (the config counts blocks, the passes parameters / collectives).
-        levers: the memory policy's choice for the levers left on ``auto``
-            (:func:`configured_levers`); ``None``: the leanest.
+        layout: the model's ``graph_trainer.model.BlockLayout``; needed when blocks are kept or
+            bucketed (the config counts blocks, the passes parameters / collectives).
+        levers: the memory policy's choice for the levers left on ``auto``; None: the leanest.
         deterministic: ``--debug.deterministic`` (no timed choices).
         uses_flex_attention: the model uses FlexAttention.
         tp_group_name: the TP process group's ``group_name``; None: found in the graph.
 
     Raises:
-        ValueError: as :func:`graph_trainer.compiler.registry.resolve`; block options
-            without ``layout``.
+        ValueError: as :func:`~graph_trainer.compiler.registry.resolve`; block options without ``layout``.
     """
     chosen, _ = configured_levers(compile_cfg, levers)
     ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name)
@@ -78,10 +70,9 @@ def build_pipeline(
 
 
 def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
-    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm``
-    (the block's gathered weights: what keeping it, or one more block in a bucket, costs);
-    0 without FSDP all-gathers or ``layout``. The FSDP all-gathers come in graph order, one
-    per parameter in the model's order (:mod:`graph_trainer.distributed.fsdp`)."""
+    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm`` (what
+    keeping a block gathered costs); 0 without FSDP all-gathers or ``layout``. The all-gathers
+    come in graph order, one per parameter in the model's order."""
     if layout is None or layout.n_blocks == 0:
         return 0
     sizes = [
@@ -104,22 +95,16 @@ def plan_pipeline(
     uses_flex_attention: bool = False,
     tp_group_name: str | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
-    """:func:`build_pipeline` after the memory policy picked the levers the config leaves on
-    ``auto`` for the traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
+    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
+    traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
 
-    Each estimate runs the passes declared ``in_memory_trial`` with the candidate's levers
-    on a copy of ``gm`` (those before the first lever's pass once) and takes
-    :func:`~graph_trainer.compiler.memory_estimate.estimate_peak_memory`; ``gm`` is not changed.
+    Each estimate runs the ``in_memory_trial`` passes with the candidate's levers on a copy of
+    ``gm`` and takes its static peak; ``gm`` is not changed.
 
-    Args:
-        budget_bytes: peak reserved bytes per rank to plan for.
-        state_bytes: :func:`graph_trainer.compiler.memory_policy.state_bytes`.
-        has_fsdp: the step shards parameters with traced FSDP.
-        tp_group_name: as :func:`build_pipeline`.
-
-    Returns:
-        ``(pipeline, policy)``; with every lever set by the config the policy only predicts
-        the peak of that setting.
+    ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
+    :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
+    the parameters. Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
+    config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
     from graph_trainer.compiler.memory_policy import choose_levers
@@ -150,15 +135,11 @@ def plan_pipeline(
     )
     logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
     if not policy.fits:
-        logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); the step may run out of memory")
+        logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
+                       "the step may run out of memory")
     steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
                            uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name)
     return steps, policy
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
 
 
 def run_pipeline(
@@ -171,30 +152,20 @@ def run_pipeline(
     records: list[dict[str, Any]] | None = None,
     memory_estimates: bool | None = None,
 ) -> torch.fx.GraphModule:
-    """Run the passes of ``pipeline`` in order and return the final module.
+    """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names, run with their
+    defaults) in order and return the final module.
 
-    ``pipeline``: :class:`PipelineStep` s (:func:`build_pipeline`) or pass names (run with
-    their default options). Logs one line per pass on the ``graph_trainer`` logger: name,
-    wall time, node count before -> after and the pass's own summary.
+    Logs one line per pass (name, wall time, nodes before -> after, the pass's summary) and
+    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
+    ``memory_estimates``: take the static peak of every graph state (default: not ``quiet``).
 
-    Every pass gets a record (:func:`graph_trainer.compiler.report.pass_record`: time,
-    nodes by kind, ops added / removed, regions, static peak memory before / after), appended
-    to ``records`` when a list is given; ``format_pass_table(records)`` renders them.
-    ``memory_estimates``: take the static peak estimate of every graph state (one linear walk
-    each); default: not ``quiet``. Without it the memory fields are None.
+    ``dump_folder``: writes ``<dump_folder>/graphs/00_input.py``, per pass ``NN_<pass>.py`` (the
+    readable graph after it, full ``custom`` annotations) and ``NN_<pass>.diff`` (against the
+    previous graph), and ``summary.json`` (the records plus op counts, rewritten after each pass).
 
-    With ``dump_folder``, writes ``<dump_folder>/graphs/00_input.py``, one ``NN_<pass>.py``
-    per pass (readable code of the graph after it, with every node's full ``custom``
-    annotation), ``NN_<pass>.diff`` (unified diff against the previous graph; empty when the
-    pass changed nothing) and ``summary.json`` (the records plus op counts per target;
-    rewritten after each pass).
-
-    With ``TORCH_TRACE`` set (and not ``quiet``), emits structured-trace artifacts for
-    tlparse (:mod:`graph_trainer.compiler.report`): ``graph_before_passes``,
-    ``graph_after_<pass>`` and ``graph_diff_<pass>`` (text), ``pass_record_<pass>`` (json)
-    and, at the end, ``pass_table`` (text) and ``pass_records`` (json).
-
-    ``quiet``: no log lines, no trace artifacts (the memory policy's trial runs).
+    With ``TORCH_TRACE`` (and not ``quiet``) emits tlparse artifacts ``graph_before_passes``,
+    ``graph_after_<pass>``, ``graph_diff_<pass>``, ``pass_record_<pass>``, then ``pass_table`` and
+    ``pass_records``. ``quiet``: no log lines, no artifacts (the memory policy's trials).
 
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
@@ -204,13 +175,13 @@ def run_pipeline(
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     memory = not quiet if memory_estimates is None else memory_estimates
     trace = not quiet and report.trace_enabled()
-    graphs_dir = os.path.join(dump_folder, "graphs") if dump_folder is not None else None
+    graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None
     run_records: list[dict[str, Any]] = []
     dumped: list[dict[str, Any]] = []
     text = report.readable_graph(gm) if graphs_dir is not None or trace else None
     if graphs_dir is not None:
-        os.makedirs(graphs_dir, exist_ok=True)
-        _write(os.path.join(graphs_dir, "00_input.py"), text)
+        graphs_dir.mkdir(parents=True, exist_ok=True)
+        (graphs_dir / "00_input.py").write_text(text)
         dumped.append({"index": 0, "pass": "input", "nodes": num_nodes(gm), "ops": op_counts(gm)})
     if trace:
         report.trace_artifact("graph_before_passes", lambda: text)
@@ -230,14 +201,8 @@ def run_pipeline(
             records.append(record)
         before = after
         if not quiet:
-            logger.info(
-                "graph pass %-46s %8.3fs  nodes %s -> %s  %s",
-                step.name,
-                elapsed,
-                "n/a" if record["nodes_before"] is None else record["nodes_before"],
-                "n/a" if record["nodes_after"] is None else record["nodes_after"],
-                summary,
-            )
+            nodes = ["n/a" if n is None else n for n in (record["nodes_before"], record["nodes_after"])]
+            logger.info("graph pass %-46s %8.3fs  nodes %s -> %s  %s", step.name, elapsed, *nodes, summary)
         if text is None:
             continue
         name = f"{i:02d}_{step.name}"
@@ -245,10 +210,10 @@ def run_pipeline(
         diff = report.graph_diff(text, new_text, f"{prev_name}.py", f"{name}.py")
         text, prev_name = new_text, name
         if graphs_dir is not None:
-            _write(os.path.join(graphs_dir, f"{name}.py"), text)
-            _write(os.path.join(graphs_dir, f"{name}.diff"), diff)
+            (graphs_dir / f"{name}.py").write_text(text)
+            (graphs_dir / f"{name}.diff").write_text(diff)
             dumped.append({**record, "ops": op_counts(gm)})
-            _write(os.path.join(graphs_dir, "summary.json"), json.dumps(dumped, indent=1))
+            (graphs_dir / "summary.json").write_text(json.dumps(dumped, indent=1))
         if trace:
             report.trace_artifact(f"graph_after_{step.name}", lambda: text)
             report.trace_artifact(f"graph_diff_{step.name}", lambda: diff)

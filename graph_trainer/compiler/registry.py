@@ -1,17 +1,10 @@
 """The pass registry: what every graph pass declares, and the one place that reads it.
 
-A pass is one module of :mod:`graph_trainer.compiler.passes` that defines its function
-``(gm, example_inputs, **kwargs) -> gm`` and, beside it, a module-level ``PASS``
-(:class:`GraphPass`): its name, its options (a dataclass that becomes the
-``[compile.<section>]`` TOML table and the ``--compile.<section>.<field>`` flags, the field
-docstrings their ``--help`` text), when the default pipeline runs it, whether it changes
-numerics, and how its options become the function's keyword arguments. The default order
-is :data:`graph_trainer.compiler.passes.ORDER`, one list of module names.
-
-Everything that needs to know about passes asks this module: the config (flags and
-``--help``), preflight (:func:`resolve`), the pipeline builder
-(:func:`graph_trainer.compiler.pipeline.build_pipeline`), the dry run and the per-pass
-report. None of them names a pass. The recipe for a new pass: ``docs/passes.md``.
+A pass is a module of :mod:`graph_trainer.compiler.passes` with its function
+``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the
+default order is :data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``),
+preflight, the pipeline builder, the dry run and the report ask this module and name no pass.
+Adding a pass: ``docs/passes.md``.
 """
 
 from __future__ import annotations
@@ -29,17 +22,10 @@ INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
 
 @dataclass
 class PassContext:
-    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options.
-
-    Attributes:
-        compile_cfg: the ``[compile]`` section (``graph_trainer.config.Compile``).
-        layout: the model's ``graph_trainer.model.BlockLayout`` (None in unit tests).
-        levers: the memory policy's choice (``graph_trainer.compiler.memory_policy.Levers``;
-            None: the leanest).
-        deterministic: ``--debug.deterministic``.
-        uses_flex_attention: the model uses FlexAttention.
-        tp_group_name: the TP process group's ``group_name`` (None: not known / no TP).
-    """
+    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the
+    ``[compile]`` section, the model's ``BlockLayout`` (None in unit tests), the memory policy's
+    ``Levers`` (None: the leanest), ``--debug.deterministic``, whether the model uses
+    FlexAttention, and the TP group's ``group_name`` (None: not known / no TP)."""
 
     compile_cfg: Any
     layout: Any = None
@@ -53,10 +39,6 @@ def _never(ctx: PassContext) -> bool:
     return False
 
 
-def _no_kwargs(options: Any, ctx: PassContext) -> dict[str, Any]:
-    return {}
-
-
 @dataclass(frozen=True)
 class GraphPass:
     """One pass's declaration (the module-level ``PASS`` of its file).
@@ -64,20 +46,18 @@ class GraphPass:
     Attributes:
         name: the canonical name (``--compile.passes`` / ``disable_passes``, logs, dumps).
         fn: ``fn(gm, example_inputs, **kwargs) -> gm``.
-        options: a dataclass of the pass's options, or None. Its fields become
-            ``[compile.<section>]`` / ``--compile.<section>.<field>``; a ``check()`` method,
-            if present, is called at config validation and raises ``ValueError``.
+        options: a dataclass of the pass's options (``[compile.<section>]`` /
+            ``--compile.<section>.<field>``) or None; its ``check()``, if any, raises ``ValueError``.
         section: the ``[compile.<section>]`` name; default: the module name.
-        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass (the user's
-            ``--compile.passes`` / ``disable_passes`` add and remove on top).
-        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments. Default:
-            the options' fields as they are.
+        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass
+            (``--compile.passes`` / ``disable_passes`` add and remove on top).
+        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default:
+            the options' fields).
         changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
-        compiles: the pass compiles the graph (needs real tensors; the dry run and the
-            memory policy's trials skip it).
+        compiles: the pass compiles the graph (the dry run and memory trials skip it).
         in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
-        requires: names of passes that must also run (after it) for it to have an effect.
-        excludes: names of passes that cannot run together with it.
+        requires: passes that must run after it for it to have an effect.
+        excludes: passes that cannot run together with it.
         aliases: other accepted spellings (the module name is always accepted).
     """
 
@@ -95,8 +75,7 @@ class GraphPass:
     aliases: tuple[str, ...] = ()
 
     def arguments(self, options: Any, ctx: PassContext) -> dict[str, Any]:
-        """The keyword arguments of :attr:`fn` for ``options`` (this pass's section of the
-        config, or None) and ``ctx``."""
+        """The keyword arguments of :attr:`fn` for ``options`` (this pass's section, or None)."""
         if self.kwargs is not None:
             return dict(self.kwargs(options, ctx))
         return dataclasses.asdict(options) if options is not None else {}
@@ -104,8 +83,7 @@ class GraphPass:
 
 @functools.cache
 def registry() -> dict[str, GraphPass]:
-    """Canonical name -> :class:`GraphPass`, in the default order
-    (:data:`graph_trainer.compiler.passes.ORDER`), each read from its module's ``PASS``.
+    """Canonical name -> :class:`GraphPass` (each module's ``PASS``) in the order of ``passes.ORDER``.
 
     Raises:
         TypeError: a module of the order without a ``PASS``, or two passes with one name.
@@ -126,22 +104,21 @@ def registry() -> dict[str, GraphPass]:
 
 
 def option_sections() -> list[tuple[str, type]]:
-    """``[(section, options dataclass)]`` of the passes that have options, in pass order
-    (the fields :func:`graph_trainer.config` adds to ``[compile]``)."""
+    """``[(section, options dataclass)]`` of the passes with options, in pass order (the
+    fields the config adds to ``[compile]``)."""
     return [(p.section, p.options) for p in registry().values() if p.options is not None]
 
 
 def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
-    """``spec``'s section of ``compile_cfg``, or None for a pass without options (or a
-    config built without the section, as in unit tests: then the options' defaults)."""
+    """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a
+    pass without options."""
     if spec.options is None:
         return None
     return getattr(compile_cfg, spec.section, None) or spec.options()
 
 
 def canonical_name(name: str) -> str:
-    """Canonical registry name for ``name`` (the name, ``<name>_pass``, the module name or
-    a declared alias).
+    """Canonical name for ``name`` (the name, ``<name>_pass``, the module name or an alias).
 
     Raises:
         ValueError: unknown name (the message lists the valid ones).
@@ -160,13 +137,12 @@ def split_names(value: str | Iterable[str] | None) -> list[str]:
 
 
 def resolve(ctx: PassContext) -> list[str]:
-    """The pass names ``ctx.compile_cfg`` runs, in the default order: every pass whose
-    ``enabled(ctx)`` holds, plus ``--compile.passes``, less ``--compile.disable_passes``.
+    """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``,
+    plus ``--compile.passes``, less ``--compile.disable_passes``.
 
     Raises:
-        ValueError: unknown names or ``inductor_compilation``; a numerics-changing pass
-            without ``numerics_changing_optim``; a pass without one it requires, or with one
-            it excludes.
+        ValueError: unknown names or ``inductor_compilation``; a numerics-changing pass without
+            ``numerics_changing_optim``; a pass without one it requires or with one it excludes.
     """
     cfg = ctx.compile_cfg
     if cfg.inductor_compilation not in INDUCTOR_COMPILATION_MODES:
@@ -192,7 +168,7 @@ def resolve(ctx: PassContext) -> list[str]:
 
 
 def check_options(compile_cfg: Any) -> None:
-    """Call ``check()`` on every pass's options section of ``compile_cfg`` that has one.
+    """Call ``check()`` on every options section of ``compile_cfg`` that has one.
 
     Raises:
         ValueError: what a ``check()`` raises (it names the flag).
@@ -205,8 +181,7 @@ def check_options(compile_cfg: Any) -> None:
 
 @dataclass
 class PipelineStep:
-    """One pass of a pipeline with its arguments: ``step(gm, example_inputs)`` runs
-    ``fn(gm, example_inputs, **options)``."""
+    """One pass with its arguments: ``step(gm, example_inputs)`` runs ``fn(gm, example_inputs, **options)``."""
 
     name: str
     fn: Callable[..., Any]
@@ -217,8 +192,8 @@ class PipelineStep:
 
 
 def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
-    """The :class:`PipelineStep` of pass ``name`` (any accepted spelling) with the arguments
-    its options and ``ctx`` give (no ``ctx``: the function's own defaults).
+    """The :class:`PipelineStep` of pass ``name`` (any spelling) with the arguments its options and
+    ``ctx`` give (no ``ctx``: the function's defaults).
 
     Raises:
         ValueError: unknown name.

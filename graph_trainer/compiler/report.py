@@ -1,36 +1,13 @@
-"""What each pass of the pipeline did, in numbers and text (an analysis module, not a pass).
+"""What each pass of the pipeline did, in numbers (:func:`pass_record` from the
+:class:`GraphSnapshot` s before and after it; :func:`format_pass_table`) and text (readable dumps).
 
-:func:`graph_trainer.compiler.pipeline.run_pipeline` takes a :class:`GraphSnapshot` of the
-graph before the first pass and after every pass, and turns each pair into a record
-(:func:`pass_record`): wall time, nodes by kind, ops added / removed, Inductor regions and
-the static peak-memory estimate. :func:`format_pass_table` renders the records for the log.
+Node kinds (:func:`node_kind`; the first rule that holds): placeholders, output and ``get_attr``
+are ``other``; ``region``: tagged ``compile_with_inductor`` or a call of a scooped / compiled
+region; ``getitem``; ``collective`` (an issue op); ``wait``; ``view`` (an aten op of
+:data:`VIEW_OP_NAMES`); ``compute`` (any other torch op); ``other`` (Python callables such as ``hold``).
 
-Node kinds (:func:`node_kind`; every node has exactly one, checked in this order):
-
-* placeholders, the output and ``get_attr`` nodes are ``other``;
-* ``region``: a node of an Inductor region: tagged ``custom["compile_with_inductor"]``
-  (:data:`graph_trainer.COMPILE_WITH_INDUCTOR_KEY`), or a call of a scooped
-  (``__marked_inductor_submod*``) or compiled region (a callable from ``torch._inductor``);
-* ``getitem``: ``operator.getitem``;
-* ``collective``: a ``_c10d_functional`` op that starts a collective;
-* ``wait``: ``_c10d_functional.wait_tensor``;
-* ``view``: an aten view op of :data:`VIEW_OP_NAMES` (any overload);
-* ``compute``: any other torch op (aten, prims, custom ops, higher-order ops);
-* ``other``: the rest (Python callables such as ``hold``, other modules, methods).
-
-Text: :func:`readable_graph` (the graph's code with every node's full
-``meta["custom"]``), :func:`graph_diff` (a unified diff of two of them).
-
-Structured trace (tlparse): with ``TORCH_TRACE=<dir>`` in the environment, torch installs
-its trace handler when it is imported (``torch._logging._init_logs``); nothing else has to
-be enabled. Every process writes its own file (named ``..._rank_<r>_...`` when the process
-group is up at the first record; torchrun passes the variable to every worker).
-:func:`trace_artifact` emits an ``artifact`` record through
-``torch._logging.trace_structured``. The pipeline runs outside any torch compile, so its
-records carry no compile id: tlparse lists them, with those of Inductor's region compiles,
-under ``[-/-]`` in its ``index.html`` (``-_-_-_-/<name>_<n>.txt|json``). ``tlparse`` takes
-one file (``tlparse <dir>/<file>.log -o <out> --overwrite --no-browser``), or with
-``--all-ranks-html`` the folder of several ranks' files.
+Structured trace: with ``TORCH_TRACE=<dir>`` every process writes a trace file, where
+:func:`trace_artifact` adds records that tlparse lists under ``[-/-]`` (no compile id).
 """
 
 from __future__ import annotations
@@ -52,22 +29,18 @@ from graph_trainer.compiler.common import collective_kind, custom_meta, is_wait,
 
 logger = logging.getLogger("graph_trainer")
 
-#: The node kinds of :func:`node_kind`, in table order.
 NODE_KINDS: tuple[str, ...] = ("compute", "collective", "wait", "view", "getitem", "region", "other")
 
 #: aten view / reshape / alias ops (packet names: every overload counts).
-VIEW_OP_NAMES: frozenset[str] = frozenset({
-    "view", "reshape", "alias", "expand", "permute", "transpose", "t", "slice", "select",
-    "squeeze", "unsqueeze", "_unsafe_view", "as_strided",
-})
+VIEW_OP_NAMES: frozenset[str] = frozenset({"view", "reshape", "alias", "expand", "permute", "transpose", "t",
+                                           "slice", "select", "squeeze", "unsqueeze", "_unsafe_view", "as_strided"})
 
-#: Name prefix of the sub-modules that ``regional_inductor`` cuts regions into.
 REGION_SUBMOD_PREFIX = "__marked_inductor_submod"
 
 
 def is_region_call(node: torch.fx.Node) -> bool:
     """Whether ``node`` calls a whole Inductor region: a scooped ``__marked_inductor_submod*``
-    module, or the compiled callable that replaced it (defined in ``torch._inductor``)."""
+    module or the compiled callable that replaced it (from ``torch._inductor``)."""
     if node.op == "call_module":
         return str(node.target).startswith(REGION_SUBMOD_PREFIX)
     if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -102,8 +75,7 @@ def _graph(gm: Any) -> torch.fx.Graph | None:
 
 
 def kind_counts(gm: Any) -> dict[str, int] | None:
-    """``{kind: nodes}`` for every kind of :data:`NODE_KINDS` plus ``"total"``; None when
-    ``gm`` has no FX graph (a compiled callable)."""
+    """``{kind: nodes}`` for every kind of :data:`NODE_KINDS` plus ``"total"``; None without an FX graph."""
     graph = _graph(gm)
     if graph is None:
         return None
@@ -112,9 +84,8 @@ def kind_counts(gm: Any) -> dict[str, int] | None:
 
 
 def call_targets(gm: Any) -> Counter:
-    """Counter of the op names of ``gm``'s ``call_function`` nodes (empty without an FX
-    graph). The name is ``str(target)`` for torch ops (``"aten.mm.default"``) and
-    ``module.qualname`` for Python callables (``"_operator.getitem"``): no object addresses."""
+    """Counter of the :func:`~graph_trainer.compiler.common.target_name` of ``gm``'s
+    ``call_function`` nodes (empty without an FX graph)."""
     graph = _graph(gm)
     if graph is None:
         return Counter()
@@ -122,10 +93,8 @@ def call_targets(gm: Any) -> Counter:
 
 
 def count_regions(gm: Any) -> int | None:
-    """Number of Inductor regions of ``gm``: distinct ``inductor_region`` ids of the tagged
-    nodes (the tagged nodes without an id count as one), plus one per region call
-    (:func:`is_region_call`; the tagged ``getitem`` s of such a call belong to it). None
-    without an FX graph."""
+    """Number of Inductor regions of ``gm``: distinct ``inductor_region`` ids of the tagged nodes
+    (those without an id count as one) plus one per region call; None without an FX graph."""
     graph = _graph(gm)
     if graph is None:
         return None
@@ -144,10 +113,8 @@ def count_regions(gm: Any) -> int | None:
 
 
 def peak_memory_bytes(gm: Any) -> int | None:
-    """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes,
-    or None when it cannot be estimated (no FX graph, no ``meta["val"]`` on any node, or the
-    estimator fails). Never raises. Cost: linear in the graph's nodes (one walk over the
-    fake values)."""
+    """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes; None
+    when it cannot be estimated (no FX graph, no ``meta["val"]``, or the estimator fails)."""
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
     graph = _graph(gm)
@@ -161,8 +128,7 @@ def peak_memory_bytes(gm: Any) -> int | None:
 
 @dataclass
 class GraphSnapshot:
-    """The numbers of one graph state: :func:`kind_counts`, :func:`call_targets`,
-    :func:`count_regions` and :func:`peak_memory_bytes` (None when not taken)."""
+    """The numbers of one graph state (``memory_bytes`` None when not taken)."""
 
     kinds: dict[str, int] | None
     targets: Counter = field(default_factory=Counter)
@@ -171,14 +137,14 @@ class GraphSnapshot:
 
 
 def snapshot(gm: Any, *, memory: bool = True) -> GraphSnapshot:
-    """A :class:`GraphSnapshot` of ``gm``; ``memory=False`` skips the memory estimate
-    (``memory_bytes`` None)."""
-    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), peak_memory_bytes(gm) if memory else None)
+    """A :class:`GraphSnapshot` of ``gm``; ``memory=False`` skips the memory estimate."""
+    memory_bytes = peak_memory_bytes(gm) if memory else None
+    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), memory_bytes)
 
 
 def jsonable(obj: Any) -> Any:
-    """``obj`` if ``json.dumps`` takes it; else dicts / lists / tuples converted item by
-    item (keys to ``str``) and anything else to its ``repr``."""
+    """``obj`` if ``json.dumps`` takes it, else converted item by item (keys to ``str``, other
+    values to their ``repr``)."""
     try:
         json.dumps(obj)
         return obj
@@ -199,15 +165,10 @@ def pass_record(
     summary: str = "",
     stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON-able record of one pass, from the snapshots of its input and its output.
-
-    Keys: ``index`` (1-based position in the pipeline), ``pass``, ``time_s`` (wall seconds),
-    ``nodes_before`` / ``nodes_after`` (totals), ``kinds_before`` / ``kinds_after``
-    (:func:`kind_counts`), ``ops_added`` / ``ops_removed`` (``{op name: count}``, the
-    Counter differences of :func:`call_targets`), ``regions_before`` / ``regions_after``,
-    ``memory_before_bytes`` / ``memory_after_bytes`` (static peak estimate), ``summary`` and
-    ``stats`` (what the pass reported). Counts are None where the graph is not an FX graph.
-    """
+    """The JSON-able record of one pass from the snapshots of its input and output: ``index``
+    (1-based), ``pass``, ``time_s``, ``nodes_*``, ``kinds_*`` (:func:`kind_counts`),
+    ``ops_added`` / ``ops_removed`` (``{op name: count}``), ``regions_*``, ``memory_*_bytes``
+    (static peak), ``summary`` and ``stats``; counts are None for a graph that is not FX."""
     return {
         "index": index,
         "pass": name,
@@ -245,29 +206,27 @@ def _ops_cell(record: dict[str, Any], limit: int = 3) -> str:
 
 
 def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width markdown table of :func:`pass_record` s, one row per pass after a row
-    ``(input)`` for the graph before the first pass: time (s), nodes (total and per kind,
-    each with its change), regions, static peak memory (MiB) and the largest op changes.
-    Returns ``""`` for no records."""
+    """A fixed-width markdown table of :func:`pass_record` s: a row ``(input)``, then one per pass
+    with time (s), nodes (total and per kind, with changes), regions, peak MiB and the largest op
+    changes; ``""`` for no records."""
     records = list(records)
     if not records:
         return ""
-    mib = 2.0**20
     header = ["#", "pass", "time_s", "nodes", *NODE_KINDS, "regions", "peak_MiB", "ops (+added -removed)"]
 
     def mem(b):
-        return None if b is None else b / mib
+        return None if b is None else b / 2.0**20
 
     first = records[0]
-    in_kinds = first.get("kinds_before") or {}
-    rows = [["0", "(input)", "", _count_cell(None, first.get("nodes_before")),
-             *[_count_cell(None, in_kinds.get(k)) for k in NODE_KINDS],
-             _count_cell(None, first.get("regions_before")),
-             _count_cell(None, mem(first.get("memory_before_bytes")), "{:.1f}"), ""]]
-    for r in records:
+    graph_in = {"index": 0, "pass": "(input)", "nodes_after": first.get("nodes_before"),
+                "kinds_after": first.get("kinds_before"), "regions_after": first.get("regions_before"),
+                "memory_after_bytes": first.get("memory_before_bytes")}
+    rows = []
+    for r in [graph_in, *records]:
         kb, ka = r.get("kinds_before") or {}, r.get("kinds_after") or {}
         rows.append([
-            str(r["index"]), r["pass"], f"{r['time_s']:.3f}", _count_cell(r.get("nodes_before"), r.get("nodes_after")),
+            str(r["index"]), r["pass"], f"{r['time_s']:.3f}" if "time_s" in r else "",
+            _count_cell(r.get("nodes_before"), r.get("nodes_after")),
             *[_count_cell(kb.get(k), ka.get(k)) for k in NODE_KINDS],
             _count_cell(r.get("regions_before"), r.get("regions_after")),
             _count_cell(mem(r.get("memory_before_bytes")), mem(r.get("memory_after_bytes")), "{:.1f}"),
@@ -277,19 +236,17 @@ def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
     left = {1, len(header) - 1}  # pass names and op changes left-aligned, numbers right-aligned
 
     def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
 def readable_graph(gm: Any) -> str:
-    """The readable code of ``gm`` (``GraphModule.print_readable``) with every node's full
-    ``meta["custom"]``: torch's own ``# Annotation:`` comment cuts each value at 40
-    characters, so the code also gets torch's ``# custom: {...}`` comment (its
-    ``additional_meta``, written above each node whose annotation differs from the
-    previous node's). Never raises: a module that does not print gives its ``code`` or
-    ``repr`` with the reason as a comment."""
+    """``gm.print_readable`` with every node's full ``meta["custom"]`` as a ``# custom: {...}``
+    comment (torch's ``# Annotation:`` cuts values at 40 characters). Never raises: a module
+    that does not print gives its ``code`` or ``repr`` with the reason."""
     if not isinstance(gm, torch.fx.GraphModule):
         return f"# not an FX GraphModule: {type(gm).__qualname__}\n# {gm!r}\n"
     try:
@@ -305,26 +262,23 @@ def readable_graph(gm: Any) -> str:
 
 
 def graph_diff(before: str, after: str, before_name: str = "before", after_name: str = "after") -> str:
-    """Unified diff (``difflib``, 3 lines of context) of two :func:`readable_graph` texts;
-    ``""`` when they are equal."""
+    """Unified diff of two :func:`readable_graph` texts; ``""`` when they are equal."""
     return "".join(difflib.unified_diff(
         before.splitlines(keepends=True), after.splitlines(keepends=True), before_name, after_name,
     ))
 
 
 def trace_enabled() -> bool:
-    """Whether torch's structured trace writes somewhere (``TORCH_TRACE`` set when torch was
-    imported, or another trace handler installed); callers skip building payloads otherwise."""
+    """Whether torch's structured trace has a handler (``TORCH_TRACE`` set when torch was imported)."""
     from torch._logging._internal import trace_log
 
     return any(getattr(h, "root_dir", "") is not None for h in trace_log.handlers)
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], Any], encoding: str = "string") -> None:
-    """Emit one ``artifact`` record named ``name`` into torch's structured trace
-    (``torch._logging.trace_structured``); ``payload_fn`` is called only when the trace is on
-    and returns the text (``encoding="string"``) or a JSON-able object (``"json"``). A no-op
-    without ``TORCH_TRACE``. Never raises: a failed trace write is logged as a warning."""
+    """Emit an ``artifact`` record ``name`` into torch's structured trace; ``payload_fn`` (called
+    only when the trace is on) returns text (``encoding="string"``) or a JSON-able object
+    (``"json"``). Never raises: a failed write is logged as a warning."""
     try:
         torch._logging.trace_structured(
             "artifact",

@@ -1,26 +1,19 @@
-"""Device, process group, ParallelDims/DeviceMesh, and model parallelization.
+"""Device, process group, ParallelDims / DeviceMesh, and model parallelization.
 
-* ``eager`` / ``jit``: torchtitan's ``parallelize_llama`` (TP, AC, per-block
-  torch.compile, FSDP2). On one rank FSDP2 is still applied over a 1-rank mesh when
-  ``mixed_precision_param = "bfloat16"``, so the baselines train in bf16 like the
-  traced step (torchtitan would silently train in fp32 there).
-* ``aot_fx_trace`` (:func:`distribute_for_trace`): torchtitan's Llama3 TP plan (with
-  ``tensor_parallel_degree > 1``), activation checkpointing wrappers (torchtitan's
-  ``apply_ac``; make_fx traces layer-level recomputation into the backward, op-level SAC
-  only tags nodes for the ``sac_recompute`` pass), then traceable FSDP over the
-  ``dp_shard`` ranks (:mod:`graph_trainer.distributed.fsdp`). The FSDP and TP collectives are nodes of
-  the traced graph. Mixed precision is a cast of the parameters inside the graph
-  (:mod:`graph_trainer.trace`). With FSDP or TP, a replicate dimension (HSDP, replicate x
-  TP) all-reduces each reduce-scattered / TP-local gradient over the replicas, also inside
-  the graph (:func:`graph_trainer.distributed.fsdp.all_reduce_grad`). Replicated data parallelism
-  alone (``dp_replicate`` only) sums the gradients after the graph in one flat all-reduce
-  (:func:`all_reduce_grads`).
+* ``eager`` / ``jit``: torchtitan's ``parallelize_llama`` (:func:`parallelize_eager`).
+* ``aot_fx_trace`` (:func:`distribute_for_trace`): torchtitan's Llama3 TP plan, its activation
+  checkpointing wrappers, then traceable FSDP over ``dp_shard`` (:mod:`graph_trainer.distributed.fsdp`)
+  and, with a replicate dimension, a gradient all-reduce over the replicas: every collective a
+  node of the traced graph. Replicated DP alone sums the gradients after the graph (:func:`all_reduce_grads`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,17 +27,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
-    """Pick the device and initialise the process group from torchrun's env.
-
-    ``RANK`` / ``WORLD_SIZE`` span every host (``NNODES x NGPU``); the GPU is this host's
-    ``LOCAL_RANK``-th, and ``MASTER_ADDR`` / ``MASTER_PORT`` come from torchrun's rendezvous.
-    With ``fake_world > 0`` (``COMM_MODE=fake_collectives``) this process is rank 0 of
-    ``fake_world`` ranks whose collectives are local copies (:mod:`graph_trainer.distributed.fake_pg`),
-    on the first GPU, else the CPU.
-
-    Returns:
-        ``(device, rank, world_size)``; ``cuda:LOCAL_RANK`` when CUDA is available
-        (NCCL), else ``cpu`` (gloo); with ``fake_world``, ``(cuda:0 or cpu, 0, fake_world)``.
+    """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK``
+    (NCCL), else ``cpu`` (gloo). With ``fake_world > 0`` (``COMM_MODE=fake_collectives``) rank 0 of
+    ``fake_world`` ranks on the first device, every collective a local copy (:mod:`.fake_pg`).
 
     Raises:
         UserError: more local ranks than visible GPUs.
@@ -59,10 +44,8 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         if local_world > n:
-            raise UserError(
-                f"NGPU={local_world} processes were started on this node but only {n} CUDA "
-                f"GPU(s) are visible. Set NGPU<={n} (or CUDA_VISIBLE_DEVICES)."
-            )
+            raise UserError(f"NGPU={local_world} processes were started on this node but only {n} CUDA "
+                            f"GPU(s) are visible. Set NGPU<={n} (or CUDA_VISIBLE_DEVICES).")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -91,12 +74,11 @@ def _patch_torchtitan_device_type(device_type: str) -> None:
 
 def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int, int]:
     """The ``(replicate, shard, tp)`` degrees of ``[parallelism]`` for ``world_size`` ranks
-    (``data_parallel_shard_degree = -1`` resolved); no process group or device needed.
+    (``data_parallel_shard_degree = -1`` resolved).
 
     Raises:
-        UserError: degrees whose product is not the world size, a TP degree that does
-            not divide the (KV) heads, an FSDP degree larger than the world, or
-            parallelisms this trainer does not support (PP, CP, EP).
+        UserError: degrees whose product is not the world size, a TP degree that does not divide
+            the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP.
     """
     p = cfg.parallelism
     for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
@@ -105,21 +87,15 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
     tp, rep, shard = p.tensor_parallel_degree, p.data_parallel_replicate_degree, p.data_parallel_shard_degree
     world, name = _world_name(world_size)
     if shard > world_size:
-        raise UserError(
-            f"--parallelism.data_parallel_shard_degree={shard} is larger than the world "
-            f"size {world_size} ({name}). Use -1 (the rest) or a divisor of {name}."
-        )
+        raise UserError(f"--parallelism.data_parallel_shard_degree={shard} is larger than the world "
+                        f"size {world_size} ({name}). Use -1 (the rest) or a divisor of {name}.")
     if tp < 1 or rep < 1 or world_size % (tp * rep) != 0:
-        raise UserError(
-            f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide {world}."
-        )
+        raise UserError(f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide {world}.")
     if shard == -1:
         shard = world_size // (tp * rep)
     if tp * rep * shard != world_size:
-        raise UserError(
-            f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
-            f"TP {tp}) but {world}. Make the product equal {name} (shard -1 = the rest)."
-        )
+        raise UserError(f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
+                        f"TP {tp}) but {world}. Make the product equal {name} (shard -1 = the rest).")
     for what, h in (("heads", n_heads), ("KV heads", n_kv_heads or n_heads)):
         if h % tp:
             raise UserError(f"tensor_parallel_degree={tp} does not divide the model's {h} {what}.")
@@ -127,8 +103,7 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
 
 
 def _world_name(world_size: int) -> tuple[str, str]:
-    """How errors name the world: ``("NGPU=8", "NGPU")`` on one host, else (run_train.sh
-    exports ``NNODES``) ``("NNODES x NGPU=2x8=16", "NNODES x NGPU")``."""
+    """``("NGPU=8", "NGPU")``, or with ``NNODES`` > 1 ``("NNODES x NGPU=2x8=16", "NNODES x NGPU")``."""
     nnodes = os.environ.get("NNODES", "1").strip()
     if nnodes.isascii() and nnodes.isdigit() and int(nnodes) > 1 and world_size % int(nnodes) == 0:
         return f"NNODES x NGPU={nnodes}x{world_size // int(nnodes)}={world_size}", "NNODES x NGPU"
@@ -141,56 +116,31 @@ def layout_key(replicate: int, shard: int, tp: int) -> str:
 
 
 def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | None):
-    """torchtitan ``ParallelDims`` from ``[parallelism]``, validated before any allocation.
-
-    Raises:
-        UserError: as :func:`check_parallel_degrees`.
-    """
+    """torchtitan ``ParallelDims`` of :func:`check_parallel_degrees`."""
     from torchtitan.distributed import ParallelDims
 
     rep, shard, tp = check_parallel_degrees(cfg, world_size, n_heads, n_kv_heads)
-    return ParallelDims(
-        dp_replicate=rep, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size
-    )
+    return ParallelDims(dp_replicate=rep, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world_size)
 
 
 def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
-    """Apply torchtitan's Llama3 parallelization (eager / jit baselines). Returns the model."""
+    """torchtitan's Llama3 parallelization (eager / jit baselines); on one rank with bf16 parameters
+    FSDP2 over a 1-rank mesh, so the baseline trains in bf16 like the traced step. Returns the model."""
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
     if parallel_dims.world_size > 1:
         parallel_dims.build_mesh()
     model = parallelize_llama(model, parallel_dims, cfg)
-    if (
-        parallel_dims.world_size == 1
-        and cfg.training.mixed_precision_param == "bfloat16"
-    ):
+    if parallel_dims.world_size == 1 and cfg.training.mixed_precision_param == "bfloat16":
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             _init_single_process_group(device)
         mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
-        apply_fsdp(
-            model,
-            mesh,
-            param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32,
-            pp_enabled=False,
-        )
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
         logger.info("Applied FSDP2 over a 1-rank mesh for bf16 mixed precision")
-    sum_gradients_over_dp(model)
-    return model
-
-
-def sum_gradients_over_dp(model) -> None:
-    """Make torchtitan's eager data parallelism sum the gradients over the DP ranks, as the
-    loss (:func:`graph_trainer.model.loss_fn`) and the traced step expect.
-
-    FSDP2: torchtitan's ``apply_fsdp`` already sets the gradient divide factor to 1; on
-    gloo, which lacks the resulting ``PREMUL_SUM`` reduce-scatter, the reduction is forced to
-    a plain ``SUM`` (the same values). DDP (``replicate``): a comm hook that all-reduces with
-    ``SUM`` instead of DDP's mean.
-    """
+    # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
+    # factor is already 1 (forced to a plain SUM on gloo, which lacks PREMUL_SUM); DDP: a SUM hook
     from torch.distributed.fsdp import FSDPModule
 
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -199,24 +149,22 @@ def sum_gradients_over_dp(model) -> None:
             m.set_force_sum_reduction_for_comms(True)
     if not fsdp_modules and hasattr(model, "register_comm_hook") and dist.is_initialized():
         model.register_comm_hook(None, _sum_allreduce_hook)
+    return model
 
 
 def _sum_allreduce_hook(group, bucket):
-    """DDP comm hook: all-reduce the bucket with ``SUM`` (DDP's default divides by the world)."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    """DDP comm hook: all-reduce with ``SUM`` (torch's ``allreduce_hook`` divides by the world)."""
+    return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def _init_single_process_group(device: torch.device) -> None:
-    """A 1-rank process group without torchrun (FSDP2 needs one); in-process store."""
-    store = dist.HashStore()
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo", store=store, world_size=1, rank=0
-    )
+    """A 1-rank process group without torchrun, on an in-process store."""
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            world_size=1, rank=0)
 
 
 def apply_ac_for_trace(model, cfg) -> None:
-    """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's apply_ac)."""
+    """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's ``apply_ac``)."""
     if cfg.activation_checkpoint.mode == "none":
         return
     import functools
@@ -225,97 +173,67 @@ def apply_ac_for_trace(model, cfg) -> None:
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
-    # Under make_fx, op-level SAC's cache sees version-counter bumps that eager does
-    # not (a spurious "Tensor cached during selective activation checkpoint has been
-    # mutated"); the traced step stays bitwise equal to eager op-SAC with the check off
-    # (tests/test_train.py, tests/passes/test_sac_recompute.py). torchtitan binds the function
-    # when apply_ac runs.
+    # under make_fx op-level SAC's cache sees version-counter bumps eager does not (a spurious
+    # "... has been mutated"); the traced step stays bitwise eager op-SAC with the check off
     orig = ckpt.create_selective_checkpoint_contexts
     ckpt.create_selective_checkpoint_contexts = functools.partial(orig, allow_cache_entry_mutation=True)
     try:
-        apply_ac(
-            model,
-            cfg.activation_checkpoint,
-            model_compile_enabled=False,
-            op_sac_save_list=_op_sac_save_list,
-            base_folder=cfg.job.dump_folder,
-        )
+        apply_ac(model, cfg.activation_checkpoint, model_compile_enabled=False, op_sac_save_list=_op_sac_save_list,
+                 base_folder=cfg.job.dump_folder)
     finally:
         ckpt.create_selective_checkpoint_contexts = orig
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
-    """Sum-all-reduce gradients in place over ``group`` (replicated data parallel; the loss
-    is already divided by the global batch's token count, :func:`graph_trainer.model.loss_fn`)."""
+    """Sum-all-reduce gradients in place over ``group`` as one flat buffer (replicated DP)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
 
 
+@dataclass
 class TraceParallel:
-    """How the traced step sees the parameters under FSDP and/or TP (``aot_fx_trace``).
+    """How the traced step sees the parameters under FSDP and / or TP (``aot_fx_trace``).
 
-    Attributes:
-        names: parameter FQNs in placeholder order.
-        params: the tensors the optimizer updates and the graph takes as placeholders:
-            the model's parameters (one rank), or this rank's FSDP shards and/or TP-local
-            tensors (fp32).
-        materialize: ``None`` (cast to the compute dtype only), or a function mapping
-            the placeholders to the compute parameters inside the graph: FSDP
-            all-gather (bf16) over ``fsdp_group`` then, with TP, ``DTensor.from_local``
-            over ``tp_mesh`` with the parameter's TP placements.
-        opt_module: the module handed to the optimizer builder and the checkpointer.
-        fsdp_group: the FSDP process group, or None.
-        dp_group: the data-parallel ranks sharing the global batch (replicate x shard; the
-            world under replicated DP alone), or None: the loss's token count and the
-            gradients are summed over it (:func:`graph_trainer.model.loss_fn`).
-        replicate_group: the ranks holding the same shard under HSDP / replicate x TP (the
-            gradient all-reduce in the graph), or None.
-        norm_group: the ranks over which the squared gradient norm is summed (one replica:
-            shard x TP), or None for the world.
-        tp_mesh: the TP DeviceMesh, or None; ``loss_parallel``: trace under
-            ``torch.distributed.tensor.parallel.loss_parallel()``.
-        norm_weights: per param, the weight of its squared grad norm in the global norm
-            (``1 / tp`` for TP-replicated parameters, else 1); None without TP/FSDP.
+    ``names`` / ``params``: FQNs and placeholders (the parameters, or this rank's fp32 FSDP shards /
+    TP-local tensors), what the optimizer updates; ``materialize``: None or placeholders -> compute
+    parameters inside the graph; ``dp_group``: the ranks sharing the global batch (token count,
+    gradient sum); ``replicate_group``: HSDP's replicas; ``norm_group``: the ranks of the grad norm
+    (None: the world); ``norm_weights``: per param, ``1 / tp`` for TP-replicated ones, else 1.
     """
 
-    def __init__(self):
-        self.names: list[str] = []
-        self.params: list[torch.Tensor] = []
-        self.materialize = None
-        self.opt_module = None
-        self.fsdp_group = None
-        self.dp_group = None
-        self.replicate_group = None
-        self.norm_group = None
-        self.tp_mesh = None
-        self.loss_parallel = False
-        self.norm_weights: list[float] | None = None
+    names: list[str] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+    materialize: Callable | None = None
+    opt_module: torch.nn.Module | None = None
+    fsdp_group: Any = None
+    dp_group: Any = None
+    replicate_group: Any = None
+    norm_group: Any = None
+    tp_mesh: Any = None
+    loss_parallel: bool = False
+    norm_weights: list[float] | None = None
 
     @property
     def sharded(self) -> bool:
         return self.fsdp_group is not None or self.tp_mesh is not None
 
     def trace(self, model, loss_fn, tokens, labels, param_dtype):
-        """:func:`graph_trainer.trace.trace_train_step` of ``model`` with these
-        placeholders and ``materialize`` (when sharded), under ``loss_parallel()`` when
-        TP uses it. ``param_dtype``: compute dtype, ``None`` for the parameters' own."""
+        """:func:`graph_trainer.trace.trace_train_step` with these placeholders, under
+        ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""
         import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
 
         from graph_trainer.trace import trace_train_step
 
         kwargs = dict(params=self.params, param_names=self.names, materialize=self.materialize) if self.sharded else {}
-        ctx = contextlib.nullcontext()
-        if self.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            ctx = loss_parallel()
-        with ctx:
+        with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             return trace_train_step(model, loss_fn, tokens, labels, param_dtype=param_dtype, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -330,87 +248,67 @@ class TraceParallel:
 
 
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
-    """Prepare ``model`` for ``aot_fx_trace`` under ``parallel_dims``: TP (torchtitan's
-    Llama3 plan, sequence-parallel norms, loss parallel), then activation checkpointing,
-    then traceable FSDP over the ``dp_shard`` ranks (:mod:`graph_trainer.distributed.fsdp`), then, with
-    ``dp_replicate > 1``, the gradient all-reduce over the replicas
-    (:func:`graph_trainer.distributed.fsdp.all_reduce_grad`). The mesh is torchtitan's order
-    ``(dp_replicate, dp_shard, tp)``: rank = (replica x shard + shard rank) x tp + tp rank.
+    """Prepare ``model`` for ``aot_fx_trace``: TP (torchtitan's Llama3 plan), activation
+    checkpointing, traceable FSDP over ``dp_shard`` and, with ``dp_replicate > 1``, the gradient
+    all-reduce over the replicas. Mesh order ``(dp_replicate, dp_shard, tp)``, as torchtitan's.
 
-    The collectives of both end up in the traced graph: DTensor ops traced by make_fx
-    become ``_c10d_functional`` nodes. Mixed precision: the placeholders stay fp32; the
-    compute copy is cast to ``mixed_precision_param`` before the FSDP all-gather and
-    before ``DTensor.from_local``, so FSDP reduce-scatters run in ``mixed_precision_reduce``
-    (fp32) and the TP all-reduce of the norm weights' partial gradients in the compute
-    dtype, as in torchtitan's FSDP2 + TP; the replicate all-reduce runs in fp32 on the
-    reduced gradient, as FSDP2's HSDP.
-
-    Under ``COMM_MODE=fake_collectives`` ``model`` is on the meta device and this rank's
-    shards are allocated on ``device`` (:func:`materialize_meta_shards`).
+    Mixed precision as torchtitan's FSDP2 + TP: the placeholders stay fp32 and are cast to
+    ``mixed_precision_param`` before the all-gather and ``DTensor.from_local``; reduce-scatters run
+    in ``mixed_precision_reduce``, the replicate all-reduce in fp32. Under ``COMM_MODE=fake_collectives``
+    ``model`` is on the meta device and this rank's shards are allocated on ``device``.
     """
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
     pdtype = None if pdtype == torch.float32 else pdtype
     rdtype = DTYPES[cfg.training.mixed_precision_reduce]
     out = TraceParallel()
-    tp_specs = None
     mesh = None
     if tp > 1 or shard > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        if rep > 1:
-            mesh = init_device_mesh(device.type, (rep, shard, tp), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        else:
-            mesh = init_device_mesh(device.type, (shard, tp), mesh_dim_names=("dp_shard", "tp"))
+        dims = {"dp_replicate": rep, "dp_shard": shard, "tp": tp} if rep > 1 else {"dp_shard": shard, "tp": tp}
+        mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     if tp > 1:
         from torchtitan.models.llama3.infra.parallelize import apply_tp
 
         out.tp_mesh = mesh["tp"]
         out.loss_parallel = not cfg.parallelism.disable_loss_parallel
         apply_tp(model, out.tp_mesh, loss_parallel=out.loss_parallel, enable_float8_tensorwise_tp=False)
-        logger.info("Applied torchtitan's Llama3 TP plan (degree %d, loss parallel %s) for tracing", tp, out.loss_parallel)
+        logger.info(f"Applied torchtitan's Llama3 TP plan (degree {tp}, loss parallel {out.loss_parallel}) for tracing")
     apply_ac_for_trace(model, cfg)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out.names = [n for n, _ in named]
-    if not (tp > 1 or shard > 1):
+    if mesh is None:
         out.dp_group = dist.group.WORLD if world_size > 1 else None
         out.params = [p for _, p in named]
         out.opt_module = model
         return out
 
+    from torch.distributed.tensor import DTensor, Replicate
+
     from graph_trainer.distributed import fsdp
 
-    if tp > 1:
-        from torch.distributed.tensor import DTensor, Replicate
-
-        tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named]
-        local = [p.to_local().detach() for _, p in named]
-        out.norm_weights = [
-            1.0 / tp if all(isinstance(pl, Replicate) for pl in spec[0]) else 1.0 for spec in tp_specs
-        ]
-    else:
-        local = [p.detach() for _, p in named]
-        out.norm_weights = [1.0] * len(named)
+    tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named] if tp > 1 else None
+    local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]
+    out.norm_weights = [1.0 / tp if tp > 1 and all(isinstance(pl, Replicate) for pl in p.placements) else 1.0
+                        for _, p in named]
+    specs = None
     if shard > 1:
         out.fsdp_group = out.dp_group = mesh["dp_shard"].get_group()
         specs, out.params = fsdp.shard_tensors(out.names, local, out.fsdp_group)
     else:
-        specs = None
         out.params = [torch.nn.Parameter(t.clone()) for t in local]
     if rep > 1:
         out.replicate_group = mesh["dp_replicate"].get_group()
-        dp_dims = ("dp_replicate", "dp_shard") if shard > 1 else ("dp_replicate",)
-        out.dp_group = _flat_group(mesh, dp_dims, "dp")
-        out.norm_group = _flat_group(mesh, tuple(d for d, n in (("dp_shard", shard), ("tp", tp)) if n > 1), "dp_shard_tp")
+        out.dp_group = _flat_group(mesh, ("dp_replicate", "dp_shard") if shard > 1 else ("dp_replicate",), "dp")
+        norm_dims = tuple(d for d, n in (("dp_shard", shard), ("tp", tp)) if n > 1)
+        out.norm_group = _flat_group(mesh, norm_dims, "dp_shard_tp")
         logger.info(f"Replicate degree {rep}: gradients all-reduced over the replicas inside the graph")
     del local
     if cfg.comm.mode == "fake_collectives":  # rank 0's shards of a model built on meta (train.py)
         out.params = materialize_meta_shards(out.names, out.params, device)
     fsdp.free_parameters(model, out.names)
-    out.opt_module = fsdp.ShardedParams(
-        specs or [fsdp.ShardSpec(n, p.shape, p.numel(), p.numel()) for n, p in zip(out.names, out.params)],
-        out.params, rank, world_size,
-    )
+    out.opt_module = fsdp.ShardedParams(out.params, rank, world_size)
     group, tp_mesh, rep_group = out.fsdp_group, out.tp_mesh, out.replicate_group
 
     def materialize(ps):
@@ -422,10 +320,8 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
             full = [p.to(pdtype) if pdtype is not None and p.is_floating_point() else p for p in ps]
         if tp_mesh is None:
             return full
-        return [
-            DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
-            for t, (pl, sh, st) in zip(full, tp_specs)
-        ]
+        return [DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
+                for t, (pl, sh, st) in zip(full, tp_specs)]
 
     out.materialize = materialize
     return out
@@ -433,11 +329,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
 
 def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], device: torch.device,
                             std: float = 0.02) -> list[torch.nn.Parameter]:
-    """This rank's parameter shards of a model built on the meta device, allocated on
-    ``device`` (fp32 as the shards): the weights of RMSNorm layers (FQNs ending in
-    ``norm.weight``) ones, every other parameter ``N(0, std)``. Finite values of the usual
-    scale, not those of ``init_weights``: for ``COMM_MODE=fake_collectives``, whose numerics
-    are meaningless anyway. Shards already off the meta device are returned unchanged."""
+    """This rank's shards of a model built on the meta device, allocated on ``device``: RMSNorm
+    weights (``norm.weight``) ones, the rest ``N(0, std)`` (``COMM_MODE=fake_collectives``, whose
+    numerics are meaningless). Shards off the meta device are returned unchanged."""
     out = []
     for name, p in zip(names, shards):
         if not p.is_meta:
@@ -454,8 +348,7 @@ def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], 
 
 
 def _flat_group(mesh, dims: tuple[str, ...], name: str):
-    """The process group of ``mesh``'s dimensions ``dims`` together (one dimension: its own
-    group; several: DeviceMesh's flattened sub-mesh named ``name``)."""
+    """The process group of ``mesh``'s ``dims`` together (several: a flattened sub-mesh ``name``)."""
     if len(dims) == 1:
         return mesh[dims[0]].get_group()
     return mesh[dims]._flatten(name).get_group()

@@ -1,12 +1,6 @@
-"""Device constants of the scale projection (:mod:`graph_trainer.projection.cost_model`).
-
-One :class:`DeviceConstants` per GPU kind of ``--projection.device``: vendor datasheet values
-until ``scripts/cost_constants.py`` has measured them on the GPU and written a JSON file; the
-file ``graph_trainer/projection/cost_constants/<device>.json`` (or the one
-``--projection.cost_constants`` names) replaces the defaults field by field, and the
-projection says which fields were measured (docs/design.md, "Scale projection: the cost model";
-the measurements: docs/perf.md, "scale projection").
-"""
+"""Device constants of the scale projection (:mod:`graph_trainer.projection.cost_model`): datasheet
+values, replaced field by field by the JSON that ``scripts/cost_constants.py`` measured
+(``graph_trainer/projection/cost_constants/<device>.json`` or ``--projection.cost_constants``)."""
 
 from __future__ import annotations
 
@@ -25,44 +19,24 @@ _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cost_constants
 
 @dataclass(frozen=True)
 class Link:
-    """One link type's α–β constants.
-
-    Attributes:
-        alpha_s: latency per collective, seconds.
-        busbw_Bps: bus bandwidth, bytes/s (nccl-tests' busbw: one direction, per GPU).
-        by_kind: ``{collective kind: (alpha_s, busbw_Bps)}`` measured per kind; kinds not
-            in it use ``alpha_s`` / ``busbw_Bps``.
-    """
+    """One link type's α–β constants: latency ``alpha_s`` (s), nccl-tests' bus bandwidth
+    ``busbw_Bps`` (bytes/s, one direction per GPU), ``by_kind``: ``{kind: (alpha_s, busbw_Bps)}`` measured."""
 
     alpha_s: float
     busbw_Bps: float
     by_kind: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def constants(self, kind: str) -> tuple[float, float]:
-        """``(alpha_s, busbw_Bps)`` for collective ``kind``."""
         return tuple(self.by_kind.get(kind, (self.alpha_s, self.busbw_Bps)))
 
 
 @dataclass(frozen=True)
 class DeviceConstants:
-    """Throughputs of one GPU kind. Rates in FLOP/s and bytes/s, sizes in GiB.
-
-    Attributes:
-        name: ``"h100"`` / ``"h200"``.
-        peak_bf16_flops: dense bf16 peak, the MFU denominator (``graph_trainer.metrics``).
-        matmul_flops: bf16 matmul rate for shapes not in ``matmul_by_shape``.
-        attention_flops: causal SDPA forward + backward rate (FLOPs counted as
-            :func:`graph_trainer.projection.cost_model.node_flops` counts them) for shapes not
-            in ``attention_by_shape``.
-        hbm_Bps: memory bandwidth, bytes read + written per second.
-        nvlink: the link inside a node.
-        nic: one GPU's network link (the NIC of a GPU, rail-optimized).
-        memory_gib: device memory the dry run's memory policy plans for.
-        matmul_by_shape: ``{sorted (M, N, K): FLOP/s}`` measured.
-        attention_by_shape: ``{(B, H, S, D): FLOP/s}`` measured (H: query heads).
-        measured: the fields a measurement file set.
-        source: where the values came from (printed with the projection).
-    """
+    """Throughputs of one GPU kind, in FLOP/s and bytes/s (read + written); ``peak_bf16_flops`` is
+    the MFU denominator; ``matmul_flops`` / ``attention_flops`` (causal SDPA forward + backward) the
+    rates of shapes not in ``matmul_by_shape`` ``{sorted (M, N, K): FLOP/s}`` / ``attention_by_shape``
+    ``{(B, H, S, D): FLOP/s}``; ``nic``: one GPU's network link; ``memory_gib``: what the dry run's
+    memory policy plans for; ``measured``: the fields a measurement file set."""
 
     name: str
     peak_bf16_flops: float
@@ -78,35 +52,23 @@ class DeviceConstants:
     source: str = "datasheet defaults"
 
 
-def _defaults(name: str, gpu: str, hbm_Bps: float, memory_gib: float) -> DeviceConstants:
-    """Vendor datasheet values (NVIDIA H100 / H200 SXM data sheets): dense bf16 peak for the
-    matmul and attention rates (no efficiency applied), HBM bandwidth, NVLink 4 at 900 GB/s
-    bidirectional = 450 GB/s per direction, ConnectX-7 400 Gb/s = 50 GB/s per GPU. The α
-    values are assumptions (no datasheet gives them): 10 µs inside a node, 20 µs across."""
+def _default_devices() -> dict[str, DeviceConstants]:
+    """NVIDIA H100 / H200 SXM datasheets: dense bf16 peak as matmul and attention rate, HBM,
+    NVLink 4 at 450 GB/s per direction, ConnectX-7 at 50 GB/s per GPU; α assumed (10 µs / 20 µs)."""
+    from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
     from graph_trainer.metrics import peak_bf16_for_name
 
-    peak = peak_bf16_for_name(gpu)
-    return DeviceConstants(name=name, peak_bf16_flops=peak, matmul_flops=peak, attention_flops=peak,
-                           hbm_Bps=hbm_Bps, nvlink=Link(10e-6, 450e9), nic=Link(20e-6, 50e9), memory_gib=memory_gib)
-
-
-def _default_devices() -> dict[str, DeviceConstants]:
-    from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
-
-    return {
-        "h100": _defaults("h100", "H100", 3.35e12, DRY_RUN_DEVICES_GIB[0]),
-        "h200": _defaults("h200", "H200", 4.8e12, DRY_RUN_DEVICES_GIB[1]),
-    }
+    out = {}
+    for name, hbm_Bps, memory_gib in zip(DEVICES, (3.35e12, 4.8e12), DRY_RUN_DEVICES_GIB):
+        peak = peak_bf16_for_name(name.upper())
+        out[name] = DeviceConstants(name, peak, peak, peak, hbm_Bps, Link(10e-6, 450e9), Link(20e-6, 50e9), memory_gib)
+    return out
 
 
 def device_constants(name: str, path: str = "") -> DeviceConstants:
-    """The constants of device kind ``name``: datasheet defaults, with every field that the
-    measurement file sets replaced.
-
-    Args:
-        name: ``"h100"`` or ``"h200"`` (case-insensitive; ``--projection.device``).
-        path: a JSON file written by ``scripts/cost_constants.py`` (``--projection.cost_constants``);
-            empty: ``graph_trainer/projection/cost_constants/<name>.json`` if it exists, else none.
+    """The constants of device kind ``name`` (``h100`` | ``h200``): datasheet defaults with the
+    fields measured in ``path`` (a JSON of ``scripts/cost_constants.py``; empty:
+    ``cost_constants/<name>.json`` if it exists) replaced.
 
     Raises:
         UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU.
@@ -130,12 +92,10 @@ def device_constants(name: str, path: str = "") -> DeviceConstants:
 
 
 def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -> DeviceConstants:
-    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``:
-    ``device``, ``matmul`` rows ``{m, n, k, tflops}``, ``matmul_tflops``, ``attention`` rows
-    ``{b, h, s, d, tflops}``, ``attention_tflops``, ``hbm_gbps``, ``nccl``
-    ``{kind: {alpha_us, busbw_gbps}}`` measured inside one node, ``nccl_network`` the same
-    measured across nodes with ``gpus_per_node`` each). TFLOP/s and GB/s in the file;
-    FLOP/s, bytes/s and seconds in the result.
+    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``, in
+    TFLOP/s, GB/s and µs): ``matmul_tflops`` and rows ``{m, n, k, tflops}``, ``attention_tflops`` and
+    rows ``{b, h, s, d, tflops}``, ``hbm_gbps``, ``nccl`` / ``nccl_network`` ``{kind: {alpha_us,
+    busbw_gbps[, gpus_per_node]}}`` inside one node / across nodes.
 
     Raises:
         UserError: ``data["device"]`` names another GPU than ``dev``.
@@ -144,25 +104,18 @@ def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -
     if gpu and dev.name.upper() not in gpu.upper():
         raise UserError(f"--projection.cost_constants {path} was measured on {gpu!r}, not an {dev.name.upper()}.")
     upd, measured = {}, []
-    if data.get("matmul_tflops"):
-        upd["matmul_flops"] = data["matmul_tflops"] * 1e12
-        upd["matmul_by_shape"] = {tuple(sorted((r["m"], r["n"], r["k"]))): r["tflops"] * 1e12
-                                  for r in data.get("matmul", [])}
-        measured.append("matmul")
-    if data.get("attention_tflops"):
-        upd["attention_flops"] = data["attention_tflops"] * 1e12
-        upd["attention_by_shape"] = {(r["b"], r["h"], r["s"], r["d"]): r["tflops"] * 1e12
-                                     for r in data.get("attention", [])}
-        measured.append("attention")
+    for term, cols in (("matmul", "mnk"), ("attention", "bhsd")):
+        if data.get(f"{term}_tflops"):
+            upd[f"{term}_flops"] = data[f"{term}_tflops"] * 1e12
+            rows = [(tuple(r[c] for c in cols), r["tflops"] * 1e12) for r in data.get(term, [])]
+            upd[f"{term}_by_shape"] = {tuple(sorted(k)) if term == "matmul" else k: v for k, v in rows}
+            measured.append(term)
     if data.get("hbm_gbps"):
         upd["hbm_Bps"] = data["hbm_gbps"] * 1e9
         measured.append("hbm")
     nccl = {k: (v["alpha_us"] * 1e-6, v["busbw_gbps"] * 1e9) for k, v in (data.get("nccl") or {}).items()}
-    if nccl:
-        # the NVLink default for kinds not measured: the mean of the measured ones
-        alpha = sum(a for a, _ in nccl.values()) / len(nccl)
-        beta = sum(b for _, b in nccl.values()) / len(nccl)
-        upd["nvlink"] = Link(alpha, beta, nccl)
+    if nccl:  # kinds not measured: the mean of the measured ones
+        upd["nvlink"] = Link(*(sum(x) / len(nccl) for x in zip(*nccl.values())), nccl)
         measured.append("nvlink")
     net = data.get("nccl_network") or {}
     if net:  # measured across hosts with k GPUs each: k NICs at once (cost_model's docstring), per NIC / k

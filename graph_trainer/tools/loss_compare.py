@@ -1,27 +1,13 @@
-"""Compare the per-step loss (and the final state) of two training runs, bit for bit.
-
-``scripts/loss_compare.py`` (console entry point ``graph-trainer-loss-compare``)
-runs ``run_train.sh`` once for side A and once for side B -- each side is a git ref
-(run from a temporary worktree), extra flags on the current tree, or both, exactly as
-in :mod:`graph_trainer.tools.compare_mfu` -- with ``--metrics.log_freq 1`` and
-``--debug.state_hashes``, then compares:
-
-* the loss of every step (the fp32 value as logged in ``metrics.jsonl``, so equality
-  is bitwise) and the grad norm;
-* at the end, the sha256 of the final weights, gradients and optimizer state
-  (:func:`graph_trainer.determinism.state_hashes`).
-
-``--assert-equal`` exits 1 on the first bit of difference and names it ("loss differs
-at step 3: ..."); otherwise the differences are printed as a markdown table and the
-exit code is 0 when both runs finished. ``--rtol`` reports whether the runs agree
-within a relative tolerance (for passes that change numerics on purpose).
+"""Compare the per-step loss (and the final state) of two training runs, bit for bit: one run per side
+(sides as in :mod:`graph_trainer.tools.compare_mfu`) with ``--debug.state_hashes``; every step's logged
+fp32 loss and grad norm, then the sha256 of the final weights, gradients and optimizer state.
 
 Examples::
 
     scripts/loss_compare.py --steps 10 --a-flags "" --b-flags "" --assert-equal        # run-to-run
     scripts/loss_compare.py --a-flags "--compile.mode eager" --b-flags "" --assert-equal
     scripts/loss_compare.py --a-flags "" --b-flags "--compile.numerics_changing_optim" --rtol 1e-4
-    scripts/loss_compare.py --a main --b HEAD --assert-equal -- --training.steps 5
+    scripts/loss_compare.py --a main --b HEAD --assert-equal -- --training.seq_len 512
 
 Exit codes: 0 ok (and equal, with ``--assert-equal``); 1 a difference under
 ``--assert-equal``, a failed run, or a tolerance exceeded with ``--rtol``; 2 bad input.
@@ -30,7 +16,6 @@ Exit codes: 0 ok (and equal, with ``--assert-equal``); 1 a difference under
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -38,26 +23,16 @@ import shlex
 import sys
 
 from graph_trainer.tools.runs import Progress, Run, execute, tail
-from graph_trainer.tools.sides import (
-    CompareError,
-    add_side_arguments,
-    forced_flags,
-    parse_cli,
-    resolve_sides,
-    run_cli,
-    validate_sides,
-)
+from graph_trainer.tools.sides import CompareError, forced_flags, pair_sides, parse_cli, run_cli, tool_parser
 
 HASH_KEYS = ("weights", "grads", "optimizer")
 
 
-def first_difference(a_rows: list[dict], b_rows: list[dict], a_hashes: dict | None, b_hashes: dict | None) -> str | None:
-    """A sentence naming the first difference between two runs, or None if bitwise equal.
-
-    Compared in order: the set of logged steps, then per step the loss and the grad
-    norm (exact float equality), then the final-state hashes."""
-    a_steps = [r["step"] for r in a_rows]
-    b_steps = [r["step"] for r in b_rows]
+def first_difference(a_rows: list[dict], b_rows: list[dict], a_hashes: dict | None,
+                     b_hashes: dict | None) -> str | None:
+    """A sentence naming the first difference between two runs, or None if bitwise equal:
+    the logged steps, then per step the loss and the grad norm, then the final-state hashes."""
+    a_steps, b_steps = [r["step"] for r in a_rows], [r["step"] for r in b_rows]
     if a_steps != b_steps:
         return f"the runs logged different steps: A {a_steps}, B {b_steps}"
     for ra, rb in zip(a_rows, b_rows):
@@ -76,33 +51,27 @@ def rel_diff(a: float | None, b: float | None) -> float | None:
     """``|a - b| / max(|a|, |b|)``; 0 when equal, None when either is missing."""
     if a is None or b is None:
         return None
-    if a == b:
-        return 0.0
-    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+def _fmt(v: float | None) -> str:
+    return "–" if v is None else ("0" if v == 0 else f"{v:.3e}")
 
 
 def table(a_rows: list[dict], b_rows: list[dict], a_hashes: dict | None, b_hashes: dict | None, labels: dict) -> str:
-    """Markdown: step | loss A | loss B | abs diff | rel diff | grad_norm rel diff; then hashes."""
-    lines = [
-        f"| step | loss A ({labels['A']}) | loss B ({labels['B']}) | abs diff | rel diff | grad_norm rel diff |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+    """Markdown: step | loss A | loss B | abs diff | rel diff | grad_norm rel diff; then the hashes."""
+    lines = [f"| step | loss A ({labels['A']}) | loss B ({labels['B']}) | abs diff | rel diff | grad_norm rel diff |",
+             "|---:|---:|---:|---:|---:|---:|"]
     b_by_step = {r["step"]: r for r in b_rows}
     for ra in a_rows:
         rb = b_by_step.get(ra["step"], {})
         la, lb = ra.get("loss"), rb.get("loss")
         d = None if la is None or lb is None else abs(la - lb)
-        rd, gd = rel_diff(la, lb), rel_diff(ra.get("grad_norm"), rb.get("grad_norm"))
-        fmt = lambda v: "–" if v is None else ("0" if v == 0 else f"{v:.3e}")  # noqa: E731
-        lines.append(
-            f"| {ra['step']} | {la!r} | {lb!r} | {fmt(d)} | {fmt(rd)} | {fmt(gd)} |"
-        )
-    lines.append("")
-    lines.append("| final state | A sha256 | B sha256 | equal |")
-    lines.append("|---|---|---|---|")
+        gd = rel_diff(ra.get("grad_norm"), rb.get("grad_norm"))
+        lines.append(f"| {ra['step']} | {la!r} | {lb!r} | {_fmt(d)} | {_fmt(rel_diff(la, lb))} | {_fmt(gd)} |")
+    lines += ["", "| final state | A sha256 | B sha256 | equal |", "|---|---|---|---|"]
     for k in HASH_KEYS:
-        ha = (a_hashes or {}).get(k)
-        hb = (b_hashes or {}).get(k)
+        ha, hb = (a_hashes or {}).get(k), (b_hashes or {}).get(k)
         lines.append(f"| {k} | {(ha or '–')[:16]} | {(hb or '–')[:16]} | {'yes' if ha and ha == hb else 'no'} |")
     return "\n".join(lines)
 
@@ -111,23 +80,16 @@ def max_rel_loss_diff(a_rows: list[dict], b_rows: list[dict]) -> float:
     """The largest :func:`rel_diff` of the loss over A's steps (inf if none compares)."""
     b_by_step = {r["step"]: r for r in b_rows}
     diffs = [rel_diff(r.get("loss"), b_by_step.get(r["step"], {}).get("loss")) for r in a_rows]
-    diffs = [d for d in diffs if d is not None]
-    return max(diffs) if diffs else math.inf
+    return max((d for d in diffs if d is not None), default=math.inf)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's options (the arguments before ``--``)."""
-    p = argparse.ArgumentParser(
-        prog="loss_compare.py",
-        description="Run two configurations and compare per-step loss and final weight/grad/optimizer hashes bit for bit.",
-        epilog=__doc__.split("Examples::")[1] if "Examples::" in __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_side_arguments(p)
+    p = tool_parser("loss_compare.py", "Run two configurations and compare per-step loss and final "
+                    "weight/grad/optimizer hashes bit for bit.", __doc__, "loss_compare")
     p.add_argument("--steps", type=int, default=5, help="--training.steps of both runs (default 5, >= 2)")
     p.add_argument("--assert-equal", action="store_true", help="exit 1 on the first bit of difference")
     p.add_argument("--rtol", type=float, default=None, help="exit 1 if a step's loss differs by more (relative)")
-    p.add_argument("--out", help="output folder (default ./outputs/loss_compare_<timestamp>)")
     return p
 
 
@@ -135,17 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI (``scripts/loss_compare.py``, ``graph-trainer-loss-compare``); the exit code."""
     args, extra = parse_cli(build_parser(), argv)
 
-    def body(holder):
+    def body(cleanup):
         if args.steps < 2:
             raise CompareError(f"--steps must be >= 2 (step 1 traces and compiles), got {args.steps}.")
-        ns = argparse.Namespace(**vars(args))
-        if args.a is None and args.b is None and args.a_flags is None and args.b_flags is None:
-            ns.a_flags = ns.b_flags = ""  # run-to-run comparison of the working tree
-        sides = resolve_sides(ns, extra, holder)["sides"]
-        out = os.path.abspath(args.out or os.path.join(
-            "outputs", "loss_compare_" + _dt.datetime.now().strftime("%Y%m%d_%H%M%S")))
-        os.makedirs(out, exist_ok=True)
-        validate_sides(sides, extra + ["--debug.state_hashes"], args.steps, os.path.join(out, "check"))
+        sides, out = pair_sides(args, extra, cleanup, "loss_compare", args.steps, ["--debug.state_hashes"])
         return _run(args, extra, sides, out)
 
     return run_cli(body)
@@ -155,61 +110,51 @@ def _run(args, extra, sides, out) -> int:
     progress = Progress()
     runs = {}
     for i, name in enumerate(("A", "B")):
-        side = sides[name]
-        dump = os.path.join(out, name.lower())
+        side, dump = sides[name], os.path.join(out, name.lower())
         cmd = ["./run_train.sh", *side.flags, *extra, "--debug.state_hashes", *forced_flags(args.steps, dump)]
-        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=os.path.join(out, f"{name.lower()}.log"), cmd=cmd)
+        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd)
         print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
         execute(run, side, args.steps, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         progress.done(f"[{name}] {run.status} in {run.wall_s:.1f}s")
         runs[name] = run
     failed = [n for n, r in runs.items() if r.status != "ok"]
     for n in failed:
-        print(f"\nside {n} failed ({runs[n].error}); last lines of {runs[n].log}:\n{tail(runs[n].log)}", file=sys.stderr)
-    labels = {n: sides[n].label for n in sides}
+        print(f"\nside {n} failed ({runs[n].error}); last lines of {runs[n].log}:\n{tail(runs[n].log)}",
+              file=sys.stderr)
     a, b = runs["A"], runs["B"]
-    a_h = (a.summary or {}).get("state_hashes")
-    b_h = (b.summary or {}).get("state_hashes")
+    a_h, b_h = ((r.summary or {}).get("state_hashes") for r in (a, b))
     diff = None if failed else first_difference(a.rows, b.rows, a_h, b_h)
-    # steps both runs logged: with a failed run, still compared (a crash after the last
+    # with a failed run, the steps both logged are still compared (a crash after the last
     # step, or a timeout while hashing, leaves every step's loss in metrics.jsonl)
     common = sorted({r["step"] for r in a.rows} & {r["step"] for r in b.rows})
     a_common = [r for r in a.rows if r["step"] in common]
-    result = {
-        "sides": {n: sides[n].describe() for n in sides},
-        "steps": args.steps,
-        "shared_flags": extra,
-        "status": {n: r.status for n, r in runs.items()},
-        "bitwise_equal": None if failed else diff is None,
-        "first_difference": diff,
-        "max_rel_loss_diff": max_rel_loss_diff(a_common, b.rows) if common or not failed else None,
-        "compared_steps": common,
-        "losses": {n: [r.get("loss") for r in runs[n].rows] for n in runs},
-        "state_hashes": {"A": a_h, "B": b_h},
-    }
-    with open(os.path.join(out, "loss_compare.json"), "w") as f:
+    result = {"sides": {n: sides[n].describe() for n in sides}, "steps": args.steps, "shared_flags": extra,
+              "status": {n: r.status for n, r in runs.items()}, "bitwise_equal": None if failed else diff is None,
+              "first_difference": diff, "compared_steps": common, "state_hashes": {"A": a_h, "B": b_h},
+              "max_rel_loss_diff": max_rel_loss_diff(a_common, b.rows) if common or not failed else None,
+              "losses": {n: [r.get("loss") for r in runs[n].rows] for n in runs}}
+    path = os.path.join(out, "loss_compare.json")
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
+    labels = {n: sides[n].label for n in sides}
+    rel = result["max_rel_loss_diff"]
     if failed:
         if common:
             print(f"\npartial comparison (side {', '.join(failed)} failed): the {len(common)} step(s) both runs "
-                  f"logged, max relative loss difference {result['max_rel_loss_diff']:.3e}\n")
+                  f"logged, max relative loss difference {rel:.3e}\n")
             print(table(a_common, b.rows, a_h, b_h, labels))
-        print(f"results: {os.path.join(out, 'loss_compare.json')}")
+        print(f"results: {path}")
         return 1
-    print()
-    print(table(a.rows, b.rows, a_h, b_h, labels))
-    print()
+    print(f"\n{table(a.rows, b.rows, a_h, b_h, labels)}\n")
     if diff is None:
-        print(f"bitwise equal: every loss and grad norm of {len(a.rows)} steps and the final weights, grads and optimizer state")
+        print(f"bitwise equal: every loss and grad norm of {len(a.rows)} steps and the final weights, grads "
+              "and optimizer state")
     else:
-        print(f"DIFFERENT: {diff} (max relative loss difference {result['max_rel_loss_diff']:.3e})")
-    print(f"results: {os.path.join(out, 'loss_compare.json')}")
-    if args.assert_equal and diff is not None:
-        return 1
-    if args.rtol is not None and result["max_rel_loss_diff"] > args.rtol:
-        print(f"max relative loss difference {result['max_rel_loss_diff']:.3e} > --rtol {args.rtol}")
-        return 1
-    return 0
+        print(f"DIFFERENT: {diff} (max relative loss difference {rel:.3e})")
+    print(f"results: {path}")
+    if over := args.rtol is not None and rel > args.rtol:
+        print(f"max relative loss difference {rel:.3e} > --rtol {args.rtol}")
+    return 1 if over or (args.assert_equal and diff is not None) else 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,9 @@
 """Find the first op whose output differs between two training runs (step 1, per rank).
 
-``scripts/numerics_diff.py`` (console entry point ``graph-trainer-numerics-diff``) runs
-``run_train.sh`` for 1 step once per side -- sides as in :mod:`graph_trainer.tools.loss_compare`
-(a git ref, extra flags, or both; ``--compile.mode eager`` is a side too) -- with
-``--debug.record_numerics``, so every op's output of step 1 is recorded on every rank
-(:mod:`graph_trainer.numerics`), on the same parameters (same seed) and data. It then matches
-the ops of A and B by their key (phase, module FQN, op, occurrence; the rule and where it
-cannot match: :mod:`graph_trainer.numerics`) and prints, per rank, the first op in A's
-execution order whose output differs -- bitwise by default, or beyond ``--rtol`` / ``--atol``
--- with its FQN, phase, op, shapes and max abs / rel difference, then the next few.
-
-Tensors up to 2**20 elements are compared whole; larger ones bitwise by a fingerprint of
-all their bits, and their differences are measured on 65,536 evenly strided elements
-(marked ``sampled``).
+Runs step 1 once per side (sides as in :mod:`graph_trainer.tools.compare_mfu`) with
+``--debug.record_numerics`` (every op's output on every rank, :mod:`graph_trainer.numerics`), matches
+the ops of A and B by key (phase, module FQN, op, occurrence) and prints per rank the first op in A's
+order whose output differs -- bitwise, or beyond ``--rtol`` / ``--atol`` -- then the next few.
 
 Examples::
 
@@ -27,39 +18,30 @@ Exit codes: 0 nothing differs; 1 something differs (or a run failed); 2 bad inpu
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import glob
 import json
 import math
 import os
-import re
+import pathlib
 import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from graph_trainer.numerics import key_text, load
 from graph_trainer.tools.runs import Progress, Run, execute, tail
-from graph_trainer.tools.sides import (
-    CompareError,
-    add_side_arguments,
-    forced_flags,
-    parse_cli,
-    resolve_sides,
-    run_cli,
-    validate_sides,
-)
+from graph_trainer.tools.sides import CompareError, forced_flags, pair_sides, parse_cli, run_cli, tool_parser
 
 
 @dataclass
 class Divergence:
-    """One op whose output differs. ``max_abs`` / ``max_rel``: over the compared elements
-    (``max_rel`` None for integer outputs); ``sampled``: measured on a strided sample."""
+    """One op whose output differs: max abs / rel difference over the compared elements
+    (``max_rel`` None for integer outputs), ``sampled`` when measured on a strided sample."""
 
     key: Any
-    shape_a: tuple
-    shape_b: tuple
-    dtype_a: str
-    dtype_b: str
+    shape: tuple
+    dtype: str
     max_abs: float | None
     max_rel: float | None
     sampled: bool
@@ -67,10 +49,8 @@ class Divergence:
 
 @dataclass
 class Comparison:
-    """The result for one rank: ``divergent`` in A's execution order, ``matched`` ops
-    compared, the keys found on one side only, and ``reshaped``: keys on both sides whose
-    outputs differ in shape or dtype (a matching failure, e.g. FSDP's own parameter views in
-    eager against the traced shards; not compared)."""
+    """One rank: ``matched`` ops compared, the ``divergent`` ones in A's execution order, keys on
+    one side only, and ``reshaped`` keys (on both sides with another shape or dtype; not compared)."""
 
     matched: int
     divergent: list[Divergence] = field(default_factory=list)
@@ -80,21 +60,14 @@ class Comparison:
 
 
 def _diff(ra, rb) -> tuple[float | None, float | None]:
-    import torch
-
-    if ra.values.shape != rb.values.shape or not (ra.values.is_floating_point() or ra.values.is_complex()):
-        if ra.values.shape == rb.values.shape:
-            d = (ra.values.double() - rb.values.double()).abs()
-            return float(d.max()) if d.numel() else 0.0, None
-        return None, None
+    floating = ra.values.is_floating_point() or ra.values.is_complex()
     a, b = ra.values.double(), rb.values.double()
     d = (a - b).abs()
     d = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(d), d)
     if not d.numel():
-        return 0.0, 0.0
-    rel = d / b.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    rel = torch.where(d == 0, torch.zeros_like(rel), rel)
-    return float(d.max()), float(rel.max())
+        return 0.0, 0.0 if floating else None
+    rel = torch.where(d == 0, torch.zeros_like(d), d / b.abs().clamp_min(torch.finfo(torch.float64).tiny))
+    return float(d.max()), float(rel.max()) if floating else None
 
 
 def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = None) -> Comparison:
@@ -103,33 +76,21 @@ def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = No
     Ops are compared when their key is on both sides with the same shape and dtype. One
     differs -- bitwise (``rtol`` and ``atol`` None) -- when its fingerprint differs, or --
     with a tolerance -- when some compared element has ``|a - b| > atol + rtol * |b|``
-    (NaN equal to NaN; a missing one of the two is taken as 0).
+    (NaN equal to NaN; a missing tolerance is 0).
     """
-    out = Comparison(matched=0)
-    tolerant = rtol is not None or atol is not None
-    rt, at = rtol or 0.0, atol or 0.0
-    for key, ra in a.items():
-        rb = b.get(key)
-        if rb is None:
-            out.only_a.append(key)
-            continue
+    out = Comparison(matched=0, only_a=[k for k in a if k not in b], only_b=[k for k in b if k not in a])
+    for key, ra in ((k, v) for k, v in a.items() if k in b):
+        rb = b[key]
         if ra.shape != rb.shape or ra.dtype != rb.dtype:
             out.reshaped.append(key)
             continue
         out.matched += 1
         if ra.fingerprint == rb.fingerprint:
             continue
-        max_abs, max_rel = _diff(ra, rb)
-        if tolerant:
-            import torch
-
-            x, y = ra.values.double(), rb.values.double()
-            close = torch.isclose(x, y, rtol=rt, atol=at, equal_nan=True) if x.is_floating_point() else x == y
-            if bool(close.all()):
-                continue
-        out.divergent.append(Divergence(key, ra.shape, rb.shape, ra.dtype, rb.dtype, max_abs, max_rel,
-                                        ra.sampled or rb.sampled))
-    out.only_b = [k for k in b if k not in a]
+        if (rtol is not None or atol is not None) and torch.isclose(
+                ra.values.double(), rb.values.double(), rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True).all():
+            continue
+        out.divergent.append(Divergence(key, ra.shape, ra.dtype, *_diff(ra, rb), ra.sampled or rb.sampled))
     return out
 
 
@@ -138,14 +99,12 @@ def _fmt(x: float | None) -> str:
 
 
 def describe(div: Divergence) -> str:
-    """One line: the op's key, shapes and its max abs / rel difference."""
-    from graph_trainer.numerics import key_text
-
-    shapes = f"{list(div.shape_a)} {div.dtype_a}"
+    """One line: the op's key, shape, dtype and its max abs / rel difference."""
     extra = ""
     if div.sampled:
         extra = " (bits differ outside the sampled elements)" if div.max_abs == 0 else " (sampled)"
-    return f"{key_text(div.key)}: {shapes}, max abs {_fmt(div.max_abs)}, max rel {_fmt(div.max_rel)}{extra}"
+    return (f"{key_text(div.key)}: {list(div.shape)} {div.dtype}, max abs {_fmt(div.max_abs)}, "
+            f"max rel {_fmt(div.max_rel)}{extra}")
 
 
 def report(cmp: Comparison, rank: int, next_n: int) -> str:
@@ -153,30 +112,21 @@ def report(cmp: Comparison, rank: int, next_n: int) -> str:
     lines = [f"rank {rank}: {cmp.matched} ops compared ({len(cmp.only_a)} only in A, {len(cmp.only_b)} only in B, "
              f"{len(cmp.reshaped)} with the same key but another shape or dtype)"]
     if not cmp.divergent:
-        lines.append("  no difference")
-        return "\n".join(lines)
+        return "\n".join(lines + ["  no difference"])
     lines.append(f"  first difference: {describe(cmp.divergent[0])}")
-    for d in cmp.divergent[1 : 1 + next_n]:
-        lines.append(f"  then:             {describe(d)}")
+    lines += [f"  then:             {describe(d)}" for d in cmp.divergent[1:1 + next_n]]
     lines.append(f"  {len(cmp.divergent)} of {cmp.matched} compared ops differ")
     return "\n".join(lines)
 
 
 def compare_folders(dir_a: str, dir_b: str, rtol: float | None, atol: float | None) -> dict[int, Comparison]:
-    """Compare ``rank<r>.pt`` of two record folders, rank by rank.
-
-    Raises:
-        CompareError: a folder without record files, different rank sets, an unreadable file.
-    """
-    from graph_trainer.numerics import load
-
+    """Compare ``rank<r>.pt`` of two record folders, rank by rank. Raises CompareError for a
+    folder without record files, different rank sets or an unreadable file."""
     ranks = {}
     for d in (dir_a, dir_b):
-        found = {int(m.group(1)) for p in glob.glob(os.path.join(d, "rank*.pt"))
-                 if (m := re.fullmatch(r"rank(\d+)\.pt", os.path.basename(p)))}
-        if not found:
+        ranks[d] = {int(p.stem[4:]) for p in pathlib.Path(d).glob("rank*.pt") if p.stem[4:].isdigit()}
+        if not ranks[d]:
             raise CompareError(f"{d}: no rank<r>.pt record files (written by --debug.record_numerics).")
-        ranks[d] = found
     if ranks[dir_a] != ranks[dir_b]:
         raise CompareError(f"{dir_a} has ranks {sorted(ranks[dir_a])}, {dir_b} has {sorted(ranks[dir_b])}.")
     out = {}
@@ -192,20 +142,13 @@ def compare_folders(dir_a: str, dir_b: str, rtol: float | None, atol: float | No
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's options (the arguments before ``--`` go here, the rest to run_train.sh)."""
-    p = argparse.ArgumentParser(
-        prog="numerics_diff.py",
-        description="Run step 1 of two configurations, record every op's output, and name the first op "
-                    "whose output differs (per rank).",
-        epilog=__doc__.split("Examples::")[1] if "Examples::" in __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_side_arguments(p)
+    p = tool_parser("numerics_diff.py", "Run step 1 of two configurations, record every op's output, and name "
+                    "the first op whose output differs (per rank).", __doc__, "numerics_diff")
     p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default: bitwise)")
     p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default: bitwise)")
     p.add_argument("--next", type=int, default=5, metavar="N", help="also print the next N divergent ops (default 5)")
     p.add_argument("--records", nargs=2, metavar=("DIR_A", "DIR_B"),
                    help="compare two existing record folders (rank<r>.pt) instead of running")
-    p.add_argument("--out", help="output folder (default ./outputs/numerics_diff_<timestamp>)")
     return p
 
 
@@ -213,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code (0 no difference, 1 a difference or a failed run, 2 bad input)."""
     args, extra = parse_cli(build_parser(), argv)
 
-    def body(holder):
+    def body(cleanup):
         for name in ("rtol", "atol"):
             v = getattr(args, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
@@ -222,17 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             raise CompareError(f"--next must be >= 0, got {args.next}.")
         if args.records:
             if any(x is not None for x in (args.a, args.b, args.a_flags, args.b_flags)) or extra:
-                raise CompareError("--records compares existing folders; it takes no --a/--b/--a-flags/--b-flags or run flags.")
+                raise CompareError("--records compares existing folders; it takes no --a/--b/--a-flags/--b-flags "
+                                   "or run flags.")
             return _print(compare_folders(*args.records, args.rtol, args.atol), args, None)
-        ns = argparse.Namespace(**vars(args))
-        if args.a is None and args.b is None and args.a_flags is None and args.b_flags is None:
-            ns.a_flags = ns.b_flags = ""  # run-to-run
-        sides = resolve_sides(ns, extra, holder)["sides"]
-        out = os.path.abspath(args.out or os.path.join(
-            "outputs", "numerics_diff_" + _dt.datetime.now().strftime("%Y%m%d_%H%M%S")))
-        os.makedirs(out, exist_ok=True)
-        check = os.path.join(out, "check")
-        validate_sides(sides, extra + ["--debug.record_numerics", check], 1, check)
+        sides, out = pair_sides(args, extra, cleanup, "numerics_diff", 1, ["--debug.record_numerics", "numerics"])
         return _run(args, extra, sides, out)
 
     return run_cli(body)
@@ -242,11 +178,10 @@ def _run(args, extra, sides, out) -> int:
     progress = Progress()
     dirs = {}
     for i, name in enumerate(("A", "B")):
-        side = sides[name]
-        dump = os.path.join(out, name.lower())
+        side, dump = sides[name], os.path.join(out, name.lower())
         dirs[name] = os.path.join(dump, "numerics")
         cmd = ["./run_train.sh", *side.flags, *extra, "--debug.record_numerics", dirs[name], *forced_flags(1, dump)]
-        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=os.path.join(out, f"{name.lower()}.log"), cmd=cmd)
+        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd)
         print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
         execute(run, side, 1, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         ok = run.returncode == 0 and "timed out" not in (run.error or "")  # one step: no tps statistics to check
@@ -263,8 +198,6 @@ def _run(args, extra, sides, out) -> int:
 
 
 def _print(result: dict, args, out: str | None, labels: dict | None = None) -> int:
-    from graph_trainer.numerics import key_text
-
     if labels:
         print(f"\nA = {labels['A']}\nB = {labels['B']}")
     mode = "bitwise" if args.rtol is None and args.atol is None else f"rtol {args.rtol or 0:g}, atol {args.atol or 0:g}"

@@ -1,11 +1,4 @@
-"""One ``run_train.sh`` run of a side: its command, progress line, log, timeout, result.
-
-:func:`execute` streams a run's output to its log and to a one-line progress display
-(parsed from the trainer's ``step:`` lines), reads its ``metrics.jsonl`` afterwards and
-records the outcome on the :class:`Run`. A run is stopped together with its process
-tree (torchrun and its workers, which sit in their own process groups): SIGTERM to the
-group, then SIGKILL to whatever of the tree is left (Linux ``/proc``).
-"""
+"""One ``run_train.sh`` run of a side: command, progress line, log, timeout, process-tree stop, result."""
 
 from __future__ import annotations
 
@@ -27,10 +20,8 @@ from graph_trainer.tools.stats import run_stats
 LOG_TAIL_LINES = 40
 
 # The trainer's console line of one step (graph_trainer.metrics.MetricsLogger).
-STEP_RE = re.compile(
-    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+).*?tps:\s*(?P<tps>[\d,.]+)"
-    r"(?:.*?mfu:\s*(?P<mfu>\S+))?"
-)
+STEP_RE = re.compile(r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+).*?tps:\s*(?P<tps>[\d,.]+)"
+                     r"(?:.*?mfu:\s*(?P<mfu>\S+))?")
 
 
 @dataclass
@@ -52,52 +43,40 @@ class Run:
     summary: dict | None = None
     stats: dict | None = None
 
-    def to_json(self) -> dict:
-        """Every field, for the tools' JSON output."""
-        return dict(self.__dict__)
-
 
 class Progress:
-    """One compact progress line per step; overwritten in place on a terminal."""
+    """One progress line, overwritten in place on a terminal (one line per update otherwise)."""
 
     def __init__(self, stream=sys.stdout):
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.open = False
+        self.stream, self.open = stream, False
 
     def update(self, text: str) -> None:
-        """Show ``text`` as the current progress line."""
-        if self.tty:
-            self.stream.write("\r\033[K" + text)
-            self.open = True
-        else:
-            self.stream.write(text + "\n")
+        self.done()
+        self.open = self.stream.isatty()
+        self.stream.write(text if self.open else text + "\n")
         self.stream.flush()
 
     def done(self, text: str | None = None) -> None:
         """End the progress line; print ``text`` as a line that stays."""
-        if self.open:
-            self.stream.write("\r\033[K")
-            self.open = False
-        if text:
-            self.stream.write(text + "\n")
+        self.stream.write(("\r\033[K" if self.open else "") + (text + "\n" if text else ""))
         self.stream.flush()
+        self.open = False
 
 
 def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose: bool,
             timeout: float | None, progress: Progress) -> None:
-    """Run one ``run_train.sh``, streaming its output to the log and the progress line."""
+    """Run ``run.cmd`` in the side's tree, streaming its output to ``run.log`` and the progress
+    line; then set ``run``'s status, error, rows and stats. A timeout or Ctrl-C stops the
+    run with its process tree (Ctrl-C is re-raised)."""
     os.makedirs(os.path.dirname(run.log), exist_ok=True)
-    env = child_env(side)
     t0 = time.perf_counter()
     timed_out = threading.Event()
     with open(run.log, "w") as log:
-        log.write("$ " + shlex.join(run.cmd) + f"\n# cwd {side.root}; CONFIG_FILE={side.config_file}\n")
-        log.flush()
+        print(f"$ {shlex.join(run.cmd)}\n# cwd {side.root}; CONFIG_FILE={side.config_file}", file=log, flush=True)
         proc = timer = None
         try:
-            with _interrupts_deferred():  # a Ctrl-C lands once `proc` is known: the run is stopped
-                proc = subprocess.Popen(run.cmd, cwd=side.root, env=env, stdout=subprocess.PIPE,
+            with _interrupts_deferred():  # a Ctrl-C lands once `proc` is known, so the run is stopped
+                proc = subprocess.Popen(run.cmd, cwd=side.root, env=child_env(side), stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         errors="replace", start_new_session=True)
             if timeout:
@@ -114,12 +93,9 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                     sys.stdout.write(line)
                 m = STEP_RE.search(line)
                 if m and "summary" not in line:
-                    mfu = m.group("mfu") or "n/a"
                     note = " (excluded)" if int(m.group("step")) <= max(warmup, 1) else ""
-                    progress.update(
-                        f"{prefix} step {m.group('step')}/{steps}{note}  loss {m.group('loss')}  "
-                        f"tps {m.group('tps')}  mfu {mfu}"
-                    )
+                    progress.update(f"{prefix} step {m.group('step')}/{steps}{note}  loss {m.group('loss')}  "
+                                    f"tps {m.group('tps')}  mfu {m.group('mfu') or 'n/a'}")
             proc.wait()
         except BaseException:  # Ctrl-C: stop the run (torchrun forwards SIGTERM to its workers)
             if proc is not None:
@@ -130,24 +106,21 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                 timer.cancel()
     run.wall_s = time.perf_counter() - t0
     run.returncode = proc.returncode
-    if timed_out.is_set() or proc.returncode != 0:  # keep the steps it logged, for the plot
-        try:
-            run.rows, _ = read_metrics(os.path.join(run.dump_folder, "metrics.jsonl"))
-        except (OSError, ValueError):
-            pass
+    path = os.path.join(run.dump_folder, "metrics.jsonl")
+    read_error = summary = None
+    try:  # a failed run keeps the steps it logged, for the plot
+        run.rows, summary = read_metrics(path)
+    except (OSError, ValueError) as e:
+        read_error = e
     if timed_out.is_set():
         run.status, run.error = "failed", f"timed out after {timeout:.0f}s"
     elif proc.returncode != 0:
         cause, run.input_error = failure_cause(run.log)
         run.status, run.error = "failed", f"exit code {proc.returncode}" + (f": {cause}" if cause else "")
+    elif read_error is not None:
+        run.status, run.error = "failed", f"could not read {path}: {read_error}"
     else:
-        path = os.path.join(run.dump_folder, "metrics.jsonl")
-        try:
-            run.rows, run.summary = read_metrics(path)
-        except (OSError, ValueError) as e:
-            run.status, run.error = "failed", f"could not read {path}: {e}"
-            return
-        run.stats = run_stats(run.rows, warmup)
+        run.summary, run.stats = summary, run_stats(run.rows, warmup)
         if not run.stats["steady_steps"]:
             run.status, run.error = "failed", f"no steps after the warm-up in {path}"
         elif run.stats["tps"] is None:
@@ -157,15 +130,10 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
 
 
 @contextlib.contextmanager
-def _interrupts_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
-    """Hold ``signums`` back inside the block, then deliver them to the handlers that were
-    installed before it. Around the start of a run: a Ctrl-C (or SIGTERM) that arrives
-    while ``Popen`` forks would otherwise raise before the caller knows the run's process,
-    and the run (in its own session) would be left running. Holds nothing back outside the
-    main thread, where handlers cannot be set."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _interrupts_deferred(signums=(signal.SIGINT, signal.SIGTERM)):
+    """Hold ``signums`` back inside the block (around ``Popen``: a Ctrl-C while it forks would
+    otherwise leave the run, in its own session, running), then deliver them to the previous
+    handlers. Main thread only."""
     pending: list[int] = []
     previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in signums}
     try:
@@ -188,33 +156,26 @@ def _proc_stat(pid: int) -> tuple[int, str] | None:
 
 
 def _descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, start time) of the child processes of ``pid``, recursively (Linux /proc)."""
-    children: dict[int, list[tuple[int, str]]] = {}
+    """(pid, start time) of every descendant of ``pid`` (Linux /proc)."""
     try:
-        entries = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+        procs = {p: st for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if (st := _proc_stat(p))}
     except OSError:
         return []
-    for p in entries:
-        st = _proc_stat(p)
-        if st:
-            children.setdefault(st[0], []).append((p, st[1]))
     out, todo = [], [pid]
     while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c[0])
+        parent = todo.pop()
+        out += [(p, st[1]) for p, st in procs.items() if st[0] == parent]
+        todo += [p for p, st in procs.items() if st[0] == parent]
     return out
 
 
 def _terminate(proc: subprocess.Popen) -> None:
-    """Stop one run: SIGTERM to its process group (torchrun forwards it to the workers,
-    which run in their own groups), then SIGKILL to whatever of that process tree is
-    still alive after 15 s (a pid is only killed if its start time is unchanged)."""
+    """SIGTERM to the run's process group (torchrun forwards it to its workers, which sit in
+    their own groups), then after 15 s SIGKILL to whatever of the tree is left (a pid only
+    while its start time is unchanged)."""
     tree = _descendants(proc.pid)
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
     try:
         proc.wait(timeout=15)
     except subprocess.TimeoutExpired:
@@ -222,35 +183,26 @@ def _terminate(proc: subprocess.Popen) -> None:
     for pid, start in tree:
         st = _proc_stat(pid)
         if st and st[1] == start:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def failure_cause(path: str) -> tuple[str | None, bool]:
-    """The reason in a failed run's log and whether it is the trainer's own input error:
-    the first ``error: ...`` line (a UserError: deterministic, it would fail again), else
-    the last ``SomethingError: ...`` line before torchrun's report."""
+    """(the reason in a failed run's log, whether it is the trainer's own input error): the
+    first ``error: ...`` line (deterministic: it would fail again), else the last
+    ``SomethingError: ...`` line before torchrun's report."""
     try:
         with open(path, errors="replace") as f:
             lines = [re.sub(r"^\[rank\d+\]:", "", l).strip() for l in f]
     except OSError:
         return None, False
-    for l in lines:
-        if l.startswith("error: "):
-            return l[len("error: "):], True
-    cause = None
-    for l in lines:
-        if "ChildFailedError" in l:
-            break
-        if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:", l):
-            cause = l
-    return cause, False
+    if errors := [l[len("error: "):] for l in lines if l.startswith("error: ")]:
+        return errors[0], True
+    lines = lines[:next((i for i, l in enumerate(lines) if "ChildFailedError" in l), len(lines))]
+    causes = [l for l in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:", l)]
+    return (causes[-1] if causes else None), False
 
 
 def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
@@ -260,5 +212,3 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return "(no log)"
-
-

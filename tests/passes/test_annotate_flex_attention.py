@@ -6,7 +6,6 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
-
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions
 
 from .conftest import inductor_tag
@@ -14,17 +13,14 @@ from .conftest import inductor_tag
 aten = torch.ops.aten
 
 
-def _flex_graph():
+def test_annotate_flex_attention():
     root = torch.nn.Module()
-    sub = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    sub.graph.output(None)
-    root.score0 = sub
-    root.mask0 = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    root.mask0.graph.output(None)
+    for name in ("score0", "mask0"):
+        setattr(root, name, torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
+        getattr(root, name).graph.output(None)
     g = torch.fx.Graph()
     q, k, v = g.placeholder("q"), g.placeholder("k"), g.placeholder("v")
-    score = g.get_attr("score0")
-    mask = g.get_attr("mask0")
+    score, mask = g.get_attr("score0"), g.get_attr("mask0")
     fa0 = g.call_function(torch.ops.higher_order.flex_attention, (q, k, v, score, (mask,), 1.0, {}, (), ()))
     o0 = g.call_function(operator.getitem, (fa0, 0))
     fa1 = g.call_function(torch.ops.higher_order.flex_attention, (o0, k, v, score, (mask,), 1.0, {}, (), ()))
@@ -36,12 +32,7 @@ def _flex_graph():
     g.output((o1, other))
     for n in g.nodes:
         n.meta["custom"] = {"phase": "forward", "module_fqn": "layers.0.attention.inner_attention"}
-    return torch.fx.GraphModule(root, g)
-
-
-def test_annotate_flex_attention():
-    gm = _flex_graph()
-    gm = annotate_flex_attention_for_regional_inductor_pass(gm, None)
+    gm = annotate_flex_attention_for_regional_inductor_pass(torch.fx.GraphModule(root, g), None)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert (stats["forward"], stats["backward"], stats["regions"]) == (2, 1, 3)
     for n in gm.graph.nodes:
@@ -52,7 +43,6 @@ def test_annotate_flex_attention():
     # shared get_attrs duplicated: every get_attr has exactly one user / region
     get_attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
     assert len(get_attrs) == 6
-    assert all(len(n.users) == 1 and inductor_tag(n) is not None for n in get_attrs)
     for n in get_attrs:
-        assert inductor_tag(n)["inductor_region"] == inductor_tag(next(iter(n.users)))["inductor_region"]
+        assert len(n.users) == 1 and inductor_tag(n) == inductor_tag(next(iter(n.users)))
     assert len(propose_region_partitions(gm)) == 3

@@ -6,32 +6,30 @@ import pytest
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
+from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.config import Compile
-from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass, find_pointwise_regions
+from graph_trainer.compiler.passes.annotate_pointwise import (
+    annotate_pointwise_for_regional_inductor_pass,
+    find_pointwise_regions,
+)
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.common import is_collective, module_fqn_of, phase_of, split_acyclic
 
-from .conftest import assert_close, trace_step
+from .conftest import assert_close, inductor_tag, tagged_nodes, trace_step
 
 aten = torch.ops.aten
-
-
-def _region(n):
-    return n.meta.get("custom", {}).get(COMPILE_WITH_INDUCTOR_KEY, {}).get("inductor_region")
 
 
 def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
     run_pipeline(gm, example_inputs, ["annotate_rmsnorm_for_regional_inductor"])
-    norm_regions = {n: _region(n) for n in gm.graph.nodes if _region(n)}
+    norm_tags = {n: inductor_tag(n) for n in tagged_nodes(gm)}
     gm = annotate_pointwise_for_regional_inductor_pass(gm, example_inputs)
+    assert all(inductor_tag(n) == tag for n, tag in norm_tags.items())  # RMSNorm regions kept as they were
     regions: dict[str, list] = {}
-    for n in gm.graph.nodes:
-        r = _region(n)
-        if r and r.startswith("pointwise_"):
-            regions.setdefault(r, []).append(n)
-    assert all(_region(n) == r for n, r in norm_regions.items())  # RMSNorm regions kept as they were
+    for n in tagged_nodes(gm):
+        if inductor_tag(n)["inductor_region"].startswith("pointwise_"):
+            regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["regions"] == len(regions) > 0 and stats["nodes"] == sum(map(len, regions.values()))
     for nodes in regions.values():
@@ -50,6 +48,7 @@ def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
 def _node(g, target, args, phase="forward", fqn="block"):
     n = g.call_function(target, args)
     n.meta["custom"] = {PHASE_KEY: phase, MODULE_FQN_KEY: fqn}
+    n.meta["val"] = torch.empty(4, 4)
     return n
 
 
@@ -66,13 +65,11 @@ def test_residual_cycle_is_cut_into_levels():
     o2 = _node(g, aten.sigmoid.default, (out,))
     other = _node(g, aten.neg.default, (o2,), phase="backward")  # other phase: never joined
     g.output((other,))
-    for n in g.nodes:
-        n.meta["val"] = torch.empty(4, 4)
     regions = find_pointwise_regions(g, min_ops=1)
-    assert [[n.name for n in ns] for ns in regions] == [[r.name, h.name, h2.name], [out.name, o2.name], [other.name]]
+    assert regions == [[r, h, h2], [out, o2], [other]]
     for ns in regions:
         assert split_acyclic(ns) == [ns]
-    assert [[n.name for n in ns] for ns in find_pointwise_regions(g, min_ops=2)] == [[r.name, h.name, h2.name], [out.name, o2.name]]
+    assert find_pointwise_regions(g, min_ops=2) == regions[:2]
     with pytest.raises(ValueError, match="min_ops"):
         annotate_pointwise_for_regional_inductor_pass(torch.fx.GraphModule(torch.nn.Module(), g), None, min_ops=0)
 
@@ -89,21 +86,13 @@ def test_mutating_and_random_ops_never_join_a_region():
     rnd = _node(g, aten.rand_like.default, (n2,))
     s = _node(g, aten.sigmoid.default, (rnd,))
     g.output((s,))
-    for n in g.nodes:
-        n.meta["val"] = torch.empty(4, 4)
-    regions = find_pointwise_regions(g, min_ops=1)
-    assert [[n.name for n in ns] for ns in regions] == [[r.name], [m.name, n2.name], [s.name]]
+    assert find_pointwise_regions(g, min_ops=1) == [[r], [m, n2], [s]]
 
 
-def test_end_to_end_numerics_and_pipeline_gate(tiny_llama):
-    model = tiny_llama(1)
-    gm, example_inputs, inputs = trace_step(model)
+def test_end_to_end_numerics(tiny_llama):
+    gm, example_inputs, inputs = trace_step(tiny_llama(1))
     ref = gm(*inputs)
-    steps = build_pipeline(
-        Compile(numerics_changing_optim=True, inductor_compilation="regional", passes="annotate_pointwise")
-    )
-    names = [s.name for s in steps]
-    assert names.index("annotate_pointwise_for_regional_inductor") == names.index("regional_inductor") - 1
+    steps = build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_pointwise"))
     cgm = run_pipeline(gm, example_inputs, steps)
     remaining = {n.target for n in cgm.graph.nodes if n.op == "call_function"}
     assert aten.silu.default not in remaining and aten.silu_backward.default not in remaining  # compiled away

@@ -4,17 +4,9 @@
 import torch
 import torch.fx
 
-from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives, reshard_after_forward
-
 from graph_trainer.compiler import memory_estimate
-from graph_trainer.compiler.common import (
-    collective_kind,
-    hold,
-    is_collective,
-    is_wait,
-    shard_chain,
-    strip_holds,
-)
+from graph_trainer.compiler.common import collective_kind, hold, is_collective, is_wait, shard_chain, strip_holds
+from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives, reshard_after_forward
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -33,13 +25,12 @@ def _graph():
     ar_wait = g.call_function(c10d.wait_tensor.default, (ar,))
     autograd_ag = g.call_function(torch.ops._c10d_functional_autograd.all_gather_into_tensor.default, (x, 2, "0"))
     g.output((ar_wait, act_ag, autograd_ag))
-    return torch.fx.GraphModule(torch.nn.Module(), g), dict(
-        cast=cast, ag=ag, ag_wait=ag_wait, held=held, mm=mm, act_ag=act_ag, ar=ar, ar_wait=ar_wait,
-        autograd_ag=autograd_ag,
-    )
+    nodes = dict(cast=cast, ag=ag, ag_wait=ag_wait, held=held, mm=mm, act_ag=act_ag, ar=ar, ar_wait=ar_wait,
+                 autograd_ag=autograd_ag)
+    return torch.fx.GraphModule(torch.nn.Module(), g), nodes
 
 
-def test_collective_kind_is_wait_is_collective():
+def test_collective_kind_is_wait_is_collective_shard_chain():
     _, n = _graph()
     kinds = {k: collective_kind(v) for k, v in n.items()}
     assert kinds == {
@@ -49,10 +40,7 @@ def test_collective_kind_is_wait_is_collective():
     }
     assert {k for k, v in n.items() if is_wait(v)} == {"ag_wait", "ar_wait"}
     assert {k for k, v in n.items() if is_collective(v)} == {"ag", "ag_wait", "act_ag", "ar", "ar_wait", "autograd_ag"}
-
-
-def test_shard_chain_tells_parameter_all_gathers_from_activation_ones():
-    _, n = _graph()
+    # shard_chain tells parameter all-gathers (FSDP) from activation ones (TP)
     assert shard_chain(n["ag"]) == [n["cast"]]
     assert shard_chain(n["act_ag"]) is None
 

@@ -14,10 +14,7 @@ def test_end_to_end_full_inductor_cpu(tiny_llama):
     gm, example_inputs, inputs = trace_step(model)
     ref = gm(*inputs)
     steps = build_pipeline(Compile(inductor_compilation="full"))
-    assert [s.name for s in steps] == [
-        "remove_dead_code", "remove_noop_views", "sac_recompute", "reshard_after_forward", "overlap_collectives",
-        "full_inductor",
-    ]
+    assert steps[-1].name == "full_inductor"
     cgm = run_pipeline(gm, example_inputs, steps)
     assert isinstance(cgm, torch.fx.GraphModule) and callable(cgm.compiled_fn)
     out = cgm(*inputs)  # same pytree calling convention as the traced graph
@@ -26,9 +23,8 @@ def test_end_to_end_full_inductor_cpu(tiny_llama):
 
 
 def test_cpu_scalars_move_to_the_inputs_device():
-    """The vocabulary-parallel embedding's ``index_put_`` of a CPU ``0`` (a constant and its
-    copy, and a ``scalar_tensor(device=cpu)``) on tensors of another device: all move there,
-    the graph runs there; a CPU graph is left alone and computes the same values."""
+    """The vocabulary-parallel embedding's ``index_put_`` of a CPU ``0`` (a constant, its copy, a
+    ``scalar_tensor(device=cpu)``) on tensors of another device: all move there; a CPU graph stays."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars

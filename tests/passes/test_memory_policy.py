@@ -1,6 +1,6 @@
 """The memory policy (graph_trainer/compiler/memory_policy.py): the choice for hand-built
-estimates and budgets, its calibration against the measured peaks of docs/perf.md, and the
-dry run's plan for the debug model on a fake 2-rank group."""
+estimates and budgets, its calibration against measured peaks, and the dry run's plan for the
+debug model on a fake 2-rank group."""
 
 import os
 
@@ -8,12 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from graph_trainer.compiler.memory_policy import (
-    BUCKET_BLOCKS,
-    CALIBRATION,
-    GiB,
-    Levers,
-    choose_levers,
-    predict_peak,
+    BUCKET_BLOCKS, CALIBRATION, SAVE_LEVELS, GiB, Levers, calibration, choose_levers, predict_peak,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,68 +29,52 @@ def _choose(budget_gib, inductor="regional", calls=None, **kw):
                          budget=int(budget_gib * GiB), inductor=inductor, **kw)
 
 
-def _peak(save, keep, bucket, inductor="regional"):
-    graph = int(EST[save] * GiB) + (keep + bucket) * int(BLOCK * GiB)
-    return predict_peak(int(STATE * GiB), graph, inductor, save)
+def _peak(save, keep, bucket=BUCKET_BLOCKS, inductor="regional"):
+    return predict_peak(int(STATE * GiB), int(EST[save] * GiB) + (keep + bucket) * int(BLOCK * GiB), inductor, save)
 
 
-def test_a_large_budget_keeps_everything():
+def test_large_and_small_budgets():
     calls = []
     p = _choose(1000, calls=calls)
-    assert p.levers == Levers("all", N, BUCKET_BLOCKS) and p.fits
-    assert calls == ["all"]  # searched from the top: one estimate
-    assert p.predicted_peak_bytes == _peak("all", N, BUCKET_BLOCKS)
-    assert "everything fits" in p.describe()
-
-
-def test_a_small_budget_recomputes_and_reshards():
-    lean = _peak("recompute", 0, BUCKET_BLOCKS)
+    assert p.levers == Levers("all", N, BUCKET_BLOCKS) and p.fits and calls == ["all"]  # from the top: one estimate
+    assert p.predicted_peak_bytes == _peak("all", N) and "everything fits" in p.describe()
+    lean = _peak("recompute", 0)
     p = _choose(lean / GiB + 0.01)
     assert p.levers == Levers("recompute", 0, BUCKET_BLOCKS) and p.fits
-    # below the leanest: the buckets go too, and the policy says it does not fit
-    p = _choose(lean / GiB - 0.5)
-    assert p.levers == Levers("recompute", 0, 0)
-    assert p.fits == (p.predicted_peak_bytes <= p.budget_bytes)
+    p = _choose(lean / GiB - 0.5)  # below the leanest: the buckets go too
+    assert p.levers == Levers("recompute", 0, 0) and p.fits == (p.predicted_peak_bytes <= p.budget_bytes)
     p = _choose(10)
     assert p.levers == Levers("recompute", 0, 0) and not p.fits and "exceeds the budget" in p.describe()
 
 
 @pytest.mark.parametrize("keep", [0, 5, 31])
 def test_a_middle_budget_keeps_matmuls_then_as_many_blocks_as_fit(keep):
-    budget = _peak("matmuls", keep, BUCKET_BLOCKS) / GiB + 0.001
-    p = _choose(budget)
+    p = _choose(_peak("matmuls", keep) / GiB + 0.001)
     assert p.levers == Levers("matmuls", keep, BUCKET_BLOCKS)
-    assert p.predicted_peak_bytes <= p.budget_bytes < _peak("matmuls", keep + 1, BUCKET_BLOCKS)
+    assert p.predicted_peak_bytes <= p.budget_bytes < _peak("matmuls", keep + 1)
     assert f"with {keep + 1} kept blocks would not fit" in p.describe()
-    # with every block kept but short of "all": matmuls, all blocks
-    p = _choose(_peak("all", N, BUCKET_BLOCKS) / GiB - 0.01)
-    assert p.levers == Levers("matmuls", N, BUCKET_BLOCKS)
+    assert _choose(_peak("all", N) / GiB - 0.01).levers == Levers("matmuls", N, BUCKET_BLOCKS)  # short of "all"
 
 
-def test_levers_set_by_the_user_stay():
+def test_user_levers_stay_and_the_inductor_mode_counts():
     p = _choose(1000, fixed=Levers("recompute", 3, 0), fixed_fields={"save", "bucket_blocks"})
     assert p.levers == Levers("recompute", N, 0)
-    p = _choose(_peak("matmuls", 4, BUCKET_BLOCKS) / GiB, fixed=Levers(keep_last_blocks=4),
-                fixed_fields={"keep_last_blocks"})
+    p = _choose(_peak("matmuls", 4) / GiB, fixed=Levers(keep_last_blocks=4), fixed_fields={"keep_last_blocks"})
     assert p.levers == Levers("matmuls", 4, BUCKET_BLOCKS)
-    # no FSDP: nothing to keep or bucket; no SAC tags: nothing to recompute
-    calls = []
+    calls = []  # no FSDP: nothing to keep or bucket; no SAC tags: nothing to recompute
     p = _choose(1000, has_fsdp=False, has_sac=False, calls=calls)
     assert p.levers == Levers("all", 0, 0) and calls == ["all"]
-
-
-def test_the_choice_depends_on_the_calibration_of_the_inductor_mode():
-    """Full-graph Inductor needs less than the graph estimate when nothing is recomputed
-    (it recomputes cheap values inside its kernels): the same budget keeps more."""
-    budget = _peak("matmuls", N, BUCKET_BLOCKS) / GiB
+    # full-graph Inductor needs less than the graph estimate: the same budget keeps more
+    assert {(m, s) for m in ("regional", "full") for s in SAVE_LEVELS} == set(CALIBRATION)
+    assert calibration("none", "all") == CALIBRATION[("regional", "all")]
+    budget = _peak("matmuls", N) / GiB
     assert _choose(budget).levers.save == "matmuls"
     assert _choose(budget, inductor="full").levers == Levers("all", N, BUCKET_BLOCKS)
 
 
-#: Measured peaks (GiB, torch.cuda.max_memory_reserved) against the run's own estimate of the
-#: GPU-traced graph (docs/perf.md, "Fast by default"): (inductor, save, state, graph estimate,
-#: measured). Llama3 1B on one H100, op SAC; seq 4096 x 2 and 8192 x 2.
-MEASURED = [
+@pytest.mark.parametrize("inductor, save, state, est, measured", [
+    # measured peaks (GiB, max_memory_reserved) against the run's estimate of the GPU-traced
+    # graph: Llama3 1B on one H100, op SAC; seq 4096 x 2 and 8192 x 2 (docs/perf.md)
     ("regional", "recompute", 16.75, 18.22, 36.99),
     ("regional", "matmuls", 16.75, 20.84, 39.73),
     ("regional", "all", 16.75, 25.37, 44.14),
@@ -103,50 +82,33 @@ MEASURED = [
     ("full", "recompute", 16.75, 18.22, 29.07),
     ("full", "matmuls", 16.75, 20.84, 32.51),
     ("full", "all", 16.75, 25.37, 33.22),
-]
-
-
-@pytest.mark.parametrize("inductor, save, state, est, measured", MEASURED)
+])
 def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save, state, est, measured):
     predicted = predict_peak(int(state * GiB), int(est * GiB), inductor, save) / GiB
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
-def test_every_mode_and_save_level_is_calibrated():
-    from graph_trainer.compiler.memory_policy import SAVE_LEVELS, calibration
-
-    assert {(m, s) for m in ("regional", "full") for s in SAVE_LEVELS} == set(CALIBRATION)
-    assert calibration("none", "all") == CALIBRATION[("regional", "all")]
-
-
-def _dry_run(*flags):
+def test_dry_run_plans_from_the_traced_graph(monkeypatch):
+    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps everything, a tiny one
+    recomputes and reshards, and the pipeline that runs is the chosen one."""
     from graph_trainer.config import parse_args
     from graph_trainer.projection.dry_run import dry_run
 
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
-                      "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",
-                      "--activation_checkpoint.selective_ac_option", "op", *flags])
-    old = os.environ.get("NGPU")
-    os.environ["NGPU"] = "2"
-    try:
-        return dry_run(cfg)
-    finally:
-        os.environ.pop("NGPU") if old is None else os.environ.__setitem__("NGPU", old)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    monkeypatch.setenv("NGPU", "2")
 
+    def run(budget):
+        cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+                          "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "op", "--compile.memory_budget_gib", budget])
+        try:
+            return dry_run(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
-def test_dry_run_plans_from_the_traced_graph():
-    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps everything, a tiny one
-    recomputes and reshards, and the pipeline that runs is the chosen one."""
-    big = _dry_run("--compile.memory_budget_gib", "64")
-    (plan,) = big["memory_policies"]
-    assert plan["levers"] == Levers("all", 6, BUCKET_BLOCKS).flags()
-    assert "bucket_collectives" in big["graph_passes"]
-    tiny = _dry_run("--compile.memory_budget_gib", "0.0001")
-    (plan,) = tiny["memory_policies"]
-    assert plan["levers"] == Levers("recompute", 0, 0).flags()
-    assert "bucket_collectives" not in tiny["graph_passes"]
-    # recompute and resharding: less memory than keeping everything
-    assert tiny["peak_graph_bytes"] < big["peak_graph_bytes"]
+    big, tiny = run("64"), run("0.0001")
+    assert [p["levers"] for p in big["memory_policies"]] == [Levers("all", 6, BUCKET_BLOCKS).flags()]
+    assert [p["levers"] for p in tiny["memory_policies"]] == [Levers("recompute", 0, 0).flags()]
+    assert "bucket_collectives" in big["graph_passes"] and "bucket_collectives" not in tiny["graph_passes"]
+    assert tiny["peak_graph_bytes"] < big["peak_graph_bytes"]  # recompute and resharding: less memory
     assert tiny["memory_policies"][0]["predicted_peak_gib"] < big["memory_policies"][0]["predicted_peak_gib"]

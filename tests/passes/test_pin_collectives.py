@@ -7,31 +7,18 @@ import re
 import pytest
 import torch
 
-from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
+from graph_trainer.compiler.common import is_wait
 from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
-from graph_trainer.compiler.common import collective_kind, is_wait
+from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.pin_collectives import _is_anchor, collective_pin_deps
 
 _ISSUE = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
-_MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(")
+_MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(|aten\.mm\.default\(")
 
 
-def _schedule(gm):
-    """The FX graph as tokens: ('issue', kind, node) / ('wait', node of the collective) / ('mm',)."""
-    out = []
-    for n in gm.graph.nodes:
-        if collective_kind(n):
-            out.append(("issue", collective_kind(n), n))
-        elif is_wait(n):
-            out.append(("wait", n.args[0]))
-        elif n.target == torch.ops.aten.mm.default:
-            out.append(("mm",))
-    return out
-
-
-def _code_schedule(code):
-    """The same tokens read from Inductor's generated Python (collectives by buffer name)."""
+def _schedule(code):
+    """FX's or Inductor's generated Python as tokens: ('issue', kind, buffer) / ('wait', buffer) / ('mm',)."""
     out = []
     for line in code.splitlines():
         if m := _ISSUE.search(line):
@@ -62,17 +49,15 @@ def _stats(tokens):
 def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step):
     traced, _, n_params = fsdp_step
     gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
     deps = collective_pin_deps(gm.graph)
     assert deps and all(pos[d] < pos[n] for n, ds in deps.items() for d in ds)  # acyclic: forward only
-    anchors = [pos[n] for n in gm.graph.nodes if _is_anchor(n)]
+    anchors = [pos[n] for n in nodes if _is_anchor(n)]
     pinned = 0
-    for w in gm.graph.nodes:
-        if not is_wait(w):
-            continue
+    for w in filter(is_wait, nodes):
         c = w.args[0]
         inside = [a for a in anchors if pos[c] < a < pos[w]]
-        nodes = list(gm.graph.nodes)
         if inside:
             assert c in deps[nodes[inside[0]]] and nodes[inside[-1]] in deps[w]
             pinned += 1
@@ -86,7 +71,7 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
 def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
     """Pinned, the compiled code keeps every collective that the FX schedule overlaps with a
     matmul overlapped, with no more in flight at once than the FX schedule (unpinned,
-    Inductor's reordering waits for each right after issuing it: docs/perf.md). Same
+    Inductor's reordering waits for each right after issuing it: docs/perf_archive.md). Same
     values as the uncompiled graph."""
     from torch._inductor.utils import run_and_get_code
 
@@ -94,14 +79,13 @@ def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
     with torch.no_grad():
         ref = traced.gm(*inputs)
     gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
-    fx_worst, fx_overlapped = _stats(_schedule(gm))
+    fx_worst, fx_overlapped = _stats(_schedule(gm.code))
     assert fx_overlapped > 0
 
     with torch._inductor.config.patch(fx_graph_cache=False):
         out, codes = run_and_get_code(lambda: full_inductor_pass(gm, list(inputs), pin_collectives=True)(*inputs))
-    worst, overlapped = _stats(_code_schedule("\n".join(codes)))
+    worst, overlapped = _stats(_schedule("\n".join(codes)))
     assert overlapped == fx_overlapped
     for kind, n in worst.items():
         assert n <= fx_worst[kind], (kind, n, fx_worst)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(list(out), list(ref), rtol=1e-4, atol=1e-6)

@@ -1,6 +1,6 @@
-"""regional_inductor_pass: one compiled region per region id (never merged, cut where a
-region would form a cycle), the timed choice between candidate Inductor configs, and
-compiled regions computing what the graph computed."""
+"""regional_inductor_pass: one compiled region per region id (never merged, cut where a region
+would form a cycle), the timed choice between candidate Inductor configs, and compiled regions
+computing what the graph computed."""
 
 import operator
 
@@ -10,82 +10,67 @@ import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
-from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
-from graph_trainer.compiler.passes.regional_inductor import scoop_regions
+from graph_trainer.compiler.passes.regional_inductor import (
+    MIN_CANDIDATE_GAIN,
+    propose_region_partitions,
+    regional_inductor_pass,
+    scoop_regions,
+)
 
 from .conftest import D, assert_close, fake_prop, fused_norm_graph, inductor_tag, region_ids, tagged_nodes
 
 aten = torch.ops.aten
+CANDIDATES = [{"max_autotune_gemm": False}]
 
 
-def _independent_norms_graph():
-    """Two fused norms of independent inputs, no path between them: a single
-    CapabilityBasedPartitioner (torch 2.11 regional_inductor) would merge them."""
-    g = torch.fx.Graph()
-    x, y, w = g.placeholder("x"), g.placeholder("y"), g.placeholder("w")
-    outs = []
-    for inp in (x, y):
-        n = g.call_function(aten._fused_rms_norm.default, (inp, [D], w, 1e-6))
-        outs.append(g.call_function(operator.getitem, (n, 0)))
-    g.output(tuple(outs))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    fakes = fake_prop(gm, [(2, D), (2, D), (D,)])
-    return gm, fakes
-
-
-def _timed_fused_graph(n_norms, candidates):
-    gm, _ = fused_norm_graph(n_norms=n_norms)
-    fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+def _annotated_norms(n_norms, candidates=None):
+    gm, fakes = fused_norm_graph(n_norms=n_norms)
     annotate_rmsnorm_for_regional_inductor_pass(gm, fakes, inductor_configs={}, candidate_configs=candidates)
     return gm, fakes
 
 
+def _check_numerics(gm, n_norms):  # gm of fused_norm_graph computes what F.rms_norm and autograd do
+    torch.manual_seed(0)
+    x, w, go = torch.randn(4, 8, D), torch.randn(D), torch.randn(4, 8, D)
+    out, gi, gw = gm(x, w, go)  # same calling convention as before compilation
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    o0 = torch.nn.functional.rms_norm(xr, [D], wr, 1e-6)
+    ref = o0.detach() * 2
+    for _ in range(n_norms - 1):
+        ref = torch.nn.functional.rms_norm(ref, [D], w, 1e-6) * 2
+    assert_close([out, gi, gw], [ref, *torch.autograd.grad(o0, [xr, wr], go)])
+
+
 @pytest.mark.parametrize("fastest", [0, 1])
 def test_candidate_configs_timed_and_fastest_kept(fastest):
-    """Each distinct region is compiled once per config set and the variant the
-    timer calls fastest is kept; identical regions reuse it."""
-    cands = [{"max_autotune_gemm": False}]
-    gm, fakes = _timed_fused_graph(n_norms=3, candidates=cands)
+    """Each distinct region is compiled once per config set and the variant the timer calls
+    fastest is kept; identical regions reuse it."""
+    gm, fakes = _annotated_norms(3, CANDIDATES)
     calls = []
 
-    def timer(fn, inputs):
-        # variants of one region arrive in order: inductor_configs, candidate 1
+    def timer(fn, inputs):  # the variants of a region come in order: inductor_configs, candidate 1
         i = len(calls) % 2
         calls.append(fn)
-        out = fn(*inputs)  # the variant really runs on inputs of the region's shapes
-        assert isinstance(out, (list, tuple))
+        assert isinstance(fn(*inputs), (list, tuple))  # the variant runs on inputs of the region's shapes
         return 1.0 if i == fastest else 2.0
 
     gm = regional_inductor_pass(gm, fakes, select_candidates=True, timer=timer)
     stats = gm.meta["graph_trainer_pass_stats"]
     sel = stats["selections"]
-    # 3 forward norms + 1 backward = 4 regions; norm 0 also returns rstd (used by the
-    # backward), norms 1 and 2 are identical -> 3 distinct regions, 2 compiles each
+    # 4 regions (3 forward norms, 1 backward); norm 0 also returns rstd, norms 1 and 2 are
+    # identical -> 3 distinct regions, 2 compiles each
     assert stats["regions"] == 4
     assert len(sel) == 3 and stats["distinct_compiles"] == 6 and len(calls) == 6
-    assert all(s["chosen"] == fastest and s["ms"][fastest] == 1.0 for s in sel)
-    assert all(s["configs"] == [{}, cands[0]] for s in sel)
-    # each selection is named after its own region (not after a producer of an input)
+    assert all(s["chosen"] == fastest and s["ms"][fastest] == 1.0 and s["configs"] == [{}, *CANDIDATES] for s in sel)
     assert sorted(s["region"] for s in sel) == ["rmsnorm_backward_0", "rmsnorm_forward_0", "rmsnorm_forward_1"]
-    # the kept artifact computes the same thing as the reference
-    torch.manual_seed(0)
-    x, w, go = torch.randn(4, 8, D), torch.randn(D), torch.randn(4, 8, D)
-    out, gi, gw = gm(x, w, go)
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    o0 = torch.nn.functional.rms_norm(xr, [D], wr, 1e-6)
-    ref = o0.detach() * 2
-    for _ in range(2):
-        ref = torch.nn.functional.rms_norm(ref, [D], w, 1e-6) * 2
-    assert_close([out, gi, gw], [ref, *torch.autograd.grad(o0, [xr, wr], go)])
+    _check_numerics(gm, 3)
 
 
 @pytest.mark.parametrize("candidate_ms,chosen", [(0.99, 0), (0.97, 1)])
 def test_candidate_must_beat_defaults_by_the_guard_margin(candidate_ms, chosen):
     """A candidate 1 % faster than Inductor's defaults is noise (defaults kept); 3 % wins."""
-    from graph_trainer.compiler.passes.regional_inductor import MIN_CANDIDATE_GAIN
-
     assert 0.01 < MIN_CANDIDATE_GAIN < 0.03
-    gm, fakes = _timed_fused_graph(n_norms=1, candidates=[{"max_autotune_gemm": False}])
+    gm, fakes = _annotated_norms(1, CANDIDATES)
     calls = []
 
     def timer(fn, inputs):
@@ -98,7 +83,7 @@ def test_candidate_must_beat_defaults_by_the_guard_margin(candidate_ms, chosen):
 
 
 def test_candidates_not_timed_on_cpu_by_default():
-    gm, fakes = _timed_fused_graph(n_norms=2, candidates=[{"max_autotune_gemm": False}])
+    gm, fakes = _annotated_norms(2, CANDIDATES)
 
     def timer(fn, inputs):
         raise AssertionError("CPU regions must not be timed unless asked")
@@ -106,13 +91,14 @@ def test_candidates_not_timed_on_cpu_by_default():
     gm = regional_inductor_pass(gm, fakes, timer=timer)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["selections"] == [] and stats["regions"] == 3 and stats["distinct_compiles"] == 3
+    assert not any(n.target in (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
+                   for n in gm.graph.nodes)
+    _check_numerics(gm, 2)
 
 
 def test_forward_and_backward_each_own_region():
-    gm, fakes = fused_norm_graph(n_norms=3)
-    annotate_rmsnorm_for_regional_inductor_pass(gm, fakes)
-    ids = region_ids(gm)
-    assert ids == {"rmsnorm_forward_0", "rmsnorm_forward_1", "rmsnorm_forward_2", "rmsnorm_backward_0"}
+    gm, _ = _annotated_norms(3)
+    assert region_ids(gm) == {"rmsnorm_forward_0", "rmsnorm_forward_1", "rmsnorm_forward_2", "rmsnorm_backward_0"}
     parts = propose_region_partitions(gm)
     assert len(parts) == 4
     for p in parts:  # one region id per partition, each norm node with its getitems
@@ -124,33 +110,24 @@ def test_forward_and_backward_each_own_region():
 
 
 def test_independent_norms_not_merged():
-    gm, fakes = _independent_norms_graph()
-    annotate_rmsnorm_for_regional_inductor_pass(gm, fakes)
-    assert len(propose_region_partitions(gm)) == 2
-    # Without region ids a single partitioner (torch 2.11 regional_inductor)
-    # merges the two independent norms: the reason region ids are needed.
+    """Two norms without a path between them: one partitioner over all tagged nodes (torch 2.11's
+    regional_inductor) merges them; with region ids they stay two regions."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import create_op_support
 
-    tagged = set(tagged_nodes(gm))
-    support = create_op_support(lambda _m, n: n in tagged)
-    merged = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
-    assert len(merged) == 1
-    # torch's own scooper agrees with ours when it understands region ids.
-    from torch.fx.passes import regional_inductor as ri
-
-    from graph_trainer.compiler.passes.regional_inductor import _supports_region_ids
-
-    if _supports_region_ids():
-        gm2, fakes2 = _independent_norms_graph()
-        annotate_rmsnorm_for_regional_inductor_pass(gm2, fakes2)
-        gm2 = ri._create_inductor_marked_regions(gm2)
-        assert sum(1 for name, _ in gm2.named_children() if name.startswith("__marked_inductor_submod")) == 2
+    g = torch.fx.Graph()
+    x, y, w = g.placeholder("x"), g.placeholder("y"), g.placeholder("w")
+    norms = [g.call_function(aten._fused_rms_norm.default, (inp, [D], w, 1e-6)) for inp in (x, y)]
+    g.output(tuple(g.call_function(operator.getitem, (n, 0)) for n in norms))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    annotate_rmsnorm_for_regional_inductor_pass(gm, fake_prop(gm, [(2, D), (2, D), (D,)]))
+    assert len(propose_region_partitions(gm)) == 2
+    support = create_op_support(lambda _m, n, tagged=set(tagged_nodes(gm)): n in tagged)
+    assert len(CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()) == 1
 
 
 def test_region_with_cycle_is_split():
-    # a (tagged) -> u (untagged) -> b (tagged), a -> b: one partition {a, b}
-    # would be a cycle through u, so the region must be split in two.
+    # a (tagged) -> u (untagged) -> b (tagged), a -> b: one partition {a, b} would be a cycle
     g = torch.fx.Graph()
     x = g.placeholder("x")
     a = g.call_function(aten.sin.default, (x,))
@@ -162,20 +139,3 @@ def test_region_with_cycle_is_split():
     for n in (a, b):
         n.meta["custom"] = {COMPILE_WITH_INDUCTOR_KEY: {"inductor_configs": {}, "inductor_region": "r"}}
     assert len(propose_region_partitions(gm)) == 2
-
-
-def test_fused_regions_compile_and_match_reference():
-    gm, _ = fused_norm_graph(n_norms=2)
-    fakes = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    annotate_rmsnorm_for_regional_inductor_pass(gm, fakes)
-    gm = regional_inductor_pass(gm, fakes)
-    assert gm.meta["graph_trainer_pass_stats"]["regions"] == 3
-    assert not any(n.target in (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default) for n in gm.graph.nodes)
-    torch.manual_seed(0)
-    x, w, go = torch.randn(4, 8, D), torch.randn(D), torch.randn(4, 8, D)
-    out, gi, gw = gm(x, w, go)  # same calling convention as before compilation
-    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    o0 = torch.nn.functional.rms_norm(xr, [D], wr, 1e-6)
-    o1 = torch.nn.functional.rms_norm(o0.detach() * 2, [D], w, 1e-6) * 2
-    gi_ref, gw_ref = torch.autograd.grad(o0, [xr, wr], go)
-    assert_close([out, gi, gw], [o1, gi_ref, gw_ref])

@@ -1,84 +1,77 @@
-"""sac_recompute: op-level selective AC under make_fx saves everything and only tags
-nodes; the pass recomputes the tagged ops in the backward, as eager SAC does."""
+"""sac_recompute: op-level SAC under make_fx only tags nodes; the pass recomputes them in the backward."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
-from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
-from graph_trainer.compiler.passes.sac_recompute import sac_recompute_pass
 from graph_trainer.compiler.common import custom_meta, phase_of
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, saved_for_backward
+from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
+from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac_recompute_pass, saved_for_backward
 
 MM = torch.ops.aten.mm.default
 N_LAYERS = 3
 
 
-def _traced(tiny_llama, tmp_path, mode, option="op", seq=16):
+def _traced(tiny_llama, tmp_path, mode, option="op"):
     from torchtitan.config import ActivationCheckpoint
 
-    from graph_trainer.model import loss_fn
     from graph_trainer.distributed.parallelize import apply_ac_for_trace
+    from graph_trainer.model import loss_fn
     from graph_trainer.trace import trace_train_step
 
     model = tiny_llama(N_LAYERS)
-    cfg = SimpleNamespace(
-        activation_checkpoint=ActivationCheckpoint(mode=mode, selective_ac_option=option),
-        job=SimpleNamespace(dump_folder=str(tmp_path)),
-    )
+    cfg = SimpleNamespace(activation_checkpoint=ActivationCheckpoint(mode=mode, selective_ac_option=option),
+                          job=SimpleNamespace(dump_folder=str(tmp_path)))
     apply_ac_for_trace(model, cfg)
     torch.manual_seed(1)
-    tokens, labels = torch.randint(0, 64, (2, seq)), torch.randint(0, 64, (2, seq))
-
+    tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     traced = trace_train_step(model, loss_fn, tokens, labels)
-    flat = [p for p in model.parameters()] + [b for b in model.buffers()] + [tokens, labels]
-    gm = remove_noop_views_pass(traced.gm, traced.example_inputs)  # the pipeline's order
-    return gm, traced.example_inputs, flat
+    flat = [*model.parameters(), *model.buffers(), tokens, labels]
+    return remove_noop_views_pass(traced.gm, traced.example_inputs), traced.example_inputs, flat  # the pipeline's order
 
 
-def _n_mm(gm, phase=None):
-    return sum(n.target is MM and (phase is None or phase_of(n) == phase) for n in gm.graph.nodes)
+def _n_mm(gm):
+    return sum(n.target is MM for n in gm.graph.nodes)
 
 
-def test_op_sac_recomputes_in_backward_and_keeps_numerics_bitwise(tiny_llama, tmp_path):
-    gm_none, _, _ = _traced(tiny_llama, tmp_path / "none", "none")
+def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_path):
+    n_mm_none = _n_mm(_traced(tiny_llama, tmp_path / "none", "none")[0])
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path / "op", "selective")
-    # as traced, op-level SAC recomputes nothing: the same matmuls as without AC
-    assert _n_mm(gm) == _n_mm(gm_none)
+    assert _n_mm(gm) == n_mm_none  # as traced, op-level SAC recomputes nothing
     with torch.no_grad():
         ref = gm(*flat)
     peak_before, _ = estimate_peak_memory(gm)
     saved_before = len(saved_for_backward(gm.graph))
-
+    gm_mm = sac_recompute_pass(copy.deepcopy(gm), example_inputs, save_ops=[MM])
     gm = sac_recompute_pass(gm, example_inputs)
     stats = gm.meta["graph_trainer_pass_stats"]
     copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
     assert stats["recomputed"] == len(copies) > 0
-    # torchtitan's policy saves every other mm of a block (wq, wv, w1, w2 of 7); the
-    # backward needs wk, wo and w3 again (w2's output only feeds the saved residual add)
-    assert stats["recomputed_mm"] == 3 * N_LAYERS == _n_mm(gm) - _n_mm(gm_none)
-    assert all(phase_of(c) == "backward" for c in copies)
+    # torchtitan's policy saves wq, wv, w1, w2 of a block's 7 mms; the backward needs wk, wo, w3 again
+    assert stats["recomputed_mm"] == 3 * N_LAYERS == _n_mm(gm) - n_mm_none
     assert not any("recompute" in n.meta for n in gm.graph.nodes)  # consumed: compile_fx must not remat again
-    # only ops inside a checkpointed block; recursion never crosses a block boundary
-    assert all(custom_meta(c).get(AC_REGION_KEY) for c in copies)
-    assert not any(custom_meta(c).get(MODULE_FQN_KEY) in (None, "norm", "output") for c in copies)
+    # backward copies of ops inside a checkpointed block; recursion never crosses a block boundary
     for c in copies:
-        for a in c.all_input_nodes:
-            if RECOMPUTED_FROM_KEY in a.meta:
-                assert custom_meta(a)[AC_REGION_KEY] == custom_meta(c)[AC_REGION_KEY]
-    # fewer activations kept for the backward, a lower static peak
-    assert stats["saved_bytes_after"] < stats["saved_bytes_before"]
-    assert len(saved_for_backward(gm.graph)) < saved_before
-    assert estimate_peak_memory(gm)[0] < peak_before
-    # same ops on the same inputs: loss and every gradient bit for bit
-    with torch.no_grad():
-        out = gm(*flat)
-    assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+        assert phase_of(c) == "backward" and custom_meta(c)[AC_REGION_KEY]
+        assert custom_meta(c).get(MODULE_FQN_KEY) not in (None, "norm", "output")
+        assert all(custom_meta(a)[AC_REGION_KEY] == custom_meta(c)[AC_REGION_KEY]
+                   for a in c.all_input_nodes if RECOMPUTED_FROM_KEY in a.meta)
+    assert stats["saved_bytes_after"] < stats["saved_bytes_before"]  # fewer activations kept, a lower peak
+    assert len(saved_for_backward(gm.graph)) < saved_before and estimate_peak_memory(gm)[0] < peak_before
+    # save matmuls: no mm recomputed, the other tagged ops still are; it keeps in between
+    mm_stats = gm_mm.meta["graph_trainer_pass_stats"]
+    assert mm_stats["recomputed_mm"] == 0 and 0 < mm_stats["recomputed"] < stats["recomputed"]
+    assert stats["saved_bytes_after"] < mm_stats["saved_bytes_after"] < mm_stats["saved_bytes_before"]
+    with torch.no_grad():  # same ops on the same inputs: loss and every gradient bit for bit
+        for g in (gm, gm_mm):
+            out = g(*flat)
+            assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 @pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "2")])
@@ -99,9 +92,8 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
 
     def node(target, args, phase, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
         n = g.call_function(target, args)
-        n.meta["custom"] = {"phase": phase, **({AC_REGION_KEY: region} if region else {})}
-        n.meta["recompute"] = policy
-        n.meta["val"] = torch.empty(4)
+        n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, recompute=policy,
+                      val=torch.empty(4))
         return n
 
     a = node(aten.relu.default, (x,), "forward")
@@ -119,28 +111,10 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
     assert out.args == (b, c) and out2.args == (copies[e.name], out)
 
 
-def test_save_matmuls_recomputes_only_the_cheap_ops(tiny_llama, tmp_path):
-    """--compile.sac.save_matmuls: no mm recomputed, the other tagged ops still are;
-    it keeps more than plain op SAC and less than no recompute; numerics unchanged."""
-    gm_sac, example_inputs, flat = _traced(tiny_llama, tmp_path / "a", "selective")
-    with torch.no_grad():
-        ref = gm_sac(*flat)
-    gm_sac = sac_recompute_pass(gm_sac, example_inputs)
-    gm, example_inputs, _ = _traced(tiny_llama, tmp_path / "b", "selective")
-    gm = sac_recompute_pass(gm, example_inputs, save_ops=[MM])
-    stats, sac = gm.meta["graph_trainer_pass_stats"], gm_sac.meta["graph_trainer_pass_stats"]
-    assert stats["recomputed_mm"] == 0 and 0 < stats["recomputed"] < sac["recomputed"]
-    assert sac["saved_bytes_after"] < stats["saved_bytes_after"] < stats["saved_bytes_before"]
-    with torch.no_grad():
-        out = gm(*flat)
-    assert all(torch.equal(a, b) for a, b in zip(out, ref))
-
-
 @pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
-    """With sac_recompute disabled the tags are still there; full_inductor drops them, so
-    torch >= 2.12's own remat inside compile_fx does not run: it rejected this graph (the
-    CPU flash-attention op is tagged for recompute and counts as a random op)."""
+    """Without sac_recompute, full_inductor drops the tags: compile_fx's own remat (torch >= 2.12) rejected
+    this graph (the CPU flash-attention op is tagged for recompute and counts as a random op)."""
     from test_train import _train
 
     # a cached compile of the same graph would skip compile_fx's remat (the tags are not in the key)

@@ -1,31 +1,14 @@
 """Tag chains of pointwise ops as Inductor regions: SwiGLU, residual adds, casts, the loss.
 
-The norms' lever generalised: every connected chain of cheap ops inside one module and
-one phase becomes one region, so Inductor fuses the chain into few kernels while
-matmuls, attention and collectives stay eager -- and, unlike ``full_inductor``, no
-kernel mixes forward and backward ops (``scripts/fusion_report.py`` shows such kernels
-for the joint graph).
+Matches: aten ``pointwise`` / ``reduction`` ops (``torch.Tag``), ``_to_copy``, ``_log_softmax(_backward_data)``
+and ``nll_loss_forward/backward``; not in-place, seeded-random or complex ops, nodes already tagged,
+collectives. A view joins only a chain it continues. Connected matched nodes of one ``(phase, module
+FQN)`` form a region, cut by ``split_acyclic`` where it would form a cycle (the residual
+``out = h + ffn(norm(h))``); regions with fewer than ``min_ops`` non-view ops stay eager. So
+Inductor fuses each chain while matmuls stay eager and no kernel mixes forward and backward.
 
-Matches: ``call_function`` nodes whose aten op is tagged ``pointwise`` or
-``reduction`` (``torch.Tag``), plus ``_to_copy``, ``_log_softmax(_backward_data)``
-and ``nll_loss_forward/backward``; in-place, randomness-seeded and complex-valued
-ops excluded. A view-family op (view, reshape, expand, permute, transpose, ...)
-joins only when its input already did: views of outside tensors stay outside.
-Nodes already tagged for Inductor (e.g. by the RMSNorm pass, which runs first) and
-collectives are never taken.
-
-Grouping: edges between matched nodes of the same ``(phase, module FQN)`` form
-connected components. A component that would form a cycle with the rest of the
-graph (the residual ``h = x + attn(x); out = h + ffn(norm(h))``: ``out`` needs
-``ffn``, which needs ``h``) is cut by ``split_acyclic`` (as regional_inductor cuts
-norm regions), so every region is acyclic. Pieces with fewer than ``min_ops`` non-view
-ops are left eager (a lone cast gains nothing from a compiled call).
-
-Changes: sets ``node.meta["custom"]["compile_with_inductor"] =
-{"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}`` on the
-chosen nodes; no other node is touched. Changes numerics (Inductor computes fused
-bf16 chains in fp32), so the pipeline runs it only when asked for, with
-``--compile.numerics_changing_optim --compile.passes annotate_pointwise``.
+Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``
+on the chosen nodes. Changes numerics (fused bf16 chains in fp32): opt-in.
 """
 
 from __future__ import annotations
@@ -59,8 +42,7 @@ _VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze
 
 
 def _is_real_tensor_node(node: torch.fx.Node) -> bool:
-    """A tensor result, not complex, with no complex tensor input (Inductor has no
-    complex codegen: RoPE's complex multiply would only fall back)."""
+    """A real tensor result with no complex tensor input (Inductor has no complex codegen)."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.is_complex():
         return False
@@ -85,12 +67,8 @@ def _kind(node: torch.fx.Node) -> str | None:
 
 
 def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2) -> list[list[torch.fx.Node]]:
-    """Acyclic regions of chained cheap ops (rule: module docstring), in graph order.
-
-    Returns lists of nodes (each in graph order); each region has at least
-    ``min_ops`` non-view ops, lies in one ``(phase, module FQN)`` and never forms a
-    dependency cycle with the rest of the graph.
-    """
+    """Acyclic regions of chained cheap ops (rules: module docstring), in graph order, each a
+    list of nodes in graph order with at least ``min_ops`` non-view ops."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = DisjointSet()
@@ -121,13 +99,9 @@ def annotate_pointwise_for_regional_inductor_pass(
     inductor_configs: dict[str, Any] | None = None,
     min_ops: int = 2,
 ) -> torch.fx.GraphModule:
-    """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor``.
-
-    ``inductor_configs`` (default ``{}``, Inductor's defaults) goes into every
-    tag. Stats (``gm.meta["graph_trainer_pass_stats"]``): ``regions``, ``nodes``,
-    ``forward_regions``, ``backward_regions``, ``largest`` (nodes of the largest
-    region). Raises ``ValueError`` for ``min_ops < 1``.
-    """
+    """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with
+    ``inductor_configs`` (default ``{}``); ``ValueError`` for ``min_ops < 1``. Stats: ``regions``,
+    ``nodes``, ``forward_regions``, ``backward_regions``, ``largest`` (nodes of the largest region)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     configs = dict(inductor_configs or {})
@@ -140,20 +114,14 @@ def annotate_pointwise_for_regional_inductor_pass(
             tag_for_inductor(n, configs, f"pointwise_{phase}_{i}")
     tagged = sum(len(r) for r in regions)
     largest = max((len(r) for r in regions), default=0)
+    fwd, bwd = by_phase.get("forward", 0), by_phase.get("backward", 0)
     set_pass_summary(
         gm,
         f"tagged {tagged} pointwise/cast/reduction node(s) into {len(regions)} region(s) "
-        f"({by_phase.get('forward', 0)} forward, {by_phase.get('backward', 0)} backward; largest {largest} nodes)",
-        regions=len(regions),
-        nodes=tagged,
-        forward_regions=by_phase.get("forward", 0),
-        backward_regions=by_phase.get("backward", 0),
-        largest=largest,
+        f"({fwd} forward, {bwd} backward; largest {largest} nodes)",
+        regions=len(regions), nodes=tagged, forward_regions=fwd, backward_regions=bwd, largest=largest,
     )
     return gm
-
-
-__all__ = ["annotate_pointwise_for_regional_inductor_pass", "find_pointwise_regions"]
 
 
 PASS = GraphPass(

@@ -1,80 +1,31 @@
-"""Bucket the traced FSDP collectives: one all-gather / reduce-scatter per group of
-parameters instead of one per parameter, after ``overlap_collectives`` placed them.
+"""Bucket the traced FSDP collectives, after ``overlap_collectives`` placed them: one all-gather /
+reduce-scatter per ``bucket_size`` parameters instead of one per parameter (many small NCCL
+kernels slow the overlapped matmuls).
 
-Why: traceable FSDP (:mod:`graph_trainer.distributed.fsdp`) issues one collective per parameter
-(9 per Llama3 block), where FSDP2 issues one per block. Each NCCL kernel holds SMs
-while it runs, so many small collectives overlapped with the matmuls slow them down
-(docs/perf.md, "bucketed collectives and kept blocks in full-graph Inductor"). The
-pipeline adds this pass with ``--compile.fsdp.bucket_blocks B`` (``bucket_size`` = B
-blocks' collectives).
+Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP shards and flat
+gradients; TP's are N-D), each with one wait (and its ``hold``). Runs of up to ``bucket_size``
+consecutive issues of one kind, group, dtype (and reduce op) whose results are first read after
+the bucket's wait form a bucket. **All-gather**: at the first member's issue (later shard casts
+move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
+:func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after
+the last member's issue, waited at the last member wait, its buffer held until then. The same
+bits (only NCCL's summation order may change with the message size).
 
-Matches: ``_c10d_functional.all_gather_into_tensor`` and ``reduce_scatter_tensor`` issue
-nodes with a 1-D input (FSDP shards and flat padded gradients; TP's collectives on
-activations are N-D and left alone), each with its one ``wait_tensor`` (and the ``hold``
-that ``overlap_collectives`` puts after a moved wait). Runs of up to ``bucket_size``
-consecutive issues (graph order) of the same kind, process group, dtype (and reduce op)
-form a bucket.
-
-Changes, per bucket of ``n`` collectives of a ``W``-rank group:
-
-* **all-gather** (issued where the first member was issued, waited where the earliest
-  member wait was): ``cat`` of the ``n`` shards -> one all-gather -> the ``[W * S]``
-  result copied out, by :func:`unbucket_all_gather` (one op, opaque to Inductor), to the
-  ``[W * chunk]`` rank-major layout each member produced. Bit for bit the same values;
-  one extra copy of the gathered bytes (FSDP2's ``split_with_sizes_copy``). Member shard
-  casts defined after the bucket's issue point are moved up to it (they depend only on
-  placeholders); a member whose input cannot move ends the bucket.
-* **reduce-scatter** (issued where the last member was, once every gradient exists;
-  waited where the last member wait was): torch's
-  ``torch._inductor.fx_passes.bucketing.merge_reduce_scatter_bucket`` builds it: the
-  ``n`` flat gradients viewed ``[W, chunk]``, concatenated along dim 1 (rank-major, so
-  rank ``r`` gets its chunk of every member) -> one reduce-scatter -> split into the
-  members' ``[chunk]`` results (views); this pass tells it where to issue and where to
-  wait, and holds the bucket buffer until the wait. The members' gradient buffers die at
-  the ``cat``; one bucket buffer stays alive until the wait. Each element is reduced by
-  the same op over the same ranks; NCCL may order a sum differently for a different
-  message size, so only the 2-rank case (``a + b``) is exact by construction.
-
-A bucket whose members' results are read before the new wait position is split there.
-``bucket_size`` 1 or a graph without such collectives: unchanged. Numerics: the same bits
-(bucketing copies bytes; the tests compare whole steps bit for bit).
-
-What stays ours, and why (tests/passes/test_bucket_collectives.py shows each on the traced
-step, with torch 2.11 and 2.13):
-
-* **Which collectives form a bucket, and where it is issued and waited.** This pass runs
-  after ``overlap_collectives`` has placed every issue and wait. torch's
-  ``bucket_all_gather`` / ``bucket_reduce_scatter`` (greedy, by wait order, capped in MB by
-  a size determinator) insert each bucket after its last member's issue with the wait
-  right behind it: on our graphs the first members' readers then come before the values
-  they read: the graph fails ``lint`` (torch 2.13 re-sorts a reduce-scatter bucket's
-  region so that it lints; each bucket's wait then follows its issue, and the overlap
-  ``overlap_collectives`` placed is gone). torch's
-  ``OverlapPreservingBucketer`` (``overlap_preserving_bucketer``, built for graphs that
-  torch's own scheduler placed) keeps every collective's hiding interval, so with our
-  prefetch windows it merges almost nothing. And ``bucket_size`` counts collectives (the
-  pipeline: blocks x parameters per block; tests/test_fsdp.py checks ``ceil(n / 4)``
-  reduce-scatters for ``bucket_size`` 4), which no cap in MB reproduces: parameters of
-  one block differ in size.
-* **The all-gather merge** (:func:`unbucket_all_gather`). torch's
-  ``merge_all_gather_bucket`` gathers into a preallocated buffer with
-  ``all_gather_into_tensor_out`` (after ``_foreach_copy_`` / ``copy_`` of the shards into
-  a rank-specific slice), a collective kind that ``reshard_after_forward``, the memory
-  policy and the cost model do not count as an all-gather (the cost model has no formula
-  for it); it hands the members back as views of the bucket (``split`` + ``reshape``), and
-  torch 2.11 ignores its ``insert_before``.
+Not torch's bucketing (tests/passes/test_bucket_collectives.py): ``bucket_all_gather`` /
+``bucket_reduce_scatter`` put each bucket's wait right behind its last member, which breaks (or
+un-overlaps) the placed graph; ``OverlapPreservingBucketer`` merges almost nothing with our
+prefetch windows; their caps are in MB, not collectives; their all-gather merge emits
+``all_gather_into_tensor_out``, which the memory policy and cost model do not count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
-
 from typing import Any
 
 import torch
 import torch.fx
-
 from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
 
 from graph_trainer.compiler.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
@@ -87,28 +38,23 @@ _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 @torch.library.custom_op("graph_trainer::unbucket_all_gather", mutates_args=())
 def unbucket_all_gather(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
-    """Copy each member out of a bucketed all-gather result, as FSDP2's
-    ``split_with_sizes_copy`` does.
+    """Copy each member out of a bucketed all-gather result (FSDP2's ``split_with_sizes_copy``).
 
     Args:
-        gathered: ``[world * sum(sizes)]``, rank-major: rank ``r``'s bucket (its shards
-            of every member, concatenated) at ``[r * sum(sizes), (r + 1) * sum(sizes))``.
-        world: number of ranks of the all-gather.
+        gathered: ``[world * sum(sizes)]``, rank-major (rank ``r``'s shards of every member at
+            ``[r * sum(sizes), (r + 1) * sum(sizes))``).
+        world: ranks of the all-gather.
         sizes: each member's shard size (elements per rank).
 
     Returns:
-        One new ``[world * sizes[i]]`` tensor per member, rank-major, the layout the
-        member's own all-gather produced; same dtype and device as ``gathered``.
-
-    An opaque op on purpose: Inductor realizes its outputs as buffers of their own, so
-    the bucket buffer dies here. With plain ``split`` + ``clone``, Inductor inlined the
-    copy of pointwise-read members (the norm weights) into their backward consumers and
-    kept the whole bucket alive next to the copied matmul weights; with parameters kept
-    unsharded for the backward (``--compile.fsdp.keep_last_blocks``, or no
-    ``reshard_after_forward``) that is twice their bytes.
+        One new ``[world * sizes[i]]`` rank-major tensor per member (the layout of its own
+        all-gather), dtype and device of ``gathered``. Opaque on purpose: Inductor gives each
+        output its own buffer, so the bucket buffer dies here (with ``split`` + ``clone`` it
+        inlined the copies into their readers and kept the whole bucket alive).
     """
     outs = [gathered.new_empty(world * s) for s in sizes]
-    torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=[o.view(world, s) for o, s in zip(outs, sizes)])
+    views = [o.view(world, s) for o, s in zip(outs, sizes)]
+    torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=views)
     return outs
 
 
@@ -134,35 +80,21 @@ def _member(issue: torch.fx.Node):
 
 
 def _key(issue: torch.fx.Node):
-    x = issue.args[0]
-    if collective_kind(issue) == "all_gather_into_tensor":  # (input, group_size, group_name)
-        return ("ag", issue.args[1], issue.args[2], x.meta["val"].dtype)
-    return ("rs", issue.args[1], issue.args[2], issue.args[3], x.meta["val"].dtype)  # (input, op, size, name)
+    """Kind, the arguments after the input (group size and name; reduce op) and the dtype."""
+    return (collective_kind(issue), *issue.args[1:], issue.args[0].meta["val"].dtype)
 
 
-def _val(target, args, kwargs=None):
-    """Fake value of ``target(*args)`` from the args' ``meta["val"]`` (None if unavailable)."""
-    a = torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
-    k = torch.fx.node.map_arg(kwargs or {}, lambda n: n.meta.get("val"))
-    vals = [v for v in torch.utils._pytree.tree_leaves((a, k)) if isinstance(v, torch.Tensor)]
-    if not vals:
-        return None
-    mode = getattr(vals[0], "fake_mode", None)
-    if mode is None and not all(v.device.type == "meta" for v in vals):
-        return None
-    try:
-        with mode if mode is not None else contextlib.nullcontext():  # fake, or the dry run's meta tensors
-            return target(*a, **k)
-    except Exception:  # no meta kernel: leave the node without a value
-        return None
-
-
-def _call(graph, target, args, meta_from, kwargs=None):
-    node = graph.call_function(target, args, kwargs or {})
+def _call(graph, target, args, meta_from):
+    """A new node ``target(*args)`` with ``meta_from``'s custom metadata and, where its inputs
+    have fake (or the dry run's meta) values and the op a meta kernel, its fake value."""
+    node = graph.call_function(target, args)
     node.meta["custom"] = dict(custom_meta(meta_from))
-    val = _val(target, args, kwargs)
-    if val is not None:
-        node.meta["val"] = val
+    a = torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
+    vals = [v for v in torch.utils._pytree.tree_leaves(a) if isinstance(v, torch.Tensor)]
+    mode = getattr(vals[0], "fake_mode", None) if vals else None
+    if vals and (mode is not None or all(v.device.type == "meta" for v in vals)):
+        with contextlib.suppress(Exception), mode if mode is not None else contextlib.nullcontext():
+            node.meta["val"] = target(*a)
     return node
 
 
@@ -171,10 +103,8 @@ def _pos(graph):
 
 
 def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | None:
-    """Nodes to move so that ``x`` is defined before position ``before``: ``x`` and its
-    inputs defined at or after ``before``, all call_functions with one user besides
-    ``hold``s (the shard cast chain; ``overlap_collectives``' keep-alive ``hold`` of the
-    wait also reads it, and comes later); None when that is not the case."""
+    """``x`` and its inputs at or after position ``before`` (the shard cast chain), to move up,
+    when they are call_functions with one user besides ``hold`` s; else None."""
     chain, stack = [], [x]
     while stack:
         n = stack.pop()
@@ -188,8 +118,8 @@ def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | 
     return sorted(chain, key=pos.__getitem__)
 
 
-def _bucket_all_gather(graph, members) -> int:
-    """Replace the all-gathers ``members`` by one; returns the number replaced."""
+def _bucket_all_gather(graph, members) -> None:
+    """Replace the all-gathers ``members`` (``(issue, wait, hold)`` s) by one."""
     first_issue = members[0][0]
     pos = _pos(graph)
     for issue, _, _ in members[1:]:  # shard casts defined later move up to the bucket's issue
@@ -213,13 +143,11 @@ def _bucket_all_gather(graph, members) -> int:
         for n in (hld, wait, issue):
             if n is not None:
                 graph.erase_node(n)
-    return len(members)
 
 
-def _bucket_reduce_scatter(graph, members) -> int:
-    """Replace the reduce-scatters ``members`` by one, built by torch's
-    ``merge_reduce_scatter_bucket``: issued just after the last member's issue, its wait
-    and split moved to just after the last member's wait; returns the number replaced."""
+def _bucket_reduce_scatter(graph, members) -> None:
+    """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``),
+    issued after the last member's issue and waited after the last member's wait."""
     held = any(m[2] is not None for m in members)
     for _, wait, hld in members:  # torch replaces the waits' uses: read the waits, not the holds
         if hld is not None:
@@ -237,12 +165,10 @@ def _bucket_reduce_scatter(graph, members) -> int:
             kept = graph.call_function(hold, (wait, wait.args[0].args[0]))
         kept.meta = dict(wait.meta)
         wait.replace_all_uses_with(kept, delete_user_cb=lambda u: u is not kept)
-    return len(members)
 
 
 def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple]]:
-    """Buckets of consecutive bucketable issues of ``kind`` with one key, <= bucket_size,
-    whose members' results are first read after the bucket's wait point."""
+    """Buckets (of >= 2) of consecutive bucketable issues of ``kind`` with one key."""
     pos = _pos(graph)
     issues = [m for n in graph.nodes if collective_kind(n) == kind and (m := _member(n)) is not None]
     runs: list[list[tuple]] = []
@@ -278,13 +204,11 @@ def _fits(members, kind, pos) -> bool:
 def bucket_collectives_pass(
     gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9
 ) -> torch.fx.GraphModule:
-    """Bucket consecutive FSDP all-gathers and reduce-scatters (see the module docstring).
+    """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
-    Args:
-        bucket_size: most collectives per bucket (>= 1; 9 = one Llama3 block). The
-            pipeline passes ``--compile.fsdp.bucket_blocks`` times the parameters per block.
-
-    Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
+    ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes
+    ``--compile.fsdp.bucket_blocks`` times the parameters per block). Stats:
+    ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
 
     Raises:
         ValueError: ``bucket_size < 1``.
@@ -292,34 +216,32 @@ def bucket_collectives_pass(
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
     graph = gm.graph
+    ag, rs = _KINDS
     before = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
     if bucket_size > 1:
-        for run in _runs(graph, "all_gather_into_tensor", bucket_size):
+        for run in _runs(graph, ag, bucket_size):
             _bucket_all_gather(graph, run)
-        for run in _runs(graph, "reduce_scatter_tensor", bucket_size):
+        for run in _runs(graph, rs, bucket_size):
             _bucket_reduce_scatter(graph, run)
         graph.lint()
         gm.recompile()
     after = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
     set_pass_summary(
-        gm,
-        f"all-gathers {before['all_gather_into_tensor']} -> {after['all_gather_into_tensor']}, "
-        f"reduce-scatters {before['reduce_scatter_tensor']} -> {after['reduce_scatter_tensor']} "
-        f"(buckets of <= {bucket_size}; reduce-scatters merged by torch's merge_reduce_scatter_bucket)",
-        all_gather_before=before["all_gather_into_tensor"], all_gather_after=after["all_gather_into_tensor"],
-        reduce_scatter_before=before["reduce_scatter_tensor"], reduce_scatter_after=after["reduce_scatter_tensor"],
+        gm, f"all-gathers {before[ag]} -> {after[ag]}, reduce-scatters {before[rs]} -> {after[rs]} "
+            f"(buckets of <= {bucket_size}; reduce-scatters merged by torch's merge_reduce_scatter_bucket)",
+        all_gather_before=before[ag], all_gather_after=after[ag],
+        reduce_scatter_before=before[rs], reduce_scatter_after=after[rs],
     )
     return gm
 
 
 def _bucket_blocks(ctx: PassContext) -> int:
-    """Blocks per bucket: the memory policy's choice, else ``[compile.fsdp] bucket_blocks``
-    (-1: auto, so on until the policy decides)."""
+    """The memory policy's choice, else ``[compile.fsdp] bucket_blocks`` (-1: auto, on)."""
     return ctx.levers.bucket_blocks if ctx.levers is not None else ctx.compile_cfg.fsdp.bucket_blocks
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """Blocks per bucket -> collectives per bucket (``ctx.layout.params_per_block`` each).
+    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each).
 
     Raises:
         ValueError: buckets without the model's block layout.

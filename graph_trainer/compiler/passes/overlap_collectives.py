@@ -1,69 +1,25 @@
-"""Overlap the in-graph FSDP collectives with compute by sinking their waits.
+"""Overlap the in-graph FSDP collectives with compute by moving their issues and waits.
 
-Matches: ``_c10d_functional.wait_tensor`` nodes whose input is a functional
-collective (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
-``all_reduce``...). As traced (:mod:`graph_trainer.distributed.fsdp`), every collective is
-followed at once by its wait, so the compute stream blocks on each all-gather and
-reduce-scatter in turn and no communication overlaps with compute.
+As traced, every functional collective is followed at once by its ``wait_tensor``, all parameter
+all-gathers are issued at the start and all reduce-scatters after the last backward matmul.
+Changes (positions only, plus a :func:`~graph_trainer.compiler.common.hold` after every wait that
+no longer follows its collective; the same values bit for bit):
 
-Changes: the positions of waits and of reduce-scatters (with their cast / pad chain),
-plus a :func:`~graph_trainer.compiler.common.hold` identity after every wait that no
-longer follows its collective; no computation is added, removed or rewired, so the
-values computed are bit for bit those of the input graph (a test checks it).
+* a parameter all-gather (input cast from a placeholder) is issued just before the first use of
+  the parameter ``ag_window`` places earlier in use order; its wait moves, with its slice / view
+  chain, to just before its first real use;
+* every other collective is issued, with its single-use cast / view / pad chain, just after its
+  input is produced; its wait moves towards its first user, but no later than the issue of the
+  ``max_in_flight``-th next collective of its kind.
 
-* A wait on an **all-gather** moves to just before its first user. The traced
-  step issues every parameter's all-gather at the start of the forward (traceable
-  FSDP gathers all parameters up front), which allocates the whole unsharded model
-  at once; with ``ag_window=k`` (default 9, one Llama3 block) each parameter
-  all-gather (input cast from a placeholder) is instead issued just before the first
-  use of the parameter ``k`` places earlier in use order, so about ``k`` gathered
-  parameters are in flight: layer ``i`` computes while layer ``i + 1`` is gathered.
-* A **reduce-scatter** is issued as early as its gradient allows. As traced,
-  autograd runs every parameter's all-gather backward (cast to fp32, pad,
-  reduce-scatter) at the very end of the backward, because the all-gathers were
-  the first autograd nodes created: all reduce-scatters queue up after the last
-  matmul, none overlaps, and every unsharded gradient stays alive until then. The
-  pass moves each reduce-scatter, with the single-use cast / view / pad chain that
-  feeds it, to just after the node that produces the gradient.
-* A wait on a **reduce-scatter** (or any other collective) moves towards its first
-  user too, but no further than just before the issue of the ``max_in_flight``-th
-  next collective of the same kind, so at most ``max_in_flight`` gradient buffers
-  (the fp32 unsharded gradient being reduced) are kept alive by pending
-  reduce-scatters: the backward of layer ``i`` runs while the gradient of layer
-  ``i + 1`` is being reduced.
+Functional collectives run asynchronously and ``wait_tensor`` makes the stream wait, so this
+overlaps uncompiled and under regional Inductor. ``hold`` keeps the collective's input alive
+until the wait (``full_inductor_pass`` strips it). On CPU (gloo), collectives left in flight
+intermittently corrupted the heap: by default a CPU collective is never left in flight.
 
-Eager execution of the graph issues functional collectives asynchronously on the
-process group's stream and ``wait_tensor`` makes the current stream wait for them,
-so this reordering is what gives overlap when the graph is run uncompiled or
-with regional Inductor. (Full-graph Inductor schedules collectives itself.)
-
-Buffer lifetime: the generated Python frees every value after its last use, which is
-now the collective's *issue*. The pass does not rely on the process group keeping an
-in-flight collective's input alive: every wait that no longer follows its collective
-goes through ``hold``, an identity that also takes the collective's input, so the
-input lives until the wait (for a reduce-scatter: one unsharded gradient per collective
-in flight, bounded by ``max_in_flight``). ``full_inductor_pass`` removes these nodes
-before compiling (:func:`~graph_trainer.compiler.common.strip_holds`).
-
-CPU (gloo): with 2 gloo ranks, collectives left in flight while the main thread computes
-intermittently corrupted the heap (``malloc(): unaligned tcache chunk``), with or without
-the holds; the root cause was not found. Overlap buys nothing on CPU, so by default a
-collective on CPU tensors is only hoisted, together with its wait, and never left in
-flight; ``cpu_async=True`` separates them anyway (the 1-rank tests of the schedule).
-
-Why not torch's scheduler: ``torch._inductor.fx_passes.overlap_scheduling`` has the
-equivalent pass, ``schedule_overlap_bucketing`` (``OverlapScheduler``, which the
-``overlap_preserving_bucketer`` then buckets). It decides from runtime estimates of every
-compute node, and those come from the GPU: benchmarks, or a roofline of the device's
-bandwidth that torch computes even when given ``custom_runtime_estimation``. With no CUDA
-device, where the dry run, the tests and CI run, it raises (torch 2.11 and 2.13). With
-one, on the traced step, it bounds what is in flight by bytes and its peak-memory budget
-rather than by count, and leaves every reduce-scatter in flight to the end of the backward
-(every unsharded gradient alive until then), where ``max_in_flight`` bounds them here; its
-estimates are benchmarks aligned across ranks by a collective inside the pass; and torch
-2.13 also buckets FSDP collectives first, which is ``bucket_collectives``' job in this
-pipeline. tests/passes/test_overlap_collectives.py shows both cases (one runs where there
-is no GPU, the other where there is).
+Not torch's ``overlap_scheduling.schedule_overlap_bucketing``: it estimates compute from the GPU
+(it raises without one) and with one leaves every reduce-scatter in flight to the end of the
+backward (tests/passes/test_overlap_collectives.py).
 """
 
 from __future__ import annotations
@@ -72,33 +28,23 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.common import (
-    CAST_OPS,
-    RESHAPE_OPS,
-    SLICE_OPS,
-    collective_kind,
-    hold,
-    is_wait,
-    set_pass_summary,
-    shard_chain,
+    CAST_OPS, RESHAPE_OPS, SLICE_OPS, collective_kind, hold, is_wait, set_pass_summary, shard_chain,
 )
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
-# Ops that may be hoisted together with the collective they feed (cheap, single use):
-# the cast / view / pad chain of a gradient before its reduce-scatter.
+# The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
 _HOISTABLE = (
     CAST_OPS | RESHAPE_OPS
     | {aten.t.default, aten.permute.default, aten.clone.default, aten.constant_pad_nd.default, aten.pad.default}
 )
 
-# View ops that move together with the wait whose output they view (FSDP: slice -> view
-# of the gathered buffer).
+# Views that move with the wait whose output they view (FSDP: slice -> view of the gathered buffer).
 _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
 
 
 def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
-    """Collective issue nodes grouped by kind, in graph order."""
     out: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         kind = collective_kind(node)
@@ -108,17 +54,13 @@ def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
 
 
 def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
-    """Move ``issue`` and its single-use cast/view/pad input chain to just after the
-    latest node each depends on. Returns whether anything moved."""
+    """Move ``issue`` and its single-use cast / view / pad input chain to just after the latest
+    node each depends on; returns whether anything moved."""
     chain = [issue]
     cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
-    while (
-        cur is not None and cur.op == "call_function" and len(cur.users) == 1
-        and cur.target in _HOISTABLE
-    ):
+    while cur is not None and cur.op == "call_function" and len(cur.users) == 1 and cur.target in _HOISTABLE:
         chain.append(cur)
-        nxt = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
-        cur = nxt
+        cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
     moved = False
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in reversed(chain):  # earliest first
@@ -140,9 +82,8 @@ def _on_cpu(issue: torch.fx.Node) -> bool:
 
 
 def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
-    """Delay each parameter all-gather (with its shard cast, its wait and the views
-    before its first real use) to just before the first real use of the parameter
-    ``window`` places earlier in use order. Returns how many were moved."""
+    """Move each parameter all-gather (with its shard cast, wait and views) to just before the
+    first real use of the parameter ``window`` places earlier in use order; returns how many."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups = []
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
@@ -177,17 +118,13 @@ def overlap_collectives_pass(
     gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2, cpu_async: bool = False,
     ag_window: int | None = 9,
 ) -> torch.fx.GraphModule:
-    """Sink the wait of every functional collective towards its first use (see the
-    module docstring), after issuing every non-all-gather collective as early as its
-    input allows. ``max_in_flight`` (>= 1) bounds the pending collectives of one
-    kind other than all-gather. ``ag_window`` (>= 0, None: keep the traced issue points):
-    parameter all-gathers issued about that many parameters ahead of their use.
-    ``cpu_async``: also separate collectives on CPU tensors
-    from their waits (off by default, see the module docstring). Stats: ``hoisted``
-    (collectives issued earlier),
-    ``moved`` (waits moved), ``all_gather`` /
-    ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait after
-    the pass, averaged).
+    """Move collective issues and waits so that communication overlaps compute (module docstring).
+
+    ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather.
+    ``ag_window`` (>= 0; None: keep the traced issue points): parameter all-gathers in flight.
+    ``cpu_async``: also leave collectives on CPU tensors in flight. Stats: ``windowed``,
+    ``hoisted`` (collectives issued earlier), ``moved`` (waits moved), ``all_gather`` / ``other``
+    (waits by kind), ``mean_distance`` (nodes between issue and wait, averaged).
 
     Raises:
         ValueError: ``max_in_flight < 1``.
@@ -219,9 +156,7 @@ def overlap_collectives_pass(
                 issue.append(wait)
                 moved += 1
             continue
-        # the wait travels with its single-use view chain (FSDP: slice -> view of the
-        # gathered buffer), so it lands before the first real use, not the first view
-        chain = [wait]
+        chain = [wait]  # with its single-use view chain: it lands before the first real use
         while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in _WAIT_VIEWS:
             chain.append(next(iter(chain[-1].users)))
         users = sorted(chain[-1].users, key=order.__getitem__)
@@ -240,13 +175,9 @@ def overlap_collectives_pass(
         for node in chain:
             target.prepend(node)
         moved += 1
-    # every collective whose wait does not follow it at once (moved here, or placed so by
-    # an earlier pass, e.g. reshard_after_forward's prefetched re-gathers) holds its input
-    for wait in waits:
+    for wait in waits:  # every wait not right after its collective (moved here or before) holds its input
         issue = wait.args[0]
-        if wait.prev is issue or not isinstance(issue.args[0], torch.fx.Node):
-            continue
-        if any(u.target is hold for u in wait.users):
+        if wait.prev is issue or not isinstance(issue.args[0], torch.fx.Node) or hold in {u.target for u in wait.users}:
             continue
         with graph.inserting_after(wait):
             held = graph.call_function(hold, (wait, issue.args[0]))
@@ -264,11 +195,7 @@ def overlap_collectives_pass(
         f"moved {moved} of {len(waits)} collective waits towards first use "
         f"({counts['all_gather']} all-gather, {counts['other']} other; "
         f"mean issue->wait distance {mean_d:.0f} nodes)" if waits else "no functional collectives",
-        moved=moved,
-        hoisted=hoisted,
-        windowed=windowed,
-        mean_distance=round(mean_d, 1),
-        **counts,
+        moved=moved, hoisted=hoisted, windowed=windowed, mean_distance=round(mean_d, 1), **counts,
     )
     return gm
 

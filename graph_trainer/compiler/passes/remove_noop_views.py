@@ -1,40 +1,15 @@
 """Remove no-op view / copy / detach nodes from the traced training-step graph.
 
-Matches (all conditions are checked on the fake values in ``node.meta["val"]``;
-a node without a tensor ``val`` on itself and its input is never touched):
+Matches (on the fake values in ``meta["val"]``; a node or input without one is kept): a
+``view`` / ``reshape`` / ``_unsafe_view`` or ``alias`` with the same shape, strides and dtype
+as its input; such a ``clone`` (not of a lazily conjugated / negated view); a ``detach`` (the
+graph runs without autograd) whose users do not mutate it. Never a graph output, nor a node in
+an alias group that some op mutates (in-place and ``out=`` ops, or ops it cannot analyse;
+collectives alias their inputs). Each match is replaced by its input: same values.
 
-* ``aten.view.default`` / ``aten.reshape.default`` / ``aten._unsafe_view.default``
-  whose result has the same shape, strides and dtype as its input.
-* ``aten.alias.default``.
-* ``aten.clone.default`` whose result has the same shape, strides and dtype as
-  its input, whose input is not a lazily conjugated / negated view, and where
-  no tensor aliasing the input or the clone is mutated anywhere in the graph
-  (so the copy is observably identical to the original for every reader).
-* ``aten.detach.default``: the graph is run without autograd recording, so a
-  detach is a plain alias; it is removed when every user is an op known not to
-  mutate it (an ATen op that does not write to that argument, or ``getitem``).
-
-Collective ops are treated as aliasing their inputs (``wait_tensor`` returns its
-input without an alias annotation).
-
-Never removed: nodes that are graph outputs (returning an alias of an input, or
-the input itself, could let the caller's in-place updates leak between
-tensors), and nodes in an alias group that some op mutates (in-place ops,
-``out=`` ops, or any op we cannot analyse, such as higher-order ops).
-
-Changes: every matched node's uses are replaced by its input and the node is
-erased; the graph is recompiled. Counts per kind are reported in the stats. Numerics:
-unchanged (every removed node returns its input's values).
-
-Why not Inductor's ``torch._inductor.fx_passes.post_grad.remove_noop_ops``
-(``tests/passes/test_remove_noop_views.py::test_inductor_remove_noop_ops_on_this_graph``
-runs it on the same graphs): it is written for Inductor's functionalized post-grad graph,
-and this make_fx graph keeps its in-place ops. It has no mutation analysis, so it removes
-a ``clone`` whose source is later updated in place, and the clone's readers then see the
-updated values. It has no rule for ``detach``, ``_unsafe_view`` or ``reshape``, and its
-``view`` rule compares the size argument literally (``view(x, [-1, n])`` stays), so on a
-traced training step it removes none of the detaches. Nor does it offer a hook to keep
-the mutated alias groups out, hence this pass's own matcher.
+Not Inductor's ``post_grad.remove_noop_ops``: it assumes a functional graph (this one keeps its
+in-place ops), so it removes a ``clone`` whose source is later updated in place, and it has no
+rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
 """
 
 from __future__ import annotations
@@ -52,12 +27,13 @@ from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
-# reshape views (-> their kind in the stats: "view", "reshape", "_unsafe_view")
-_SAME_SHAPE_VIEWS = {op: op._schema.name.split("::")[-1] for op in RESHAPE_OPS}
+# op -> its kind in the stats
+_KINDS = {op: op._schema.name.split("::")[-1]
+          for op in RESHAPE_OPS | {aten.alias.default, aten.clone.default, aten.detach.default}}
 
 
 class _AliasInfo(DisjointSet):
-    """Union-find over nodes that may share storage + the set of mutated groups."""
+    """Union-find over the nodes that may share storage, and the mutated groups."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
         super().__init__()
@@ -71,8 +47,7 @@ class _AliasInfo(DisjointSet):
                     self.union(node, src)
                 continue
             target = node.target if node.op == "call_function" else None
-            if is_collective(node):
-                # e.g. wait_tensor returns its input without an alias annotation
+            if is_collective(node):  # wait_tensor returns its input without an alias annotation
                 for arg_node in node.all_input_nodes:
                     self.union(node, arg_node)
             elif isinstance(target, torch._ops.OpOverload):
@@ -85,9 +60,7 @@ class _AliasInfo(DisjointSet):
                         mutated.append(arg_node)
                     if returns_alias:
                         self.union(node, arg_node)
-            else:
-                # Unknown callable / higher-order op / submodule: assume it may
-                # alias and mutate every tensor input.
+            else:  # unknown callable / higher-order op: may alias and mutate every input
                 for arg_node in node.all_input_nodes:
                     mutated.append(arg_node)
                     self.union(node, arg_node)
@@ -108,12 +81,7 @@ def _bound_args(node: torch.fx.Node, schema) -> list[tuple[torch.fx.Node, Any]]:
     """(input node, schema argument) pairs, for positional and keyword args."""
     out = []
     for i, a in enumerate(schema.arguments):
-        if a.kwarg_only:
-            val = node.kwargs.get(a.name)
-        elif i < len(node.args):
-            val = node.args[i]
-        else:
-            val = node.kwargs.get(a.name)
+        val = node.args[i] if not a.kwarg_only and i < len(node.args) else node.kwargs.get(a.name)
         for leaf in torch.utils._pytree.tree_leaves(val):
             if isinstance(leaf, torch.fx.Node):
                 out.append((leaf, a))
@@ -121,9 +89,7 @@ def _bound_args(node: torch.fx.Node, schema) -> list[tuple[torch.fx.Node, Any]]:
 
 
 def _val(node: Any) -> torch.Tensor | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    v = node.meta.get("val")
+    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return v if isinstance(v, torch.Tensor) else None
 
 
@@ -132,13 +98,10 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape))):
         return False
-    # Strides only matter where the size is > 1.
-    for size, sa, sb in zip(a.shape, a.stride(), b.stride()):
-        if statically_known_true(size <= 1):
-            continue
-        if not statically_known_true(sa == sb):
-            return False
-    return True
+    return all(  # strides only matter where the size is > 1
+        statically_known_true(size <= 1) or statically_known_true(sa == sb)
+        for size, sa, sb in zip(a.shape, a.stride(), b.stride())
+    )
 
 
 def _non_mutating_user(user: torch.fx.Node, node: torch.fx.Node) -> bool:
@@ -148,67 +111,34 @@ def _non_mutating_user(user: torch.fx.Node, node: torch.fx.Node) -> bool:
         return True
     if not isinstance(user.target, torch._ops.OpOverload):
         return False
-    for arg_node, arg_schema in _bound_args(user, user.target._schema):
-        if arg_node is node and arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
-            return False
-    return True
-
-
-def _output_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    out: set[torch.fx.Node] = set()
-    for node in graph.find_nodes(op="output"):
-        for leaf in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
-            if isinstance(leaf, torch.fx.Node):
-                out.add(leaf)
-    return out
+    return not any(a is node and s.alias_info is not None and s.alias_info.is_write
+                   for a, s in _bound_args(user, user.target._schema))
 
 
 def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch.fx.Node]) -> str | None:
-    if node.op != "call_function" or node in outputs or node.kwargs.get("out") is not None:
-        return None
-    target = node.target
-    if target not in _SAME_SHAPE_VIEWS and target not in (
-        aten.alias.default,
-        aten.clone.default,
-        aten.detach.default,
-    ):
-        return None
-    if not node.args:
+    kind = _KINDS.get(node.target) if node.op == "call_function" and node.args else None
+    if kind is None or node in outputs or node.kwargs.get("out") is not None:
         return None
     src = node.args[0]
     src_val, val = _val(src), _val(node)
     if src_val is None or val is None:
         return None
-    if aliases.is_mutated(node) or aliases.is_mutated(src):
+    if aliases.is_mutated(node) or aliases.is_mutated(src) or not _same_layout(src_val, val):
         return None
-    if not _same_layout(src_val, val):
+    if kind == "clone" and (node.kwargs.get("memory_format") not in (None, torch.preserve_format)
+                            or src_val.is_conj() or src_val.is_neg() or src_val.is_complex()):
         return None
-    if target in _SAME_SHAPE_VIEWS:
-        return _SAME_SHAPE_VIEWS[target]
-    if target is aten.alias.default:
-        return "alias"
-    if target is aten.clone.default:
-        mf = node.kwargs.get("memory_format")
-        if mf not in (None, torch.preserve_format):
-            return None
-        if src_val.is_conj() or src_val.is_neg() or src_val.is_complex():
-            return None
-        return "clone"
-    # detach
-    if all(_non_mutating_user(u, node) for u in node.users):
-        return "detach"
-    return None
+    if kind == "detach" and not all(_non_mutating_user(u, node) for u in node.users):
+        return None
+    return kind
 
 
 def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Replace no-op views / aliases / clones / detaches by their input.
-
-    See the module docstring for the exact conditions. Modifies ``gm`` in place,
-    recompiles it and records the number removed per kind in the pass stats
-    (``view``, ``reshape``, ``_unsafe_view``, ``alias``, ``clone``, ``detach``).
-    """
+    """Replace no-op views / aliases / clones / detaches by their input (module docstring), in
+    place. Stats: ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``,
+    ``alias``, ``clone``, ``detach``)."""
     aliases = _AliasInfo(gm.graph)
-    outputs = _output_nodes(gm.graph)
+    outputs = {a for o in gm.graph.find_nodes(op="output") for a in o.all_input_nodes}
     removed: Counter[str] = Counter()
     for node in list(gm.graph.nodes):
         kind = _removable_kind(node, aliases, outputs)
@@ -222,12 +152,8 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
         gm.recompile()
     total = sum(removed.values())
     detail = ", ".join(f"{n} {k}" for k, n in sorted(removed.items()))
-    set_pass_summary(
-        gm,
-        f"removed {total} no-op node(s)" + (f" ({detail})" if detail else ""),
-        removed=total,
-        **{f"removed_{k}": n for k, n in removed.items()},
-    )
+    set_pass_summary(gm, f"removed {total} no-op node(s)" + (f" ({detail})" if detail else ""), removed=total,
+                     **{f"removed_{k}": n for k, n in removed.items()})
     return gm
 
 

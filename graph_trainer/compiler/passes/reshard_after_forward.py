@@ -1,32 +1,22 @@
-"""Memory policy for traced FSDP: free gathered parameters after the forward and
-all-gather them again for the backward (FSDP2's ``reshard_after_forward=True``).
+"""FSDP2's ``reshard_after_forward=True`` for the traced step: free gathered parameters after
+the forward and all-gather them again for the backward.
 
-Matches: FSDP parameter all-gathers -- ``_c10d_functional.all_gather_into_tensor``
-nodes whose input is computed from a graph placeholder through casts and views only
-(the parameter shard); all-gathers of activations (TP sequence parallel) are not
-touched. For each, the *view closure* of the gathered value: its ``wait_tensor``, the
-keep-alive ``hold`` of ``overlap_collectives`` and every view / cast derived from it
-(slice, view, t, transpose, ``_to_copy`` ...).
+Matches: FSDP parameter all-gathers (input computed from a placeholder through casts and views:
+:func:`~graph_trainer.compiler.common.shard_chain`; TP's all-gathers of activations are not
+touched) and their *view closure*: the wait, ``overlap_collectives``' ``hold`` and every view /
+cast of the gathered value.
 
-Changes: if nodes of the backward phase (``custom["phase"] == "backward"``, which
-includes the recomputation of activation checkpointing) use the closure, they are
-rewired to a copy of it -- the shard's cast, a second all-gather, its wait and the views
-they need -- so the forward's gathered parameter dies after its last forward use. The
-copy's wait and views sit right before the first backward use; its all-gather is
-issued ``prefetch`` re-gathers earlier in backward order (default 9: one Llama3
-transformer block), so it overlaps the backward of the layers before. Values are bit
-for bit the same (an all-gather of the same shard); the cost is one more all-gather
-of every parameter per step. Saves up to one unsharded copy of the model's parameters
-per rank, less the parameters of the layers in flight. FSDP parameter all-gathers are
-recognised by :func:`~graph_trainer.compiler.common.shard_chain`; ``first_params`` limits
-the pass to the earliest parameters (the pipeline derives it from
-``--compile.fsdp.keep_last_blocks K``: the last K blocks keep their forward copy).
+Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are
+rewired to a copy of it (the shard's cast, a second all-gather, its wait and the views they
+need), so the forward's gathered parameter dies after its last forward use. The copy's wait and
+views sit before the first backward use; its all-gather is issued ``prefetch`` re-gathers
+earlier in backward order. Same bits (an all-gather of the same shard), one more all-gather per
+parameter and step; saves up to one unsharded copy of the parameters per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import torch
@@ -34,18 +24,10 @@ import torch.fx
 
 from graph_trainer import PHASE_KEY
 from graph_trainer.compiler.common import (
-    CAST_OPS,
-    VIEW_OPS,
-    collective_kind,
-    custom_meta,
-    hold,
-    is_wait,
-    set_pass_summary,
-    shard_chain,
+    CAST_OPS, VIEW_OPS, collective_kind, custom_meta, hold, is_wait, phase_of, set_pass_summary, shard_chain,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
-# Views and casts of a gathered parameter: with its wait and hold, the view closure.
 _VIEW_OR_CAST = VIEW_OPS | CAST_OPS
 
 
@@ -54,8 +36,8 @@ def _is_closure_op(node: torch.fx.Node) -> bool:
 
 
 def _fresh_val(new: torch.fx.Node, val):
-    """The fake value of a copied node, on its own storage (views: of the copied base),
-    so that storage-based analyses (memory_estimate) see the re-gathered buffer as new."""
+    """The fake value of a copied node on its own storage (views: of the copied base), so that
+    memory estimates see the re-gathered buffer as new."""
     if not isinstance(val, torch.Tensor):
         return val
     args = torch.fx.node.map_arg(new.args, lambda a: a.meta.get("val"))
@@ -72,8 +54,7 @@ def _fresh_val(new: torch.fx.Node, val):
 
 
 def _refresh_views(node: torch.fx.Node) -> None:
-    """After rewiring, a view's fake value (and its views') still aliases the old
-    buffer: recompute them from the new inputs."""
+    """Recompute the fake values of the views from ``node`` on (after rewiring they alias the old buffer)."""
     stack = [node]
     while stack:
         n = stack.pop()
@@ -86,28 +67,17 @@ def _refresh_views(node: torch.fx.Node) -> None:
         stack.extend(n.users)
 
 
-def _is_backward(node: torch.fx.Node) -> bool:
-    return custom_meta(node).get(PHASE_KEY) == "backward"
-
-
 def reshard_after_forward_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    prefetch: int = 9,
-    cpu_async: bool = False,
+    gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9, cpu_async: bool = False,
     first_params: int | None = None,
 ) -> torch.fx.GraphModule:
-    """Re-gather FSDP parameters for the backward instead of keeping the forward's
-    gathered copies (see the module docstring). ``prefetch`` >= 0: how many re-gathers
-    ahead (in backward order) each is issued; for parameters on CPU it is 0 unless
-    ``cpu_async`` (gloo collectives are never left in flight, see
-    :mod:`graph_trainer.compiler.passes.overlap_collectives`). ``first_params``: only the first N
-    FSDP parameters in forward order (graph order of their all-gathers, i.e. the model's
-    parameter order: for Llama3 the embedding, then 9 per block) are resharded; the rest
-    keep their forward copy, as FSDP2 does for the last block. ``None``: all. The early
-    parameters are the ones held longest (used first in the forward, last in the backward),
-    so a few blocks buy back most of a block's weights in memory each. Stats: ``resharded``
-    (parameters re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
+    """Re-gather FSDP parameters for the backward instead of keeping the forward's copies.
+
+    ``prefetch`` (>= 0): re-gathers issued that many ahead in backward order (0 on CPU unless
+    ``cpu_async``: gloo collectives are never left in flight). ``first_params``: only the first
+    N FSDP parameters in forward order (the model's parameter order; the pipeline derives it
+    from ``--compile.fsdp.keep_last_blocks``: the last blocks keep their forward copy); None:
+    all. Stats: ``resharded`` (parameters re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
 
     Raises:
         ValueError: ``prefetch < 0`` or ``first_params < 0``.
@@ -118,8 +88,7 @@ def reshard_after_forward_pass(
         raise ValueError(f"first_params must be >= 0 (or None for all), got {first_params}")
     graph = gm.graph
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    groups = []
-    n_fsdp = 0
+    groups, n_fsdp = [], 0
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
         chain = shard_chain(ag)
         if chain is None:
@@ -130,11 +99,11 @@ def reshard_after_forward_pass(
         closure, stack = {ag: None}, [ag]
         while stack:
             for u in stack.pop().users:
-                if u not in closure and _is_closure_op(u) and not _is_backward(u):
+                if u not in closure and _is_closure_op(u) and phase_of(u) != "backward":
                     closure[u] = None
                     stack.append(u)
         bwd_users = sorted(
-            {u for c in closure for u in c.users if u not in closure and _is_backward(u)}, key=pos.__getitem__
+            {u for c in closure for u in c.users if u not in closure and phase_of(u) == "backward"}, key=pos.__getitem__
         )
         if bwd_users:
             groups.append((ag, chain, closure, bwd_users))
@@ -180,16 +149,13 @@ def reshard_after_forward_pass(
             u.kwargs = torch.fx.node.map_arg(u.kwargs, lambda a: copies.get(a, a))
             rewired += (u.args, u.kwargs) != before
             _refresh_views(u)
-        # the copies were inserted at fixed points; positions of later groups are unchanged
     graph.lint()
     gm.recompile()
     set_pass_summary(
         gm,
         f"re-gather {len(groups)} of {n_fsdp} FSDP parameters for the backward "
         f"({rewired} backward uses rewired, prefetch {prefetch})" if n_fsdp else "no FSDP all-gathers",
-        resharded=len(groups),
-        fsdp_all_gathers=n_fsdp,
-        rewired_uses=rewired,
+        resharded=len(groups), fsdp_all_gathers=n_fsdp, rewired_uses=rewired,
     )
     return gm
 

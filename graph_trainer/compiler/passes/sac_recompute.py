@@ -1,97 +1,59 @@
-"""Recompute in the backward what selective activation checkpointing did not save.
+"""Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Matches: forward-phase nodes whose ``node.meta["recompute"]`` is
-``CheckpointPolicy.PREFER_RECOMPUTE`` or ``MUST_RECOMPUTE`` -- the tag op-level SAC
-(``--activation_checkpoint.mode selective``, ``selective_ac_option = "op"``, torchtitan's
-policy: save every other ``mm``, the attention outputs, ...) writes on each op of a
-checkpointed block -- and that a backward-phase node uses.
+Under make_fx, SAC sees a tracing dispatch mode and does not recompute: it saves every op and
+only tags the nodes (``meta["recompute"]``) for a partitioner, which the traced joint graph does
+not have. (Layer-level AC recomputes under make_fx, untagged: nothing to do.) torch >= 2.12
+remats tagged graphs inside ``compile_fx`` only, 2.11 not at all: this pass does it everywhere.
 
-Why it is needed: under make_fx ``torch.utils.checkpoint``'s SAC sees a tracing
-("compiling") dispatch mode and does not recompute; it saves every op's output and
-only tags the nodes, leaving recomputation to a partitioner (AOTAutograd's min-cut
-partitioner does it for torch.compile). The traced joint graph has no partitioner, so
-without this pass op-level SAC keeps all activations, like no AC at all (the traced
-graph has as many ``mm`` as with ``mode = "none"``; a test checks it).
-Layer-level AC (``full``, or ``selective`` with an integer option) really recomputes
-under make_fx and carries no tags: this pass then does nothing.
-
-Changes: every backward use of a matched node is rewired to a copy of it, placed just
-before the first backward node that needs it; the copy's tagged inputs from the same
-checkpointed block (``custom["ac_region"]``, set at trace time on every node inside a
-``CheckpointWrapper``) are copied the same way (recursively), and its other inputs --
-``MUST_SAVE`` / ``PREFER_SAVE`` outputs and the block's inputs, which eager
-checkpointing saves -- are used as saved. Nodes outside any block are never matched
-(SAC's last tag stays set after the block: the final norm, output projection and loss
-carry it). The forward node then dies after its last forward use. Copies are in the
-``backward`` phase and keep the module FQN (like a layer-level AC recompute), so the
-annotation passes treat them as recomputed forward ops. Not recomputed even when
-tagged: ops that mutate an input, random ops, and collectives. Numerics: the copies run
-the same ops on the same inputs, so every value equals the forward's bit for bit, and
-the step equals eager op-level SAC (which recomputes the same ops). Afterwards the tags
-are removed from every node (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
-
-torch >= 2.12 has the same idea upstream for Inductor-compiled forward-loss-backward graphs
-(``remat_using_tags_for_fwd_loss_bwd_graph``, run inside ``compile_fx``); torch 2.11, the GPU
-machines' version, does not, and regional / uncompiled graphs never reach it: this pass does
-it for every torch version and compilation mode.
+Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
+block (``custom["ac_region"]``; SAC's tag left set after the block is ignored) that a backward
+node uses; never ops that mutate an input, random ops or collectives. Each backward use is
+rewired to a copy placed before the first backward node that needs it; the copy's tagged inputs
+of the same block are copied the same way, its other inputs used as saved. Copies are in the
+``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
+removed (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
-
 from typing import Any
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.common import (
-    custom_meta,
-    is_collective,
-    phase_of,
-    set_pass_summary,
-    storages,
-    strip_recompute_tags,
+    custom_meta, is_collective, phase_of, set_pass_summary, storages, strip_recompute_tags,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
-
-
-def _recompute_policies():
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def _region(node: torch.fx.Node):
     return custom_meta(node).get(AC_REGION_KEY)
 
 
-def _is_recomputable(node: torch.fx.Node, policies, save_ops=frozenset()) -> bool:
-    if node.op != "call_function" or phase_of(node) != "forward" or node.meta.get("recompute") not in policies:
+def _is_recomputable(node: torch.fx.Node, save_ops=frozenset()) -> bool:
+    if node.op != "call_function" or phase_of(node) != "forward" or node.meta.get("recompute") not in _RECOMPUTE:
         return False
-    if node.target in save_ops:
-        return False
-    if _region(node) is None:  # SAC leaves its last tag in place after the block: ignore it there
+    if node.target in save_ops or _region(node) is None:  # outside a block: SAC's left-over tag
         return False
     target = node.target
     if target is operator.getitem:
-        src = node.args[0]
-        return isinstance(src, torch.fx.Node) and _is_recomputable(src, policies, save_ops)
+        return isinstance(node.args[0], torch.fx.Node) and _is_recomputable(node.args[0], save_ops)
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return not is_collective(node)
+    return not (target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or is_collective(node))
 
 
 def _saved_bytes(graph: torch.fx.Graph) -> int:
-    """Bytes of the distinct storages (not views, not graph inputs) that the forward
-    nodes used by the backward hold."""
+    """Bytes of the distinct storages (graph inputs excluded) of :func:`saved_for_backward`."""
     inputs = {ref for n in graph.nodes if n.op == "placeholder" for ref, _ in storages(n.meta.get("val"))}
     seen: dict = {}
     for n in saved_for_backward(graph):
@@ -107,9 +69,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
-    """``node.meta["val"]`` for a copy of ``node``: a new fake tensor of the same shape and
-    strides (its own storage, so memory estimates see the recomputed buffer apart from the
-    forward one), or, for a view of an input, the same view of that input's copy."""
+    """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its
+    own storage (memory estimates count it apart), or for a view of an input, that view of the
+    input's copy."""
 
     def fresh(v):
         if not isinstance(v, torch.Tensor):
@@ -129,12 +91,9 @@ def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
 
 
 def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Forward-phase non-placeholder nodes that a backward-phase node uses (the saved
-    activations; graph inputs such as parameters are not counted)."""
-    return [
-        n for n in graph.nodes
-        if n.op == "call_function" and phase_of(n) == "forward" and any(phase_of(u) == "backward" for u in n.users)
-    ]  # fmt: skip
+    """Forward ``call_function`` nodes a backward node uses (the saved activations)."""
+    return [n for n in graph.nodes
+            if n.op == "call_function" and phase_of(n) == "forward" and any(phase_of(u) == "backward" for u in n.users)]
 
 
 def sac_recompute_pass(
@@ -142,17 +101,12 @@ def sac_recompute_pass(
 ) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
-    ``save_ops``: OpOverloads kept as saved even where tagged for recompute (e.g.
-    ``aten.mm.default``: ``--compile.sac.save matmuls``, no matmul recompute).
-    ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
-
-    Stats: ``recomputed`` (copies made), ``recomputed_mm`` (of them ``aten.mm``),
-    ``saved_bytes_before`` / ``saved_bytes_after`` (bytes of the distinct storages the
-    forward nodes used by the backward hold, graph inputs excluded: activations, and
-    under FSDP the gathered parameters until ``reshard_after_forward`` re-gathers them).
+    ``save_ops``: OpOverloads kept even where tagged (``aten.mm.default``: ``--compile.sac.save
+    matmuls``). ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
+    Stats: ``recomputed`` (copies), ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` /
+    ``_after`` (distinct storages of the forward values the backward reads, graph inputs excluded).
     """
     graph = gm.graph
-    policies = _recompute_policies()
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -161,7 +115,7 @@ def sac_recompute_pass(
         if node in copies:
             return copies[node]
         for a in node.all_input_nodes:  # tagged inputs of the same block first, so they precede the copy
-            if _is_recomputable(a, policies, save_ops) and _region(a) == _region(node):
+            if _is_recomputable(a, save_ops) and _region(a) == _region(node):
                 copy_of(a, before)
         with graph.inserting_before(before):
             new = graph.node_copy(node, lambda a: copies.get(a, a))
@@ -173,7 +127,7 @@ def sac_recompute_pass(
         return new
 
     for user in [n for n in graph.nodes if phase_of(n) == "backward" and not save_all]:
-        tagged = [a for a in user.all_input_nodes if _is_recomputable(a, policies, save_ops)]
+        tagged = [a for a in user.all_input_nodes if _is_recomputable(a, save_ops)]
         if not tagged:
             continue
         for a in tagged:
@@ -193,11 +147,8 @@ def sac_recompute_pass(
         f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
         if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
                         "nothing tagged for recompute (no op-level selective AC)"),
-        recomputed=len(copies),
-        tags_removed=n_tags,
-        recomputed_mm=n_mm,
-        saved_bytes_before=saved_before,
-        saved_bytes_after=saved_after,
+        recomputed=len(copies), tags_removed=n_tags, recomputed_mm=n_mm,
+        saved_bytes_before=saved_before, saved_bytes_after=saved_after,
     )
     return gm
 
