@@ -8,6 +8,10 @@ other tensor inputs (tokens, labels) are copied into static buffers on each call
 on a new storage too, logged once). The outputs are static tensors overwritten by the next call;
 the input structure must not change. The graph's own memory pool raises the peak; it pays where
 the GPU waits on the host between kernels. Raises ``RuntimeError`` without CUDA inputs.
+
+Built on ``torch.cuda.CUDAGraph``. Not ``torch.cuda.make_graphed_callables``: it wraps a callable's
+forward and backward as an autograd Function, while this graph is the whole step, already
+differentiated; not Inductor's cudagraph trees, which wrap only graphs ``compile_fx`` compiles whole.
 """
 
 from __future__ import annotations
