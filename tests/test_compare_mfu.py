@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -333,7 +334,8 @@ def test_flag_values_that_look_like_options_and_step_line_regex():
     """(``--b-flags "--fake.scale 0.5"`` and ``--a-flags ""`` run in the fake tests.)"""
     args, extra = parse_cli(compare_mfu.build_parser(), ["--b-flags=--x 1", "--a", "main", "--", "--compile.mode"])
     assert args.b_flags == "--x 1" and args.a == "main" and extra == ["--compile.mode"]
-    line = ("[rank0]:[graph_trainer] 2026-11-22 07:53:31,358 - INFO - step:  1  loss:  8.10024  "
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S,358")  # the trainer's logging format
+    line = (f"[rank0]:[graph_trainer] {stamp} - INFO - step:  1  loss:  8.10024  "
             "grad_norm:  1.9553  memory: 0.66GiB  tps: 6,538  tflops: 0.00  mfu: 38.29%  step_time: 4.246s")
     m = runs.STEP_RE.search(line)
     assert m and m.group("step") == "1" and m.group("tps") == "6,538" and m.group("mfu") == "38.29%"
