@@ -155,7 +155,7 @@ def test_cost_constants_device_constants_and_flags(tmp_path):
             "attention": [{"b": 1, "h": 32, "s": 8192, "d": 128, "tflops": 420.0}],
             "nccl": {"all_reduce": {"alpha_us": 20.0, "busbw_gbps": 360.0},
                      "all_gather_into_tensor": {"alpha_us": 10.0, "busbw_gbps": 380.0}}}
-    m = P.apply_measurements(D._default_devices()["h100"], data)
+    m = D.apply_measurements(D._default_devices()["h100"], data)
     assert m.matmul_flops == 700e12 and m.matmul_by_shape[(4096, 8192, 14336)] == 650e12
     assert m.attention_by_shape[(1, 32, 8192, 128)] == 420e12 and m.hbm_Bps == 3e12
     assert m.nvlink.constants("all_reduce") == pytest.approx((20e-6, 360e9))
@@ -163,7 +163,7 @@ def test_cost_constants_device_constants_and_flags(tmp_path):
     assert m.measured == ("matmul", "attention", "hbm", "nvlink") and "measured" in m.source
     assert m.nic == h100.nic  # not measured: the datasheet default stays
     net = {"all_gather_into_tensor": {"alpha_us": 30.0, "busbw_gbps": 320.0, "gpus_per_node": 8}}
-    nic = P.apply_measurements(h100, {"nccl_network": net}).nic
+    nic = D.apply_measurements(h100, {"nccl_network": net}).nic
     assert (nic.alpha_s, nic.busbw_Bps) == pytest.approx((30e-6, 40e9))  # busbw per NIC
     # the [projection] flags -> device constants, node size and overlap; a bad value: one line naming its flag
     dev, gpn, overlap = P.settings(Projection())

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
-    DeviceConstants, Link, apply_measurements, device_constants)
+    DeviceConstants, Link, device_constants)
 
 #: Mesh dimension names, in torchtitan's mesh order (outermost first).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
