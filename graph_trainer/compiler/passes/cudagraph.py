@@ -65,9 +65,13 @@ class CUDAGraphWrapper:
             ]
             self.graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
-            with torch.cuda.graph(self.graph):
+            before = torch.cuda.memory_reserved()
+            with torch.cuda.graph(self.graph):  # (its __enter__ empties the allocator's cache first)
                 self.static_outputs = self.fn(*pytree.tree_unflatten(self.static_inputs, spec))
-            logger.info("cudagraph_pass: captured CUDA graph (%d inputs, %d static)", len(flat), len(self.static_idx))
+            after = torch.cuda.memory_reserved()
+            logger.info("cudagraph_pass: captured CUDA graph (%d inputs, %d static); reserved %.2f GiB before the "
+                        "capture, %.2f GiB after (peak so far %.2f GiB)", len(flat), len(self.static_idx),
+                        before / 2**30, after / 2**30, torch.cuda.max_memory_reserved() / 2**30)
         if spec != self.spec:
             raise RuntimeError("CUDAGraphWrapper: input structure changed since capture")
         for i, (dst, src) in enumerate(zip(self.static_inputs, flat)):
