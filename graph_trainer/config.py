@@ -102,6 +102,23 @@ class Debug:
 
 
 @dataclass
+class DataLoader:
+    """Defaults this project changes in torchtitan's ``[training.dataloader]``."""
+
+    num_workers: int = 1
+    """Worker processes that read and tokenize the next batches while the step runs (one
+    worker yields torchtitan's batches in the same order; 0: read in the training process,
+    between steps, while the GPU waits)."""
+
+
+@dataclass
+class Training:
+    """Defaults this project changes in torchtitan's ``[training]``."""
+
+    dataloader: DataLoader = field(default_factory=DataLoader)
+
+
+@dataclass
 class Checkpoint:
     """Defaults this project changes in torchtitan's ``[checkpoint]``."""
 
@@ -146,6 +163,7 @@ class JobConfig:
 
     compile: Compile = field(default_factory=Compile)
     debug: Debug = field(default_factory=Debug)
+    training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     projection: Projection = field(default_factory=Projection)

@@ -9,7 +9,10 @@
 # seed: rank 0 of the seed layout (8B FSDP4xTP2) under COMM_MODE=fake_collectives NGPU=8.
 # REPEATS=N (default 2): runs per side of jit vs plain. FAST: the fastest setting's flags
 # (default --compile.inductor_compilation full). FASTEST_B: flags of the last pair's B side
-# (default: FAST + coordinate-descent tuning); PARTS="pair first cg fastb" picks parts.
+# (default: FAST + coordinate-descent tuning). PARTS (default "pair first cg fastb") picks the parts;
+# more: probe (interpreter start, imports, config check), plain_first / cg_first (the plain command,
+# without / with --compile.passes cudagraph, to step 2: the capture's memory),
+# data (batches read in the step vs by a worker, the default).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -31,18 +34,41 @@ cmp() {  # name, A flags, B flags, A label, B label, repeats
     for f in /tmp/"$1"/*.png; do cp "$f" "$OUT/$1_$(basename "$f")"; done 2>/dev/null
     grep -h "ok in\|FAILED\|^|" "$OUT/$1.log" | cut -c1-300
 }
-first_step() {  # name: FAST to step 2, wall from launch (s) and step 1's time
+first_step() {  # name, flags: to step 2, wall from launch split at the first log line and at step 2
     local t0 t1; t0=$(date +%s.%N)
-    timeout "$T" ./run_train.sh $L $FAST --training.steps 2 --job.dump_folder "/tmp/$1" > "$OUT/$1.log" 2>&1
+    timeout "$T" ./run_train.sh $L $2 --training.steps 2 --job.dump_folder "/tmp/$1" > "$OUT/$1.log" 2>&1
     local rc=$?; t1=$(date +%s.%N)
-    echo "$1 rc=$rc launch-to-step-2 wall $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
+    python3 - "$1" "$rc" "$t0" "$t1" "$OUT/$1.log" <<'PY'
+import datetime, re, sys
+name, rc, t0, t1, log = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+stamps = [(datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), line)
+          for line in open(log, errors="replace") if (m := re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line))]
+step2 = next((t for t, line in stamps if "step:  2" in line), None)
+parts = f"launch -> first log line {stamps[0][0] - t0:.1f} s" if stamps else "no log line"
+if step2 is not None:
+    parts += f", -> step 2 {step2 - stamps[0][0]:.1f} s, step 2 -> exit {t1 - step2:.1f} s"
+print(f"{name} rc={rc} launch-to-exit {t1 - t0:.1f} s ({parts})")
+PY
     grep -h "Traced the training\|took \|compiled the whole\|step:  [12] \|memory policy:\|cudagraph_pass" "$OUT/$1.log" \
         | sed 's/^.*INFO - //' | cut -c1-220
+}
+probe() {  # where the time before the first log line goes
+    for c in "import torch" "import torch, torchtitan.train" "import datasets" "import torch._inductor.compile_fx"; do
+        local t0; t0=$(date +%s.%N); python3 -c "$c"; echo "python3 -c '$c': $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
+    done
+    local t0; t0=$(date +%s.%N); python3 -m graph_trainer.config --job.config_file "$CONFIG_FILE" $L > /dev/null 2>&1
+    echo "config check: $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
+    python3 -X importtime -m graph_trainer.config --job.config_file "$CONFIG_FILE" $L 2>&1 >/dev/null \
+        | sort -t'|' -k2 -n | tail -8
 }
 for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
-first) first_step "${W}_fast_cold"; first_step "${W}_fast_warm" ;;
+first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" ;;
+plain_first) first_step "${W}_plain_first" "" ;;
+cg_first) first_step "${W}_cg_first" "--compile.passes cudagraph" ;;
+probe) probe ;;
+data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the step" "data worker (default)" "$R" ;;
 cg) cmp "${W}_cg_fast" "--compile.passes cudagraph" "$FAST" "plain + cudagraph" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;
