@@ -114,6 +114,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]]; then
     export PYTORCH_ALLOC_CONF="expandable_segments:True"
 fi
+if (( NNODES == 1 && NGPU == 1 )); then
+    # one process: no launcher and no separate check (each starts an interpreter that imports
+    # torch); the trainer checks its input first and reports it the same way
+    exec python3 -m graph_trainer.train "${CONFIG_ARGS[@]}" "$@"
+fi
 # Validate the command line and what it points at (data, tokenizer, degrees vs the
 # NNODES x NGPU world, checkpoint folder) once, before any process or model is started.
 if ! err=$(python3 -m graph_trainer.config "${CONFIG_ARGS[@]}" "$@" 2>&1 >/dev/null); then

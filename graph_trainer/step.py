@@ -219,7 +219,9 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     logger.info(f"Memory budget {budget / GiB:.1f} GiB per rank ({source})")
     pipeline = functools.partial(plan_pipeline, cfg.compile, layout, budget_bytes=budget,
                                  state_bytes=state_bytes(tpar.params), has_fsdp=tpar.sharded,
-                                 deterministic=cfg.debug.deterministic)
+                                 deterministic=cfg.debug.deterministic,
+                                 cudagraph=device.type == "cuda" and not record_dir
+                                 and (world_size == 1 or cfg.comm.mode == "fake_collectives"))
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None
     if cfg.compile.dump_graphs and rank == 0:  # one rank writes the graphs; an older dump is kept

@@ -14,7 +14,7 @@ from graph_trainer.metrics import peak_bf16_for_name
 from graph_trainer.model import build_model, flavors, loss_fn, model_args
 from graph_trainer.projection import cost_model as P
 from graph_trainer.projection import devices as D
-from graph_trainer.projection.dry_run import dry_run, fused_attention_on_meta
+from graph_trainer.projection.dry_run import dry_run, fused_attention_on_meta, fused_rms_norm_on_meta
 
 from _runs import DEBUG  # tests/ is on sys.path
 from _scripts import load_script
@@ -132,6 +132,28 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
     assert work.memory_bytes >= 2 * tokens.numel() * 128 * 4
     views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     assert views and all(P.memory_op_bytes(n) == 0 for n in views)
+
+
+def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
+    """On meta tensors F.rms_norm decomposes into fp32 steps that autograd keeps for the backward;
+    the dry run traces CUDA's fused op and its backward instead: fewer bytes live, same shapes."""
+    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+
+    x = torch.empty(2, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+
+    def step(x, w):
+        return torch.autograd.grad(F.rms_norm(x, [32], w, 1e-5).float().sum(), (x, w))
+
+    orig = F.rms_norm
+    with fused_rms_norm_on_meta():
+        gm = make_fx(step)(x, w)
+    assert F.rms_norm is orig
+    plain = make_fx(step)(x, w)
+    assert aten._fused_rms_norm_backward.default in {n.target for n in gm.graph.nodes}
+    assert aten._fused_rms_norm_backward.default not in {n.target for n in plain.graph.nodes}
+    assert [n.meta["val"].shape for n in gm.graph.find_nodes(op="output")[0].all_input_nodes] == [x.shape, w.shape]
+    assert estimate_peak_memory(gm)[0] < estimate_peak_memory(plain)[0]
 
 
 def test_cost_constants_device_constants_and_flags(tmp_path):

@@ -19,10 +19,38 @@ import torch.fx
 from graph_trainer.compiler.common import DisjointSet, hold, is_wait, storages
 
 
-def estimate_peak_memory(gm: torch.fx.GraphModule) -> tuple[int, str | None]:
+#: Ops whose output Inductor computes inside the kernel of their users when it compiles the whole
+#: graph (with ``torch.Tag.pointwise`` ops), and ops that can take such a value as an input.
+_FUSED_EXTRA = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward",
+                "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
+
+
+def _fusable(node: torch.fx.Node, consumer: bool) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    tags = set(target.tags)
+    if torch.Tag.pointwise in tags or target.overloadpacket.__name__ in _FUSED_EXTRA:
+        return True
+    return consumer and torch.Tag.reduction in tags
+
+
+def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes whose output whole-graph Inductor does not write to memory: a pointwise op (or a cast)
+    whose users are all pointwise ops or reductions, so the value is computed inside their kernel.
+    An approximation of Inductor's fusion (it also recomputes across some views and kernels)."""
+    out = set(gm.graph.find_nodes(op="output"))
+    returned = {n for o in out for n in o.all_input_nodes}
+    return {n for n in gm.graph.nodes if _fusable(n, False) and n not in returned and n.users
+            and all(_fusable(u, True) for u in n.users)}
+
+
+def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple[int, str | None]:
     """``(peak bytes, name of the node at the peak)`` of ``gm``'s live intermediate storages
-    (module docstring); bytes are exact storage sizes, not allocator blocks."""
+    (module docstring); bytes are exact storage sizes, not allocator blocks. ``fused``: leave out
+    the outputs :func:`inlined_by_inductor` names (the graph as whole-graph Inductor runs it)."""
     nodes = list(gm.graph.nodes)
+    skip = inlined_by_inductor(gm) if fused else set()
     pos = {n: i for i, n in enumerate(nodes)}
     same_buffer = DisjointSet()  # wait_tensor / hold return their input's buffer
     for n in nodes:
@@ -37,7 +65,7 @@ def estimate_peak_memory(gm: torch.fx.GraphModule) -> tuple[int, str | None]:
     size, born, last = {}, {}, {}
     end = len(nodes)
     for n in nodes:
-        if n.op in ("placeholder", "output"):
+        if n.op in ("placeholder", "output") or n in skip:
             continue
         death = max((pos[u] for u in n.users), default=pos[n])
         for ref, nbytes in refs_of(n):

@@ -4,18 +4,25 @@ Not a pipeline pass: it reads the traced graph (and transforms copies of it) to 
 options the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``: ``recompute``
 as torchtitan's op-SAC policy, ``matmuls`` kept, or ``all`` kept), ``--compile.fsdp.keep_last_blocks``
 (``reshard_after_forward``: blocks whose gathered weights stay for the backward) and
-``--compile.fsdp.bucket_blocks`` (``bucket_collectives``). None changes numerics.
+``--compile.fsdp.bucket_blocks`` (``bucket_collectives``), and whether the step replays as a CUDA
+graph (``cudagraph``) where nobody chose (neither ``--compile.passes`` nor ``disable_passes`` names
+it). None changes numerics.
 
 Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block)
 to the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by
 one, then the rest of the activations; every rung with buckets of :data:`BUCKET_BLOCKS`. The
 highest rung whose predicted peak fits the budget wins; when even the leanest does not fit, the
-buckets go too and the policy says so.
+buckets go too and the policy says so. CUDA graphs come before the ladder where they may run
+(``cudagraph=True``: one process on a CUDA device, regional or no Inductor): they remove the host's
+launch gaps for :data:`CUDAGRAPH_GIB`, more per GiB than any rung; the ladder then plans for the
+budget less that, and the graph goes only when even its leanest rung would not fit.
 
 Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak``:
 ``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak`` the static estimate
-of the step's intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`),
-``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks).
+of the step's intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`;
+under full-graph Inductor without the values it keeps inside its kernels),
+``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks), plus
+:data:`CUDAGRAPH_GIB` with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ DRY_RUN_DEVICES_GIB = (79.1, 139.8)
 LEVER_PASSES = {
     "save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives",
 }
+#: What replaying the step as a CUDA graph adds to the peak, GiB: the warmup call's blocks, cached
+#: for its side stream, and the graph's private pool (fitted to the measured peaks of the 1B and
+#: the seed rank with and without the graph: docs/perf.md, "Memory prediction").
+CUDAGRAPH_GIB = 1.0
 
 
 @dataclass
@@ -71,12 +82,13 @@ class FSDPOptions:
 
 
 #: ``scale`` of ``measured peak reserved ~= state + scale * graph estimate`` per
-#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf.md). Op by
-#: op, the allocator's caching adds a share (> 1); full-graph Inductor fuses and recomputes
-#: cheap values inside its kernels (< 1).
+#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf.md, "Memory
+#: prediction"). The allocator's caching adds a share (> 1). Under ``full`` the estimate leaves out
+#: the values Inductor computes inside its kernels (``estimate_peak_memory(fused=True)``); what
+#: its own buffers and recomputation add grows with the recomputed share.
 CALIBRATION: dict[tuple[str, str], float] = {
     ("regional", "recompute"): 1.10, ("regional", "matmuls"): 1.10, ("regional", "all"): 1.10,
-    ("full", "recompute"): 0.68, ("full", "matmuls"): 0.76, ("full", "all"): 0.65,
+    ("full", "recompute"): 1.46, ("full", "matmuls"): 1.42, ("full", "all"): 1.15,
 }
 
 
@@ -92,11 +104,14 @@ class Levers:
     save: str = "recompute"
     keep_last_blocks: int = 0
     bucket_blocks: int = 0
+    cudagraph: bool = False
+    """The ``cudagraph`` pass runs (the policy's choice only where nobody named the pass)."""
 
     def flags(self) -> str:
         """The command-line flags that pin this choice."""
         return (f"--compile.sac.save {self.save} --compile.fsdp.keep_last_blocks {self.keep_last_blocks} "
-                f"--compile.fsdp.bucket_blocks {self.bucket_blocks}")
+                f"--compile.fsdp.bucket_blocks {self.bucket_blocks}"
+                + (" --compile.passes cudagraph" if self.cudagraph else ""))
 
 
 @dataclass
@@ -116,16 +131,17 @@ class MemoryPolicy:
         """One line: the choice, the predicted peak against the budget, and why."""
         return (
             f"memory policy: sac.save={self.levers.save}, fsdp.keep_last_blocks={self.levers.keep_last_blocks}, "
-            f"fsdp.bucket_blocks={self.levers.bucket_blocks}; predicted peak {self.predicted_peak_bytes / GiB:.1f} GiB "
+            f"fsdp.bucket_blocks={self.levers.bucket_blocks}{', cudagraph' if self.levers.cudagraph else ''}; predicted peak {self.predicted_peak_bytes / GiB:.1f} GiB "
             f"of a {self.budget_bytes / GiB:.1f} GiB budget ({'; '.join(self.reasons)})"
         )
 
 
-def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str) -> int:
+def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
     """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (fp32
     shards + optimizer state per rank), ``graph_peak_bytes`` (the static estimate), ``inductor``
-    (``--compile.inductor_compilation``) and ``save`` (the graph's ``sac.save`` level)."""
-    return int(state_bytes + calibration(inductor, save) * graph_peak_bytes)
+    (``--compile.inductor_compilation``), ``save`` (the graph's ``sac.save`` level) and
+    ``cudagraph`` (the step replays as a CUDA graph)."""
+    return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
@@ -147,6 +163,7 @@ def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
 def choose_levers(
     estimate: Callable[[str], int], *, n_blocks: int, block_bytes: int, state: int, budget: int, inductor: str,
     fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
+    cudagraph: bool = False,
 ) -> MemoryPolicy:
     """Pick the levers (module docstring); a pure function of its arguments. The ladder,
     leanest first: ``recompute``; ``matmuls`` with 0 .. ``n_blocks`` kept blocks; ``all`` with
@@ -156,8 +173,10 @@ def choose_levers(
     looked at); a kept block and each block of a bucket add ``block_bytes`` (one block's gathered
     weights per rank). ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor``
     selects the calibration. Without FSDP collectives keep / bucket stay 0; without SAC tags
-    ``save`` is ``all``. Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest
-    choice exceeds the budget).
+    ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph (tried first, dropped
+    when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields`` pins
+    ``fixed.cudagraph`` instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the
+    leanest choice exceeds the budget).
     """
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
@@ -165,6 +184,7 @@ def choose_levers(
     saves = [fixed.save] if "save" in fixed_fields else (list(SAVE_LEVELS) if has_sac else ["all"])
     keeps = [fixed.keep_last_blocks] if "keep_last_blocks" in fixed_fields else (
         list(range(n_blocks + 1)) if has_fsdp else [0])
+    graphs = [fixed.cudagraph] if "cudagraph" in fixed_fields else ([True, False] if cudagraph else [False])
     cache: dict[str, int] = {}
 
     def graph_peak(save: str, keep: int, bucket: int) -> int:
@@ -172,8 +192,14 @@ def choose_levers(
             cache[save] = estimate(save)
         return cache[save] + (keep + (bucket if bucket > 1 else 0)) * block_bytes
 
-    def predicted(save: str, keep: int, bucket: int) -> int:
-        return predict_peak(state, graph_peak(save, keep, bucket), inductor, save)
+    def policy(save: str, keep: int, bucket: int, cg: bool, reasons: list[str]) -> MemoryPolicy:
+        peak = predict_peak(state, graph_peak(save, keep, bucket), inductor, save, cg)
+        if cg and "cudagraph" not in fixed_fields:
+            reasons = [f"CUDA graphs fit (+{CUDAGRAPH_GIB:g} GiB)", *reasons]
+        elif cudagraph and "cudagraph" not in fixed_fields:
+            reasons = ["no CUDA graphs: even the leanest setting with them exceeds the budget", *reasons]
+        return MemoryPolicy(Levers(save, keep, bucket, cg), budget, peak, state, peak <= budget, reasons,
+                            graph_peak(save, keep, bucket))
 
     ladder: list[tuple[str, int]] = []
     for i, s in enumerate(saves):
@@ -181,18 +207,17 @@ def choose_levers(
             ladder += [(s, k) for k in keeps]
         else:
             ladder.append((s, keeps[0] if i == 0 else keeps[-1]))
-    for i in range(len(ladder) - 1, -1, -1):
-        peak = predicted(*ladder[i], bucket)
-        if peak <= budget:
+    for cg in graphs:
+        for i in range(len(ladder) - 1, -1, -1):
             reason = "everything fits" if i == len(ladder) - 1 else (
                 "sac.save={} with {} kept blocks would not fit".format(*ladder[i + 1]))
-            return MemoryPolicy(Levers(*ladder[i], bucket), budget, peak, state, True, [reason],
-                                graph_peak(*ladder[i], bucket))
+            chosen = policy(*ladder[i], bucket, cg, [reason])
+            if chosen.fits:
+                return chosen
     reasons = []
     if "bucket_blocks" not in fixed_fields and bucket:
         bucket = 0
         reasons.append("no buckets")
-    peak = predicted(*ladder[0], bucket)
-    fits = peak <= budget
-    reasons.append("the leanest setting " + ("fits" if fits else "exceeds the budget"))
-    return MemoryPolicy(Levers(*ladder[0], bucket), budget, peak, state, fits, reasons, graph_peak(*ladder[0], bucket))
+    chosen = policy(*ladder[0], bucket, graphs[-1], reasons)
+    chosen.reasons.append("the leanest setting " + ("fits" if chosen.fits else "exceeds the budget"))
+    return chosen

@@ -22,19 +22,25 @@ import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
 from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
-from graph_trainer.compiler.registry import PassContext, PipelineStep, pass_step, registry, resolve
+from graph_trainer.compiler.registry import (PassContext, PipelineStep, canonical_name, pass_step, registry, resolve,
+                                             split_names)
 
 logger = logging.getLogger("graph_trainer")
 
 
 def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
     """``(levers, fields the config sets)``: ``[compile.sac] save`` and ``[compile.fsdp]``
-    ``keep_last_blocks`` / ``bucket_blocks`` where set, the others from ``levers`` (else the leanest)."""
+    ``keep_last_blocks`` / ``bucket_blocks`` where set, ``cudagraph`` where ``--compile.passes`` or
+    ``disable_passes`` names it, the others from ``levers`` (else the leanest)."""
     fsdp = compile_cfg.fsdp
+    named = {n: {canonical_name(x) for x in split_names(v)}
+             for n, v in (("on", compile_cfg.passes), ("off", compile_cfg.disable_passes))}
     given = {
         "save": compile_cfg.sac.save if compile_cfg.sac.save != "auto" else None,
         "keep_last_blocks": fsdp.keep_last_blocks if fsdp.keep_last_blocks >= 0 else None,
         "bucket_blocks": fsdp.bucket_blocks if fsdp.bucket_blocks >= 0 else None,
+        "cudagraph": ("cudagraph" in named["on"] and "cudagraph" not in named["off"])
+        if "cudagraph" in named["on"] | named["off"] else None,
     }
     base = levers or Levers()
     merged = Levers(**{k: getattr(base, k) if v is None else v for k, v in given.items()})
@@ -94,6 +100,7 @@ def plan_pipeline(
     deterministic: bool = False,
     uses_flex_attention: bool = False,
     tp_group_name: str | None = None,
+    cudagraph: bool = False,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
     traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
@@ -103,7 +110,10 @@ def plan_pipeline(
 
     ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
     :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
-    the parameters. Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
+    the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
+    device: torchrun's world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
+    when its memory fits and Inductor does not compile the whole graph (which leaves the host
+    nothing to save). Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
     config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -125,13 +135,15 @@ def plan_pipeline(
             clean = run_pipeline(copy.deepcopy(gm), None, trial[:first], quiet=True)
         candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))
         steps = [pass_step(n, candidate) for n in trial[first:]]
-        return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True))[0]
+        return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True),
+                                    fused=compile_cfg.inductor_compilation == "full")[0]
 
     t0 = time.perf_counter()
     policy = choose_levers(
         estimate, n_blocks=layout.n_blocks if layout is not None else 0, block_bytes=block_gather_bytes(gm, layout),
         state=state_bytes, budget=budget_bytes, inductor=compile_cfg.inductor_compilation, fixed=fixed,
         fixed_fields=fixed_fields, has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
+        cudagraph=cudagraph and compile_cfg.inductor_compilation != "full",
     )
     logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
     if not policy.fits:

@@ -157,6 +157,16 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
         return None
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta)
     out = node.meta.get("val")
+    if "attention" in packet.__name__ and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
+        # GQA: key / value (and their gradients) with fewer heads cost as the query's heads
+        # (the same score matrix); torch's formulas assume equal heads
+        def heads(t):
+            if (isinstance(t, torch.Tensor) and t.dim() == q.dim() == 4 and 0 < t.shape[-3] < q.shape[-3]
+                    and q.shape[-3] % t.shape[-3] == 0):
+                return t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3)
+            return t
+
+        args = tuple(heads(a) for a in args)
     flops = formula(*args, out_val=out, **kwargs)
     if "attention" in packet.__name__:
         a = _args(node)

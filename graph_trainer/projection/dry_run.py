@@ -3,8 +3,8 @@
 Rank 0 of ``NGPU`` ranks on a fake process group builds the model on the meta device, applies
 TP and traceable FSDP as training does (:func:`graph_trainer.distributed.parallelize.distribute_for_trace`),
 traces forward + loss + backward, and logs: collectives by kind with bytes per rank, state bytes
-per rank, the memory policy's choice per budget, the estimated peak of the step's intermediates
-before and after the graph-level passes, and the projected step on ``--projection.device``
+per rank, the graph estimate of the step's intermediates before and after the graph-level passes,
+the memory policy's choice and predicted peak per budget (the one prediction), and the projected step on ``--projection.device``
 (:mod:`graph_trainer.projection.cost_model`).
 """
 
@@ -39,8 +39,8 @@ def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
 def fused_attention_on_meta():
     """Trace mask-free, dropout-free SDPA on meta tensors as one fused attention op
     (``aten._scaled_dot_product_flash_attention_for_cpu``, saved by selective AC), as a GPU runs
-    it, instead of the math path's ``[batch, heads, seq, seq]`` scores. GQA heads are repeated
-    first, as SDPA's math path does."""
+    it, instead of the math path's ``[batch, heads, seq, seq]`` scores. GQA keys and values keep
+    their heads (FlashAttention reads them per query head group; no repeated copy)."""
     import torch.nn.functional as F
     from torchtitan.models.llama3.infra import parallelize as tt_parallelize
 
@@ -51,10 +51,7 @@ def fused_attention_on_meta():
         if q.device.type != "meta" or attn_mask is not None or dropout_p:
             return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=enable_gqa)
-        if enable_gqa and k.shape[-3] != q.shape[-3]:  # as SDPA's math path does it
-            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
-        return op(q, k, v, 0.0, is_causal, scale=scale)[0]
+        return op(q, k, v, 0.0, is_causal, scale=scale)[0]  # GQA: k / v keep their heads, as on a GPU
 
     save_list = tt_parallelize._op_sac_save_list
     added = op not in save_list
@@ -66,6 +63,45 @@ def fused_attention_on_meta():
         F.scaled_dot_product_attention = orig
         if added:
             save_list.discard(op)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as CUDA runs it (``aten._fused_rms_norm`` and its backward kernel), which keeps
+    only the input and the fp32 ``rstd`` for the backward. On meta tensors the op decomposes
+    into its fp32 pointwise steps under autograd, whose saved intermediates a GPU never holds."""
+
+    @staticmethod
+    def forward(ctx, x, shape, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm.default(x, shape, weight, eps)
+        ctx.save_for_backward(x, rstd, weight)
+        ctx.shape = shape
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        dx, dw = torch.ops.aten._fused_rms_norm_backward.default(grad, x, ctx.shape, rstd, weight,
+                                                                  [True, weight is not None])
+        return dx, None, dw, None
+
+
+@contextlib.contextmanager
+def fused_rms_norm_on_meta():
+    """Trace ``F.rms_norm`` on meta tensors as :class:`_FusedRMSNorm` (as a GPU runs it)."""
+    import torch.nn.functional as F
+
+    orig = F.rms_norm
+
+    def rms_norm(x, normalized_shape, weight=None, eps=None):
+        if x.device.type != "meta":
+            return orig(x, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(x, list(normalized_shape), weight, eps)
+
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = orig
 
 
 def dry_run(cfg) -> dict:
@@ -96,7 +132,8 @@ def dry_run(cfg) -> dict:
     nparams, flops_per_token = args.get_nparams_and_flops(model, cfg.training.seq_len)
     layout = block_layout(model)
     b, s = cfg.training.local_batch_size, cfg.training.seq_len
-    with fused_attention_on_meta():  # (SAC's save list is bound when distribute_for_trace applies AC)
+    # (SAC's save list is bound when distribute_for_trace applies AC)
+    with fused_attention_on_meta(), fused_rms_norm_on_meta():
         tpar = parallelize.distribute_for_trace(model, cfg, pdims, torch.device("cpu"), 0, world)
         pdtype = torch.bfloat16 if cfg.training.mixed_precision_param == "bfloat16" else None
         tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
@@ -116,7 +153,9 @@ def dry_run(cfg) -> dict:
         pipeline, policy = plan_pipeline(cfg.compile, layout, gm, budget_bytes=int(budget), state_bytes=3 * shard_bytes,
                                          has_fsdp=tpar.sharded)
         policies.append({"budget_gib": round(budget / GiB, 2), "levers": policy.levers.flags(),
-                         "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2)})
+                         "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2),
+                         "graph_estimate_gib": round(policy.graph_peak_bytes / GiB, 2),
+                         "state_gib": round(policy.state_bytes / GiB, 2)})
         plans.append(pipeline)
     # the graph-level passes (compiling passes need real tensors) of the plan for the projected
     # device: the budget given, or the dry-run device size nearest to its memory
@@ -156,10 +195,11 @@ def dry_run(cfg) -> dict:
         *(f"  {k}: {v['count']} ops, {v['bytes'] / gib:.3f} GiB per rank per step" for k, v in sorted(colls.items())),
         f"  per rank: params {shard_bytes / gib:.2f} GiB, grads {shard_bytes / gib:.2f} GiB, "
         f"AdamW state {2 * shard_bytes / gib:.2f} GiB (fp32)",
-        f"  estimated peak of the step's intermediates (graph order, exact sizes): {peak_before / gib:.2f} GiB "
-        f"as traced, {peak_after / gib:.2f} GiB after [{', '.join(names)}] (peak at {peak_node})",
-        *(f"  memory policy for {p['budget_gib']:.1f} GiB per rank: {p['levers']} "
-          f"(predicted peak {p['predicted_peak_gib']:.1f} GiB)" for p in policies),
+        f"  graph estimate (live intermediates in graph order, exact sizes; the prediction's input, not a "
+        f"peak): {peak_before / gib:.2f} GiB as traced, {peak_after / gib:.2f} GiB after [{', '.join(names)}] "
+        f"(peak at {peak_node})",
+        *(f"  predicted peak per rank ({cfg.compile.inductor_compilation} Inductor): {p['predicted_peak_gib']:.1f} GiB "
+          f"of a {p['budget_gib']:.1f} GiB budget with {p['levers']}" for p in policies),
         *proj.lines(),
     ]
     for line in lines:

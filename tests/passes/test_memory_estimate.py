@@ -34,3 +34,25 @@ def test_peak_counts_views_waits_and_holds_once():
     s = _node(g, aten.sum.default, (v,), vs)
     g.output((s,))
     assert estimate_peak_memory(torch.fx.GraphModule(torch.nn.Module(), g)) == (68, s.name)
+
+
+def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
+    """y -> mul -> add -> sum, and x -> exp -> mm: the mul's output feeds only a pointwise add,
+    so whole-graph Inductor computes it inside the add's kernel, and the add's only user is a
+    reduction; the exp feeds a matmul and is written. Unfused peak: mul + add (256 B each) at
+    the add; fused: the sum, the exp and the mm's output (4 + 64 + 64 B) at the mm."""
+    with FakeTensorMode():
+        vx, vy, vm, va, ve, vmm, vs = (torch.empty(4, 4), torch.empty(8, 8), torch.empty(8, 8), torch.empty(8, 8),
+                                       torch.empty(4, 4), torch.empty(4, 4), torch.empty(()))
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    x.meta["val"], y.meta["val"] = vx, vy
+    mul = _node(g, aten.mul.Tensor, (y, y), vm)
+    add = _node(g, aten.add.Tensor, (mul, y), va)
+    s = _node(g, aten.sum.default, (add,), vs)
+    e = _node(g, aten.exp.default, (x,), ve)
+    mm = _node(g, aten.mm.default, (e, x), vmm)
+    g.output((s, mm))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert estimate_peak_memory(gm) == (512, add.name)
+    assert estimate_peak_memory(gm, fused=True) == (132, mm.name)

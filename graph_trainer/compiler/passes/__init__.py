@@ -19,5 +19,5 @@ ORDER = [
     "annotate_pointwise",       # opt-in, numerics-changing
     "regional_inductor",        # --compile.inductor_compilation regional
     "full_inductor",            # --compile.inductor_compilation full
-    "cudagraph",                # opt-in, CUDA
+    "cudagraph",                # CUDA, one process: the memory policy's choice        (compiler/memory_policy.py)
 ]

@@ -1,5 +1,7 @@
-"""Replay the (compiled) training step as a CUDA graph. CUDA only, optional
-(``--compile.passes cudagraph``).
+"""Replay the (compiled) training step as a CUDA graph. CUDA only. The memory policy adds it where
+the step runs in one process on a CUDA device, Inductor does not compile the whole graph and its
+memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes cudagraph`` /
+``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
 
 ``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, then
 one capture, then replays. ``nn.Parameter`` s and inputs whose storage did not change between
@@ -96,4 +98,5 @@ def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None, *, warmup: int
     return gm
 
 
-PASS = GraphPass(name="cudagraph", fn=cudagraph_pass, compiles=True)
+PASS = GraphPass(name="cudagraph", fn=cudagraph_pass, compiles=True,
+                 enabled=lambda ctx: bool(getattr(ctx.levers, "cudagraph", False)))
