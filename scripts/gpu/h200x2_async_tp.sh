@@ -57,7 +57,7 @@ loss)
     ;;
 idle)
     for cm in default fake_collectives; do
-        COMM_MODE=$cm timeout 280 python3 scripts/compare_mfu.py --a-flags "$TP" --b-flags "$TP --compile.passes cudagraph" \
+        COMM_MODE=$cm timeout 280 python3 scripts/compare_mfu.py --a-flags "$TP --compile.disable_passes cudagraph" --b-flags "$TP --compile.passes cudagraph" \
             --a-label "TP2 $cm" --b-label "TP2 $cm cudagraph" --repeats 1 --steps 12 --warmup 3 --profile-step 8 \
             --run-timeout 135 --out "/tmp/cmp_idle_$cm" > "$OUT/cmp_idle_$cm.log" 2>&1
         echo "cmp_idle_$cm rc=$?"; cp "/tmp/cmp_idle_$cm/comparison.json" "$OUT/comparison_idle_$cm.json" 2>/dev/null

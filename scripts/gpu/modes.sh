@@ -2,7 +2,7 @@
 # One workload's modes in one device call: jit vs the plain command (alternating, step 8
 # profiled: kernel time by category, idle, timeline PNG), the first step of the fastest setting
 # cold and with a warm Inductor cache (wall from launch to step 2), then the plain command
-# + CUDA graphs vs the fastest setting and the fastest setting vs FASTEST_B (profiled).
+# vs the fastest setting and the fastest setting vs FASTEST_B (profiled).
 #   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/modes.sh 1b")
 #   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/modes.sh seed")
 # 1b:   train_configs/llama3_1b.toml on one GPU.
@@ -10,9 +10,10 @@
 # REPEATS=N (default 2): runs per side of jit vs plain. FAST: the fastest setting's flags
 # (default --compile.inductor_compilation full). FASTEST_B: flags of the last pair's B side
 # (default: FAST + coordinate-descent tuning). PARTS (default "pair first cg fastb") picks the parts;
-# more: probe (interpreter start, imports, config check), plain_first / cg_first (the plain command,
-# without / with --compile.passes cudagraph, to step 2: the capture's memory),
-# data (batches read in the step vs by a worker, the default).
+# more: probe (interpreter start, imports, config check), plain_first / cg_first (the plain command
+# without / with its CUDA graph, to step 2: the capture's memory),
+# data (batches read in the step vs by a worker, the default), bitwise (eager vs the plain command
+# under --debug.deterministic, 6 steps: losses, grad norms, final state hashes).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -65,11 +66,15 @@ for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
 first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" ;;
-plain_first) first_step "${W}_plain_first" "" ;;
-cg_first) first_step "${W}_cg_first" "--compile.passes cudagraph" ;;
+plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" ;;
+cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;
+bitwise) timeout $(( T * 2 )) python3 scripts/loss_compare.py --a-flags "$L --compile.mode eager --debug.deterministic" \
+        --b-flags "$L --debug.deterministic" --a-label eager --b-label "plain command" --steps 6 --run-timeout "$T" \
+        --out "/tmp/${W}_bitwise" > "$OUT/${W}_bitwise.log" 2>&1
+    echo "${W}_bitwise rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/${W}_bitwise.log" | cut -c1-300 ;;
 data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the step" "data worker (default)" "$R" ;;
-cg) cmp "${W}_cg_fast" "--compile.passes cudagraph" "$FAST" "plain + cudagraph" "fastest ($FAST)" 1
+cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;
 esac
