@@ -105,10 +105,11 @@ class Debug:
 class DataLoader:
     """Defaults this project changes in torchtitan's ``[training.dataloader]``."""
 
-    num_workers: int = 1
+    num_workers: int = -1
     """Worker processes that read and tokenize the next batches while the step runs (one
     worker yields torchtitan's batches in the same order; 0: read in the training process,
-    between steps, while the GPU waits)."""
+    between steps, while the GPU waits). -1: one when training on a GPU, 0 on the CPU (where
+    the step itself uses every core)."""
 
 
 @dataclass

@@ -68,6 +68,8 @@ class TracedTrainStep(_Step):
     def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace the step for ``[B, S]`` int64 batches shaped like ``tokens`` / ``labels`` and run
         the pipeline over the graph (the first call does it)."""
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
         from graph_trainer.trace import ops_by_kind
@@ -94,7 +96,9 @@ class TracedTrainStep(_Step):
                 state_gib=round(policy.state_bytes / gib, 2),
             )
         records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
-        traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
+        # lazy: a pass's recompile() only marks the code stale; it is generated once, at the first call
+        gm = _LazyGraphModule.from_graphmodule(traced.gm)
+        traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
                                  records=records)
         compile_s = time.perf_counter() - t0
         logger.info(f"Pass pipeline [{', '.join(s.name for s in self.pipeline)}] took {compile_s:.2f}s")

@@ -72,6 +72,8 @@ def train(cfg) -> dict:
     tokenizer = build_tokenizer(cfg)
     model_args = build_model_args(cfg, tokenizer)
     dp_rank, dp_size = rank // parallel_dims.tp, world_size // parallel_dims.tp  # TP ranks share a batch
+    if cfg.training.dataloader.num_workers < 0:  # auto (config.DataLoader)
+        cfg.training.dataloader.num_workers = 1 if device.type == "cuda" else 0
     dataloader = build_text_dataloader(dp_size, dp_rank, tokenizer, cfg)
     logger.info(f"Tokenizer ({tokenizer.get_vocab_size():,} tokens) and data ({cfg.training.dataset}) "
                 f"ready in {time.perf_counter() - t0:.1f}s")

@@ -35,6 +35,7 @@ def _train(dump, *flags, check=True, config=None, **launch):
 @pytest.mark.slow
 @pytest.mark.parametrize("ngpu, steps, config, extra, flavor", [
     pytest.param(1, 4, None, [], "debugmodel", id="1rank"),
+    pytest.param(1, 4, None, ["--training.dataloader.num_workers", "1"], "debugmodel", id="1rank_data_worker"),
     pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp"),
     pytest.param(1, 10, "train_configs/llama3_1b.toml", ["--debug.deterministic"], "1B", id="gpu_1b",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),

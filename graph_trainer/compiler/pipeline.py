@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graph_trainer.compiler.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
 from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
@@ -131,8 +132,8 @@ def plan_pipeline(
 
     def estimate(save: str) -> int:
         nonlocal clean
-        if clean is None:
-            clean = run_pipeline(copy.deepcopy(gm), None, trial[:first], quiet=True)
+        if clean is None:  # lazy: the trials read graphs, never run them, so no pass generates code
+            clean = run_pipeline(_LazyGraphModule.from_graphmodule(copy.deepcopy(gm)), None, trial[:first], quiet=True)
         candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))
         steps = [pass_step(n, candidate) for n in trial[first:]]
         return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True),
