@@ -129,10 +129,12 @@ class MemoryPolicy:
 
     def describe(self) -> str:
         """One line: the choice, the predicted peak against the budget, and why."""
+        graph = ", cudagraph" if self.levers.cudagraph else ""
         return (
             f"memory policy: sac.save={self.levers.save}, fsdp.keep_last_blocks={self.levers.keep_last_blocks}, "
-            f"fsdp.bucket_blocks={self.levers.bucket_blocks}{', cudagraph' if self.levers.cudagraph else ''}; predicted peak {self.predicted_peak_bytes / GiB:.1f} GiB "
-            f"of a {self.budget_bytes / GiB:.1f} GiB budget ({'; '.join(self.reasons)})"
+            f"fsdp.bucket_blocks={self.levers.bucket_blocks}{graph}; predicted peak "
+            f"{self.predicted_peak_bytes / GiB:.1f} GiB of a {self.budget_bytes / GiB:.1f} GiB budget "
+            f"({'; '.join(self.reasons)})"
         )
 
 
