@@ -451,12 +451,15 @@ def help_text(merged_cls) -> str:
 
 def _pass_lines() -> list[str]:
     """One line per registered pass: name, default or opt-in, numerics, its module docstring's first sentence."""
+    from graph_trainer.compiler.memory_policy import Levers
     from graph_trainer.compiler.registry import PassContext, registry
 
     lines = []
     for name, spec in registry().items():
         doc = (sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
-        state = "default" if spec.enabled(PassContext(CompileBase())) else "opt-in/by flag"
+        state = ("default" if spec.enabled(PassContext(CompileBase())) else
+                 "memory policy" if spec.enabled(PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
+                 "opt-in/by flag")
         tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))
         lines.append(f"    {name:47s} [{tags}] {' '.join(x.strip() for x in doc)}")
     return lines
