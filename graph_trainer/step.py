@@ -195,6 +195,13 @@ def global_loss(loss: torch.Tensor, dp_group=None) -> float:
     return float(loss)
 
 
+def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:
+    """Whether the memory policy may replay the traced step as a CUDA graph: on a CUDA device, in
+    one process (a world of 1, or ``COMM_MODE=fake_collectives``: collectives with real NCCL peers
+    are not captured here), and not while step 1 records every op's output (``--debug.record_numerics``)."""
+    return device.type == "cuda" and not record_dir and (world_size == 1 or comm_mode == "fake_collectives")
+
+
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
     """The step of ``cfg.compile.mode`` for ``model`` (built on ``device``, weights initialised):
     :class:`TracedTrainStep` (traceable TP / AC / FSDP and the ``[compile]`` pipeline) or
@@ -224,8 +231,7 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     pipeline = functools.partial(plan_pipeline, cfg.compile, layout, budget_bytes=budget,
                                  state_bytes=state_bytes(tpar.params), has_fsdp=tpar.sharded,
                                  deterministic=cfg.debug.deterministic,
-                                 cudagraph=device.type == "cuda" and not record_dir
-                                 and (world_size == 1 or cfg.comm.mode == "fake_collectives"))
+                                 cudagraph=may_replay_as_cuda_graph(device, world_size, cfg.comm.mode, record_dir))
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None
     if cfg.compile.dump_graphs and rank == 0:  # one rank writes the graphs; an older dump is kept

@@ -114,6 +114,19 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     assert not _choose(1000).levers.cudagraph  # not allowed (CPU, several processes): never
 
 
+def test_cuda_graphs_only_for_one_process_on_a_gpu():
+    import torch
+
+    from graph_trainer.step import may_replay_as_cuda_graph
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert may_replay_as_cuda_graph(cuda, 1, "default", None)
+    assert may_replay_as_cuda_graph(cuda, 8, "fake_collectives", None)  # rank 0 of 8, alone
+    assert not may_replay_as_cuda_graph(cuda, 2, "default", None)  # real NCCL peers
+    assert not may_replay_as_cuda_graph(cpu, 1, "default", None)
+    assert not may_replay_as_cuda_graph(cuda, 1, "default", "/tmp/numerics")  # step 1 records op outputs
+
+
 def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
     from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
     from graph_trainer.config import Compile
