@@ -6,6 +6,14 @@ Every variant computes, for ``x: [M, N]``, ``w: [N]`` and ``dy: [M, N]``::
     y = F.rms_norm(x, (N,), w, eps)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
 
+With ``--residual``, the residual add + RMSNorm of a transformer block (the kernel of
+``--compile.passes residual_rmsnorm``), for the residual ``r`` and the residual stream's
+gradient ``dh``, both ``[M, N]``::
+
+    h = x + r
+    y = F.rms_norm(h, (N,), w, eps)
+    dx, dw = torch.autograd.grad((y, h), (x, w), (dy, dh))     # dr = dx
+
 Variants
 --------
 ``eager``          F.rms_norm + autograd (on CUDA: the fused ATen kernels).
@@ -17,14 +25,17 @@ Variants
                    and ``regional_inductor_pass``: the forward norm and the
                    backward norm each compiled by Inductor as one region. One
                    variant per ``--inductor-configs`` entry (``regional[NAME]``;
-                   the entry named ``default`` is plain ``regional``).
+                   the entry named ``default`` is plain ``regional``). With
+                   ``--residual`` also ``annotate_residual_rmsnorm``: the add and
+                   the gradient sum join the norms' regions.
 ``torch.compile``  ``torch.compile`` of the norm (static shapes); AOTAutograd
                    compiles the forward and the backward.
 ``liger``          ``liger_kernel`` RMSNorm (Triton), when importable.
 ``quack``          ``quack`` RMSNorm (CuTe DSL), when importable.
 
 ``liger`` and ``quack`` are optional: reported as ``unavailable`` when they
-cannot be imported or run here; all other variants must run and match eager.
+cannot be imported or run here (and with ``--residual``, which they do not
+implement); all other variants must run and match eager.
 
 Metrics
 -------
@@ -35,6 +46,8 @@ Metrics
   median of ``--iters``.
 * ``GB/s``: ``5 * M * N * itemsize`` bytes (x read, y written, dy read, x read
   again, dx written; the [N] weight is ignored) / time. 10*M*N bytes in bf16.
+  ``--residual``: ``8 * M * N * itemsize`` (x, r read, h, y written; dy, dh,
+  h read, dx written).
 * ``% copy``: that bandwidth relative to a device-to-device ``dst.copy_(src)``
   of a large bf16 buffer measured in the same run (counted as 2 x its size).
 * ``max |diff|``: max abs difference of y, dx, dw against eager; ``rel`` is the
@@ -101,6 +114,7 @@ class Problem:
     dtype: torch.dtype
     device: torch.device
     eps: float
+    residual: bool = False
     x: torch.Tensor = field(init=False)
     w: torch.Tensor = field(init=False)
     dy: torch.Tensor = field(init=False)
@@ -112,10 +126,20 @@ class Problem:
         self.w = (1.0 + 0.1 * mk(self.n)).to(self.dtype).requires_grad_(True)
         self.dy = mk(self.m, self.n).to(self.dtype)
         self.xd, self.wd = self.x.detach(), self.w.detach()
+        self.r = self.dh = None
+        if self.residual:
+            self.r = mk(self.m, self.n).to(self.dtype).requires_grad_(True)
+            self.dh = mk(self.m, self.n).to(self.dtype)
+
+    def args(self, detached: bool = False) -> tuple:
+        """The arguments of :func:`eager_fwd_bwd` (detached leaves for graph variants)."""
+        x, w = (self.xd, self.wd) if detached else (self.x, self.w)
+        extra = () if not self.residual else (self.r.detach() if detached else self.r, self.dh)
+        return (x, w, self.dy, *extra)
 
     @property
     def bytes_moved(self) -> int:
-        return 5 * self.m * self.n * self.x.element_size()
+        return (8 if self.residual else 5) * self.m * self.n * self.x.element_size()
 
 
 @dataclass
@@ -139,9 +163,15 @@ class Result:
 # --------------------------------------------------------------------------- variants
 
 
-def eager_fwd_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float) -> Outputs:
-    y = F.rms_norm(x, (x.shape[-1],), w, eps)
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
+def eager_fwd_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, eps: float,
+                  r: torch.Tensor | None = None, dh: torch.Tensor | None = None) -> Outputs:
+    if r is None:
+        y = F.rms_norm(x, (x.shape[-1],), w, eps)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        return y, dx, dw
+    h = x + r
+    y = F.rms_norm(h, (h.shape[-1],), w, eps)
+    dx, dw = torch.autograd.grad((y, h), (x, w), (dy, dh))
     return y, dx, dw
 
 
@@ -155,24 +185,38 @@ def trace_fwd_bwd(p: Problem) -> torch.fx.GraphModule:
 
     from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 
-    def fwd_bwd(x, w, dy):
+    def body(x, w, dy, r, dh):
+        h = x
+        if r is not None:  # the block's residual add, outside the norm module
+            with fx_traceback.annotate({PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}):
+                h = x + r
         with fx_traceback.annotate({PHASE_KEY: "forward", MODULE_FQN_KEY: "norm"}):
-            y = F.rms_norm(x, (x.shape[-1],), w, p.eps)
+            y = F.rms_norm(h, (h.shape[-1],), w, p.eps)
         with fx_traceback.annotate({PHASE_KEY: "backward", MODULE_FQN_KEY: "norm"}):
-            dx, dw = torch.autograd.grad(y, (x, w), dy)
+            if r is None:
+                dx, dw = torch.autograd.grad(y, (x, w), dy)
+            else:
+                dx, dw = torch.autograd.grad((y, h), (x, w), (dy, dh))
         return y, dx, dw
 
+    def fwd_bwd(x, w, dy):
+        return body(x, w, dy, None, None)
+
+    def fwd_bwd_residual(x, w, dy, r, dh):
+        return body(x, w, dy, r, dh)
+
     with fx_traceback.preserve_node_meta():
-        return make_fx(fwd_bwd, tracing_mode="fake")(p.x, p.w, p.dy)
+        return make_fx(fwd_bwd_residual if p.residual else fwd_bwd, tracing_mode="fake")(*p.args())
 
 
 def build_eager(p: Problem) -> Callable[[], Outputs]:
-    return lambda: eager_fwd_bwd(p.x, p.w, p.dy, p.eps)
+    x, w, dy, *extra = p.args()
+    return lambda: eager_fwd_bwd(x, w, dy, p.eps, *extra)
 
 
 def build_make_fx(p: Problem) -> Callable[[], Outputs]:
     gm = trace_fwd_bwd(p)
-    return lambda: gm(p.xd, p.wd, p.dy)
+    return lambda: gm(*p.args(detached=True))
 
 
 def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: Result) -> Callable[[], Outputs]:
@@ -191,6 +235,12 @@ def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: 
         gm, example_inputs, {} if tune else inductor_configs, DEFAULT_RMSNORM_CANDIDATE_CONFIGS if tune else None
     )
     annotate_stats = dict(getattr(gm, "meta", {}).get("graph_trainer_pass_stats", {}))
+    if p.residual:
+        from graph_trainer.compiler.passes.annotate_residual_rmsnorm import (
+            annotate_residual_rmsnorm_for_regional_inductor_pass)
+
+        gm = annotate_residual_rmsnorm_for_regional_inductor_pass(gm, example_inputs)
+        residual_stats = dict(getattr(gm, "meta", {}).get("graph_trainer_pass_stats", {}))
     gm = regional_inductor_pass(gm, example_inputs)
     compile_stats = dict(getattr(gm, "meta", {}).get("graph_trainer_pass_stats", {}))
     result.pass_stats = {
@@ -199,6 +249,7 @@ def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: 
         "compile_s": compile_stats.get("compile_s"),
         "norms_forward": annotate_stats.get("forward"),
         "norms_backward": annotate_stats.get("backward"),
+        **({"residual_adds": residual_stats} if p.residual else {}),
         "selections": [
             {"inputs": x["inputs"], "ms": [round(t, 4) for t in x["ms"]], "chosen": x["configs"][x["chosen"]]}
             for x in compile_stats.get("selections", [])
@@ -206,11 +257,21 @@ def build_regional(p: Problem, inductor_configs: dict[str, Any] | None, result: 
     }
     if not compile_stats.get("regions"):
         raise RuntimeError(f"regional_inductor_pass compiled no region (annotation stats: {annotate_stats})")
-    return lambda: gm(p.xd, p.wd, p.dy)
+    args = p.args(detached=True)
+    return lambda: gm(*args)
 
 
 def build_torch_compile(p: Problem) -> Callable[[], Outputs]:
     n, eps = p.n, p.eps
+    if p.residual:
+        add_norm = torch.compile(lambda x, r, w: ((h := x + r), F.rms_norm(h, (n,), w, eps)), dynamic=False)
+
+        def step():
+            h, y = add_norm(p.x, p.r, p.w)
+            dx, dw = torch.autograd.grad((y, h), (p.x, p.w), (p.dy, p.dh))
+            return y, dx, dw
+
+        return step
     norm = torch.compile(lambda x, w: F.rms_norm(x, (n,), w, eps), dynamic=False)
 
     def step():
@@ -222,6 +283,8 @@ def build_torch_compile(p: Problem) -> Callable[[], Outputs]:
 
 
 def build_liger(p: Problem) -> Callable[[], Outputs]:
+    if p.residual:
+        raise Unavailable("no residual-add variant")
     if p.device.type != "cuda":
         raise Unavailable("liger needs CUDA")
     try:
@@ -239,6 +302,8 @@ def build_liger(p: Problem) -> Callable[[], Outputs]:
 
 
 def build_quack(p: Problem) -> Callable[[], Outputs]:
+    if p.residual:
+        raise Unavailable("no residual-add variant")
     if p.device.type != "cuda":
         raise Unavailable("quack needs CUDA")
     try:
@@ -429,8 +494,8 @@ def run(args) -> dict[str, Any]:
     results: list[Result] = []
     for m, n in args.shapes:
         torch._dynamo.reset()
-        p = Problem(m, n, dtype, device, args.eps)
-        ref = eager_fwd_bwd(p.x, p.w, p.dy, p.eps)
+        p = Problem(m, n, dtype, device, args.eps, args.residual)
+        ref = eager_fwd_bwd(*p.args()[:3], p.eps, *p.args()[3:])
         ref = tuple(t.detach() for t in ref)
         shape_results = []
         for name, builder in variant_builders(args.variants, configs, p):
@@ -464,7 +529,9 @@ def run(args) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "eps": args.eps,
         "timer": timer,
-        "bytes_formula": "5*M*N*itemsize (x read, y write, dy read, x read again, dx write)",
+        "residual": args.residual,
+        "bytes_formula": ("8*M*N*itemsize (x, r read, h, y write; dy, dh, h read, dx write)" if args.residual else
+                          "5*M*N*itemsize (x read, y write, dy read, x read again, dx write)"),
         "tolerance": tol,
         "copy": copy,
         "shapes": [list(s) for s in args.shapes],
@@ -480,7 +547,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         return "" if v is None else format(v, fmt)
 
     lines = [
-        f"RMSNorm fwd+bwd, {report['dtype']}, eps={report['eps']}, on {report['device']} "
+        f"{'residual add + ' if report.get('residual') else ''}RMSNorm fwd+bwd, {report['dtype']}, "
+        f"eps={report['eps']}, on {report['device']} "
         f"(torch {report['torch']}); copy bandwidth {report['copy']['GBps']:.0f} GB/s; {report['timer']}",
         "",
         "| shape (M x N) | variant | ms | GB/s | % copy BW | vs eager | max abs diff y / dx / dw | rel | ok |",
@@ -518,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated MxN (default: 32768x4096,16384x8192,65536x2048)")  # fmt: skip
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 (fp32 with --tiny)")
     ap.add_argument("--eps", type=float, default=1e-5)
+    ap.add_argument("--residual", action="store_true",
+                    help="the residual add + RMSNorm of a block (module docstring); regional adds "
+                         "annotate_residual_rmsnorm")  # fmt: skip
     ap.add_argument("--variants", default=",".join(ALL_VARIANTS),
                     help=f"comma-separated subset of {ALL_VARIANTS}")  # fmt: skip
     ap.add_argument("--inductor-configs", action="append", metavar="[NAME=]JSON",

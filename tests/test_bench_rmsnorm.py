@@ -49,6 +49,23 @@ def test_tiny_report(tmp_path):
         assert any(f"| {name} |" in line for line in lines), name
 
 
+@pytest.mark.slow
+def test_tiny_residual_report(tmp_path):
+    """--residual: h = x + r feeds the norm and is an output too; the regional variant's add joins the
+    forward norm's region (annotate_residual_rmsnorm), the result matches eager, and the kernels
+    without a residual form are reported unavailable."""
+    proc, report = _run(tmp_path, "--residual", "--variants", "eager,regional,liger", "--inductor-configs", "{}")
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    by_name = {r["variant"]: r for r in report["results"]}
+    assert report["residual"] and report["bytes_formula"].startswith("8*M*N")
+    assert by_name["eager"]["max_abs_diff"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
+    regional = by_name["regional"]
+    assert regional["ok"] is True and regional["pass_stats"]["residual_adds"]["forward"] == 1
+    assert regional["pass_stats"]["regions"] == 2
+    assert by_name["liger"]["status"] == "unavailable" and "residual" in by_name["liger"]["reason"]
+    assert "residual add + RMSNorm fwd+bwd" in proc.stdout
+
+
 def test_bad_inductor_config_fails_the_run(tmp_path):
     proc, report = _run(tmp_path, "--variants", "eager,regional", "--inductor-configs", 'bad={"not_a_key": 1}')
     by_name = {r["variant"]: r for r in report["results"]}
