@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graph_trainer.compiler.common import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
@@ -86,6 +87,15 @@ class CUDAGraphWrapper:
         return self.static_outputs
 
 
+def generated_forward(gm: torch.fx.GraphModule) -> Callable:
+    """``gm.forward`` as its generated code. A lazy GraphModule (``torch.fx._lazy_graph_module``, as
+    the pass pipeline runs) generates it now: its placeholder forward calls ``gm(...)`` again, which
+    would re-enter a wrapper installed as ``gm.forward``."""
+    if isinstance(gm, _LazyGraphModule):
+        gm.real_recompile()
+    return gm.forward
+
+
 def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None, *, warmup: int = 1) -> torch.fx.GraphModule:
     """Wrap ``gm.forward`` in a :class:`CUDAGraphWrapper` (CUDA only)."""
     if not torch.cuda.is_available():
@@ -93,7 +103,7 @@ def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None, *, warmup: int
                            "leave cudagraph out of --compile.passes on CPU")
     if any(x.device.type != "cuda" for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)):
         raise RuntimeError("cudagraph_pass: all example inputs must be CUDA tensors")
-    gm.forward = CUDAGraphWrapper(gm.forward, warmup=warmup)
+    gm.forward = CUDAGraphWrapper(generated_forward(gm), warmup=warmup)
     set_pass_summary(gm, f"wrapped forward in a CUDA graph (warmup={warmup}, capture on the next call)")
     return gm
 
