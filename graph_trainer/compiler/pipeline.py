@@ -112,7 +112,7 @@ def plan_pipeline(
     ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
     :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
     the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
-    device: torchrun's world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
+    device: a world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
     when its memory fits and Inductor does not compile the whole graph (which leaves the host
     nothing to save). Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
     config sets every lever).
