@@ -23,8 +23,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graph_trainer.compiler.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
 from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
-from graph_trainer.compiler.registry import (PassContext, PipelineStep, canonical_name, pass_step, registry, resolve,
-                                             split_names)
+from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
 
 logger = logging.getLogger("graph_trainer")
 
@@ -34,14 +33,12 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
     ``keep_last_blocks`` / ``bucket_blocks`` where set, ``cudagraph`` where ``--compile.passes`` or
     ``disable_passes`` names it, the others from ``levers`` (else the leanest)."""
     fsdp = compile_cfg.fsdp
-    named = {n: {canonical_name(x) for x in split_names(v)}
-             for n, v in (("on", compile_cfg.passes), ("off", compile_cfg.disable_passes))}
+    added, disabled = named_passes(compile_cfg)
     given = {
         "save": compile_cfg.sac.save if compile_cfg.sac.save != "auto" else None,
         "keep_last_blocks": fsdp.keep_last_blocks if fsdp.keep_last_blocks >= 0 else None,
         "bucket_blocks": fsdp.bucket_blocks if fsdp.bucket_blocks >= 0 else None,
-        "cudagraph": ("cudagraph" in named["on"] and "cudagraph" not in named["off"])
-        if "cudagraph" in named["on"] | named["off"] else None,
+        "cudagraph": ("cudagraph" not in disabled) if "cudagraph" in added | disabled else None,
     }
     base = levers or Levers()
     merged = Levers(**{k: getattr(base, k) if v is None else v for k, v in given.items()})

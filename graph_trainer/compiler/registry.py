@@ -136,6 +136,16 @@ def split_names(value: str | Iterable[str] | None) -> list[str]:
     return [v.strip() for v in items if v.strip()]
 
 
+def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
+    """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    return tuple({canonical_name(n) for n in split_names(v)}  # type: ignore[return-value]
+                 for v in (compile_cfg.passes, compile_cfg.disable_passes))
+
+
 def resolve(ctx: PassContext) -> list[str]:
     """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``,
     plus ``--compile.passes``, less ``--compile.disable_passes``.
@@ -149,8 +159,7 @@ def resolve(ctx: PassContext) -> list[str]:
         raise ValueError(f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; "
                          f"got {cfg.inductor_compilation!r}")
     reg = registry()
-    added = {canonical_name(n) for n in split_names(cfg.passes)}
-    disabled = {canonical_name(n) for n in split_names(cfg.disable_passes)}
+    added, disabled = named_passes(cfg)
     names = [n for n, spec in reg.items() if (spec.enabled(ctx) or n in added) and n not in disabled]
     changing = [n for n in names if reg[n].changes_numerics]
     if changing and not cfg.numerics_changing_optim:
