@@ -10,7 +10,7 @@
 # REPEATS=N (default 2): runs per side of jit vs plain. FAST: the fastest setting's flags
 # (default --compile.inductor_compilation full). FASTEST_B: flags of the last pair's B side
 # (default: FAST + coordinate-descent tuning). PARTS (default "pair first cg fastb") picks the parts;
-# more: probe (interpreter start, imports, config check), plain_first / cg_first (the plain command
+# more: jit_fast (jit vs the fastest setting, alternating), probe (interpreter start, imports, config check), plain_first / cg_first (the plain command
 # without / with its CUDA graph, to step 2: the capture's memory),
 # data (batches read in the step vs by a worker, the default), bitwise (eager vs the plain command
 # under --debug.deterministic, 6 steps: losses, grad norms, final state hashes).
@@ -74,6 +74,7 @@ bitwise) timeout $(( T * 2 )) python3 scripts/loss_compare.py --a-flags "$L --co
         --out "/tmp/${W}_bitwise" > "$OUT/${W}_bitwise.log" 2>&1
     echo "${W}_bitwise rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/${W}_bitwise.log" | cut -c1-300 ;;
 data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the step" "data worker (default)" "$R" ;;
+jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST)" "$R" ;;
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;

@@ -9,6 +9,9 @@
 #    8192x4096, 8B seed rank (TP2, sequence-parallel norm) 4096x4096, and 32768x4096; the regional
 #    norm with Inductor's defaults and with mix_order_reduction off, beside eager and torch.compile.
 #    Then the same shapes with --residual: the residual add + RMSNorm region (residual_rmsnorm's kernel).
+# 4. (PARTS=bitwise) 1B, run-to-run with the RMSNorm and residual-add passes on under
+#    --debug.deterministic (losses, grad norms, final state hashes), and (PARTS=firstdiff) the op
+#    the first-divergence finder names between the default and those passes, step 1.
 # PARTS (default "mix fusion bench residual") picks the steps.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
@@ -41,5 +44,17 @@ timeout 120 python3 scripts/bench_rmsnorm.py --residual --variants eager,regiona
     --shapes 8192x2048,8192x4096,4096x4096,32768x4096 --inductor-configs default='{}' \
     --json "$OUT/residual_rmsnorm.json" > "$OUT/residual_rmsnorm.md" 2>&1
 echo "residual rc=$?"; tail -20 "$OUT/residual_rmsnorm.md" ;;
+bitwise)
+P="--debug.deterministic --compile.numerics_changing_optim --compile.passes residual_rmsnorm"
+CONFIG_FILE=train_configs/llama3_1b.toml timeout 200 python3 scripts/loss_compare.py --a-flags "$P" --b-flags "$P" \
+    --a-label "norm passes, run 1" --b-label "norm passes, run 2" --steps 6 --run-timeout 95 --out /tmp/norm_bitwise \
+    > "$OUT/norm_bitwise.log" 2>&1
+echo "norm_bitwise rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/norm_bitwise.log" | cut -c1-300 ;;
+firstdiff)
+P="--compile.numerics_changing_optim --compile.passes residual_rmsnorm"
+CONFIG_FILE=train_configs/llama3_1b.toml timeout 200 python3 scripts/numerics_diff.py --a-flags "--debug.deterministic" \
+    --b-flags "--debug.deterministic $P" --a-label default --b-label "norm passes" --run-timeout 95 --out /tmp/norm_firstdiff \
+    > "$OUT/norm_firstdiff.log" 2>&1
+echo "norm_firstdiff rc=$?"; grep -A8 "ops compared" "$OUT/norm_firstdiff.log" | cut -c1-300 ;;
 esac
 done
