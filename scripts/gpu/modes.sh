@@ -13,7 +13,8 @@
 # more: jit_fast (jit vs the fastest setting, alternating), probe (interpreter start, imports, config check), plain_first / cg_first (the plain command
 # without / with its CUDA graph, to step 2: the capture's memory),
 # data (batches read in the step vs by a worker, the default), bitwise (eager vs the plain command
-# under --debug.deterministic, 6 steps: losses, grad norms, final state hashes).
+# under --debug.deterministic, 6 steps: losses, grad norms, final state hashes), exact (the plain
+# command vs the same + --compile.passes exact_pointwise, alternating, then eager vs the latter bitwise).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -24,7 +25,7 @@ seed) export NGPU=8 COMM_MODE=fake_collectives CONFIG_FILE=train_configs/llama3_
     L="--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2"; T=300 ;;
 *) echo "usage: $0 1b|seed" >&2; exit 2 ;;
 esac
-W=$1; R=${REPEATS:-2}; FAST=${FAST:---compile.inductor_compilation full}
+W=$1; R=${REPEATS:-2}; FAST=${FAST:---compile.inductor_compilation full}; EXACT="--compile.passes exact_pointwise"
 FASTEST_B=${FASTEST_B:-$FAST --compile.full_inductor.configs '{\"coordinate_descent_tuning\":true}'}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_${W}_$$   # cold for the first run of FAST below
 cmp() {  # name, A flags, B flags, A label, B label, repeats
@@ -53,6 +54,12 @@ PY
     grep -h "Traced the training\|took \|compiled the whole\|step:  [12] \|memory policy:\|cudagraph_pass" "$OUT/$1.log" \
         | sed 's/^.*INFO - //' | cut -c1-220
 }
+bitwise() {  # name, B flags, B label: eager vs B under --debug.deterministic, 6 steps
+    timeout $(( T * 2 )) python3 scripts/loss_compare.py --a-flags "$L --compile.mode eager --debug.deterministic" \
+        --b-flags "$L --debug.deterministic $2" --a-label eager --b-label "$3" --steps 6 --run-timeout "$T" \
+        --out "/tmp/$1" > "$OUT/$1.log" 2>&1
+    echo "$1 rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/$1.log" | cut -c1-300
+}
 probe() {  # where the time before the first log line goes
     for c in "import torch" "import torch, torchtitan.train" "import datasets" "import torch._inductor.compile_fx"; do
         local t0; t0=$(date +%s.%N); python3 -c "$c"; echo "python3 -c '$c': $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
@@ -69,10 +76,9 @@ first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" 
 plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" ;;
 cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;
-bitwise) timeout $(( T * 2 )) python3 scripts/loss_compare.py --a-flags "$L --compile.mode eager --debug.deterministic" \
-        --b-flags "$L --debug.deterministic" --a-label eager --b-label "plain command" --steps 6 --run-timeout "$T" \
-        --out "/tmp/${W}_bitwise" > "$OUT/${W}_bitwise.log" 2>&1
-    echo "${W}_bitwise rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/${W}_bitwise.log" | cut -c1-300 ;;
+bitwise) bitwise "${W}_bitwise" "" "plain command" ;;
+exact) cmp "${W}_exact" "" "$EXACT" "plain command" "plain + exact_pointwise" "$R"
+    bitwise "${W}_exact_bitwise" "$EXACT" "plain + exact_pointwise" ;;
 data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the step" "data worker (default)" "$R" ;;
 jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST)" "$R" ;;
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1

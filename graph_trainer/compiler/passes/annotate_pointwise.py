@@ -14,7 +14,7 @@ on the chosen nodes. Changes numerics (fused bf16 chains in fp32): opt-in.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -66,16 +66,19 @@ def _kind(node: torch.fx.Node) -> str | None:
     return None
 
 
-def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2) -> list[list[torch.fx.Node]]:
+def find_pointwise_regions(
+    graph: torch.fx.Graph, min_ops: int = 2, accept: Callable[[torch.fx.Node], bool] | None = None,
+) -> list[list[torch.fx.Node]]:
     """Acyclic regions of chained cheap ops (rules: module docstring), in graph order, each a
-    list of nodes in graph order with at least ``min_ops`` non-view ops."""
+    list of nodes in graph order with at least ``min_ops`` non-view ops. ``accept``: a further
+    test every non-view op must pass (views are joined by the same rule either way)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = DisjointSet()
     kind: dict[torch.fx.Node, str] = {}
     for n in nodes:  # union matched neighbours of the same (phase, module)
         k = _kind(n)
-        if k is None:
+        if k is None or (k == "compute" and accept is not None and not accept(n)):
             continue
         key = (phase_of(n), module_fqn_of(n))
         ins = [u for u in n.all_input_nodes if u in kind and (phase_of(u), module_fqn_of(u)) == key]

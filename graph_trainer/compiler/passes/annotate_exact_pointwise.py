@@ -1,0 +1,107 @@
+"""Tag chains of exactly rounded pointwise ops as Inductor regions that keep eager's bits.
+
+Eager PyTorch runs ``mul``, ``add``, casts and the like one kernel each: every op reads its
+inputs, computes in fp32 (bf16 / fp16 inputs upcast) and rounds its result to the output
+dtype. Each such op is one correctly rounded IEEE operation, so a fused kernel gives the same
+bits as long as it also rounds after every op and contracts no ``a * b + c`` into an FMA.
+Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion`` off), so
+these regions save the intermediates' trips through memory and keep the numerics: no
+``--compile.numerics_changing_optim``. Transcendental ops (SiLU, exp, rsqrt), division and
+reductions round differently when fused and are left out.
+
+Matches: :func:`~graph_trainer.compiler.passes.annotate_pointwise.find_pointwise_regions`'s
+chains (one phase and module each, cut where a region would form a cycle) of the ops in
+:data:`EXACT_OPS` (``add`` / ``sub`` only with ``alpha`` 1), at least ``min_ops`` of them.
+
+Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
+"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
+by Inductor's lowering: round after this op, as eager does) on the chosen nodes. Opt-in:
+``--compile.passes exact_pointwise``. Bitwise equality with eager is tested on the CPU with
+torch >= 2.13 (torch 2.11's C++ backend folds the bf16 round trip away); on the GPU see
+``docs/perf.md``, "Not measured yet".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx
+
+from graph_trainer.compiler.common import packet_name, phase_of, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.passes.annotate_pointwise import find_pointwise_regions
+from graph_trainer.compiler.registry import GraphPass
+
+#: aten op packets computed as one correctly rounded operation per element (or exactly).
+EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",
+                       "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"})
+#: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
+#: denormals (eager's CUDA kernels keep them).
+EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+#: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
+BARRIER_KEY = "low_precision_pointwise_barrier"
+
+
+def is_exact(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an op of :data:`EXACT_OPS` that fused code computes with eager's bits
+    (``add`` / ``sub`` with ``alpha`` other than 1 would be a multiply-add: excluded)."""
+    name = packet_name(node)
+    if name not in EXACT_OPS:
+        return False
+    return not (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1)
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
+    """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every
+    non-view op: its tensor inputs and its output), and as one fused kernel (the inputs from
+    outside the region once, the outputs used outside it). Views move nothing; sizes from
+    ``meta["val"]``."""
+    members = set(region)
+    ops = [n for n in region if is_exact(n)]
+    eager = sum(_bytes(n) + sum(_bytes(u) for u in n.all_input_nodes) for n in ops)
+    inputs = {u for n in region for u in n.all_input_nodes if u not in members}
+    outputs = [n for n in region if any(u not in members for u in n.users)]
+    return eager, sum(map(_bytes, inputs)) + sum(map(_bytes, outputs))
+
+
+def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
+                                  min_ops: int = 2) -> torch.fx.GraphModule:
+    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``) as one eager-numerics region
+    for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: ``regions``, ``nodes``,
+    ``forward_regions``, ``backward_regions``, ``largest`` (nodes of the largest region),
+    ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the memory traffic the
+    regions save a step is their difference)."""
+    if min_ops < 1:
+        raise ValueError(f"min_ops must be >= 1, got {min_ops}")
+    regions = find_pointwise_regions(gm.graph, min_ops, accept=is_exact)
+    by_phase: dict[str, int] = defaultdict(int)
+    for i, region in enumerate(regions):
+        phase = phase_of(region[0]) or "none"
+        by_phase[phase] += 1
+        for n in region:
+            tag_for_inductor(n, EAGER_NUMERICS, f"exact_pointwise_{phase}_{i}")
+            n.meta[BARRIER_KEY] = True
+    tagged = sum(len(r) for r in regions)
+    largest = max((len(r) for r in regions), default=0)
+    fwd, bwd = by_phase.get("forward", 0), by_phase.get("backward", 0)
+    eager, fused = (sum(t) for t in zip(*map(region_traffic, regions))) if regions else (0, 0)
+    set_pass_summary(
+        gm, f"tagged {tagged} exact pointwise node(s) into {len(regions)} eager-numerics region(s) "
+        f"({fwd} forward, {bwd} backward; largest {largest} nodes); their ops move "
+        f"{fused / 2**30:.2f} GiB fused instead of {eager / 2**30:.2f} GiB one kernel each",
+        regions=len(regions), nodes=tagged, forward_regions=fwd, backward_regions=bwd, largest=largest,
+        eager_bytes=eager, fused_bytes=fused,
+    )
+    return gm
+
+
+PASS = GraphPass(
+    name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
+    requires=("regional_inductor",), aliases=("exact_pointwise",),
+)

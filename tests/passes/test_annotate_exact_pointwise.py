@@ -1,0 +1,108 @@
+"""annotate_exact_pointwise: which ops join, and fused regions that keep eager's bits in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
+from graph_trainer.compiler.common import tag_for_inductor
+from graph_trainer.compiler.passes.annotate_exact_pointwise import annotate_exact_pointwise_pass
+from graph_trainer.compiler.pipeline import run_pipeline
+
+from .conftest import inductor_tag, tagged_nodes
+
+aten = torch.ops.aten
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# torch 2.11's C++ backend folds the bf16 round trip that emulate_precision_casts inserts
+OLD_CPU = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _graph():
+    """bf16 ``(a, b, c)``: ((a * b + c) -> fp32 * 0.1234567 + itself -> bf16 - a) squared, and a
+    SiLU, an ``add`` with alpha 2 and a division beside it (not exact: never tagged)."""
+    g = torch.fx.Graph()
+    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
+
+    def op(target, *args, **kwargs):
+        n = g.call_function(target, args, kwargs)
+        n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
+        return n
+
+    s = op(aten.add.Tensor, op(aten.mul.Tensor, a, b), c)  # an FMA candidate in bf16
+    f = op(aten._to_copy.default, s, dtype=torch.float32)
+    f = op(aten.add.Tensor, op(aten.mul.Tensor, f, 0.1234567), f)  # and in fp32
+    o = op(aten._to_copy.default, f, dtype=torch.bfloat16)
+    o = op(aten.sub.Tensor, o, a)
+    out = op(aten.mul.Tensor, o, o)
+    other = op(aten.div.Tensor, op(aten.add.Tensor, op(aten.silu.default, out), c, alpha=2), b)
+    g.output((out, f, other))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _prop(gm, xs):
+    """Fill ``meta["val"]`` from fakes of ``xs`` (their dtype and device); returns the fakes."""
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(x) for x in xs]
+    FakeTensorProp(gm, mode).propagate(*fakes)
+    return fakes
+
+
+def test_only_exact_ops_join():
+    gm = _graph()
+    _prop(gm, [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
+    annotate_exact_pointwise_pass(gm)
+    names = [n.target._opname for n in tagged_nodes(gm)]
+    assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul"]
+    assert len({inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}) == 1
+    assert all(inductor_tag(n)["inductor_configs"]["emulate_precision_casts"] for n in tagged_nodes(gm))
+    stats = gm.meta["graph_trainer_pass_stats"]
+    assert stats["nodes"] == 8
+    # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2,
+    # mul 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1; fused: a, b, c in, out and f (fp32) out
+    assert (stats["eager_bytes"], stats["fused_bytes"]) == (128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2), 128 * (3 + 1 + 2))
+    with pytest.raises(ValueError, match="min_ops"):
+        annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device):
+    if device == "cpu" and OLD_CPU:
+        pytest.skip("torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
+    torch.manual_seed(0)
+    xs = [torch.randn(256, 256, device=device).to(torch.bfloat16) for _ in range(3)]
+    ref = _graph()(*xs)
+
+    def compiled(tag):
+        gm = _graph()
+        fakes = _prop(gm, xs)
+        tag(gm)
+        return run_pipeline(gm, fakes, ["regional_inductor"])(*xs)
+
+    exact = compiled(annotate_exact_pointwise_pass)
+    assert all(torch.equal(x, y) for x, y in zip(exact, ref))
+
+    def plain(gm):  # the same nodes, Inductor's default numerics: the test can tell them apart
+        annotate_exact_pointwise_pass(gm)
+        for n in tagged_nodes(gm):
+            tag_for_inductor(n, {}, "plain")
+            n.meta.pop("low_precision_pointwise_barrier")
+
+    assert not all(torch.equal(x, y) for x, y in zip(compiled(plain), ref))
+
+
+def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
+    """A traced FSDP step gathering bf16 parameters: the regions (casts, residual adds, the SwiGLU
+    and RoPE products) compiled with eager numerics give the uncompiled step's bits."""
+    if OLD_CPU:
+        pytest.skip("torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
+    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
+    ref = traced.gm(*inputs)
+    gm = annotate_exact_pointwise_pass(traced.gm, traced.example_inputs)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    assert stats["forward_regions"] > 0 and stats["backward_regions"] > 0
+    out = run_pipeline(gm, traced.example_inputs, ["regional_inductor"])(*inputs)
+    assert len(out) == len(ref) and all(torch.equal(x, y) for x, y in zip(out, ref))
