@@ -495,7 +495,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 def add_step_args(ap: argparse.ArgumentParser, tiny_help: str) -> None:
-    """The arguments of a traced-step script (also ``ablate_inductor.py``): config,
+    """The arguments of a traced-step script: config,
     shape overrides, device, CPU threads, ``--tiny`` and ``--json``."""
     ap.add_argument("--config-file", type=Path, default=REPO_ROOT / "train_configs" / "debug_model.toml")
     ap.add_argument("--seq-len", type=int, default=None, help="override training.seq_len (tokens)")
