@@ -14,7 +14,8 @@
 # without / with its CUDA graph, to step 2: the capture's memory),
 # data (batches read in the step vs by a worker, the default), bitwise (eager vs the plain command
 # under --debug.deterministic, 6 steps: losses, grad norms, final state hashes), exact (the plain
-# command vs the same + --compile.passes exact_pointwise, alternating, then eager vs the latter bitwise).
+# command vs the same + --compile.passes exact_pointwise, alternating, then eager vs the latter bitwise),
+# jit_budget (jit vs the plain command with --compile.memory_budget_gib $BUDGET_GIB: e.g. jit's peak).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -77,6 +78,8 @@ plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" 
 cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;
 bitwise) bitwise "${W}_bitwise" "" "plain command" ;;
+jit_budget) cmp "${W}_jit_budget" "--compile.mode jit" "--compile.memory_budget_gib ${BUDGET_GIB:?set BUDGET_GIB}" "jit" \
+    "plain, budget ${BUDGET_GIB} GiB" "$R" ;;
 exact) cmp "${W}_exact" "" "$EXACT" "plain command" "plain + exact_pointwise" "$R"
     bitwise "${W}_exact_bitwise" "$EXACT" "plain + exact_pointwise" ;;
 data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the step" "data worker (default)" "$R" ;;

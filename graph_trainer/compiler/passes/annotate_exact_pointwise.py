@@ -23,14 +23,13 @@ torch >= 2.13 (torch 2.11's C++ backend folds the bf16 round trip away); on the 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import packet_name, phase_of, set_pass_summary, tag_for_inductor
-from graph_trainer.compiler.passes.annotate_pointwise import find_pointwise_regions
+from graph_trainer.compiler.common import packet_name, set_pass_summary
+from graph_trainer.compiler.passes.annotate_pointwise import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.registry import GraphPass
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
@@ -73,30 +72,21 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
                                   min_ops: int = 2) -> torch.fx.GraphModule:
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``) as one eager-numerics region
-    for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: ``regions``, ``nodes``,
-    ``forward_regions``, ``backward_regions``, ``largest`` (nodes of the largest region),
-    ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the memory traffic the
-    regions save a step is their difference)."""
+    for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
+    (annotate_pointwise), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the
+    memory traffic the regions save a step is their difference)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     regions = find_pointwise_regions(gm.graph, min_ops, accept=is_exact)
-    by_phase: dict[str, int] = defaultdict(int)
-    for i, region in enumerate(regions):
-        phase = phase_of(region[0]) or "none"
-        by_phase[phase] += 1
-        for n in region:
-            tag_for_inductor(n, EAGER_NUMERICS, f"exact_pointwise_{phase}_{i}")
-            n.meta[BARRIER_KEY] = True
-    tagged = sum(len(r) for r in regions)
-    largest = max((len(r) for r in regions), default=0)
-    fwd, bwd = by_phase.get("forward", 0), by_phase.get("backward", 0)
+    st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
+    for n in (n for region in regions for n in region):
+        n.meta[BARRIER_KEY] = True
     eager, fused = (sum(t) for t in zip(*map(region_traffic, regions))) if regions else (0, 0)
     set_pass_summary(
-        gm, f"tagged {tagged} exact pointwise node(s) into {len(regions)} eager-numerics region(s) "
-        f"({fwd} forward, {bwd} backward; largest {largest} nodes); their ops move "
-        f"{fused / 2**30:.2f} GiB fused instead of {eager / 2**30:.2f} GiB one kernel each",
-        regions=len(regions), nodes=tagged, forward_regions=fwd, backward_regions=bwd, largest=largest,
-        eager_bytes=eager, fused_bytes=fused,
+        gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
+        f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes); "
+        f"their ops move {fused / 2**30:.2f} GiB fused instead of {eager / 2**30:.2f} GiB one kernel each",
+        **st, eager_bytes=eager, fused_bytes=fused,
     )
     return gm
 

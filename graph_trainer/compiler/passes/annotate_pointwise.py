@@ -96,6 +96,20 @@ def find_pointwise_regions(
     return [p for p in pieces if sum(kind[n] == "compute" for n in p) >= min_ops]
 
 
+def tag_regions(regions: list[list[torch.fx.Node]], inductor_configs: dict[str, Any], prefix: str) -> dict[str, int]:
+    """Tag the nodes of each region for ``regional_inductor`` as region ``<prefix>_<phase>_<i>``
+    with ``inductor_configs``. Returns the stats ``regions``, ``nodes``, ``forward_regions``,
+    ``backward_regions`` and ``largest`` (nodes of the largest region)."""
+    by_phase: dict[str, int] = defaultdict(int)
+    for i, region in enumerate(regions):
+        phase = phase_of(region[0]) or "none"
+        by_phase[phase] += 1
+        for n in region:
+            tag_for_inductor(n, inductor_configs, f"{prefix}_{phase}_{i}")
+    return {"regions": len(regions), "nodes": sum(map(len, regions)), "forward_regions": by_phase["forward"],
+            "backward_regions": by_phase["backward"], "largest": max(map(len, regions), default=0)}
+
+
 def annotate_pointwise_for_regional_inductor_pass(
     gm: torch.fx.GraphModule,
     example_inputs: Any = None,
@@ -103,27 +117,14 @@ def annotate_pointwise_for_regional_inductor_pass(
     min_ops: int = 2,
 ) -> torch.fx.GraphModule:
     """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with
-    ``inductor_configs`` (default ``{}``); ``ValueError`` for ``min_ops < 1``. Stats: ``regions``,
-    ``nodes``, ``forward_regions``, ``backward_regions``, ``largest`` (nodes of the largest region)."""
+    ``inductor_configs`` (default ``{}``); ``ValueError`` for ``min_ops < 1``. Stats: those of
+    :func:`tag_regions`."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
-    configs = dict(inductor_configs or {})
-    regions = find_pointwise_regions(gm.graph, min_ops)
-    by_phase: dict[str, int] = defaultdict(int)
-    for i, region in enumerate(regions):
-        phase = phase_of(region[0]) or "none"
-        by_phase[phase] += 1
-        for n in region:
-            tag_for_inductor(n, configs, f"pointwise_{phase}_{i}")
-    tagged = sum(len(r) for r in regions)
-    largest = max((len(r) for r in regions), default=0)
-    fwd, bwd = by_phase.get("forward", 0), by_phase.get("backward", 0)
-    set_pass_summary(
-        gm,
-        f"tagged {tagged} pointwise/cast/reduction node(s) into {len(regions)} region(s) "
-        f"({fwd} forward, {bwd} backward; largest {largest} nodes)",
-        regions=len(regions), nodes=tagged, forward_regions=fwd, backward_regions=bwd, largest=largest,
-    )
+    st = tag_regions(find_pointwise_regions(gm.graph, min_ops), dict(inductor_configs or {}), "pointwise")
+    set_pass_summary(gm, f"tagged {st['nodes']} pointwise/cast/reduction node(s) into {st['regions']} region(s) "
+                     f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} "
+                     "nodes)", **st)
     return gm
 
 
