@@ -13,8 +13,8 @@ of the traced graph in these ways:
 ``regional+rmsnorm+pointwise``  also ``annotate_pointwise_for_regional_inductor_pass``
                           (``--compile.passes annotate_pointwise``: SwiGLU, residual-gradient
                           adds, loss as regions of one module and phase each).
-``full, mix_order_reduction=False``  ``full`` with that Triton knob off; only when
-                          ``torch._inductor.config.triton`` has it (the output says so).
+``full, mix_order_reduction=False``  ``full`` with that Triton knob off; only on CUDA and
+                          when ``torch._inductor.config.triton`` has it (the output says so).
 
 Generated kernels: every way compiles (and runs once) in a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` with ``force_disable_caches``, so all the code Inductor
@@ -434,7 +434,8 @@ def run(args, extra_argv: list[str]) -> dict[str, Any]:
 
     built = build_traced_step(args, extra_argv)
     has_mix = hasattr(ic, "triton") and hasattr(ic.triton, "mix_order_reduction")
-    ways = ["none", "full", "regional+rmsnorm", POINTWISE] + ([NOMIX] if has_mix else [])
+    cuda = torch.device(args.device).type == "cuda"
+    ways = ["none", "full", "regional+rmsnorm", POINTWISE] + ([NOMIX] if has_mix and cuda else [])
     root = Path(args.code_dir) if args.code_dir else Path(tempfile.mkdtemp(prefix="fusion_report_"))
     results, ref = [], None
     for i, name in enumerate(ways):
@@ -451,8 +452,9 @@ def run(args, extra_argv: list[str]) -> dict[str, Any]:
     if not args.code_dir:
         shutil.rmtree(root, ignore_errors=True)
     notes = [] if has_mix else ["torch._inductor.config.triton.mix_order_reduction: knob missing in this torch; that way is skipped"]
-    if torch.device(args.device).type != "cuda":
-        notes.append("C++ backend: triton.* knobs such as mix_order_reduction do not change its code") if has_mix else None
+    if not cuda:
+        notes.append("C++ backend: triton.* knobs such as mix_order_reduction do not change its code; "
+                     "that way is skipped") if has_mix else None
         notes.append("fwd/bwd ms: n/a on CPU (no GPU kernel timeline); step ms is wall time of the whole step")
     cfg, margs = built["cfg"], built["model_args"]
     return {

@@ -10,12 +10,13 @@
 # REPEATS=N (default 2): runs per side of jit vs plain. FAST: the fastest setting's flags
 # (default --compile.inductor_compilation full). FASTEST_B: flags of the last pair's B side
 # (default: FAST + coordinate-descent tuning). PARTS (default "pair first cg fastb") picks the parts;
-# more: jit_fast (jit vs the fastest setting, alternating), probe (interpreter start, imports, config check), plain_first / cg_first (the plain command
-# without / with its CUDA graph, to step 2: the capture's memory),
-# data (batches read in the step vs by a worker, the default), bitwise (eager vs the plain command
-# under --debug.deterministic, 6 steps: losses, grad norms, final state hashes), exact (the plain
-# command vs the same + --compile.passes exact_pointwise, alternating, then eager vs the latter bitwise),
-# jit_budget (jit vs the plain command with --compile.memory_budget_gib $BUDGET_GIB: e.g. jit's peak).
+# more: jit_fast (jit vs the fastest setting, alternating), probe (interpreter start, imports,
+# config check), plain_first / cg_first (the plain command without / with its CUDA graph, to
+# step 2: the capture's memory), data (batches read in the step vs by a worker, the default),
+# bitwise (eager vs the plain command under --debug.deterministic, 6 steps: losses, grad norms,
+# final state hashes), exact (the plain command vs the same + --compile.passes exact_pointwise,
+# alternating, then eager vs the latter bitwise), jit_budget (jit vs the plain command with
+# --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \

@@ -22,8 +22,9 @@ OLD_CPU = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) 
 
 
 def _graph():
-    """bf16 ``(a, b, c)``: ((a * b + c) -> fp32 * 0.1234567 + itself -> bf16 - a) squared, and a
-    SiLU, an ``add`` with alpha 2 and a division beside it (not exact: never tagged)."""
+    """bf16 ``(a, b, c)``: ((a * b + c) -> fp32 * 0.1234567 + itself -> bf16 - a) squared, halved;
+    beside it a SiLU, an ``add`` with alpha 2, a division and a bf16 product with 0.1234567 (which
+    bf16 cannot hold): not exact, never tagged."""
     g = torch.fx.Graph()
     a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
 
@@ -38,8 +39,9 @@ def _graph():
     o = op(aten._to_copy.default, f, dtype=torch.bfloat16)
     o = op(aten.sub.Tensor, o, a)
     out = op(aten.mul.Tensor, o, o)
+    half = op(aten.mul.Tensor, out, 0.5)
     other = op(aten.div.Tensor, op(aten.add.Tensor, op(aten.silu.default, out), c, alpha=2), b)
-    g.output((out, f, other))
+    g.output((half, f, other, op(aten.mul.Tensor, out, 0.1234567)))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
@@ -56,14 +58,14 @@ def test_only_exact_ops_join():
     _prop(gm, [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
     annotate_exact_pointwise_pass(gm)
     names = [n.target._opname for n in tagged_nodes(gm)]
-    assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul"]
+    assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul", "mul"]
     assert len({inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}) == 1
     assert all(inductor_tag(n)["inductor_configs"]["emulate_precision_casts"] for n in tagged_nodes(gm))
     stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["nodes"] == 8
-    # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2,
-    # mul 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1; fused: a, b, c in, out and f (fp32) out
-    assert (stats["eager_bytes"], stats["fused_bytes"]) == (128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2), 128 * (3 + 1 + 2))
+    assert stats["nodes"] == 9
+    # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2, mul
+    # 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1, * 0.5 1+1; fused: a, b, c in, out, half, f out
+    assert (stats["eager_bytes"], stats["fused_bytes"]) == (128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2 + 2), 128 * (3 + 2 + 2))
     with pytest.raises(ValueError, match="min_ops"):
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 

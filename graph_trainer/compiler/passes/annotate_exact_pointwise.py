@@ -11,7 +11,7 @@ reductions round differently when fused and are left out.
 
 Matches: :func:`~graph_trainer.compiler.passes.annotate_pointwise.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
-:data:`EXACT_OPS` (``add`` / ``sub`` only with ``alpha`` 1), at least ``min_ops`` of them.
+:data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them.
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
@@ -43,12 +43,17 @@ BARRIER_KEY = "low_precision_pointwise_barrier"
 
 
 def is_exact(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an op of :data:`EXACT_OPS` that fused code computes with eager's bits
-    (``add`` / ``sub`` with ``alpha`` other than 1 would be a multiply-add: excluded)."""
+    """Whether ``node`` is an op of :data:`EXACT_OPS` that fused code computes with eager's bits.
+    Excluded: ``add`` / ``sub`` with ``alpha`` other than 1 (a multiply-add), and a Python number
+    beside a bf16 / fp16 tensor unless that dtype holds it exactly (eager may round the number
+    to the tensor's dtype first, Inductor computes with it in fp32)."""
     name = packet_name(node)
-    if name not in EXACT_OPS:
+    if name not in EXACT_OPS or (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1):
         return False
-    return not (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1)
+    low = [v.dtype for u in node.all_input_nodes if isinstance(v := u.meta.get("val"), torch.Tensor)
+           and v.dtype in (torch.bfloat16, torch.float16)]
+    numbers = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return not any(torch.tensor(x, dtype=d).item() != x for x in numbers for d in low)
 
 
 def _bytes(node: torch.fx.Node) -> int:
