@@ -9,7 +9,7 @@ these regions save the intermediates' trips through memory and keep the numerics
 ``--compile.numerics_changing_optim``. Transcendental ops (SiLU, exp, rsqrt), division and
 reductions round differently when fused and are left out.
 
-Matches: :func:`~graph_trainer.compiler.passes.annotate_pointwise.find_pointwise_regions`'s
+Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
 :data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them.
 
@@ -28,8 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import packet_name, set_pass_summary
-from graph_trainer.compiler.passes.annotate_pointwise import find_pointwise_regions, tag_regions
+from graph_trainer.compiler.common import find_pointwise_regions, packet_name, set_pass_summary, tag_regions
 from graph_trainer.compiler.registry import GraphPass
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
@@ -78,7 +77,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
                                   min_ops: int = 2) -> torch.fx.GraphModule:
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``) as one eager-numerics region
     for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
-    (annotate_pointwise), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the
+    (compiler/common.py), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the
     memory traffic the regions save a step is their difference)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
