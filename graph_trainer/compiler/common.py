@@ -313,6 +313,21 @@ def split_acyclic(
     return parts
 
 
+def val_bytes(val: Any) -> int:
+    """Bytes of a tensor (at most its storage's: an expanded view counts what it reads) or of a
+    list / tuple of them; else 0."""
+    if isinstance(val, torch.Tensor):
+        n = val.numel() * val.element_size()
+        try:
+            n = min(n, val.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return n
+    if isinstance(val, (list, tuple)):
+        return sum(val_bytes(v) for v in val)
+    return 0
+
+
 def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
     """``meta.get("val")`` of every placeholder of ``gm``, in order (None where missing)."""
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]

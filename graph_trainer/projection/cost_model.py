@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
+from graph_trainer.compiler.common import val_bytes
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -121,20 +122,6 @@ def _args(node: torch.fx.Node) -> dict:
     if schema is None:
         return dict(node.kwargs)
     return {**{a.name: v for a, v in zip(schema.arguments, node.args)}, **node.kwargs}
-
-
-def val_bytes(val) -> int:
-    """Bytes of a tensor (at most its storage's) or of a list / tuple of them; else 0."""
-    if isinstance(val, torch.Tensor):
-        n = val.numel() * val.element_size()
-        try:
-            n = min(n, val.untyped_storage().nbytes())
-        except (RuntimeError, NotImplementedError):
-            pass
-        return n
-    if isinstance(val, (list, tuple)):
-        return sum(val_bytes(v) for v in val)
-    return 0
 
 
 def _meta(arg):

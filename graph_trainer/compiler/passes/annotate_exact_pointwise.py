@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import find_pointwise_regions, packet_name, set_pass_summary, tag_regions
+from graph_trainer.compiler.common import (find_pointwise_regions, packet_name, set_pass_summary, tag_regions,
+                                           val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
@@ -55,22 +56,18 @@ def is_exact(node: torch.fx.Node) -> bool:
     return not any(torch.tensor(x, dtype=d).item() != x for x in numbers for d in low)
 
 
-def _bytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
     """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every
     non-view op: its tensor inputs and its output), and as one fused kernel (the inputs from
-    outside the region once, the outputs used outside it). Views move nothing; sizes from
-    ``meta["val"]``."""
+    outside the region once, the outputs used outside it). Views move nothing; sizes:
+    :func:`~graph_trainer.compiler.common.val_bytes` of ``meta["val"]``."""
+    def nbytes(nodes):
+        return sum(val_bytes(n.meta.get("val")) for n in nodes)
+
     members = set(region)
-    ops = [n for n in region if is_exact(n)]
-    eager = sum(_bytes(n) + sum(_bytes(u) for u in n.all_input_nodes) for n in ops)
+    eager = sum(nbytes([n, *n.all_input_nodes]) for n in region if is_exact(n))
     inputs = {u for n in region for u in n.all_input_nodes if u not in members}
-    outputs = [n for n in region if any(u not in members for u in n.users)]
-    return eager, sum(map(_bytes, inputs)) + sum(map(_bytes, outputs))
+    return eager, nbytes(inputs) + nbytes(n for n in region if any(u not in members for u in n.users))
 
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
