@@ -199,7 +199,7 @@ def trace_fwd_bwd(p: Problem) -> torch.fx.GraphModule:
                 dx, dw = torch.autograd.grad((y, h), (x, w), (dy, dh))
         return y, dx, dw
 
-    def fwd_bwd(x, w, dy):
+    def fwd_bwd(x, w, dy):  # make_fx traces every parameter of the function: one per arity
         return body(x, w, dy, None, None)
 
     def fwd_bwd_residual(x, w, dy, r, dh):
@@ -495,8 +495,7 @@ def run(args) -> dict[str, Any]:
     for m, n in args.shapes:
         torch._dynamo.reset()
         p = Problem(m, n, dtype, device, args.eps, args.residual)
-        ref = eager_fwd_bwd(*p.args()[:3], p.eps, *p.args()[3:])
-        ref = tuple(t.detach() for t in ref)
+        ref = tuple(t.detach() for t in build_eager(p)())
         shape_results = []
         for name, builder in variant_builders(args.variants, configs, p):
             print(f"[{m}x{n}] {name} ...", file=sys.stderr, flush=True)
