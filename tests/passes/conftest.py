@@ -35,9 +35,10 @@ def region_ids(gm):
 
 
 def fake_prop(gm, shapes):
-    """Fill ``meta["val"]`` of ``gm`` from fake inputs of ``shapes``; returns the fakes."""
+    """Fill ``meta["val"]`` of ``gm`` from fake inputs of ``shapes`` (fp32), or of tensors (their
+    dtype and device); returns the fakes."""
     mode = FakeTensorMode()
-    fakes = [mode.from_tensor(torch.empty(s)) for s in shapes]
+    fakes = [mode.from_tensor(s if isinstance(s, torch.Tensor) else torch.empty(s)) for s in shapes]
     FakeTensorProp(gm, mode).propagate(*fakes)
     return fakes
 

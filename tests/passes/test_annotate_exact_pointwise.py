@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.compiler.common import tag_for_inductor
 from graph_trainer.compiler.passes.annotate_exact_pointwise import annotate_exact_pointwise_pass
 from graph_trainer.compiler.pipeline import run_pipeline
 
-from .conftest import inductor_tag, tagged_nodes
+from .conftest import fake_prop, inductor_tag, tagged_nodes
 
 aten = torch.ops.aten
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -45,17 +43,9 @@ def _graph():
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def _prop(gm, xs):
-    """Fill ``meta["val"]`` from fakes of ``xs`` (their dtype and device); returns the fakes."""
-    mode = FakeTensorMode()
-    fakes = [mode.from_tensor(x) for x in xs]
-    FakeTensorProp(gm, mode).propagate(*fakes)
-    return fakes
-
-
 def test_only_exact_ops_join():
     gm = _graph()
-    _prop(gm, [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
+    fake_prop(gm, [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
     annotate_exact_pointwise_pass(gm)
     names = [n.target._opname for n in tagged_nodes(gm)]
     assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul", "mul"]
@@ -80,7 +70,7 @@ def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device)
 
     def compiled(tag):
         gm = _graph()
-        fakes = _prop(gm, xs)
+        fakes = fake_prop(gm, xs)
         tag(gm)
         return run_pipeline(gm, fakes, ["regional_inductor"])(*xs)
 
