@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One device call on 2x H200 (<= 10 min): Llama3 8B FSDP2 (seq 8192, selective AC), one
-# run_train.sh run per entry of RUNS, each with its own timeout.
-#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash scripts/gpu/h200x2.sh")
-#   run(kind="nvidia-h200-x2", carry=[".whl"], command='RUNS="jit:110:--compile.mode jit;full:200:--compile.inductor_compilation full" bash scripts/gpu/h200x2.sh')
-# RUNS="name:timeout_s:flags;..." (flags without ';' or ':'); STEPS (default 12) steps per run;
-# NGPU / CONFIG_FILE override the 8B FSDP2 default. Run from another tree (an older version of
-# the project unpacked beside this one): cd OTHER && bash THIS/scripts/gpu/h200x2.sh.
-# Writes to $OUT: summary.txt (one line per run), metrics_all.txt, failed_tails.txt,
+# One device call on 2x H200 (<= 10 min): Llama3 8B FSDP2 (seq 8192, selective AC), the runs of
+# RUNS round-robin, REPEATS rounds (default 1), each run with its own timeout; a run that would
+# end past DEADLINE_S (default 570) seconds after the start is skipped. Ends with one table:
+# per run name the median tps of its repeats (min-max), the ratio to the first name and the
+# verdict (graph_trainer.tools.stats: "real" when the change exceeds the larger spread).
+#   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="REPEATS=2 bash scripts/gpu/h200x2.sh")
+#   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command='RUNS="jit:110:--compile.mode jit;full:200:--compile.inductor_compilation full" bash scripts/gpu/h200x2.sh')
+# RUNS="name:timeout_s:flags;..." (flags without ';' or ':'); STEPS (default 12) steps per run,
+# medians over steps 4..STEPS; NGPU / CONFIG_FILE override the 8B FSDP2 default (the 8B FSDP2
+# needs H200s: its leanest setting is predicted above an H100's memory). Run from another tree
+# (an older version of the project unpacked beside this one): cd OTHER && bash THIS/scripts/gpu/h200x2.sh.
+# Writes to $OUT: summary.txt (one line per run), table.md, metrics_all.txt, failed_tails.txt,
 # kernels_all.md (runs with --profiling.enable_profiling). With COMM_MODE=fake_collectives every
 # run is rank 0 of NGPU ranks in one process on one GPU (any one-GPU kind), e.g. the 70B:
 #   COMM_MODE=fake_collectives NGPU=64 STEPS=8 RUNS="r70b:560:--model.flavor 70B
@@ -14,8 +18,12 @@
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=${NGPU:-2} CONFIG_FILE=${CONFIG_FILE:-train_configs/llama3_8b.toml}
+{ nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+    | tee "$OUT/env.txt"
+START=$SECONDS
 run() {  # name, timeout, flags...
     local name=$1 t=$2 rc; shift 2
+    if (( SECONDS - START + t > ${DEADLINE_S:-570} )); then echo "== $name skipped (deadline)" | tee -a "$OUT/summary.txt"; return; fi
     timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
     rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback";
         echo "--- last lines"; grep -v "^\[rank1\]" "/tmp/$name.log" | tail -12; } >> "$OUT/failed_tails.txt"
@@ -28,8 +36,34 @@ import json,sys
 for l in sys.stdin:
     s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB (alloc %s, predicted %s) loss %.4f trace %.0fs compile %.0fs %s" % (s["tps"], s["mfu"], s["max_memory_gib"], s.get("max_memory_allocated_gib"), s.get("predicted_peak_gib"), s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0, s.get("memory_policy", "")))')" | tee -a "$OUT/summary.txt"
 }
-# default: the jit baseline, the plain command, the one-flag fastest setting, and the plain
-# command within jit's memory
-RUNS=${RUNS:-"jit:110:--compile.mode jit;default:120:;full:180:--compile.inductor_compilation full;budget90:110:--compile.memory_budget_gib 90"}
+# default: the jit baseline, the plain command and the one-flag fastest setting
+RUNS=${RUNS:-"jit:110:--compile.mode jit;default:130:;full:200:--compile.inductor_compilation full"}
 IFS=';' read -ra items <<< "$RUNS"
-for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; run "$n" "$t" $f; done
+names=()
+for r in $(seq "${REPEATS:-1}"); do
+    for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; (( r == 1 )) && names+=("$n"); run "${n}_$r" "$t" $f; done
+done
+python3 - "$_root" "${STEPS:-12}" "${names[@]}" <<'PY' | tee "$OUT/table.md"
+import glob, json, sys
+sys.path.insert(0, sys.argv.pop(1))   # this script's tree, also when run from another one
+from graph_trainer.tools.stats import delta, fmt_value, run_stats, side_stats
+steps, names = int(sys.argv[1]), sys.argv[2:]
+stats = {}
+for n in names:
+    runs = []
+    for path in sorted(glob.glob(f"/tmp/r_{n}_*/metrics.jsonl")):
+        rows = [r for r in map(json.loads, open(path)) if "step" in r]
+        if rows and rows[-1]["step"] == steps:
+            runs.append(run_stats(rows, warmup=3))
+    stats[n] = side_stats(runs)
+print("| run | repeats | tps/GPU median (min–max) | vs %s | MFU | peak memory |" % names[0])
+print("|---|---:|---:|---|---:|---:|")
+for n in names:
+    s, base = stats[n]["tps"], stats[names[0]]
+    if not s["n"]:
+        print(f"| {n} | 0 | failed | | | |"); continue
+    d = delta(base, stats[n])["tps"] if base["tps"]["n"] else {"pct": None}
+    vs = "n/a" if d["pct"] is None else f"{1 + d['pct'] / 100:.3f}× ({d['verdict']})"
+    print(f"| {n} | {s['n']} | {s['median']:,.0f} ({s['min']:,.0f}–{s['max']:,.0f}) | {vs} | "
+          f"{fmt_value('mfu', stats[n]['mfu']['median'])} | {fmt_value('memory_gib', stats[n]['memory_gib']['max'])} |")
+PY
