@@ -458,6 +458,7 @@ def _pass_lines() -> list[str]:
     for name, spec in registry().items():
         doc = (sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
         state = ("default" if spec.enabled(PassContext(CompileBase())) else
+                 "default on CUDA" if spec.enabled(PassContext(CompileBase(), device_type="cuda")) else
                  "memory policy" if spec.enabled(PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
                  "opt-in/by flag")
         tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))

@@ -53,6 +53,7 @@ def build_pipeline(
     deterministic: bool = False,
     uses_flex_attention: bool = False,
     tp_group_name: str | None = None,
+    device_type: str | None = None,
 ) -> list[PipelineStep]:
     """The passes ``compile_cfg`` (``graph_trainer.config.Compile``) runs, in the default order,
     each with the arguments its declaration derives from the config.
@@ -64,12 +65,13 @@ def build_pipeline(
         deterministic: ``--debug.deterministic`` (no timed choices).
         uses_flex_attention: the model uses FlexAttention.
         tp_group_name: the TP process group's ``group_name``; None: found in the graph.
+        device_type: the type of the step's device (``"cuda"``, ``"cpu"``); None: not known.
 
     Raises:
         ValueError: as :func:`~graph_trainer.compiler.registry.resolve`; block options without ``layout``.
     """
     chosen, _ = configured_levers(compile_cfg, levers)
-    ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name)
+    ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
 
 
@@ -99,6 +101,7 @@ def plan_pipeline(
     uses_flex_attention: bool = False,
     tp_group_name: str | None = None,
     cudagraph: bool = False,
+    device_type: str | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
     traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
@@ -111,14 +114,14 @@ def plan_pipeline(
     the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
     device: a world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
     when its memory fits and Inductor does not compile the whole graph (which leaves the host
-    nothing to save). Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
+    nothing to save); ``device_type``: as :func:`build_pipeline`. Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
     config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
     from graph_trainer.compiler.memory_policy import choose_levers
 
     fixed, fixed_fields = configured_levers(compile_cfg)
-    ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name)
+    ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
     names = resolve(ctx)
     trial = [n for n in names if registry()[n].in_memory_trial]
     # the trial passes before the first lever's pass do not depend on the candidate: run them once
@@ -148,7 +151,8 @@ def plan_pipeline(
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
                        "the step may run out of memory")
     steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
-                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name)
+                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name,
+                           device_type=device_type)
     return steps, policy
 
 

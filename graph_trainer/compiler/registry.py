@@ -25,7 +25,8 @@ class PassContext:
     """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the
     ``[compile]`` section, the model's ``BlockLayout`` (None in unit tests), the memory policy's
     ``Levers`` (None: the leanest), ``--debug.deterministic``, whether the model uses
-    FlexAttention, and the TP group's ``group_name`` (None: not known / no TP)."""
+    FlexAttention, the TP group's ``group_name`` (None: not known / no TP) and the type of the
+    device the step runs on (``"cuda"``, ``"cpu"``; None: not known, as in the config check)."""
 
     compile_cfg: Any
     layout: Any = None
@@ -33,6 +34,7 @@ class PassContext:
     deterministic: bool = False
     uses_flex_attention: bool = False
     tp_group_name: str | None = None
+    device_type: str | None = None
 
 
 def _never(ctx: PassContext) -> bool:

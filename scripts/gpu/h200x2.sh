@@ -51,7 +51,7 @@ steps, names = int(sys.argv[1]), sys.argv[2:]
 stats = {}
 for n in names:
     runs = []
-    for path in sorted(glob.glob(f"/tmp/r_{n}_*/metrics.jsonl")):
+    for path in sorted(glob.glob(f"/tmp/r_{n}_[0-9]*/metrics.jsonl")):
         rows = [r for r in map(json.loads, open(path)) if "step" in r]
         if rows and rows[-1]["step"] == steps:
             runs.append(run_stats(rows, warmup=3))

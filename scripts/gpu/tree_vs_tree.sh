@@ -6,7 +6,7 @@
 #   run(kind="nvidia-h100-x1", carry=[".whl", ".base"], command="bash scripts/gpu/tree_vs_tree.sh .base . 2")
 # Extra flags for both sides: FLAGS="--compile.inductor_compilation full" bash scripts/gpu/tree_vs_tree.sh .base . 2
 # Another layout: NGPU, COMM_MODE (default fake_collectives; "default" for real NCCL), LAYOUT
-# (the --parallelism flags), STEPS (default 10), e.g. the 8B FSDP2 and TP2 on two GPUs:
+# (the --parallelism flags), STEPS (default 10), CONFIG_FILE (default the 8B), e.g. FSDP2 and TP2 on two GPUs:
 #   COMM_MODE=default NGPU=2 LAYOUT="" bash scripts/gpu/tree_vs_tree.sh .base . 1
 #   COMM_MODE=default NGPU=2 LAYOUT="--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2" bash ...
 # TAG prefixes the logs and $OUT/pass_tables.md of one invocation (several in one call);
@@ -16,7 +16,8 @@ BASE=$(cd "${1:?usage: $0 TREE_A [TREE_B] [REPEATS]}" && pwd); HERE=$(cd "${2:-.
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 nvidia-smi -L | tee "$OUT/env.txt"; python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/env.txt"
 export COMM_MODE=${COMM_MODE:-fake_collectives} NGPU=${NGPU:-8}
-ARGS="--job.config_file train_configs/llama3_8b.toml ${LAYOUT---parallelism.data_parallel_shard_degree 4
+CFG=${CONFIG_FILE:-train_configs/llama3_8b.toml}; unset CONFIG_FILE   # a path in each tree
+ARGS="--job.config_file $CFG ${LAYOUT---parallelism.data_parallel_shard_degree 4
     --parallelism.tensor_parallel_degree 2} --training.steps ${STEPS:-10} --metrics.log_freq 1 ${FLAGS:-}"
 for r in $(seq "$REPEATS"); do
     for side in a b; do

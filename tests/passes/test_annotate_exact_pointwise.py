@@ -98,3 +98,17 @@ def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
     assert stats["forward_regions"] > 0 and stats["backward_regions"] > 0
     out = run_pipeline(gm, traced.example_inputs, ["regional_inductor"])(*inputs)
     assert len(out) == len(ref) and all(torch.equal(x, y) for x, y in zip(out, ref))
+
+
+def test_default_on_cuda_under_regional_inductor_only():
+    from graph_trainer.compiler.registry import PassContext, resolve
+    from graph_trainer.config import Compile
+
+    name = "annotate_exact_pointwise_for_regional_inductor"
+    on = {(dev, mode): name in resolve(PassContext(Compile(inductor_compilation=mode), device_type=dev))
+          for dev in ("cuda", "cpu", None) for mode in ("regional", "full")}
+    assert on == {("cuda", "regional"): True, ("cuda", "full"): False, ("cpu", "regional"): False,
+                  ("cpu", "full"): False, (None, "regional"): False, (None, "full"): False}
+    off = Compile(disable_passes="exact_pointwise")
+    assert name not in resolve(PassContext(off, device_type="cuda"))
+    assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))

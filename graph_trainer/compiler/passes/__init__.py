@@ -17,7 +17,7 @@ ORDER = [
     "annotate_rmsnorm",         # --compile.numerics_changing_optim
     "annotate_residual_rmsnorm",  # opt-in, numerics-changing: the residual add joins each norm region
     "annotate_pointwise",       # opt-in, numerics-changing
-    "annotate_exact_pointwise",  # opt-in: fused with eager's rounding, numerics unchanged
+    "annotate_exact_pointwise",  # CUDA, regional: fused with eager's rounding, numerics unchanged
     "regional_inductor",        # --compile.inductor_compilation regional
     "full_inductor",            # --compile.inductor_compilation full
     "cudagraph",                # CUDA, one process: the memory policy's choice        (compiler/memory_policy.py)

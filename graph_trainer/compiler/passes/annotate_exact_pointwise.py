@@ -15,10 +15,14 @@ chains (one phase and module each, cut where a region would form a cycle) of the
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
-by Inductor's lowering: round after this op, as eager does) on the chosen nodes. Opt-in:
-``--compile.passes exact_pointwise``. Bitwise equality with eager is tested on the CPU with
-torch >= 2.13 (torch 2.11's C++ backend folds the bf16 round trip away); on the GPU see
-``docs/perf.md``, "Not measured yet".
+by Inductor's lowering: round after this op, as eager does) on the chosen nodes.
+
+Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise``
+turns it off); elsewhere with ``--compile.passes exact_pointwise``. Not by default on the CPU:
+torch 2.11's C++ backend folds the bf16 round trip away (not eager's bits there), and every
+region is a C++ compile. Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
+with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); the GPU runs and the
+speed are in ``docs/perf.md``, "Eager-exact pointwise regions".
 """
 
 from __future__ import annotations
@@ -94,5 +98,6 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
 
 PASS = GraphPass(
     name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
+    enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional",
     requires=("regional_inductor",), aliases=("exact_pointwise",),
 )
