@@ -114,8 +114,8 @@ def plan_pipeline(
     the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
     device: a world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
     when its memory fits and Inductor does not compile the whole graph (which leaves the host
-    nothing to save); ``device_type``: as :func:`build_pipeline`. Returns ``(pipeline, policy)`` (the policy only predicts the peak when the
-    config sets every lever).
+    nothing to save); ``device_type``: as :func:`build_pipeline`. Returns ``(pipeline, policy)``
+    (the policy only predicts the peak when the config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
     from graph_trainer.compiler.memory_policy import choose_levers

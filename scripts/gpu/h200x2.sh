@@ -6,6 +6,7 @@
 # verdict (graph_trainer.tools.stats: "real" when the change exceeds the larger spread).
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="REPEATS=2 bash scripts/gpu/h200x2.sh")
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command='RUNS="jit:110:--compile.mode jit;full:200:--compile.inductor_compilation full" bash scripts/gpu/h200x2.sh')
+# On 2x H100 (no needs_h200) the 1B: CONFIG_FILE=train_configs/llama3_1b.toml REPEATS=3 RUNS="jit:90:...;default:90:;full:150:..."
 # RUNS="name:timeout_s:flags;..." (flags without ';' or ':'); STEPS (default 12) steps per run,
 # medians over steps 4..STEPS; NGPU / CONFIG_FILE override the 8B FSDP2 default (the 8B FSDP2
 # needs H200s: its leanest setting is predicted above an H100's memory). Run from another tree

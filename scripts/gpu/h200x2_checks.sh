@@ -2,6 +2,7 @@
 # Two device calls on 2x H200 (each <= 10 min), Llama3 8B FSDP2 / TP2 with real NCCL:
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh det")
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh norms")
+# On 2x H100 (no needs_h200): export CONFIG_FILE=train_configs/llama3_1b.toml first (the 8B needs H200s).
 # det:   run-to-run bitwise, FSDP2, 5 steps, --debug.deterministic (loss_compare.py --assert-equal:
 #        losses, grad norms, final weights, grads, optimizer state) for the plain command, the
 #        fastest setting and the RMSNorm passes (norm + residual-add regions), in that order; a
