@@ -8,6 +8,8 @@ of the traced graph in these ways:
 
 ``none``                  the traced graph, uncompiled (the numerics reference).
 ``full``                  ``full_inductor_pass``: the whole graph through Inductor.
+``full+isolated rmsnorm`` ``isolate_rmsnorm_pass`` + ``full``: each norm's ops fused only among
+                          themselves (``--compile.numerics_changing_optim`` under full).
 ``regional+rmsnorm``      ``annotate_rmsnorm_for_regional_inductor_pass`` (Inductor
                           defaults, no candidate configs) + ``regional_inductor_pass``.
 ``regional+rmsnorm+pointwise``  also ``annotate_pointwise_for_regional_inductor_pass``
@@ -78,6 +80,7 @@ from graph_trainer.compiler.common import module_fqn_of, phase_of  # noqa: E402
 
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
+ISOLATED = "full+isolated rmsnorm"
 MARKER, STEP_MARKER = "fusion_report::backward", "fusion_report::step"
 KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.(\w+)\(")
 ORIGINS = re.compile(r"Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
@@ -132,11 +135,14 @@ def compile_way(name: str, gm: torch.fx.GraphModule, example_inputs) -> torch.fx
     from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
     from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
     from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
+    from graph_trainer.compiler.passes.isolate_rmsnorm import isolate_rmsnorm_pass
     from graph_trainer.compiler.passes.regional_inductor import regional_inductor_pass
 
     gm = copy_graph_module(gm)
     if name == "none":
         return gm
+    if name == ISOLATED:
+        gm = isolate_rmsnorm_pass(gm, example_inputs)
     if name.startswith("full"):
         return full_inductor_pass(gm, example_inputs)
     gm = annotate_rmsnorm_for_regional_inductor_pass(gm, example_inputs, {})
@@ -435,7 +441,7 @@ def run(args, extra_argv: list[str]) -> dict[str, Any]:
     built = build_traced_step(args, extra_argv)
     has_mix = hasattr(ic, "triton") and hasattr(ic.triton, "mix_order_reduction")
     cuda = torch.device(args.device).type == "cuda"
-    ways = ["none", "full", "regional+rmsnorm", POINTWISE] + ([NOMIX] if has_mix and cuda else [])
+    ways = ["none", "full", ISOLATED, "regional+rmsnorm", POINTWISE] + ([NOMIX] if has_mix and cuda else [])
     root = Path(args.code_dir) if args.code_dir else Path(tempfile.mkdtemp(prefix="fusion_report_"))
     results, ref = [], None
     for i, name in enumerate(ways):

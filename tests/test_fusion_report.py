@@ -10,7 +10,8 @@ from _scripts import SCRIPTS, load_script, table
 
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
-COMPILED = ["full", "regional+rmsnorm", POINTWISE]
+ISOLATED = "full+isolated rmsnorm"
+COMPILED = ["full", ISOLATED, "regional+rmsnorm", POINTWISE]
 
 
 @pytest.mark.slow
@@ -25,8 +26,7 @@ def test_tiny_run(tmp_path):
     ways = {w["way"]: w for w in report["ways"]}
     assert report["device_type"] == "cpu" and report["n_layers"] == 1
     assert (report["seq_len"], report["batch"], report["steps"]) == (32, 1, 2)
-    assert list(ways)[:4] == ["none", "full", "regional+rmsnorm", POINTWISE]
-    assert list(ways) == ["none", "full", "regional+rmsnorm", POINTWISE]  # the Triton knob's way: CUDA only
+    assert list(ways) == ["none", *COMPILED]  # the Triton knob's way: CUDA only
     assert any(("knob missing" if report["mix_order_reduction"] != "present" else "that way is skipped") in n
                for n in report["notes"])
     assert all(w["status"] == "ok" for w in ways.values()), [w.get("reason") for w in ways.values()]
@@ -47,6 +47,7 @@ def test_tiny_run(tmp_path):
     assert ways["regional+rmsnorm"]["fused_with"] == []
     assert ways["regional+rmsnorm"]["pass_stats"]["regions"] >= 6  # 3 norms x (fwd, bwd) for one layer
     assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]  # forward recompute / adds fused in
+    assert ways[ISOLATED]["pass_stats"]["fusion_groups"] >= 6 and ways[ISOLATED]["pass_stats"]["fusions_refused"] > 0
     ref = none["numerics"]
     assert math.isfinite(ref["loss"]) and ref["max_abs_diff_loss"] == 0 and ref["max_abs_diff_grads"] == 0
     for name, w in ways.items():

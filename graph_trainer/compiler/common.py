@@ -2,11 +2,11 @@
 from here, never from another pass module.
 
 Pass summaries (:func:`set_pass_summary`), trace-time node metadata and the
-``compile_with_inductor`` tag, op names and the view / cast op sets, collectives (the
+``compile_with_inductor`` tag and the fusion group, op names and the view / cast op sets, collectives (the
 ``symm_mem`` fused ops of ``async_tp`` included), the keep-alive :func:`hold`, and graph
 analysis (:class:`DisjointSet`, :func:`storages`, :func:`split_acyclic`, fake inputs), and the
 chains of pointwise ops the pointwise annotations tag (:func:`find_pointwise_regions`,
-:func:`tag_regions`).
+:func:`tag_regions`) and the RMSNorm instances (:func:`find_rmsnorm_instances`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import torch.utils._pytree as pytree
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
 
 SUMMARY_KEY = "graph_trainer_pass_summary"
+#: ``node.meta["custom"]`` key of a fusion group: under ``full_inductor`` a node of a group
+#: shares generated kernels only with nodes of the same group.
+FUSION_GROUP_KEY = "inductor_fusion_group"
 STATS_KEY = "graph_trainer_pass_stats"
 
 aten = torch.ops.aten
@@ -65,6 +68,16 @@ def module_fqn_of(node: torch.fx.Node) -> str | None:
 def is_tagged_for_inductor(node: torch.fx.Node) -> bool:
     """Whether ``node`` carries a ``compile_with_inductor`` tag (regional_inductor compiles it)."""
     return COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
+
+
+def fusion_group_of(node: torch.fx.Node) -> str | None:
+    """The fusion group of ``node`` (:data:`FUSION_GROUP_KEY`), or None."""
+    return custom_meta(node).get(FUSION_GROUP_KEY)
+
+
+def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
+    """Put ``node`` into fusion group ``group``, keeping its other ``custom`` entries."""
+    node.meta["custom"] = {**custom_meta(node), FUSION_GROUP_KEY: group}
 
 
 def tag_for_inductor(
@@ -455,3 +468,104 @@ def tag_regions(regions: list[list[torch.fx.Node]], inductor_configs: dict[str, 
             tag_for_inductor(n, inductor_configs, f"{prefix}_{phase}_{i}")
     return {"regions": len(regions), "nodes": sum(map(len, regions)), "forward_regions": by_phase["forward"],
             "backward_regions": by_phase["backward"], "largest": max(map(len, regions), default=0)}
+
+
+FUSED_RMS_NORM = aten._fused_rms_norm.default
+FUSED_RMS_NORM_BACKWARD = aten._fused_rms_norm_backward.default
+_PHASES = ("forward", "backward")
+
+# Ops that never belong to a norm: their presence disqualifies a module.
+_HEAVY_PACKETS = {
+    "mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_mm", "convolution",
+    "embedding", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    "_grouped_mm", "scaled_dot_product_attention",
+}  # fmt: skip
+# Ops (every overload) skipped between the steps of the RMS pattern.
+_PASS_THROUGH_PACKETS = packet_names(RESHAPE_OPS | CAST_OPS) | {"clone", "detach"}
+
+
+def _is_heavy(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.HigherOrderOperator) or is_collective(node):
+        return True
+    return packet_name(node) in _HEAVY_PACKETS
+
+
+def _produces_tensors(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return bool(val) and all(isinstance(v, torch.Tensor) or v is None for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def _skip_pass_through(node: Any) -> Any:
+    while isinstance(node, torch.fx.Node) and packet_name(node) in _PASS_THROUGH_PACKETS:
+        node = node.args[0] if node.args else None
+    return node
+
+
+def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
+    """``node`` is ``rsqrt([add(] mean(pow(x, 2) | mul(x, x)) [, eps)])``."""
+    if packet_name(node) != "rsqrt" or not node.args:
+        return False
+    arg = _skip_pass_through(node.args[0])
+    if isinstance(arg, torch.fx.Node) and packet_name(arg) in ("add", "add_"):
+        tensors = [a for a in arg.args if isinstance(a, torch.fx.Node)]
+        if len(tensors) != 1:
+            return False
+        arg = _skip_pass_through(tensors[0])
+    if not (isinstance(arg, torch.fx.Node) and packet_name(arg) == "mean" and arg.args):
+        return False
+    sq = _skip_pass_through(arg.args[0])
+    if not isinstance(sq, torch.fx.Node) or len(sq.args) < 2:
+        return False
+    name = packet_name(sq)
+    return (name == "pow" and sq.args[1] == 2) or (name == "mul" and sq.args[0] is sq.args[1])
+
+
+def _has_rms_pattern(nodes) -> bool:
+    return any(_is_rms_rsqrt(n) for n in nodes)
+
+
+def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
+    """All RMSNorm instances of ``graph`` in graph order (pure analysis).
+
+    Each is ``{"phase", "kind", "form" ("fused" | "decomposed"), "module_fqn", "nodes": [nodes
+    to tag]}``; ``kind`` is ``"forward"``, ``"backward"`` (a norm's gradient) or ``"recompute"``
+    (a forward norm recomputed in the backward phase by activation checkpointing).
+    """
+    instances: list[dict[str, Any]] = []
+    fused_fqns: set[str] = set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups: dict[tuple[str, str], list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        fqn, phase = module_fqn_of(node), phase_of(node)
+        if node.target in (FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD):
+            is_bwd = node.target is FUSED_RMS_NORM_BACKWARD
+            phase = phase if phase in _PHASES else "backward" if is_bwd else "forward"
+            if fqn is not None:
+                fused_fqns.add(fqn)
+            kind = "forward" if phase == "forward" else "backward" if is_bwd else "recompute"
+            nodes = [node] + [u for u in node.users if is_getitem(u)]
+            instances.append({"phase": phase, "kind": kind, "form": "fused", "module_fqn": fqn, "nodes": nodes})
+        elif fqn is not None and phase in _PHASES:
+            groups.setdefault((fqn, phase), []).append(node)
+
+    for (fqn, phase), nodes in groups.items():
+        fwd = groups.get((fqn, "forward"), [])
+        if fqn in fused_fqns or not fwd or any(_is_heavy(n) for n in fwd) or any(_is_heavy(n) for n in nodes):
+            continue
+        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or _has_rms_pattern(fwd)):
+            continue
+        tag = [n for n in nodes if not is_collective(n) and _produces_tensors(n)]
+        for part in split_acyclic(tag, order):
+            kind = "forward" if phase == "forward" else "recompute" if _has_rms_pattern(part) else "backward"
+            instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
+
+    instances.sort(key=lambda inst: order[inst["nodes"][0]])
+    return instances

@@ -4,7 +4,8 @@
 # 1. Llama3 1B under full Inductor: Inductor's triton.mix_order_reduction on (default) vs off,
 #    REPEATS (default 2) alternating, step 8 profiled (kernel time by category, idle).
 # 2. fusion_report, 1B with 2 layers: forward / backward kernel time of the whole-graph compile
-#    (mix_order_reduction on and off) against the norm as its own region (regional + RMSNorm pass).
+#    (mix_order_reduction on and off, and with the norms isolated: isolate_rmsnorm) against the
+#    norm as its own region (regional + RMSNorm pass).
 # 3. bench_rmsnorm at the norm shapes of the workloads (tokens x dim): 1B 8192x2048, 8B FSDP
 #    8192x4096, 8B seed rank (TP2, sequence-parallel norm) 4096x4096, and 32768x4096; the regional
 #    norm with Inductor's defaults and with mix_order_reduction off, beside eager and torch.compile.

@@ -14,11 +14,12 @@ ORDER = [
     "overlap_collectives",
     "bucket_collectives",       # FSDP: collectives of N blocks as one          [compile.fsdp]
     "annotate_flex_attention",
-    "annotate_rmsnorm",         # --compile.numerics_changing_optim
+    "annotate_rmsnorm",         # --compile.numerics_changing_optim (regional)
     "annotate_residual_rmsnorm",  # opt-in, numerics-changing: the residual add joins each norm region
     "annotate_pointwise",       # opt-in, numerics-changing
     "annotate_exact_pointwise",  # CUDA, regional: fused with eager's rounding, numerics unchanged
     "regional_inductor",        # --compile.inductor_compilation regional
+    "isolate_rmsnorm",          # --compile.numerics_changing_optim (full): each norm in kernels of its own
     "full_inductor",            # --compile.inductor_compilation full
     "cudagraph",                # CUDA, one process: the memory policy's choice        (compiler/memory_policy.py)
 ]

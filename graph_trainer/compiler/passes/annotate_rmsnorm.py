@@ -28,17 +28,10 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.common import (
-    CAST_OPS,
-    RESHAPE_OPS,
-    is_collective,
+    find_rmsnorm_instances,
     is_getitem,
     json_object,
-    module_fqn_of,
-    packet_name,
-    packet_names,
-    phase_of,
     set_pass_summary,
-    split_acyclic,
     tag_for_inductor,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
@@ -60,22 +53,6 @@ DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction_autotune_split_size": True},
 ]
 
-FUSED_RMS_NORM = aten._fused_rms_norm.default
-FUSED_RMS_NORM_BACKWARD = aten._fused_rms_norm_backward.default
-_PHASES = ("forward", "backward")
-
-# Ops that never belong to a norm: their presence disqualifies a module.
-_HEAVY_PACKETS = {
-    "mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_scaled_mm", "convolution",
-    "embedding", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-    "_grouped_mm", "scaled_dot_product_attention",
-}  # fmt: skip
-# Ops (every overload) skipped between the steps of the RMS pattern.
-_PASS_THROUGH_PACKETS = packet_names(RESHAPE_OPS | CAST_OPS) | {"clone", "detach"}
-
-
 def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A dict copy of ``inductor_configs`` (None: ``{}``); raises ``ValueError`` naming each key
     not in ``torch._inductor.config`` and the closest valid keys."""
@@ -93,91 +70,6 @@ def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dic
                          "Valid keys are the names in torch._inductor.config (dotted for nested configs, "
                          "e.g. 'triton.cudagraphs').")
     return dict(inductor_configs or {})
-
-
-def _is_heavy(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if isinstance(node.target, torch._ops.HigherOrderOperator) or is_collective(node):
-        return True
-    return packet_name(node) in _HEAVY_PACKETS
-
-
-def _produces_tensors(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return bool(val) and all(isinstance(v, torch.Tensor) or v is None for v in val)
-    return isinstance(val, torch.Tensor)
-
-
-def _skip_pass_through(node: Any) -> Any:
-    while isinstance(node, torch.fx.Node) and packet_name(node) in _PASS_THROUGH_PACKETS:
-        node = node.args[0] if node.args else None
-    return node
-
-
-def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
-    """``node`` is ``rsqrt([add(] mean(pow(x, 2) | mul(x, x)) [, eps)])``."""
-    if packet_name(node) != "rsqrt" or not node.args:
-        return False
-    arg = _skip_pass_through(node.args[0])
-    if isinstance(arg, torch.fx.Node) and packet_name(arg) in ("add", "add_"):
-        tensors = [a for a in arg.args if isinstance(a, torch.fx.Node)]
-        if len(tensors) != 1:
-            return False
-        arg = _skip_pass_through(tensors[0])
-    if not (isinstance(arg, torch.fx.Node) and packet_name(arg) == "mean" and arg.args):
-        return False
-    sq = _skip_pass_through(arg.args[0])
-    if not isinstance(sq, torch.fx.Node) or len(sq.args) < 2:
-        return False
-    name = packet_name(sq)
-    return (name == "pow" and sq.args[1] == 2) or (name == "mul" and sq.args[0] is sq.args[1])
-
-
-def _has_rms_pattern(nodes) -> bool:
-    return any(_is_rms_rsqrt(n) for n in nodes)
-
-
-def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
-    """All RMSNorm instances of ``graph`` in graph order (pure analysis).
-
-    Each is ``{"phase", "kind", "form" ("fused" | "decomposed"), "module_fqn", "nodes": [nodes
-    to tag]}``; ``kind`` is ``"forward"``, ``"backward"`` (a norm's gradient) or ``"recompute"``
-    (a forward norm recomputed in the backward phase by activation checkpointing).
-    """
-    instances: list[dict[str, Any]] = []
-    fused_fqns: set[str] = set()
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    groups: dict[tuple[str, str], list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        fqn, phase = module_fqn_of(node), phase_of(node)
-        if node.target in (FUSED_RMS_NORM, FUSED_RMS_NORM_BACKWARD):
-            is_bwd = node.target is FUSED_RMS_NORM_BACKWARD
-            phase = phase if phase in _PHASES else "backward" if is_bwd else "forward"
-            if fqn is not None:
-                fused_fqns.add(fqn)
-            kind = "forward" if phase == "forward" else "backward" if is_bwd else "recompute"
-            nodes = [node] + [u for u in node.users if is_getitem(u)]
-            instances.append({"phase": phase, "kind": kind, "form": "fused", "module_fqn": fqn, "nodes": nodes})
-        elif fqn is not None and phase in _PHASES:
-            groups.setdefault((fqn, phase), []).append(node)
-
-    for (fqn, phase), nodes in groups.items():
-        fwd = groups.get((fqn, "forward"), [])
-        if fqn in fused_fqns or not fwd or any(_is_heavy(n) for n in fwd) or any(_is_heavy(n) for n in nodes):
-            continue
-        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or _has_rms_pattern(fwd)):
-            continue
-        tag = [n for n in nodes if not is_collective(n) and _produces_tensors(n)]
-        for part in split_acyclic(tag, order):
-            kind = "forward" if phase == "forward" else "recompute" if _has_rms_pattern(part) else "backward"
-            instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
-
-    instances.sort(key=lambda inst: order[inst["nodes"][0]])
-    return instances
 
 
 def annotate_rmsnorm_for_regional_inductor_pass(

@@ -3,13 +3,15 @@
 Removes the ``hold`` nodes of ``overlap_collectives`` and selective AC's recompute tags (Inductor
 owns buffer lifetimes, ``sac_recompute`` recomputation), moves one-element CPU tensors to the
 accelerator (:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` (which also
-decomposes make_fx's aten graph) under the graph's fake mode. The result has the input's
+decomposes make_fx's aten graph) under the graph's fake mode, the nodes of each fusion group
+(``isolate_rmsnorm``'s) fused only among themselves (:func:`fusion_group_guard`). The result has the input's
 placeholders and codegen, so it is called like it; the compiled callable is ``gm.compiled_fn``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import operator
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from graph_trainer.compiler.common import (
     collective_kind,
     detect_graph_fake_mode,
     fake_inputs_for,
+    fusion_group_of,
     json_object,
     placeholder_vals,
     set_pass_summary,
@@ -59,6 +62,53 @@ def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> i
     return len(moved)
 
 
+@contextlib.contextmanager
+def fusion_group_guard(gm: torch.fx.GraphModule):
+    """Compile under this to keep ``gm``'s fusion groups (``common.FUSION_GROUP_KEY``) apart.
+
+    Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose
+    ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups; untagged origins
+    do not count, so what Inductor inlines into a group's buffers while lowering (a pointwise
+    producer of the norm's reduction) stays with it. A ``V.choices`` handler does it, which
+    Inductor's FX graph cache does not see: a no-op ``post_grad_custom_pre_pass`` whose ``uuid``
+    hashes the groups puts them into the key. Yields ``(config patches, counts)``; ``counts
+    ["refused"]`` grows as fusions are refused (0 on a cache hit). No groups: ``({}, counts)``.
+    """
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.virtualized import V
+
+    groups = sorted((n.name, g) for n in gm.graph.nodes if (g := fusion_group_of(n)))
+    counts = {"groups": len({g for _, g in groups}), "refused": 0}
+    if not groups:
+        yield {}, counts
+        return
+
+    def tags(snode) -> set[str]:
+        origins = (o for s in snode.get_nodes() for o in getattr(getattr(s, "node", None), "origins", None) or ())
+        return {g for o in origins if (g := fusion_group_of(o))}
+
+    base = type(V.choices)
+
+    class Choices(base):  # type: ignore[misc, valid-type]
+        def can_fuse(self, scheduler, node1, node2, shared_data_score):
+            if not base.can_fuse(scheduler, node1, node2, shared_data_score):
+                return False
+            if tags(node1) != tags(node2):
+                counts["refused"] += 1  # a fusion Inductor's heuristics would have allowed
+                return False
+            return True
+
+    class GroupsKey(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            pass
+
+        def uuid(self) -> bytes:
+            return hashlib.sha256(repr(groups).encode()).digest()
+
+    with V.set_choices_handler(Choices()):
+        yield {"post_grad_custom_pre_pass": GroupsKey()}, counts
+
+
 def full_inductor_pass(
     gm: torch.fx.GraphModule,
     example_inputs=None,
@@ -73,7 +123,7 @@ def full_inductor_pass(
         pin_collectives: keep each collective's issue / wait between the same two matmuls as in
             ``gm`` (:mod:`graph_trainer.compiler.pin_collectives` as Inductor's post-grad pass).
 
-    Stats: ``compile_s``, ``nodes_compiled``.
+    Stats: ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``.
     """
     from torch._inductor.compile_fx import compile_fx
 
@@ -103,7 +153,8 @@ def full_inductor_pass(
     tracing = contextlib.nullcontext()
     if fake_mode is not None:
         tracing = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
-    with torch._inductor.config.patch(patches), tracing:
+    with fusion_group_guard(gm) as (group_patches, groups), torch._inductor.config.patch({**patches, **group_patches}), \
+            tracing:
         compiled = compile_fx(flat_gm, fake_inputs)
     compile_s = time.perf_counter() - t0
 
@@ -131,9 +182,13 @@ def full_inductor_pass(
         f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
+        + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused)"
+           if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3),
         nodes_compiled=len(gm.graph.nodes),
+        fusion_groups=groups["groups"],
+        fusions_refused=groups["refused"],
     )
     return new_gm
 

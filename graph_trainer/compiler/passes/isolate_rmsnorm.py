@@ -1,0 +1,41 @@
+"""Keep each RMSNorm (forward, backward) in kernels of its own inside the whole-graph compile.
+
+The ``full_inductor`` counterpart of ``annotate_rmsnorm``: puts the nodes of every
+:func:`~graph_trainer.compiler.common.find_rmsnorm_instances` instance into
+the fusion group ``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``), and ``full_inductor``'s
+scheduler fuses a group's nodes only with each other (the norm backward's ``dx`` and ``dw``
+reductions stay fused together), never with the neighbouring ops it fuses them with otherwise
+(pytorch#179423). Changes numerics against the plain whole-graph compile (the norm's output is
+rounded to its dtype at the kernel boundary), so it runs with ``--compile.numerics_changing_optim``.
+Nothing is added, removed or rewired.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from graph_trainer.compiler.common import find_rmsnorm_instances, set_pass_summary, tag_fusion_group
+from graph_trainer.compiler.registry import GraphPass
+
+
+def isolate_rmsnorm_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
+    """Tag each RMSNorm instance's nodes with its own fusion group. Stats: ``groups``, ``nodes``."""
+    counts: dict[str, int] = {}
+    instances = find_rmsnorm_instances(gm.graph)
+    for inst in instances:
+        group = f"rmsnorm_{inst['kind']}_{counts.get(inst['kind'], 0)}"
+        counts[inst["kind"]] = counts.get(inst["kind"], 0) + 1
+        for node in inst["nodes"]:
+            tag_fusion_group(node, group)
+    nodes = sum(len(inst["nodes"]) for inst in instances)
+    kinds = ", ".join(f"{v} {k}" for k, v in counts.items()) or "none"
+    set_pass_summary(gm, f"{len(instances)} RMSNorm fusion groups ({kinds}; {nodes} nodes)",
+                     groups=len(instances), nodes=nodes)
+    return gm
+
+
+PASS = GraphPass(
+    name="isolate_rmsnorm", fn=isolate_rmsnorm_pass, changes_numerics=True, requires=("full_inductor",),
+    enabled=lambda ctx: ctx.compile_cfg.numerics_changing_optim and ctx.compile_cfg.inductor_compilation == "full",
+)

@@ -1,0 +1,54 @@
+"""isolate_rmsnorm + full_inductor's fusion groups: each RMSNorm of a traced tiny Llama3 step
+gets its own group, the whole-graph compile refuses the fusions across groups,
+its FX graph cache tells the two compiles apart, and the step stays close to the traced one."""
+
+import pytest
+import torch
+
+from graph_trainer.compiler.common import STATS_KEY, find_rmsnorm_instances, fusion_group_of
+from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.config import Compile
+
+from .conftest import assert_close, trace_step
+
+
+def _names(**kw):
+    return [s.name for s in build_pipeline(Compile(**kw))]
+
+
+def test_runs_under_full_inductor_with_the_flag_only():
+    names = _names(inductor_compilation="full", numerics_changing_optim=True)
+    assert names.index("isolate_rmsnorm") == names.index("full_inductor") - 1
+    assert "isolate_rmsnorm" not in _names(inductor_compilation="full")
+    assert "isolate_rmsnorm" not in _names(numerics_changing_optim=True)  # regional: annotate_rmsnorm
+    with pytest.raises(ValueError, match="numerics_changing_optim"):
+        _names(inductor_compilation="full", passes="isolate_rmsnorm")
+
+
+def test_each_norm_is_its_own_group(tiny_llama):
+    gm, example_inputs, _ = trace_step(tiny_llama(2))
+    steps = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True))
+    for step in steps[:-1]:
+        gm = step(gm, example_inputs)
+    instances = find_rmsnorm_instances(gm.graph)
+    groups = [{fusion_group_of(n) for n in inst["nodes"]} for inst in instances]
+    assert len(instances) == 10 and all(len(g) == 1 for g in groups)  # 2 norms per block + final, fwd + bwd
+    assert len(set.union(*groups)) == len(instances)
+    tagged = {n for n in gm.graph.nodes if fusion_group_of(n)}
+    assert tagged == {n for inst in instances for n in inst["nodes"]}
+
+
+@pytest.mark.slow
+def test_fusions_across_groups_are_refused(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = tiny_llama(1)
+    stats = {}
+    for isolate in (False, True):  # plain first: its cache entry must not serve the isolated compile
+        gm, example_inputs, inputs = trace_step(model)
+        ref = gm(*inputs)
+        *steps, full = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=isolate))
+        cgm = full(run_pipeline(gm, example_inputs, steps), example_inputs)
+        assert_close(cgm(*inputs), ref)
+        stats[isolate] = cgm.meta[STATS_KEY]
+    assert stats[False]["fusion_groups"] == 0 and stats[False]["fusions_refused"] == 0
+    assert stats[True]["fusion_groups"] == 6 and stats[True]["fusions_refused"] > 0
