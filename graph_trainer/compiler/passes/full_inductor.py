@@ -62,23 +62,37 @@ def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> i
     return len(moved)
 
 
+def realize_group_boundaries(graph: torch.fx.Graph) -> int:
+    """Mark every tensor node whose users lie in another fusion group (or none) with Inductor's
+    ``inductor_realize_to_strides``: lowering then writes it to a buffer instead of inlining it
+    into its users, so no op of one group is computed inside another's kernel (a residual add
+    recomputed inside a norm backward, a norm's scaling inside the next op). Runs on the
+    post-grad graph; returns the number of nodes marked."""
+    marked = 0
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and any(
+                u.op != "output" and fusion_group_of(u) != fusion_group_of(n) for u in n.users):
+            n.meta["inductor_realize_to_strides"] = True
+            marked += 1
+    return marked
+
+
 @contextlib.contextmanager
 def fusion_group_guard(gm: torch.fx.GraphModule):
     """Compile under this to keep ``gm``'s fusion groups (``common.FUSION_GROUP_KEY``) apart.
 
     Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose
-    ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups; untagged origins
-    do not count, so what Inductor inlines into a group's buffers while lowering (a pointwise
-    producer of the norm's reduction) stays with it. A ``V.choices`` handler does it, which
-    Inductor's FX graph cache does not see: a no-op ``post_grad_custom_pre_pass`` whose ``uuid``
-    hashes the groups puts them into the key. Yields ``(config patches, counts)``; ``counts
+    ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups (a ``V.choices``
+    handler), and the values that cross a group's boundary are realized
+    (:func:`realize_group_boundaries`, as Inductor's ``post_grad_custom_pre_pass``, whose
+    ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it). Yields ``(config patches, counts)``; ``counts
     ["refused"]`` grows as fusions are refused (0 on a cache hit). No groups: ``({}, counts)``.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.virtualized import V
 
     groups = sorted((n.name, g) for n in gm.graph.nodes if (g := fusion_group_of(n)))
-    counts = {"groups": len({g for _, g in groups}), "refused": 0}
+    counts = {"groups": len({g for _, g in groups}), "refused": 0, "realized": 0}
     if not groups:
         yield {}, counts
         return
@@ -100,10 +114,10 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
 
     class GroupsKey(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
-            pass
+            counts["realized"] = realize_group_boundaries(graph)
 
         def uuid(self) -> bytes:
-            return hashlib.sha256(repr(groups).encode()).digest()
+            return hashlib.sha256(repr(groups).encode() + b"realize_group_boundaries.v1").digest()
 
     with V.set_choices_handler(Choices()):
         yield {"post_grad_custom_pre_pass": GroupsKey()}, counts
@@ -123,7 +137,8 @@ def full_inductor_pass(
         pin_collectives: keep each collective's issue / wait between the same two matmuls as in
             ``gm`` (:mod:`graph_trainer.compiler.pin_collectives` as Inductor's post-grad pass).
 
-    Stats: ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``.
+    Stats: ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``,
+    ``boundary_values_realized`` (both 0 on a cache hit).
     """
     from torch._inductor.compile_fx import compile_fx
 
@@ -182,13 +197,15 @@ def full_inductor_pass(
         f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
-        + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused)"
+        + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused, "
+           f"{groups['realized']} boundary values realized)"
            if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3),
         nodes_compiled=len(gm.graph.nodes),
         fusion_groups=groups["groups"],
         fusions_refused=groups["refused"],
+        boundary_values_realized=groups["realized"],
     )
     return new_gm
 

@@ -2,10 +2,10 @@
 
 The ``full_inductor`` counterpart of ``annotate_rmsnorm``: puts the nodes of every
 :func:`~graph_trainer.compiler.common.find_rmsnorm_instances` instance into
-the fusion group ``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``), and ``full_inductor``'s
-scheduler fuses a group's nodes only with each other (the norm backward's ``dx`` and ``dw``
-reductions stay fused together), never with the neighbouring ops it fuses them with otherwise
-(pytorch#179423). Changes numerics against the plain whole-graph compile (the norm's output is
+the fusion group ``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``); ``full_inductor`` then
+writes the values crossing a group's boundary to buffers and fuses a group's nodes only with
+each other (the norm backward's ``dx`` and ``dw`` reductions stay fused together), never with
+the neighbouring ops it fuses them with otherwise (pytorch#179423). Changes numerics against the plain whole-graph compile (the norm's output is
 rounded to its dtype at the kernel boundary), so it runs with ``--compile.numerics_changing_optim``.
 Nothing is added, removed or rewired.
 """
