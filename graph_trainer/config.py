@@ -44,8 +44,7 @@ class CompileBase:
     full: the whole graph through Inductor; none: run the traced graph uncompiled."""
 
     numerics_changing_optim: bool = False
-    """Enable the passes that change numerics: the RMSNorm pass (each norm its own region under
-    regional Inductor, its own kernels under full)."""
+    """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it

@@ -1,9 +1,9 @@
 """Shared helpers of the graph passes (not a pass itself); pass modules import what they share
 from here, never from another pass module.
 
-Pass summaries (:func:`set_pass_summary`), trace-time node metadata and the
-``compile_with_inductor`` tag and the fusion group, op names and the view / cast op sets, collectives (the
-``symm_mem`` fused ops of ``async_tp`` included), the keep-alive :func:`hold`, and graph
+Pass summaries (:func:`set_pass_summary`), trace-time node metadata, the
+``compile_with_inductor`` tag and the fusion group, op names and the view / cast op sets,
+collectives (the ``symm_mem`` fused ops of ``async_tp`` included), the keep-alive :func:`hold`, and graph
 analysis (:class:`DisjointSet`, :func:`storages`, :func:`split_acyclic`, fake inputs), and the
 chains of pointwise ops the pointwise annotations tag (:func:`find_pointwise_regions`,
 :func:`tag_regions`) and the RMSNorm instances (:func:`find_rmsnorm_instances`).

@@ -18,7 +18,7 @@
 # at all), exact (the plain command without vs with its exact_pointwise regions, alternating,
 # then on the 1b eager vs the plain command bitwise), jit_budget (jit vs the plain command with
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
-# its RMSNorms isolated: + --compile.numerics_changing_optim, isolate_rmsnorm).
+# its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -91,6 +91,7 @@ jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;
-iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim" "fastest" "fastest, RMSNorms isolated" "$R" ;;
+iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
+    "fastest, RMSNorms isolated" "$R" ;;
 esac
 done

@@ -13,10 +13,10 @@ import torch
 import torch.fx
 
 from graph_trainer.config import Compile
+from graph_trainer.compiler.common import find_rmsnorm_instances
 from graph_trainer.compiler.passes.annotate_rmsnorm import (
     DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
     annotate_rmsnorm_for_regional_inductor_pass as annotate,
-    find_rmsnorm_instances,
 )
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass

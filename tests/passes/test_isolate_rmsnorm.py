@@ -16,18 +16,19 @@ def _names(**kw):
     return [s.name for s in build_pipeline(Compile(**kw))]
 
 
-def test_runs_under_full_inductor_with_the_flag_only():
-    names = _names(inductor_compilation="full", numerics_changing_optim=True)
+def test_opt_in_under_full_inductor_with_the_flag():
+    names = _names(inductor_compilation="full", numerics_changing_optim=True, passes="isolate_rmsnorm")
     assert names.index("isolate_rmsnorm") == names.index("full_inductor") - 1
-    assert "isolate_rmsnorm" not in _names(inductor_compilation="full")
-    assert "isolate_rmsnorm" not in _names(numerics_changing_optim=True)  # regional: annotate_rmsnorm
+    assert "isolate_rmsnorm" not in _names(inductor_compilation="full", numerics_changing_optim=True)
     with pytest.raises(ValueError, match="numerics_changing_optim"):
         _names(inductor_compilation="full", passes="isolate_rmsnorm")
+    with pytest.raises(ValueError, match="full_inductor"):  # regional: annotate_rmsnorm's regions instead
+        _names(numerics_changing_optim=True, passes="isolate_rmsnorm")
 
 
 def test_each_norm_is_its_own_group(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
-    steps = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True))
+    steps = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True, passes="isolate_rmsnorm"))
     for step in steps[:-1]:
         gm = step(gm, example_inputs)
     instances = find_rmsnorm_instances(gm.graph)
@@ -46,7 +47,8 @@ def test_fusions_across_groups_are_refused(tiny_llama, tmp_path, monkeypatch):
     for isolate in (False, True):  # plain first: its cache entry must not serve the isolated compile
         gm, example_inputs, inputs = trace_step(model)
         ref = gm(*inputs)
-        *steps, full = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=isolate))
+        *steps, full = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=isolate,
+                                              passes="isolate_rmsnorm" if isolate else ""))
         cgm = full(run_pipeline(gm, example_inputs, steps), example_inputs)
         assert_close(cgm(*inputs), ref)
         stats[isolate] = cgm.meta[STATS_KEY]

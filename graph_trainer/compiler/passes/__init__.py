@@ -19,7 +19,7 @@ ORDER = [
     "annotate_pointwise",       # opt-in, numerics-changing
     "annotate_exact_pointwise",  # CUDA, regional: fused with eager's rounding, numerics unchanged
     "regional_inductor",        # --compile.inductor_compilation regional
-    "isolate_rmsnorm",          # --compile.numerics_changing_optim (full): each norm in kernels of its own
+    "isolate_rmsnorm",          # opt-in, numerics-changing, full only: each norm in kernels of its own
     "full_inductor",            # --compile.inductor_compilation full
     "cudagraph",                # CUDA, one process: the memory policy's choice        (compiler/memory_policy.py)
 ]

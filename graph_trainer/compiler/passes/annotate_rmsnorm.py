@@ -36,7 +36,6 @@ from graph_trainer.compiler.common import (
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
-aten = torch.ops.aten
 logger = logging.getLogger("graph_trainer")
 
 #: Inductor configs of every RMSNorm region: Inductor's defaults (the baseline of the timed selection).

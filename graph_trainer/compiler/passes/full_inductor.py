@@ -4,8 +4,9 @@ Removes the ``hold`` nodes of ``overlap_collectives`` and selective AC's recompu
 owns buffer lifetimes, ``sac_recompute`` recomputation), moves one-element CPU tensors to the
 accelerator (:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` (which also
 decomposes make_fx's aten graph) under the graph's fake mode, the nodes of each fusion group
-(``isolate_rmsnorm``'s) fused only among themselves (:func:`fusion_group_guard`). The result has the input's
-placeholders and codegen, so it is called like it; the compiled callable is ``gm.compiled_fn``.
+(``isolate_rmsnorm``'s) fused only among themselves (:func:`fusion_group_guard`). The result
+has the input's placeholders and codegen, so it is called like it; the compiled callable is
+``gm.compiled_fn``.
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
     ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups (a ``V.choices``
     handler), and the values that cross a group's boundary are realized
     (:func:`realize_group_boundaries`, as Inductor's ``post_grad_custom_pre_pass``, whose
-    ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it). Yields ``(config patches, counts)``; ``counts
-    ["refused"]`` grows as fusions are refused (0 on a cache hit). No groups: ``({}, counts)``.
+    ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it).
+
+    Yields ``(config patches, counts)``: ``counts["refused"]`` (fusions refused) and
+    ``["realized"]`` (values realized) are filled while compiling, 0 on a cache hit. No groups:
+    ``({}, counts)``.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.virtualized import V

@@ -1,13 +1,16 @@
 """Keep each RMSNorm (forward, backward) in kernels of its own inside the whole-graph compile.
 
 The ``full_inductor`` counterpart of ``annotate_rmsnorm``: puts the nodes of every
-:func:`~graph_trainer.compiler.common.find_rmsnorm_instances` instance into
-the fusion group ``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``); ``full_inductor`` then
-writes the values crossing a group's boundary to buffers and fuses a group's nodes only with
-each other (the norm backward's ``dx`` and ``dw`` reductions stay fused together), never with
-the neighbouring ops it fuses them with otherwise (pytorch#179423). Changes numerics against the plain whole-graph compile (the norm's output is
-rounded to its dtype at the kernel boundary), so it runs with ``--compile.numerics_changing_optim``.
-Nothing is added, removed or rewired.
+:func:`~graph_trainer.compiler.common.find_rmsnorm_instances` instance into the fusion group
+``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``); ``full_inductor`` then writes the values
+crossing a group's boundary to buffers and fuses a group's nodes only with each other (the norm
+backward's ``dx`` and ``dw`` reductions stay fused together), never with the neighbouring ops
+it fuses them with otherwise (pytorch#179423). Changes numerics against the plain whole-graph
+compile (the norm's output is rounded to its dtype at the kernel boundary), so it needs
+``--compile.numerics_changing_optim``.
+Opt-in (``--compile.passes isolate_rmsnorm``): it did not pay on the 1B or the seed rank
+(docs/perf.md, "The norms isolated inside the whole-graph compile"). Nothing is added,
+removed or rewired.
 """
 
 from __future__ import annotations
@@ -35,7 +38,4 @@ def isolate_rmsnorm_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch
     return gm
 
 
-PASS = GraphPass(
-    name="isolate_rmsnorm", fn=isolate_rmsnorm_pass, changes_numerics=True, requires=("full_inductor",),
-    enabled=lambda ctx: ctx.compile_cfg.numerics_changing_optim and ctx.compile_cfg.inductor_compilation == "full",
-)
+PASS = GraphPass(name="isolate_rmsnorm", fn=isolate_rmsnorm_pass, changes_numerics=True, requires=("full_inductor",))
