@@ -90,7 +90,7 @@ data) cmp "${W}_data" "--training.dataloader.num_workers 0" "" "data read in the
 jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST)" "$R" ;;
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
-fastb) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;
+fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;   # tuning compiles long
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
