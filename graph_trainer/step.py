@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,11 +54,13 @@ class TracedTrainStep(_Step):
     :func:`graph_trainer.distributed.parallelize.distribute_for_trace`; ``pipeline``: ``PipelineStep`` s,
     or a function of the traced graph returning them and the memory policy (``plan_pipeline``);
     ``param_dtype``: the parameters' compute dtype in the graph (None: their own); ``dump_folder``:
-    where ``graphs/`` is written; ``record_dir`` / ``rank``: where step 1 records every op's output."""
+    where ``graphs/`` is written; ``record_dir`` / ``rank``: where step 1 records every op's output;
+    ``cache_path``: the graph cache's entry for this run (:mod:`graph_trainer.compiler.graph_cache`)."""
 
     def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None,
-                 record_dir: str | None = None, rank: int = 0):
+                 record_dir: str | None = None, rank: int = 0, cache_path: str | None = None):
         self.model, self.tpar, self.record_dir, self.rank = model, tpar, record_dir, rank
+        self.cache_path = Path(cache_path) if cache_path else None
         self.pipeline = pipeline if callable(pipeline) else list(pipeline)
         self.param_dtype, self.dump_folder = param_dtype, dump_folder
         self.params, self.opt_module, self.dp_group = tpar.params, tpar.opt_module, tpar.dp_group
@@ -70,10 +73,29 @@ class TracedTrainStep(_Step):
         the pipeline over the graph (the first call does it)."""
         from torch.fx._lazy_graph_module import _LazyGraphModule
 
+        from graph_trainer.compiler import graph_cache
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
-        from graph_trainer.trace import ops_by_kind
+        from graph_trainer.trace import TracedStep, ops_by_kind
 
+        t0 = time.perf_counter()
+        cached = graph_cache.load(self.cache_path) if self.cache_path else None
+        if cached is not None:
+            gm = cached["gm"]
+            example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+            traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, example_inputs)
+            self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
+            logger.info(f"graph cache: loaded {self.cache_path} in {time.perf_counter() - t0:.2f}s "
+                        f"({len(gm.graph.nodes)} nodes): no trace, memory policy or passes before "
+                        f"[{', '.join(s.name for s in self.pipeline)}]; memory policy as cached: "
+                        f"{self.stats.get('memory_policy', '-')}, predicted peak "
+                        f"{self.stats.get('predicted_peak_gib')} GiB")
+            records = list(self.stats.get("passes", []))
+            traced.gm = run_pipeline(gm, example_inputs, self.pipeline, records=records)
+            self.stats.update(trace_time_s=0.0, compile_time_s=time.perf_counter() - t0, passes=records,
+                              graph_cache="hit")
+            self.graph = traced
+            return
         logger.info("Tracing the training step (forward + loss + backward) into one FX graph ...")
         loss = functools.partial(loss_fn, dp_group=self.dp_group)
         traced = self.tpar.trace(self.model, loss, tokens, labels, self.param_dtype)
@@ -98,8 +120,16 @@ class TracedTrainStep(_Step):
         records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
         # lazy: a pass's recompile() only marks the code stale; it is generated once, at the first call
         gm = _LazyGraphModule.from_graphmodule(traced.gm)
-        traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
-                                 records=records)
+        if self.cache_path:  # the passes before the first compiling one, the cache entry, the rest
+            cut = graph_cache.compile_index(self.pipeline)
+            gm = run_pipeline(gm, traced.example_inputs, self.pipeline[:cut], records=records)
+            graph_cache.save(self.cache_path, gm, traced.param_names, traced.buffer_names, self.pipeline[cut:],
+                             {**self.stats, "trace_time_s": traced.trace_time_s, "graph_nodes": n_nodes,
+                              "passes": list(records)})
+            traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline[cut:], records=records)
+        else:
+            traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
+                                     records=records)
         compile_s = time.perf_counter() - t0
         logger.info(f"Pass pipeline [{', '.join(s.name for s in self.pipeline)}] took {compile_s:.2f}s")
         logger.info("Per-pass report (nodes by kind, regions, static peak estimate):\n%s", format_pass_table(records))
@@ -240,5 +270,12 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         dump = cfg.job.dump_folder
         if kept := keep_previous(os.path.join(dump, "graphs")):
             logger.info(f"The earlier {os.path.join(dump, 'graphs')} is kept as {kept}")
+    cache_path = None
+    if cfg.compile.graph_cache_dir and not (dump or record_dir):
+        from graph_trainer.compiler.graph_cache import cache_key
+
+        cache_path = os.path.join(cfg.compile.graph_cache_dir, f"{cache_key(cfg, rank, world_size, device)}.pkl")
+    elif cfg.compile.graph_cache_dir:
+        logger.info("graph cache: off with --compile.dump_graphs / --debug.record_numerics")
     return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump,
-                           record_dir=record_dir, rank=rank)
+                           record_dir=record_dir, rank=rank, cache_path=cache_path)

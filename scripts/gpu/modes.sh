@@ -18,7 +18,8 @@
 # at all), exact (the plain command without vs with its exact_pointwise regions, alternating,
 # then on the 1b eager vs the plain command bitwise), jit_budget (jit vs the plain command with
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
-# its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm).
+# its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm),
+# first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the graph).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -55,7 +56,7 @@ if step2 is not None:
     parts += f", -> step 2 {step2 - stamps[0][0]:.1f} s, step 2 -> exit {t1 - step2:.1f} s"
 print(f"{name} rc={rc} launch-to-exit {t1 - t0:.1f} s ({parts})")
 PY
-    grep -h "Traced the training\|took \|compiled the whole\|step:  [12] \|memory policy:\|cudagraph_pass" "$OUT/$1.log" \
+    grep -h "Traced the training\|took \|compiled the whole\|step:  [12] \|memory policy:\|cudagraph_pass\|graph cache:" "$OUT/$1.log" \
         | sed 's/^.*INFO - //' | cut -c1-220
 }
 bitwise() {  # name, B flags, B label: eager vs B under --debug.deterministic, 6 steps
@@ -78,6 +79,8 @@ for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
 first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" ;;
+first_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_${W}_$$"
+    first_step "${W}_fast_gc_cold" "$FAST $GC"; first_step "${W}_fast_gc_warm" "$FAST $GC" ;;
 plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" ;;
 cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;

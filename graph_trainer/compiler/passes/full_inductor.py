@@ -172,8 +172,8 @@ def full_inductor_pass(
     tracing = contextlib.nullcontext()
     if fake_mode is not None:
         tracing = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
-    with fusion_group_guard(gm) as (group_patches, groups), torch._inductor.config.patch({**patches, **group_patches}), \
-            tracing:
+    with fusion_group_guard(gm) as (group_patches, groups), tracing, \
+            torch._inductor.config.patch({**patches, **group_patches}):
         compiled = compile_fx(flat_gm, fake_inputs)
     compile_s = time.perf_counter() - t0
 

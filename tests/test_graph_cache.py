@@ -1,0 +1,62 @@
+"""--compile.graph_cache_dir: the key, the split before the compiling passes, and a warm run
+that loads the graph instead of tracing it and trains bitwise like the cold run."""
+
+import os
+
+import torch
+
+from graph_trainer.compiler.graph_cache import cache_key, compile_index
+from graph_trainer.compiler.pipeline import build_pipeline
+from graph_trainer.config import Compile, parse_args
+from graph_trainer.metrics import read_metrics
+
+DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "debug_model.toml")
+CPU = torch.device("cpu")
+
+
+def _key(*flags, rank=0):
+    return cache_key(parse_args(["--job.config_file", DEBUG, *flags]), rank, 1, CPU)
+
+
+def test_key_follows_what_decides_the_graph():
+    base = _key()
+    assert base == _key("--job.dump_folder", "/elsewhere", "--training.steps", "99", "--compile.graph_cache_dir", "x")
+    assert len({base, _key("--training.seq_len", "64"), _key("--compile.inductor_compilation", "full"),
+                _key("--debug.deterministic"), _key(rank=1)}) == 5
+
+
+def test_split_before_the_first_compiling_pass():
+    for kw, first in [({}, "regional_inductor"), ({"inductor_compilation": "full"}, "full_inductor"),
+                      ({"passes": "cudagraph", "inductor_compilation": "none"}, "cudagraph")]:
+        steps = build_pipeline(Compile(**kw))
+        assert steps[compile_index(steps)].name == first
+    steps = build_pipeline(Compile(inductor_compilation="none"))
+    assert compile_index(steps) == len(steps)
+
+
+def _train(tmp_path, name, *flags):
+    from graph_trainer.train import train
+
+    out = tmp_path / name
+    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), "--training.seq_len", "64",
+                      "--training.local_batch_size", "2", "--training.steps", "3", "--debug.deterministic", *flags]))
+    return read_metrics(str(out / "metrics.jsonl"))
+
+
+def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog):
+    cache = tmp_path / "cache"
+    cold, cold_summary = _train(tmp_path, "cold", "--compile.graph_cache_dir", str(cache))
+    entries = list(cache.iterdir())
+    assert len(entries) == 1 and entries[0].suffix == ".pkl"
+    with caplog.at_level("INFO", logger="graph_trainer"):
+        warm, summary = _train(tmp_path, "warm", "--compile.graph_cache_dir", str(cache))
+    assert "graph cache: loaded" in caplog.text and "Tracing the training step" not in caplog.text
+    assert summary["graph_cache"] == "hit" and summary["trace_time_s"] == 0.0 and "graph_cache" not in cold_summary
+    assert [r["loss"] for r in warm] == [r["loss"] for r in cold]
+    assert [r["grad_norm"] for r in warm] == [r["grad_norm"] for r in cold]
+    entries[0].write_bytes(b"not a cache entry")  # unreadable: a warning, then a cold run
+    caplog.clear()
+    with caplog.at_level("INFO", logger="graph_trainer"):
+        again, _ = _train(tmp_path, "again", "--compile.graph_cache_dir", str(cache))
+    assert "not used" in caplog.text and "Tracing the training step" in caplog.text
+    assert [r["loss"] for r in again] == [r["loss"] for r in cold]
