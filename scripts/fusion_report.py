@@ -9,7 +9,7 @@ of the traced graph in these ways:
 ``none``                  the traced graph, uncompiled (the numerics reference).
 ``full``                  ``full_inductor_pass``: the whole graph through Inductor.
 ``full+isolated rmsnorm`` ``isolate_rmsnorm_pass`` + ``full``: each norm's ops fused only among
-                          themselves (``--compile.numerics_changing_optim`` under full).
+                          themselves (``--compile.passes isolate_rmsnorm`` under full).
 ``regional+rmsnorm``      ``annotate_rmsnorm_for_regional_inductor_pass`` (Inductor
                           defaults, no candidate configs) + ``regional_inductor_pass``.
 ``regional+rmsnorm+pointwise``  also ``annotate_pointwise_for_regional_inductor_pass``
