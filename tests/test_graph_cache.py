@@ -3,6 +3,7 @@ that loads the graph instead of tracing it and trains bitwise like the cold run.
 
 import os
 
+import pytest
 import torch
 
 from graph_trainer.compiler.graph_cache import cache_key, compile_index
@@ -43,6 +44,7 @@ def _train(tmp_path, name, *flags):
     return read_metrics(str(out / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # three short trainings
 def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog):
     cache = tmp_path / "cache"
     cold, cold_summary = _train(tmp_path, "cold", "--compile.graph_cache_dir", str(cache))
