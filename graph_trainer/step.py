@@ -74,6 +74,7 @@ class TracedTrainStep(_Step):
         from torch.fx._lazy_graph_module import _LazyGraphModule
 
         from graph_trainer.compiler import graph_cache
+        from graph_trainer.compiler.common import placeholder_vals
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
         from graph_trainer.trace import TracedStep, ops_by_kind
@@ -82,7 +83,7 @@ class TracedTrainStep(_Step):
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
         if cached is not None:
             gm = cached["gm"]
-            example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+            example_inputs = placeholder_vals(gm)
             traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, example_inputs)
             self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
             logger.info(f"graph cache: loaded {self.cache_path} in {time.perf_counter() - t0:.2f}s "

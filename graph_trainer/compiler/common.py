@@ -533,9 +533,10 @@ def _has_rms_pattern(nodes) -> bool:
 def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """All RMSNorm instances of ``graph`` in graph order (pure analysis).
 
-    Each is ``{"phase", "kind", "form" ("fused" | "decomposed"), "module_fqn", "nodes": [nodes
-    to tag]}``; ``kind`` is ``"forward"``, ``"backward"`` (a norm's gradient) or ``"recompute"``
-    (a forward norm recomputed in the backward phase by activation checkpointing).
+    Each is ``{"name", "phase", "kind", "form" ("fused" | "decomposed"), "module_fqn", "nodes":
+    [nodes to tag]}``; ``kind`` is ``"forward"``, ``"backward"`` (a norm's gradient) or
+    ``"recompute"`` (a forward norm recomputed in the backward phase by activation
+    checkpointing); ``name`` is ``rmsnorm_<kind>_<i>``, ``i`` counting each kind in graph order.
     """
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
@@ -568,4 +569,8 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
             instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
 
     instances.sort(key=lambda inst: order[inst["nodes"][0]])
+    per_kind: Counter = Counter()
+    for inst in instances:
+        inst["name"] = f"rmsnorm_{inst['kind']}_{per_kind[inst['kind']]}"
+        per_kind[inst["kind"]] += 1
     return instances

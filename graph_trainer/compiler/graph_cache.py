@@ -1,7 +1,7 @@
 """The graph cache (``--compile.graph_cache_dir``): the traced step after its passes, before Inductor.
 
 A run traces the step, plans the memory levers and runs the passes up to the first one that
-compiles (``regional_inductor`` / ``full_inductor``, or ``cudagraph``); the cache stores that
+compiles (``regional_inductor``, ``full_inductor`` or ``cudagraph``); the cache stores that
 graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the region tags) with the
 remaining pipeline steps and the run's statistics, under a key of everything that decides the
 graph (:func:`cache_key`). A later run with the same key loads it and runs only the remaining
@@ -66,11 +66,11 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
 
 
 def compile_index(steps: list) -> int:
-    """Index of the first step the cache cannot hold: the first that compiles, or ``cudagraph``."""
+    """Index of the first step the cache cannot hold: the first that compiles (``GraphPass.compiles``:
+    ``regional_inductor``, ``full_inductor``, ``cudagraph``)."""
     from graph_trainer.compiler.registry import registry
 
-    reg = registry()
-    return next((i for i, s in enumerate(steps) if reg[s.name].compiles or s.name == "cudagraph"), len(steps))
+    return next((i for i, s in enumerate(steps) if registry()[s.name].compiles), len(steps))
 
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],

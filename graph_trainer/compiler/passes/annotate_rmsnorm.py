@@ -92,11 +92,10 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     instances = find_rmsnorm_instances(gm.graph)
     counts = {"forward": 0, "backward": 0, "recompute": 0, "fused": 0, "decomposed": 0}
     for inst in instances:
-        region = f"rmsnorm_{inst['kind']}_{counts[inst['kind']]}"
         counts[inst["kind"]] += 1
         counts[inst["form"]] += 1
         for node in inst["nodes"]:
-            tag_for_inductor(node, configs, region, candidates)
+            tag_for_inductor(node, configs, inst["name"], candidates)
     tagged = sum(len(inst["nodes"]) for inst in instances)
     getitems = sum(is_getitem(n) for inst in instances for n in inst["nodes"])
     recompute = f" + {counts['recompute']} recomputed (activation checkpointing)" if counts["recompute"] else ""

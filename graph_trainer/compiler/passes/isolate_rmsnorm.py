@@ -15,6 +15,8 @@ removed or rewired.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.fx
 
@@ -24,15 +26,12 @@ from graph_trainer.compiler.registry import GraphPass
 
 def isolate_rmsnorm_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
     """Tag each RMSNorm instance's nodes with its own fusion group. Stats: ``groups``, ``nodes``."""
-    counts: dict[str, int] = {}
     instances = find_rmsnorm_instances(gm.graph)
     for inst in instances:
-        group = f"rmsnorm_{inst['kind']}_{counts.get(inst['kind'], 0)}"
-        counts[inst["kind"]] = counts.get(inst["kind"], 0) + 1
         for node in inst["nodes"]:
-            tag_fusion_group(node, group)
+            tag_fusion_group(node, inst["name"])
     nodes = sum(len(inst["nodes"]) for inst in instances)
-    kinds = ", ".join(f"{v} {k}" for k, v in counts.items()) or "none"
+    kinds = ", ".join(f"{v} {k}" for k, v in Counter(inst["kind"] for inst in instances).items()) or "none"
     set_pass_summary(gm, f"{len(instances)} RMSNorm fusion groups ({kinds}; {nodes} nodes)",
                      groups=len(instances), nodes=nodes)
     return gm
