@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call on 2x H200 (<= 10 min): Llama3 8B FSDP2 (seq 8192, selective AC), the runs of
 # RUNS round-robin, REPEATS rounds (default 1), each run with its own timeout; a run that would
-# end past DEADLINE_S (default 570) seconds after the start is skipped. Ends with one table:
+# end past DEADLINE_S (default 570) seconds after the start is skipped (it is expected to take its
+# timeout in the first round, then 1.2x its last duration). Ends with one table:
 # per run name the median tps of its repeats (min-max), the ratio to the first name and the
 # verdict (graph_trainer.tools.stats: "real" when the change exceeds the larger spread).
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="REPEATS=2 bash scripts/gpu/h200x2.sh")
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command='RUNS="jit:110:--compile.mode jit;full:200:--compile.inductor_compilation full" bash scripts/gpu/h200x2.sh')
 # On 2x H100 (no needs_h200) the 1B: CONFIG_FILE=train_configs/llama3_1b.toml REPEATS=3 RUNS="jit:90:...;default:90:;full:150:..."
 # RUNS="name:timeout_s:flags;..." (flags without ';' or ':'); STEPS (default 12) steps per run,
+# FIRST_ROUND (default 1): continue rounds of an earlier call on the same machine (the table counts
+# every round found under RUN_DIR, default /tmp; give two batches on one host their own RUN_DIR),
 # medians over steps 4..STEPS; NGPU / CONFIG_FILE override the 8B FSDP2 default (the 8B FSDP2
 # needs H200s: its leanest setting is predicted above an H100's memory). Run from another tree
 # (an older version of the project unpacked beside this one): cd OTHER && bash THIS/scripts/gpu/h200x2.sh.
@@ -21,18 +24,21 @@ source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 export NGPU=${NGPU:-2} CONFIG_FILE=${CONFIG_FILE:-train_configs/llama3_8b.toml}
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     | tee "$OUT/env.txt"
-START=$SECONDS
+START=$SECONDS D=${RUN_DIR:-/tmp}
+mkdir -p "$D"
+declare -A took   # run name -> seconds its last repeat took
 run() {  # name, timeout, flags...
-    local name=$1 t=$2 rc; shift 2
-    if (( SECONDS - START + t > ${DEADLINE_S:-570} )); then echo "== $name skipped (deadline)" | tee -a "$OUT/summary.txt"; return; fi
-    timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "/tmp/r_$name" "$@" > "/tmp/$name.log" 2>&1
-    rc=$?; [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "/tmp/$name.log" | grep -m1 -A45 "Traceback";
-        echo "--- last lines"; grep -v "^\[rank1\]" "/tmp/$name.log" | tail -12; } >> "$OUT/failed_tails.txt"
-    { echo "### $name"; cat "/tmp/r_$name/metrics.jsonl" 2>/dev/null; } >> "$OUT/metrics_all.txt"
-    for k in /tmp/r_$name/profile_traces/iteration_*/rank0_kernels.md; do
+    local name=$1 t=$2 rc t0=$SECONDS; shift 2
+    local expect=$(( ${took[${name%_*}]:-$(( t * 5 / 6 ))} * 6 / 5 ))
+    if (( SECONDS - START + expect > ${DEADLINE_S:-570} )); then echo "== $name skipped (deadline)" | tee -a "$OUT/summary.txt"; return; fi
+    timeout "$t" ./run_train.sh --training.steps ${STEPS:-12} --job.dump_folder "$D/r_$name" "$@" > "$D/$name.log" 2>&1
+    rc=$?; took[${name%_*}]=$(( SECONDS - t0 )); [ $rc = 0 ] || { echo "### $name rc=$rc"; grep -v "^\[rank1\]" "$D/$name.log" | grep -m1 -A45 "Traceback";
+        echo "--- last lines"; grep -v "^\[rank1\]" "$D/$name.log" | tail -12; } >> "$OUT/failed_tails.txt"
+    { echo "### $name"; cat "$D/r_$name/metrics.jsonl" 2>/dev/null; } >> "$OUT/metrics_all.txt"
+    for k in $D/r_$name/profile_traces/iteration_*/rank0_kernels.md; do
         [ -f "$k" ] && { echo "### $name ($k)"; cat "$k"; } >> "$OUT/kernels_all.md"
     done
-    echo "== $name rc=$rc $(grep -h '"summary"' /tmp/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
+    echo "== $name rc=$rc ${took[${name%_*}]} s $(grep -h '"summary"' $D/r_$name/metrics.jsonl 2>/dev/null | python3 -c '
 import json,sys
 for l in sys.stdin:
     s=json.loads(l)["summary"]; print("tps %.0f mfu %s mem %.1f GiB (alloc %s, predicted %s) loss %.4f trace %.0fs compile %.0fs %s" % (s["tps"], s["mfu"], s["max_memory_gib"], s.get("max_memory_allocated_gib"), s.get("predicted_peak_gib"), s["final_loss"], s.get("trace_time_s") or 0, s.get("compile_time_s") or 0, s.get("memory_policy", "")))')" | tee -a "$OUT/summary.txt"
@@ -41,18 +47,19 @@ for l in sys.stdin:
 RUNS=${RUNS:-"jit:110:--compile.mode jit;default:130:;full:200:--compile.inductor_compilation full"}
 IFS=';' read -ra items <<< "$RUNS"
 names=()
-for r in $(seq "${REPEATS:-1}"); do
-    for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; (( r == 1 )) && names+=("$n"); run "${n}_$r" "$t" $f; done
+for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; names+=("$n"); done
+for r in $(seq "${FIRST_ROUND:-1}" "${REPEATS:-1}"); do
+    for it in "${items[@]}"; do IFS=':' read -r n t f <<< "$it"; run "${n}_$r" "$t" $f; done
 done
-python3 - "$_root" "${STEPS:-12}" "${names[@]}" <<'PY' | tee "$OUT/table.md"
+python3 - "$_root" "$D" "${STEPS:-12}" "${names[@]}" <<'PY' | tee "$OUT/table.md"
 import glob, json, sys
 sys.path.insert(0, sys.argv.pop(1))   # this script's tree, also when run from another one
 from graph_trainer.tools.stats import delta, fmt_value, run_stats, side_stats
-steps, names = int(sys.argv[1]), sys.argv[2:]
+d, steps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 stats = {}
 for n in names:
     runs = []
-    for path in sorted(glob.glob(f"/tmp/r_{n}_[0-9]*/metrics.jsonl")):
+    for path in sorted(glob.glob(f"{d}/r_{n}_[0-9]*/metrics.jsonl")):
         rows = [r for r in map(json.loads, open(path)) if "step" in r]
         if rows and rows[-1]["step"] == steps:
             runs.append(run_stats(rows, warmup=3))
