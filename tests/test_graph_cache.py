@@ -62,3 +62,27 @@ def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog):
         again, _ = _train(tmp_path, "again", "--compile.graph_cache_dir", str(cache))
     assert "not used" in caplog.text and "Tracing the training step" in caplog.text
     assert [r["loss"] for r in again] == [r["loss"] for r in cold]
+
+
+def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
+    """``hold`` (a package function GraphPickler cannot name) round-trips; the loaded fake mode has
+    a shape env, without which Inductor bypasses its FX graph cache."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graph_trainer.compiler import graph_cache
+    from graph_trainer.compiler.common import hold, placeholder_vals
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.add.Tensor, (x, x))
+    g.output(g.call_function(hold, (y, x)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(4)
+    assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {})
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
+    loaded = graph_cache.load(tmp_path / "e.pkl")["gm"]
+    assert [n.target for n in loaded.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
+    assert torch.equal(loaded(torch.ones(4)), torch.full((4,), 2.0))
+    assert detect_fake_mode(placeholder_vals(loaded)).shape_env is not None

@@ -73,6 +73,35 @@ def compile_index(steps: list) -> int:
     return next((i for i, s in enumerate(steps) if registry()[s.name].compiles), len(steps))
 
 
+_TARGET_KEY = "graph_cache_target"
+
+
+def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
+    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each
+    ``call_function`` node whose target is one of the package's own functions (``hold``) the
+    stand-in ``operator.pos`` and its real ``"module:qualname"`` in ``meta``; returns node -> old
+    target (the caller puts them back)."""
+    import operator
+
+    swapped = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__module__", "").startswith("graph_trainer."):
+            swapped[node] = node.target
+            node.meta[_TARGET_KEY] = f"{node.target.__module__}:{node.target.__qualname__}"
+            node.target = operator.pos
+    return swapped
+
+
+def _own_targets_back(gm: torch.fx.GraphModule) -> None:
+    """Undo :func:`_own_targets_by_name` on a loaded graph (imports the named functions)."""
+    import importlib
+
+    for node in gm.graph.nodes:
+        if _TARGET_KEY in node.meta:
+            module, _, name = node.meta.pop(_TARGET_KEY).partition(":")
+            node.target = getattr(importlib.import_module(module), name)
+
+
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
     """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a
@@ -80,6 +109,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     goes on uncached)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
+    swapped = _own_targets_by_name(gm)
     try:
         entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)),
                  "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats}
@@ -87,6 +117,10 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: not saved ({type(e).__name__}: {e})")
         return False
+    finally:
+        for node, target in swapped.items():
+            node.target = target
+            del node.meta[_TARGET_KEY]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -101,9 +135,11 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
 
 def load(path: Path) -> dict[str, Any] | None:
     """The entry at ``path`` with ``gm`` unpickled into a new fake mode, or None (no file, or an
-    unreadable one: a warning)."""
+    unreadable one: a warning). The fake mode has a shape env: without one Inductor bypasses its
+    FX graph cache ("No shape env") and a warm restart compiles again."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if not path.is_file():
         return None
@@ -111,7 +147,8 @@ def load(path: Path) -> dict[str, Any] | None:
         entry = pickle.loads(path.read_bytes())
         if entry.get("format") != FORMAT:
             raise ValueError(f"format {entry.get('format')}, expected {FORMAT}")
-        entry["gm"] = GraphPickler.loads(entry["gm"], FakeTensorMode(allow_non_fake_inputs=True))
+        entry["gm"] = GraphPickler.loads(entry["gm"], FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
+        _own_targets_back(entry["gm"])
         entry["gm"].recompile()
     except Exception as e:  # noqa: BLE001
         logger.warning(f"graph cache: {path} not used ({type(e).__name__}: {e})")
