@@ -9,9 +9,9 @@
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command='RUNS="jit:110:--compile.mode jit;full:200:--compile.inductor_compilation full" bash scripts/gpu/h200x2.sh')
 # On 2x H100 (no needs_h200) the 1B: CONFIG_FILE=train_configs/llama3_1b.toml REPEATS=3 RUNS="jit:90:...;default:90:;full:150:..."
 # RUNS="name:timeout_s:flags;..." (flags without ';' or ':'); STEPS (default 12) steps per run,
-# FIRST_ROUND (default 1): continue rounds of an earlier call on the same machine (the table counts
-# every round found under RUN_DIR, default /tmp; give two batches on one host their own RUN_DIR),
-# medians over steps 4..STEPS; NGPU / CONFIG_FILE override the 8B FSDP2 default (the 8B FSDP2
+# medians over steps 4..STEPS; FIRST_ROUND (default 1) continues the rounds of an earlier call on
+# the same machine (the table counts every round found under RUN_DIR, default /tmp; two batches
+# on one host need their own RUN_DIR); NGPU / CONFIG_FILE override the 8B FSDP2 default (the 8B FSDP2
 # needs H200s: its leanest setting is predicted above an H100's memory). Run from another tree
 # (an older version of the project unpacked beside this one): cd OTHER && bash THIS/scripts/gpu/h200x2.sh.
 # Writes to $OUT: summary.txt (one line per run), table.md, metrics_all.txt, failed_tails.txt,

@@ -3,7 +3,7 @@
 # line on GPU 0 and the first half of the cores, the second on GPU 1 and the other half, each with
 # its own OUT ($OUT/gpu0, $OUT/gpu1: console.log and the batch's files), RUN_DIR (/tmp/gpuN, for
 # h200x2.sh), Inductor cache and half the compile threads. Compare runs only inside one batch.
-#   run(kind="nvidia-h200", carry=[".whl"], command='bash scripts/gpu/two_gpus.sh \
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command='bash scripts/gpu/two_gpus.sh \
 #       "REPEATS=3 PARTS=pair bash scripts/gpu/modes.sh seed" "REPEATS=3 PARTS=pair bash scripts/gpu/modes.sh 1b"')
 set -uo pipefail
 (( $# == 2 )) || { echo "usage: $0 'batch on GPU 0' 'batch on GPU 1'" >&2; exit 2; }
