@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -50,8 +51,12 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
         ckpt += ["--training.dataloader.num_workers", "1"]
     a, b = tmp_path / "a", tmp_path / "b"
     launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
-    _train(a, *same, steps=steps, config=config, **launch)  # uninterrupted, never saves
-    _train(b, *same, *ckpt, steps=half, config=config, **launch)
+    # on one CPU rank, a and the first half of b side by side: each process uses one core
+    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
+        runs = [pool.submit(_train, a, *same, steps=steps, config=config, **launch),  # uninterrupted, never saves
+                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, **launch)]
+        for run in runs:
+            run.result()
     assert latest_step(str(b / "checkpoint")) == half
     r = _train(b, *same, *ckpt, steps=steps, config=config, **launch)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
