@@ -99,7 +99,9 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
 
 
 def test_fake_backend_dry_run_8b_fsdp8():
-    s = dry_run_8b_8_ranks("--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0")
+    # one budget, one memory plan (the plans for two device sizes: the FSDP4 x TP2 dry run)
+    s = dry_run_8b_8_ranks("--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
+                           "--compile.memory_budget_gib", "71")
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     assert s["collectives"]["all_gather_into_tensor"]["count"] == N_8B
     assert s["collectives"]["reduce_scatter_tensor"]["count"] == N_8B
