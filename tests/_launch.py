@@ -111,6 +111,47 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     return Ranks(bad[0] if bad else 0, codes, out, err)
 
 
+def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
+    """A forked ``python3 <argv>``: the caller's environment and directory, stdout / stderr into
+    files, ``argv[0]`` run as ``__main__`` with its folder first on ``sys.path``, as Python runs a script."""
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python3 <argv>`` (a script path and its arguments) forked from the server, which imported
+    the trainer once: ``subprocess.run(..., capture_output=True, text=True)``'s result; past
+    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="run_script") as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        p = _forkserver().Process(target=_forked_script, args=(dict(os.environ if env is None else env), str(cwd),
+                                                                [str(a) for a in argv], out, err))
+        p.start()
+        p.join(timeout)
+        timed_out = p.exitcode is None
+        if timed_out:
+            p.kill()
+            p.join()
+        with open(out) as fo, open(err) as fe:
+            stdout, stderr = fo.read(), fe.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(argv, p.exitcode, stdout, stderr)
+
+
 def spawn(fn, args: tuple, nprocs: int):
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` (joined; a failure raises), forked from the server."""
     import torch.multiprocessing as tmp

@@ -16,6 +16,8 @@ from graph_trainer.tools import compare_mfu, runs, stats
 from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
+from _launch import run_script  # tests/ is on sys.path
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
 TINY = ["--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -53,8 +55,8 @@ if bad := [a for a in sys.argv if a.startswith("--fake.bad")]:
 
 
 def _compare(*args):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=400)
+    """``python3 scripts/compare_mfu.py *args``, forked from tests/_launch.py's server (its imports done)."""
+    return run_script([SCRIPT, *args], env=ENV, cwd=REPO, timeout=400)
 
 
 def _git(repo, *args):
