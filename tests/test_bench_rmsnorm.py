@@ -6,16 +6,21 @@ import subprocess
 import sys
 
 import pytest
+from _launch import run_script
 from _scripts import SCRIPTS, load_script
 
 REQUIRED = ["eager", "make_fx", "regional", "regional[guarded]", "torch.compile"]
 OPTIONAL = ["liger", "quack"]
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path, *extra, forked=True):
+    """The script with ``--tiny``: forked from tests/_launch.py's server (its imports done), or a new interpreter."""
     out = tmp_path / "tmp.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out), *extra],
-                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=600)
+    argv = [str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out), *extra]
+    if forked:
+        proc = run_script(argv, cwd=SCRIPTS.parent, timeout=600)
+    else:
+        proc = subprocess.run([sys.executable, *argv], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=600)
     return proc, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -67,7 +72,8 @@ def test_tiny_residual_report(tmp_path):
 
 
 def test_bad_inductor_config_fails_the_run(tmp_path):
-    proc, report = _run(tmp_path, "--variants", "eager,regional", "--inductor-configs", 'bad={"not_a_key": 1}')
+    proc, report = _run(tmp_path, "--variants", "eager,regional", "--inductor-configs", 'bad={"not_a_key": 1}',
+                        forked=False)  # the script as a user starts it
     by_name = {r["variant"]: r for r in report["results"]}
     assert proc.returncode == 1 and by_name["eager"]["status"] == "ok"
     assert by_name["regional[bad]"]["status"] == "failed" and "not_a_key" in by_name["regional[bad]"]["reason"]
