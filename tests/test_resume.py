@@ -54,7 +54,7 @@ def test_model_only_last_checkpoint_is_named_not_corrupt(tmp_path):
     assert (d / "metrics.jsonl").read_bytes() == before
 
     # Following the advice: the resumed run saves step 4 again; the model-only one is kept aside.
-    r = _ok(run_debug(d, FINISHED, "--checkpoint.load_step", "2"))
+    r = _ok(run_debug(d, FINISHED, "--checkpoint.load_step", "2", forked=True))
     assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r.stdout
     assert _model_only(d / "checkpoint" / "step-4.1") and not _model_only(step4)
     assert "already complete at step 4" in _ok(run_debug(d, FINISHED, forked=True)).stdout
