@@ -1,6 +1,7 @@
 """--compile.graph_cache_dir: the key, the split before the compiling passes, and a warm run
 that loads the graph instead of tracing it and trains bitwise like the cold run."""
 
+import dataclasses
 import os
 
 import pytest
@@ -45,7 +46,11 @@ def _train(tmp_path, name, *flags):
 
 
 @pytest.mark.slow  # three short trainings
-def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog):
+def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog, monkeypatch):
+    from graph_trainer.llama3 import llama3_args
+
+    # the debug model at two blocks: every run traces or loads, and trains, a smaller graph
+    monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=2))
     cache = tmp_path / "cache"
     cold, cold_summary = _train(tmp_path, "cold", "--compile.graph_cache_dir", str(cache))
     entries = list(cache.iterdir())
