@@ -152,6 +152,44 @@ def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
     return subprocess.CompletedProcess(argv, p.exitcode, stdout, stderr)
 
 
+def _call_into(q, fn, args: tuple) -> None:
+    """A forked ``fn(*args)``: ``(True, its result)`` or ``(False, the traceback)`` into ``q``."""
+    import traceback
+
+    try:
+        q.put((True, fn(*args)))
+    except BaseException:
+        q.put((False, traceback.format_exc()))
+        raise
+
+
+def fork_call(fn, *args, timeout: float = 900):
+    """Start ``fn(*args)`` (a module-level function, picklable arguments and result) in a process
+    forked from the server; returns a function that waits for its result (or raises what it raised)."""
+    q = queue()
+    p = _forkserver().Process(target=_call_into, args=(q, fn, args))
+    p.start()
+
+    def result():
+        import queue as queues
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = q.get(timeout=1 if p.exitcode is None else 10)
+                break
+            except queues.Empty:
+                if p.exitcode is not None or time.monotonic() > deadline:
+                    p.kill()
+                    raise RuntimeError(f"{fn.__name__}: no result from its forked process (exit code {p.exitcode})")
+        p.join()
+        if not ok:
+            raise RuntimeError(f"{fn.__name__} failed in its forked process:\n{value}")
+        return value
+
+    return result
+
+
 def spawn(fn, args: tuple, nprocs: int):
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` (joined; a failure raises), forked from the server."""
     import torch.multiprocessing as tmp

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
-SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_run_8b_fsdp4_tp2"})
+SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -128,12 +128,23 @@ def log_lines():
 
 
 @pytest.fixture(scope="session")
-def dry_run_8b_fsdp4_tp2():
-    """The seed layout's dry run, in this process: Llama3 8B, FSDP4 x TP2 on 8 fake ranks with
-    ``--compile.passes async_tp``: ``(summary, graph_trainer's log messages)``."""
+def dry_runs_8b():
+    """The dry runs of Llama3 8B on 8 fake ranks (``_runs.dry_run_8b_8_ranks``), side by side (each uses
+    one core): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp``, in this process:
+    ``(summary, graph_trainer's log messages)``; ``"fsdp8"``, op-level SAC recomputing, no block kept,
+    one memory budget, forked from tests/_launch.py's server: its summary."""
+    from _launch import fork_call
     from _runs import dry_run_8b_8_ranks
 
+    fsdp8 = fork_call(dry_run_8b_8_ranks, "--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
+                      "--compile.memory_budget_gib", "71")
     with graph_trainer_logs() as messages:
         summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp")
-    return summary, messages
+    return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
+
+
+@pytest.fixture(scope="session")
+def dry_run_8b_fsdp4_tp2(dry_runs_8b):
+    """The seed layout's dry run (:func:`dry_runs_8b`): ``(summary, graph_trainer's log messages)``."""
+    return dry_runs_8b["fsdp4_tp2"]

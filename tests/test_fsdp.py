@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from _launch import queue, spawn, train_ranks  # tests/ is on sys.path
-from _runs import dry_run_8b_8_ranks, launch_env
+from _runs import launch_env
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,10 +98,10 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
     assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > N_DEBUG
 
 
-def test_fake_backend_dry_run_8b_fsdp8():
-    # one budget, one memory plan (the plans for two device sizes: the FSDP4 x TP2 dry run)
-    s = dry_run_8b_8_ranks("--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
-                           "--compile.memory_budget_gib", "71")
+def test_fake_backend_dry_run_8b_fsdp8(dry_runs_8b):
+    """The session's 8B FSDP8 dry run (tests/conftest.py): op-level SAC recomputing, no block kept,
+    one memory budget (the plans for two device sizes: the FSDP4 x TP2 dry run)."""
+    s = dry_runs_8b["fsdp8"]
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     assert s["collectives"]["all_gather_into_tensor"]["count"] == N_8B
     assert s["collectives"]["reduce_scatter_tensor"]["count"] == N_8B
