@@ -87,12 +87,20 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
     """FSDP4 x TP2 via run_train.sh (COMM_MODE=fake_backend NGPU=8) vs replicate 2 x shard 2 x TP2 (forked:
     DTensor caches sharding by mesh): the same collectives plus one all-reduce per parameter."""
     tp = ["--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2"]
-    r = subprocess.run(["bash", "run_train.sh", *tp, "--parallelism.data_parallel_shard_degree", "4"], cwd=REPO,
-                       env=launch_env(COMM_MODE="fake_backend", NGPU="8"), capture_output=True, text=True, timeout=600)
-    fsdp = _counts(r)
-    assert "FSDP4xTP2 on 8 fake ranks" in r.stdout
-    hsdp = _counts(train_ranks(1, [*tp, "--comm.mode", "fake_backend", "--parallelism.data_parallel_replicate_degree",
-                                   "2", "--parallelism.data_parallel_shard_degree", "2"], tmp_path, env={"NGPU": "8"}))
+    p = subprocess.Popen(["bash", "run_train.sh", *tp, "--parallelism.data_parallel_shard_degree", "4"], cwd=REPO,
+                         env=launch_env(COMM_MODE="fake_backend", NGPU="8"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:  # the forked dry run meanwhile: one process each, one core each
+        hsdp = _counts(train_ranks(1, [*tp, "--comm.mode", "fake_backend", "--parallelism.data_parallel_replicate_degree",
+                                       "2", "--parallelism.data_parallel_shard_degree", "2"], tmp_path,
+                                   env={"NGPU": "8"}))
+        out, err = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    fsdp = _counts(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    assert "FSDP4xTP2 on 8 fake ranks" in out
     assert hsdp["all_reduce"] == fsdp["all_reduce"] + N_DEBUG
     assert hsdp["all_gather_into_tensor"] == fsdp["all_gather_into_tensor"] > N_DEBUG
     assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > N_DEBUG
