@@ -4,8 +4,6 @@ pass (new interpreters: each its own string-hash seed), pass on vs off; bad chec
 import json
 import os
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -18,7 +16,8 @@ from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.loss_compare import first_difference
 
-from _runs import run_debug  # tests/ is on sys.path
+from _launch import run_script  # tests/ is on sys.path
+from _runs import run_debug
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -72,9 +71,8 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
 def test_loss_compare_pass_on_vs_off(tmp_path):
     """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails."""
     out = tmp_path / "cmp"
-    r = subprocess.run([sys.executable, "scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "",
-                        "--b-flags", PASS, "--assert-equal", "--", *SMALL],
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    r = run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags", PASS,
+                    "--assert-equal", "--", *SMALL], cwd=REPO, timeout=900)  # forked from tests/_launch.py's server
     res = json.loads((out / "loss_compare.json").read_text())
     assert r.returncode == 1, r.stdout + r.stderr
     assert res["bitwise_equal"] is False and "differ" in res["first_difference"]

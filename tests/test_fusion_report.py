@@ -2,10 +2,9 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
+from _launch import run_script
 from _scripts import SCRIPTS, load_script, table
 
 NOMIX = "full, mix_order_reduction=False"
@@ -19,8 +18,8 @@ def test_tiny_run(tmp_path):
     """The ways and their kernels; regional keeps the norm backward alone while full fuses into it;
     every way matches the uncompiled numerics; timings; the markdown table matches the JSON."""
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "fusion_report.py"), "--tiny", "--json", str(out)],
-                          cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=300)
+    proc = run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], cwd=SCRIPTS.parent,
+                      timeout=300)  # forked from tests/_launch.py's server (its imports done)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
     ways = {w["way"]: w for w in report["ways"]}

@@ -3,8 +3,6 @@ comparison (graph_trainer.tools.numerics_diff, scripts/numerics_diff.py)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,8 @@ from graph_trainer.model import build_model, loss_fn, model_args
 from graph_trainer.numerics import (EagerRecorder, GraphRecorder, assign_keys, fingerprint, key_text, load, record,
                                     record_eager_forward, save)
 from graph_trainer.tools.numerics_diff import compare, main
+
+from _launch import run_script  # tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,10 +121,9 @@ def test_cli_names_the_rmsnorm_node(tmp_path):
     batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no op before
     it in A's execution order differs (brute force over the records)."""
     out = tmp_path / "nd"
-    r = subprocess.run([sys.executable, "scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
-                        "--compile.numerics_changing_optim", "--out", str(out),
-                        "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    r = run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags", "--compile.numerics_changing_optim",
+                    "--out", str(out), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                   cwd=REPO, timeout=900)  # forked from tests/_launch.py's server (its imports done)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     first = json.loads((out / "numerics_diff.json").read_text())["ranks"]["0"]["divergent"][0]
     assert first["key"].split()[1].endswith("norm"), first
