@@ -42,7 +42,8 @@ def _train(dump, *flags, check=True, config=None, **launch):
 def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, extra, flavor):
     """Run b stops at steps/2 and is resumed in a new process: its steps' losses, grad norms and final
     state equal the uninterrupted run a's bitwise (appending its records: tests/test_records.py).
-    On one CPU rank b reads its batches with a dataloader worker (the GPU default), a without."""
+    On one CPU rank b reads its batches with a dataloader worker (the GPU default), a without;
+    on several, a's ranks are forked from tests/_launch.py's server (one string-hash seed), b's new."""
     half = steps // 2
     same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
@@ -50,9 +51,10 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
         ckpt += ["--training.dataloader.num_workers", "1"]
     a, b = tmp_path / "a", tmp_path / "b"
     launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
+    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
     # on one CPU rank, a and the first half of b side by side: each process uses one core
     with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
-        runs = [pool.submit(_train, a, *same, steps=steps, config=config, **launch),  # uninterrupted, never saves
+        runs = [pool.submit(_train, a, *same, steps=steps, config=config, **launch_a),  # uninterrupted, never saves
                 pool.submit(_train, b, *same, *ckpt, steps=half, config=config, **launch)]
         for run in runs:
             run.result()
