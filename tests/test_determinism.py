@@ -1,5 +1,6 @@
 """Bitwise determinism on CPU (debug model, ``--debug.state_hashes``): run-to-run and resume with the RMSNorm
-pass (new interpreters: each its own string-hash seed), pass on vs off; bad checkpoints, a diverging run."""
+pass (the interrupted run's processes new interpreters: each its own string-hash seed), pass on vs off;
+bad checkpoints, a diverging run."""
 
 import json
 import os
