@@ -28,8 +28,9 @@ class Ranks:
     stderr: str
 
 
-def _forked_rank(env: dict, argv: list, out: str, err: str) -> None:
-    """A forked rank: the caller's environment, stdout / stderr into files, then the trainer."""
+def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None = None) -> None:
+    """A forked rank: the caller's environment, stdout / stderr into files, the debug flavor at
+    ``n_layers`` blocks if given, then the trainer."""
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
@@ -39,6 +40,12 @@ def _forked_rank(env: dict, argv: list, out: str, err: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if n_layers is not None:
+        import dataclasses
+
+        from graph_trainer.llama3 import llama3_args
+
+        llama3_args["debugmodel"] = dataclasses.replace(llama3_args["debugmodel"], n_layers=n_layers)
     from graph_trainer.train import main
 
     sys.exit(main(argv))
@@ -65,13 +72,15 @@ def _forkserver():
 
 
 def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None,
-                timeout: float = 600) -> Ranks:
+                timeout: float = 600, n_layers: int | None = None) -> Ranks:
     """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on ``nranks`` gloo
-    ranks; ``tmp``: a folder for their logs; ``env``: extra variables (e.g. ``NGPU`` for a dry run).
+    ranks; ``tmp``: a folder for their logs; ``env``: extra variables (e.g. ``NGPU`` for a dry run);
+    ``n_layers``: the debug flavor's blocks (forked ranks only; default: the flavor's).
     Waits for every rank (a failed rank's peers are stopped 30 s after it; all after ``timeout``);
     the return code is that of the first rank, in rank order, that failed by itself."""
     from torch.distributed import TCPStore
 
+    assert n_layers is None or not fresh, "n_layers: forked ranks only"
     os.makedirs(tmp, exist_ok=True)
     argv = ["--job.config_file", DEBUG, *argv]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held until every rank exited
@@ -89,7 +98,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
                 procs.append(subprocess.Popen([sys.executable, "-m", "graph_trainer.train", *argv], cwd=REPO,
                                               env=rank_env, stdout=fo, stderr=fe))
         else:
-            procs.append(_forkserver().Process(target=_forked_rank, args=(rank_env, argv, out, err)))
+            procs.append(_forkserver().Process(target=_forked_rank, args=(rank_env, argv, out, err, n_layers)))
             procs[-1].start()
     poll = [p.poll if fresh else (lambda p=p: p.exitcode) for p in procs]
     deadline, failed_at, stopped = time.monotonic() + timeout, None, set()

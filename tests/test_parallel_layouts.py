@@ -4,7 +4,8 @@ collectives in the graph: tests/passes/test_async_tp.py and the 8B dry run in te
 
 Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run
 per layout and mode per module, the ranks forked as torchrun starts them (tests/_launch.py); the
-traced FSDP4 run is the ``fsdp4_run`` fixture (run_train.sh). Traced FSDP4 and HSDP are bitwise
+traced FSDP4 run is the ``fsdp4_run`` fixture (run_train.sh). FSDP4 and HSDP, compared with it, have
+the debug model's 6 blocks, the other layouts 2 (:data:`BLOCKS`). Traced FSDP4 and HSDP are bitwise
 eager torchtitan at every step (loss and grad norm); FSDP2 x TP2 has bitwise eager's losses and
 its grad norms up to the order DTensor sums the TP-replicated norm weights' squares.
 """
@@ -24,6 +25,8 @@ STEPS = 2  # as the fsdp4_run fixture
 LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fsdp2tp2": (4, 2, 2, 1),
            "rep2tp2": (4, 1, 2, 2), "fsdp4": (4, 4, 1, 1), "hsdp": (4, 2, 1, 2)}
 REPLICAS = "Replicate degree 2: gradients all-reduced over the replicas inside the graph"
+#: Blocks of the debug model per layout: 2, or the flavor's (None) where compared with the fixture.
+BLOCKS = {"fsdp4": None, "hsdp": None}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,8 @@ def runs(request, tmp_path_factory):
                                    str(STEPS), "--job.dump_folder", str(dump), "--compile.mode", mode,
                                    "--parallelism.data_parallel_shard_degree", str(shard),
                                    "--parallelism.tensor_parallel_degree", str(tp),
-                                   "--parallelism.data_parallel_replicate_degree", str(replicate)], f"{dump}.logs")
+                                   "--parallelism.data_parallel_replicate_degree", str(replicate)], f"{dump}.logs",
+                            n_layers=BLOCKS.get(layout, 2))
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
             rows, _ = read_metrics(os.path.join(dump, "metrics.jsonl"))
             done[layout, mode] = r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
