@@ -81,6 +81,17 @@ class TracedTrainStep(_Step):
 
         t0 = time.perf_counter()
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
+        if cached is not None and cached.get("compiled") is not None:
+            traced = TracedStep(cached["compiled"], cached["param_names"], cached["buffer_names"], 0.0)
+            self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
+            seconds = time.perf_counter() - t0
+            logger.info(f"graph cache: loaded the compiled step {graph_cache.compiled_path(self.cache_path)} in "
+                        f"{seconds:.2f}s: no trace, memory policy, passes or [{', '.join(s.name for s in self.pipeline)}]; "
+                        f"memory policy as cached: {self.stats.get('memory_policy', '-')}, predicted peak "
+                        f"{self.stats.get('predicted_peak_gib')} GiB")
+            self.stats.update(trace_time_s=0.0, compile_time_s=seconds, graph_cache="compiled")
+            self.graph = traced
+            return
         if cached is not None:
             gm = cached["gm"]
             example_inputs = placeholder_vals(gm)
@@ -127,7 +138,9 @@ class TracedTrainStep(_Step):
             graph_cache.save(self.cache_path, gm, traced.param_names, traced.buffer_names, self.pipeline[cut:],
                              {**self.stats, "trace_time_s": traced.trace_time_s, "graph_nodes": n_nodes,
                               "passes": list(records)})
-            traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline[cut:], records=records)
+            with graph_cache.recording():
+                traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline[cut:], records=records)
+                graph_cache.save_compiled(self.cache_path, traced.gm, self.pipeline[cut:])
         else:
             traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
                                      records=records)

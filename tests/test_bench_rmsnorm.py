@@ -33,7 +33,10 @@ def test_tiny_report(tmp_path):
     assert report["device_type"] == "cpu" and report["shapes"] == [[256, 128]] and report["torch"]
     assert math.isfinite(report["copy"]["GBps"]) and report["copy"]["GBps"] > 0
     by_name = {r["variant"]: r for r in report["results"]}
-    assert set(by_name) == set(REQUIRED + OPTIONAL)
+    assert set(by_name) == set(REQUIRED + OPTIONAL + ["copy (same bytes)"])
+    same = by_name.pop("copy (same bytes)")  # the reference row: a copy that moves the norm's bytes
+    assert same["pct_of_same_bytes_copy"] == 100.0 and same["GBps"] > 0
+    assert by_name["eager"]["pct_of_same_bytes_copy"] == 100.0 * by_name["eager"]["GBps"] / same["GBps"]
     for name in REQUIRED:
         r = by_name[name]
         assert r["status"] == "ok", f"{name}: {r['reason']}"

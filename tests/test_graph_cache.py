@@ -45,28 +45,39 @@ def _train(tmp_path, name, *flags):
     return read_metrics(str(out / "metrics.jsonl"))
 
 
-@pytest.mark.slow  # three short trainings
-def test_warm_run_loads_the_graph_and_trains_bitwise(tmp_path, caplog, monkeypatch):
+@pytest.mark.slow  # four short trainings
+def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_path, caplog, monkeypatch):
     from graph_trainer.llama3 import llama3_args
 
     # the debug model at two blocks: every run traces or loads, and trains, a smaller graph
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=2))
     cache = tmp_path / "cache"
-    cold, cold_summary = _train(tmp_path, "cold", "--compile.graph_cache_dir", str(cache))
-    entries = list(cache.iterdir())
-    assert len(entries) == 1 and entries[0].suffix == ".pkl"
-    with caplog.at_level("INFO", logger="graph_trainer"):
-        warm, summary = _train(tmp_path, "warm", "--compile.graph_cache_dir", str(cache))
-    assert "graph cache: loaded" in caplog.text and "Tracing the training step" not in caplog.text
-    assert summary["graph_cache"] == "hit" and summary["trace_time_s"] == 0.0 and "graph_cache" not in cold_summary
-    assert [r["loss"] for r in warm] == [r["loss"] for r in cold]
-    assert [r["grad_norm"] for r in warm] == [r["grad_norm"] for r in cold]
-    entries[0].write_bytes(b"not a cache entry")  # unreadable: a warning, then a cold run
-    caplog.clear()
-    with caplog.at_level("INFO", logger="graph_trainer"):
-        again, _ = _train(tmp_path, "again", "--compile.graph_cache_dir", str(cache))
+    flags = ("--compile.graph_cache_dir", str(cache), "--compile.inductor_compilation", "full")
+    cold, cold_summary = _train(tmp_path, "cold", *flags)
+    entry = next(cache.glob("*.pkl"))
+    assert sorted(p.name for p in cache.iterdir()) == sorted(entry.with_suffix(s).name
+                                                             for s in (".pkl", ".inductor", ".constants"))
+
+    def warm(name):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="graph_trainer"):
+            records, summary = _train(tmp_path, name, *flags)
+        assert [r["loss"] for r in records] == [r["loss"] for r in cold]
+        assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in cold]
+        return summary
+
+    # the compiled step: no graph loaded, nothing traced or compiled
+    summary = warm("compiled")
+    assert "graph cache: loaded the compiled step" in caplog.text and "graph pass full_inductor" not in caplog.text
+    assert summary["graph_cache"] == "compiled" and summary["trace_time_s"] == 0.0 and "graph_cache" not in cold_summary
+    # an unreadable compiled step: a warning, then the graph is loaded and compiled
+    entry.with_suffix(".inductor").write_bytes(b"not an artifact")
+    summary = warm("graph")
+    assert "not used" in caplog.text and "Tracing the training step" not in caplog.text
+    assert "graph pass full_inductor" in caplog.text and summary["graph_cache"] == "hit"
+    entry.write_bytes(b"not a cache entry")  # unreadable: a warning, then a cold run
+    warm("again")
     assert "not used" in caplog.text and "Tracing the training step" in caplog.text
-    assert [r["loss"] for r in again] == [r["loss"] for r in cold]
 
 
 def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):

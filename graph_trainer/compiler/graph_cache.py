@@ -7,10 +7,17 @@ remaining pipeline steps and the run's statistics, under a key of everything tha
 graph (:func:`cache_key`). A later run with the same key loads it and runs only the remaining
 steps, so the first step costs the imports and the compile (with a warm Inductor cache, a
 load). Numerics: the loaded graph is the graph the cold run compiled.
+
+When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
+step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format, the
+AOTAutograd and Inductor cache entries and kernels of that one compile) and a later run calls
+it without unpickling the graph or looking the compile up again: neither the graph (thousands of
+nodes with fake tensors) nor Inductor's cache key (a hash of the whole graph) is rebuilt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -102,6 +109,19 @@ def _own_targets_back(gm: torch.fx.GraphModule) -> None:
             node.target = getattr(importlib.import_module(module), name)
 
 
+#: The remaining steps whose result the cache can also hold compiled (:func:`save_compiled`).
+COMPILED_STEPS = ["full_inductor"]
+
+
+def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
+    """The graph's output structure: its pytree spec (``treespec_dumps``) and the leaves that are
+    not nodes (index -> value); the compiled step returns the node leaves in order."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
+    return pytree.treespec_dumps(spec), {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
+
+
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
     """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a
@@ -112,7 +132,8 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     swapped = _own_targets_by_name(gm)
     try:
         entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)),
-                 "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats}
+                 "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats,
+                 "outputs": _output_layout(gm)}
         data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: not saved ({type(e).__name__}: {e})")
@@ -133,10 +154,89 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     return True
 
 
+def compiled_path(path: Path) -> Path:
+    """Where the compiled step of the entry at ``path`` is stored (its constants: ``.constants``
+    beside it)."""
+    return path.with_suffix(".inductor")
+
+
+@contextlib.contextmanager
+def recording():
+    """Run the remaining steps under this for :func:`save_compiled`: Inductor's and AOTAutograd's
+    cache artifacts are recorded from an empty record (torch's ``CacheArtifactManager``)."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        yield
+
+
+def save_compiled(path: Path, gm: Any, steps: list) -> bool:
+    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are
+    :data:`COMPILED_STEPS` (one Inductor compile, ``gm.compiled_fn``), write its artifact to
+    :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary). Returns whether it was
+    written; a failure is a warning (later runs load the graph instead)."""
+    import importlib
+
+    if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
+        return False
+    try:
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None or len(artifacts[1].aot_autograd_artifacts) != 1:
+            raise ValueError(f"{0 if artifacts is None else len(artifacts[1].aot_autograd_artifacts)} "
+                             "AOTAutograd cache entries recorded, expected 1")
+        module = importlib.import_module("torch._inductor.standalone_compile")  # the package's name is the function
+        artifact_cls = getattr(module, "CacheCompiledArtifact", module.CompiledArtifact)  # torch >= 2.12: split
+        torch.save(gm.compiled_constants, compiled_path(path).with_suffix(".constants"))
+        artifact_cls(gm.compiled_fn, artifacts).save(path=str(compiled_path(path)), format="binary")
+    except Exception as e:  # noqa: BLE001 - a cache must not stop the run
+        logger.warning(f"graph cache: compiled step not saved ({type(e).__name__}: {e})")
+        return False
+    logger.info(f"graph cache: saved the compiled step {compiled_path(path)} "
+                f"({compiled_path(path).stat().st_size / 2**20:.1f} MiB)")
+    return True
+
+
+class CompiledStep:
+    """A compiled step loaded by :func:`load`: called like the graph it was compiled from (flat
+    parameters, buffers, tokens, labels), returns that graph's output structure. ``constants``:
+    the graph's own tensors, which the compiled code takes before the inputs."""
+
+    def __init__(self, artifact, constants: list[torch.Tensor], outputs: tuple[str, dict[int, Any]]):
+        import torch.utils._pytree as pytree
+
+        self.artifact, self.constants = artifact, constants
+        self.spec, self.consts = pytree.treespec_loads(outputs[0]), outputs[1]
+
+    def __call__(self, *args):
+        import torch.utils._pytree as pytree
+
+        out = iter(self.artifact(*self.constants, *args))
+        return pytree.tree_unflatten([self.consts[i] if i in self.consts else next(out)
+                                      for i in range(self.spec.num_leaves)], self.spec)
+
+
+def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
+    """The entry's compiled step (:func:`save_compiled`), or None (none stored; one that fails to
+    load: a warning)."""
+    constants = compiled_path(path).with_suffix(".constants")
+    if [s.name for s in entry["steps"]] != COMPILED_STEPS or "outputs" not in entry \
+            or not compiled_path(path).is_file() or not constants.is_file():
+        return None
+    try:
+        from torch._inductor import CompiledArtifact
+
+        return CompiledStep(CompiledArtifact.load(path=str(compiled_path(path)), format="binary"),
+                            torch.load(constants, weights_only=True), entry["outputs"])
+    except Exception as e:  # noqa: BLE001
+        logger.warning(f"graph cache: compiled step {compiled_path(path)} not used ({type(e).__name__}: {e})")
+        return None
+
+
 def load(path: Path) -> dict[str, Any] | None:
-    """The entry at ``path`` with ``gm`` unpickled into a new fake mode, or None (no file, or an
-    unreadable one: a warning). The fake mode has a shape env: without one Inductor bypasses its
-    FX graph cache ("No shape env") and a warm restart compiles again."""
+    """The entry at ``path``, or None (no file, or an unreadable one: a warning). With a compiled
+    step stored (:func:`save_compiled`) ``entry["compiled"]`` is that :class:`CompiledStep` and
+    ``gm`` is None; otherwise ``gm`` is unpickled into a new fake mode with a shape env (without
+    one Inductor bypasses its FX graph cache, "No shape env", and a warm restart compiles again)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -147,6 +247,9 @@ def load(path: Path) -> dict[str, Any] | None:
         entry = pickle.loads(path.read_bytes())
         if entry.get("format") != FORMAT:
             raise ValueError(f"format {entry.get('format')}, expected {FORMAT}")
+        if (compiled := _load_compiled(path, entry)) is not None:
+            entry.update(compiled=compiled, gm=None)
+            return entry
         entry["gm"] = GraphPickler.loads(entry["gm"], FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
         _own_targets_back(entry["gm"])
         entry["gm"].recompile()

@@ -19,7 +19,11 @@
 # then on the 1b eager vs the plain command bitwise), jit_budget (jit vs the plain command with
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
 # its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm),
-# first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the graph).
+# first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the compiled
+# step), plain_cache (the same for the plain command: the second loads the graph, then compiles its
+# regions and captures its CUDA graph), cache_bitwise (1b: the fastest setting and the plain command
+# under --debug.deterministic, 4 steps, cold, then from the cache, for the fastest setting also from
+# the graph alone: losses, grad norms and final state hashes equal).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -66,6 +70,23 @@ bitwise() {  # name, B flags, B label: eager vs B under --debug.deterministic, 6
         --out "/tmp/$1" > "$OUT/$1.log" 2>&1
     echo "$1 rc=$?"; grep -h "bitwise\|differ\|FAILED" "$OUT/$1.log" | cut -c1-300
 }
+cache_bitwise() {  # label, flags, runs (cold, compiled: from the compiled step, graph: from the graph)
+    local label=$1 flags=$2 gc=/tmp/graph_cache_bw_$1_${W}_$$ run; shift 2
+    for run in "$@"; do
+        [[ $run == graph ]] && rm -f "$gc"/*.inductor
+        timeout "$T" ./run_train.sh $L $flags --compile.graph_cache_dir "$gc" --debug.deterministic \
+            --debug.state_hashes --training.steps 4 --job.dump_folder "/tmp/${W}_cb_${label}_$run" \
+            > "$OUT/${W}_cb_${label}_$run.log" 2>&1
+        echo "${W}_cb_${label}_$run rc=$? $(grep -ho "graph cache: loaded[^:]*" "$OUT/${W}_cb_${label}_$run.log")"
+        grep -ho "step: *[0-9]* *loss: *[^ ]* *grad_norm: *[^ ]*\|final state sha256.*" "$OUT/${W}_cb_${label}_$run.log" \
+            > "/tmp/${W}_cb_${label}_$run.txt"
+        if [[ $run != "$1" ]]; then
+            cmp -s "/tmp/${W}_cb_${label}_$1.txt" "/tmp/${W}_cb_${label}_$run.txt" \
+                && echo "${label}: $run == $1 bitwise ($(wc -l < "/tmp/${W}_cb_${label}_$run.txt") lines)" \
+                || { echo "${label}: $run DIFFERS from $1"; diff "/tmp/${W}_cb_${label}_$1.txt" "/tmp/${W}_cb_${label}_$run.txt"; }
+        fi
+    done
+}
 probe() {  # where the time before the first log line goes
     for c in "import torch" "import torch, torchtitan.train" "import datasets" "import torch._inductor.compile_fx"; do
         local t0; t0=$(date +%s.%N); python3 -c "$c"; echo "python3 -c '$c': $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
@@ -81,6 +102,9 @@ pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
 first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" ;;
 first_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_${W}_$$"
     first_step "${W}_fast_gc_cold" "$FAST $GC"; first_step "${W}_fast_gc_warm" "$FAST $GC" ;;
+plain_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_plain_${W}_$$"
+    first_step "${W}_plain_gc_cold" "$GC"; first_step "${W}_plain_gc_warm" "$GC" ;;
+cache_bitwise) cache_bitwise fast "$FAST" cold compiled graph; cache_bitwise plain "" cold graph ;;
 plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" ;;
 cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;

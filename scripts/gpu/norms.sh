@@ -8,7 +8,8 @@
 #    norm as its own region (regional + RMSNorm pass).
 # 3. bench_rmsnorm at the norm shapes of the workloads (tokens x dim): 1B 8192x2048, 8B FSDP
 #    8192x4096, 8B seed rank (TP2, sequence-parallel norm) 4096x4096, and 32768x4096; the regional
-#    norm with Inductor's defaults and with mix_order_reduction off, beside eager and torch.compile.
+#    norm with Inductor's defaults, the timed pick (guarded) and mix_order_reduction off, beside eager,
+#    torch.compile and a copy that moves the same bytes.
 #    Then the same shapes with --residual: the residual add + RMSNorm region (residual_rmsnorm's kernel).
 # 4. (PARTS=bitwise) 1B, run-to-run with the RMSNorm and residual-add passes on under
 #    --debug.deterministic (losses, grad norms, final state hashes), and (PARTS=firstdiff) the op
@@ -37,12 +38,12 @@ echo "fusion rc=$?"; grep -v "^\s*$" "$OUT/fusion_1b.md" | tail -40 | cut -c1-30
 bench)
 timeout 120 python3 scripts/bench_rmsnorm.py --variants eager,regional,torch.compile \
     --shapes 8192x2048,8192x4096,4096x4096,32768x4096 --inductor-configs default='{}' \
-    --inductor-configs nomix='{"triton.mix_order_reduction": false}' \
+    --inductor-configs guarded --inductor-configs nomix='{"triton.mix_order_reduction": false}' \
     --json "$OUT/rmsnorm.json" > "$OUT/rmsnorm.md" 2>&1
 echo "rmsnorm rc=$?"; tail -30 "$OUT/rmsnorm.md" ;;
 residual)
 timeout 120 python3 scripts/bench_rmsnorm.py --residual --variants eager,regional,torch.compile \
-    --shapes 8192x2048,8192x4096,4096x4096,32768x4096 --inductor-configs default='{}' \
+    --shapes 8192x2048,8192x4096,4096x4096,32768x4096 --inductor-configs default='{}' --inductor-configs guarded \
     --json "$OUT/residual_rmsnorm.json" > "$OUT/residual_rmsnorm.md" 2>&1
 echo "residual rc=$?"; tail -20 "$OUT/residual_rmsnorm.md" ;;
 bitwise)

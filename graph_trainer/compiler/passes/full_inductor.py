@@ -6,7 +6,7 @@ accelerator (:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_f
 decomposes make_fx's aten graph) under the graph's fake mode, the nodes of each fusion group
 (``isolate_rmsnorm``'s) fused only among themselves (:func:`fusion_group_guard`). The result
 has the input's placeholders and codegen, so it is called like it; the compiled callable is
-``gm.compiled_fn``.
+``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``.
 """
 
 from __future__ import annotations
@@ -196,6 +196,10 @@ def full_inductor_pass(
     new_gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="InductorCompiledGraph")
     new_gm.meta.update(gm.meta)
     new_gm.compiled_fn = compiled
+    # the module's tensors AOTAutograd passes before the inputs (its params_buffers_flat: parameters,
+    # then buffers), which the compiled code alone, loaded from the graph cache, takes as inputs
+    new_gm.compiled_constants = [*dict(flat_gm.named_parameters(remove_duplicate=False)).values(),
+                                 *dict(flat_gm.named_buffers(remove_duplicate=False)).values()]
     set_pass_summary(
         new_gm,
         f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
