@@ -81,7 +81,7 @@ cache_bitwise() {  # label, flags, runs (cold, compiled: from the compiled step,
         grep -ho "step: *[0-9]* *loss: *[^ ]* *grad_norm: *[^ ]*\|final state sha256.*" "$OUT/${W}_cb_${label}_$run.log" \
             > "/tmp/${W}_cb_${label}_$run.txt"
         if [[ $run != "$1" ]]; then
-            cmp -s "/tmp/${W}_cb_${label}_$1.txt" "/tmp/${W}_cb_${label}_$run.txt" \
+            diff -q "/tmp/${W}_cb_${label}_$1.txt" "/tmp/${W}_cb_${label}_$run.txt" > /dev/null \
                 && echo "${label}: $run == $1 bitwise ($(wc -l < "/tmp/${W}_cb_${label}_$run.txt") lines)" \
                 || { echo "${label}: $run DIFFERS from $1"; diff "/tmp/${W}_cb_${label}_$1.txt" "/tmp/${W}_cb_${label}_$run.txt"; }
         fi
