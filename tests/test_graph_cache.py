@@ -25,6 +25,8 @@ def test_key_follows_what_decides_the_graph():
     assert base == _key("--job.dump_folder", "/elsewhere", "--training.steps", "99", "--compile.graph_cache_dir", "x")
     assert len({base, _key("--training.seq_len", "64"), _key("--compile.inductor_compilation", "full"),
                 _key("--debug.deterministic"), _key(rank=1)}) == 5
+    with torch._inductor.config.patch(max_autotune=True):  # e.g. TORCHINDUCTOR_MAX_AUTOTUNE=1
+        assert _key() != base
 
 
 def test_split_before_the_first_compiling_pass():

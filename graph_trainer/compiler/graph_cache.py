@@ -51,7 +51,9 @@ def source_hash() -> str:
 
 def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str:
     """The key of a run's graph: its config (less :data:`_NOT_IN_KEY`), rank, world size, device
-    (type and name), torch and torchtitan versions and :func:`source_hash`. 24 hex digits."""
+    (type and name), torch and torchtitan versions, :func:`source_hash` and Inductor's and
+    AOTAutograd's configs (``save_config_portable``: what ``TORCHINDUCTOR_*`` variables or code
+    set, which a stored compiled step would otherwise not see). 24 hex digits."""
     sections = {}
     for f in dataclasses.fields(cfg):
         if f.name in _NOT_IN_KEY:
@@ -66,9 +68,14 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
         titan = getattr(torchtitan, "__version__", "")
     except ImportError:
         titan = ""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    compilers = {"inductor": torch._inductor.config.save_config_portable(),
+                 "functorch": torch._functorch.config.save_config_portable()}
     material = json.dumps({"config": sections, "rank": rank, "world_size": world_size, "device": name,
                            "torch": torch.__version__, "torchtitan": titan, "source": source_hash(),
-                           "format": FORMAT}, sort_keys=True, default=str)
+                           "compilers": compilers, "format": FORMAT}, sort_keys=True, default=str)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
