@@ -46,12 +46,14 @@ class CompileBase:
     numerics_changing_optim: bool = False
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
-    graph_cache_dir: str = ""
-    """Keep the traced step after its passes (before Inductor compiles it) in this folder, one
-    file per key (the config less where it writes and how long it runs, rank, world size, device,
-    torch and graph_trainer's code): a later run with the same key skips the trace, the memory
-    policy and the passes (graph_trainer/compiler/graph_cache.py). Empty: off. Not used with
-    --compile.dump_graphs or --debug.record_numerics."""
+    graph_cache_dir: str = "auto"
+    """Keep the traced step after its passes (before Inductor compiles it), and with full Inductor
+    its compiled step, in this folder, one entry per key (the config less where it writes and how
+    long it runs, rank, world size, device, torch, Inductor's config and graph_trainer's code): a
+    later run with the same key skips the trace, the memory policy and the passes, and loads the
+    compiled step (graph_trainer/compiler/graph_cache.py). auto: on with --compile.inductor_compilation
+    full, in graph_trainer/ of Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, else Inductor's
+    default), off otherwise; off: off. Not used with --compile.dump_graphs or --debug.record_numerics."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it

@@ -284,12 +284,12 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         dump = cfg.job.dump_folder
         if kept := keep_previous(os.path.join(dump, "graphs")):
             logger.info(f"The earlier {os.path.join(dump, 'graphs')} is kept as {kept}")
-    cache_path = None
-    if cfg.compile.graph_cache_dir and not (dump or record_dir):
-        from graph_trainer.compiler.graph_cache import cache_key
+    from graph_trainer.compiler.graph_cache import cache_dir, cache_key
 
-        cache_path = os.path.join(cfg.compile.graph_cache_dir, f"{cache_key(cfg, rank, world_size, device)}.pkl")
-    elif cfg.compile.graph_cache_dir:
+    cache_path, folder = None, cache_dir(cfg.compile.graph_cache_dir, cfg.compile.inductor_compilation)
+    if folder and not (dump or record_dir):
+        cache_path = os.path.join(folder, f"{cache_key(cfg, rank, world_size, device)}.pkl")
+    elif folder:
         logger.info("graph cache: off with --compile.dump_graphs / --debug.record_numerics")
     return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump,
                            record_dir=record_dir, rank=rank, cache_path=cache_path)

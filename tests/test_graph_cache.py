@@ -29,6 +29,17 @@ def test_key_follows_what_decides_the_graph():
         assert _key() != base
 
 
+def test_auto_is_on_with_full_inductor_in_inductors_cache_folder(tmp_path, monkeypatch):
+    from graph_trainer.compiler.graph_cache import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert Compile().graph_cache_dir == "auto"
+    assert cache_dir("auto", "full") == str(tmp_path / "graph_trainer")
+    assert cache_dir("auto", "regional") is None and cache_dir("auto", "none") is None
+    assert cache_dir("off", "full") is None and cache_dir("", "full") is None
+    assert cache_dir("/some/where", "regional") == "/some/where"
+
+
 def test_split_before_the_first_compiling_pass():
     for kw, first in [({}, "regional_inductor"), ({"inductor_compilation": "full"}, "full_inductor"),
                       ({"passes": "cudagraph", "inductor_compilation": "none"}, "cudagraph")]:

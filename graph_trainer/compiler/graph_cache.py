@@ -40,6 +40,20 @@ _NOT_IN_KEY = {"job", "profiling", "metrics", "checkpoint", "validation", "fault
                ("compile", "graph_cache_dir"), ("compile", "dump_graphs")}  # fmt: skip
 
 
+def cache_dir(graph_cache_dir: str, inductor_compilation: str) -> str | None:
+    """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or
+    empty; "auto" unless ``inductor_compilation`` is "full"). "auto" with full Inductor:
+    ``graph_trainer/`` in Inductor's cache folder, so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both
+    caches cold."""
+    if graph_cache_dir in ("", "off") or (graph_cache_dir == "auto" and inductor_compilation != "full"):
+        return None
+    if graph_cache_dir == "auto":
+        from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+        return os.path.join(inductor_cache_dir(), "graph_trainer")
+    return graph_cache_dir
+
+
 def source_hash() -> str:
     """sha256 of every ``.py`` file of the graph_trainer package (path and contents)."""
     root = Path(__file__).resolve().parents[1]

@@ -2,7 +2,8 @@
 # One workload's modes in one device call: jit vs the plain command (alternating, step 8
 # profiled: kernel time by category, idle, timeline PNG), the first step of the fastest setting
 # cold and with a warm Inductor cache (wall from launch to step 2), then the plain command
-# vs the fastest setting and the fastest setting vs FASTEST_B (profiled).
+# vs the fastest setting and the fastest setting vs FASTEST_B (profiled). `first` runs without the
+# graph cache (--compile.graph_cache_dir off), which the fastest setting otherwise turns on.
 #   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/modes.sh 1b")
 #   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/modes.sh seed")
 # 1b:   train_configs/llama3_1b.toml on one GPU.
@@ -20,7 +21,7 @@
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
 # its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm),
 # first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the compiled
-# step), plain_cache (the same for the plain command: the second loads the graph, then compiles its
+# step), first_auto (the same with the fastest setting's own graph cache, in the new Inductor cache), plain_cache (the same for the plain command: the second loads the graph, then compiles its
 # regions and captures its CUDA graph), cache_bitwise (1b: the fastest setting and the plain command
 # under --debug.deterministic, 4 steps, cold, then from the cache, for the fastest setting also from
 # the graph alone: losses, grad norms and final state hashes equal).
@@ -99,7 +100,9 @@ probe() {  # where the time before the first log line goes
 for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
-first) first_step "${W}_fast_cold" "$FAST"; first_step "${W}_fast_warm" "$FAST" ;;
+first) first_step "${W}_fast_cold" "$FAST --compile.graph_cache_dir off"
+    first_step "${W}_fast_warm" "$FAST --compile.graph_cache_dir off" ;;
+first_auto) first_step "${W}_fast_auto_cold" "$FAST"; first_step "${W}_fast_auto_warm" "$FAST" ;;
 first_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_${W}_$$"
     first_step "${W}_fast_gc_cold" "$FAST $GC"; first_step "${W}_fast_gc_warm" "$FAST $GC" ;;
 plain_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_plain_${W}_$$"

@@ -125,7 +125,7 @@ def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
-             "--training.steps", "2", "--compile.inductor_compilation", "full"]
+             "--training.steps", "2", "--compile.inductor_compilation", "full", "--compile.graph_cache_dir", "off"]
     off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
     on, _ = _train(tmp_path, "on", *flags)
     assert [r["loss"] for r in off] == pytest.approx([r["loss"] for r in on], rel=1e-5)
