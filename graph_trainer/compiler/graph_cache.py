@@ -82,11 +82,11 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
         titan = getattr(torchtitan, "__version__", "")
     except ImportError:
         titan = ""
-    import torch._functorch.config
-    import torch._inductor.config
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
 
-    compilers = {"inductor": torch._inductor.config.save_config_portable(),
-                 "functorch": torch._functorch.config.save_config_portable()}
+    compilers = {"inductor": inductor_config.save_config_portable(),
+                 "functorch": functorch_config.save_config_portable()}
     material = json.dumps({"config": sections, "rank": rank, "world_size": world_size, "device": name,
                            "torch": torch.__version__, "torchtitan": titan, "source": source_hash(),
                            "compilers": compilers, "format": FORMAT}, sort_keys=True, default=str)
