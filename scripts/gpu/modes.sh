@@ -20,7 +20,8 @@
 # then on the 1b eager vs the plain command bitwise), jit_budget (jit vs the plain command with
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
 # its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm),
-# first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the compiled
+# cold_profile (the fastest setting's step 1 from a cold Inductor cache under cProfile, top
+# functions by cumulative and own time), first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the compiled
 # step), first_auto (the same with the fastest setting's own graph cache, in the new Inductor cache), plain_cache (the same for the plain command: the second loads the graph, then compiles its
 # regions and captures its CUDA graph), cache_bitwise (1b: the fastest setting and the plain command
 # under --debug.deterministic, 4 steps, cold, then from the cache, for the fastest setting also from
@@ -108,6 +109,14 @@ first_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_${W}_$$"
 plain_cache) GC="--compile.graph_cache_dir /tmp/graph_cache_plain_${W}_$$"
     first_step "${W}_plain_gc_cold" "$GC"; first_step "${W}_plain_gc_warm" "$GC" ;;
 cache_bitwise) cache_bitwise fast "$FAST" cold compiled graph; cache_bitwise plain "" cold graph ;;
+cold_profile) TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_prof_${W}_$$ timeout $(( T * 2 )) python3 -m cProfile \
+        -o "$OUT/${W}_cold.prof" -m graph_trainer.train --job.config_file "$CONFIG_FILE" \
+        ${COMM_MODE:+--comm.mode $COMM_MODE} $L $FAST --compile.graph_cache_dir off --training.steps 1 \
+        --job.dump_folder "/tmp/${W}_cold_profile" > "$OUT/${W}_cold_profile.log" 2>&1
+    echo "${W}_cold_profile rc=$?"
+    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(60); \
+s.sort_stats('tottime').print_stats(30)" "$OUT/${W}_cold.prof" 2>&1 | grep -v "^$" | cut -c1-200 | tee "$OUT/${W}_cold_profile.txt" \
+        | head -120 ;;
 plain_first) first_step "${W}_plain_first" "--compile.disable_passes cudagraph" ;;
 cg_first) first_step "${W}_cg_first" "" ;;
 probe) probe ;;
