@@ -193,9 +193,10 @@ def recording():
 
 def save_compiled(path: Path, gm: Any, steps: list) -> bool:
     """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are
-    :data:`COMPILED_STEPS` (one Inductor compile, ``gm.compiled_fn``), write its artifact to
-    :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary). Returns whether it was
-    written; a failure is a warning (later runs load the graph instead)."""
+    :data:`COMPILED_STEPS` (one Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``),
+    write its artifact to :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the
+    constants beside it (``torch.save``). Returns whether it was written; a failure is a warning
+    (later runs load the graph instead)."""
     import importlib
 
     if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
