@@ -17,7 +17,8 @@ from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.loss_compare import first_difference
 
-from _launch import run_script  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import run_script
 from _runs import run_debug
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,7 +27,8 @@ PASS = "--compile.numerics_changing_optim"
 
 
 def _train(dump, *flags, check=True, config=None, **launch):
-    """``_runs.run_debug`` of the debug model at SMALL shapes (or ``config`` as is) with state hashes."""
+    """``_runs.run_debug`` of the debug model at SMALL shapes (or ``config`` as is) with state hashes
+    (``launch``: its launch arguments)."""
     r = run_debug(dump, [] if config else SMALL, "--debug.state_hashes", *flags, config=config, **launch)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -70,12 +72,23 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     assert meta["flavor"] == flavor and meta["layout"].startswith(f"dp_shard{ngpu}")
 
 
+def _loss_compare(tmp, env):
+    """scripts/loss_compare.py, pass off vs on, --assert-equal: ``(its --out folder, its result)``."""
+    out = tmp / "cmp"
+    return out, run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags",
+                            PASS, "--assert-equal", "--", *SMALL], env=env, cwd=REPO,
+                           timeout=900)  # forked from tests/_launch.py's server
+
+
+_early.job("loss_compare_pass", _loss_compare)
+
+
 @pytest.mark.slow
-def test_loss_compare_pass_on_vs_off(tmp_path):
-    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails."""
-    out = tmp_path / "cmp"
-    r = run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags", PASS,
-                    "--assert-equal", "--", *SMALL], cwd=REPO, timeout=900)  # forked from tests/_launch.py's server
+@_early.uses("loss_compare_pass")
+def test_loss_compare_pass_on_vs_off():
+    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails.
+    (Started early: tests/_early.py.)"""
+    out, r = _early.result("loss_compare_pass")
     res = json.loads((out / "loss_compare.json").read_text())
     assert r.returncode == 1, r.stdout + r.stderr
     assert res["bitwise_equal"] is False and "differ" in res["first_difference"]
@@ -114,11 +127,21 @@ def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
     assert os.path.exists(path)  # nothing deleted
 
 
+def _nan_run(tmp, env):
+    """run_train.sh at a diverging learning rate, a checkpoint every step: ``(its dump folder, its result)``."""
+    d = tmp / "run"
+    return d, _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
+                     "--checkpoint.interval", "1", steps=6, check=False, env=env)
+
+
+_early.job("nan_run", _nan_run)
+
+
 @pytest.mark.slow
-def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
-    d = tmp_path / "run"
-    r = _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
-               "--checkpoint.interval", "1", steps=6, check=False)
+@_early.uses("nan_run")
+def test_nan_stops_run_and_keeps_last_good_checkpoint():
+    """(Started early: tests/_early.py.)"""
+    d, r = _early.result("nan_run")
     assert r.returncode != 0
     assert "grad norm is nan at step 2; stopping" in r.stderr.lower()
     assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr  # one paragraph
