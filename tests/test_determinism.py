@@ -35,9 +35,33 @@ def _train(dump, *flags, check=True, config=None, **launch):
     return r
 
 
+def _bitwise_runs(tmp, ngpu, steps, config, extra, env=None):
+    """Run a (uninterrupted) and run b (stopped at steps/2, then resumed in a new process) of
+    :func:`test_run_to_run_and_resume_bitwise_with_pass`: ``(a's folder, b's, the resumed run's result)``."""
+    half = steps // 2
+    same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
+    if ngpu == 1 and config is None:
+        ckpt += ["--training.dataloader.num_workers", "1"]
+    a, b = tmp / "a", tmp / "b"
+    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
+    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
+    # on one CPU rank, a and the first half of b side by side: each process uses one core
+    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
+        runs = [pool.submit(_train, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
+                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
+        for run in runs:
+            run.result()
+    assert latest_step(str(b / "checkpoint")) == half
+    return a, b, _train(b, *same, *ckpt, steps=steps, config=config, env=env, **launch)
+
+
+_early.job("bitwise_1rank", lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], env))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ngpu, steps, config, extra, flavor", [
-    pytest.param(1, 4, None, [], "debugmodel", id="1rank"),
+    pytest.param(1, 4, None, [], "debugmodel", id="1rank", marks=_early.uses("bitwise_1rank")),  # started early
     pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp"),
     pytest.param(1, 10, "train_configs/llama3_1b.toml", ["--debug.deterministic"], "1B", id="gpu_1b",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
@@ -48,21 +72,10 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     On one CPU rank b reads its batches with a dataloader worker (the GPU default), a without;
     on several, a's ranks are forked from tests/_launch.py's server (one string-hash seed), b's new."""
     half = steps // 2
-    same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
-    if ngpu == 1 and config is None:
-        ckpt += ["--training.dataloader.num_workers", "1"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
-    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
-    # on one CPU rank, a and the first half of b side by side: each process uses one core
-    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
-        runs = [pool.submit(_train, a, *same, steps=steps, config=config, **launch_a),  # uninterrupted, never saves
-                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, **launch)]
-        for run in runs:
-            run.result()
-    assert latest_step(str(b / "checkpoint")) == half
-    r = _train(b, *same, *ckpt, steps=steps, config=config, **launch)
+    if (ngpu, steps, config, extra) == (1, 4, None, []):
+        a, b, r = _early.result("bitwise_1rank")  # tests/_early.py
+    else:
+        a, b, r = _bitwise_runs(tmp_path, ngpu, steps, config, extra)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
