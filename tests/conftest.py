@@ -41,7 +41,8 @@ def pytest_configure(config):
 
 def pytest_collection_finish(session):
     """The runs of tests/_early.py that the selected tests read start now, in the background."""
-    _early.start(session.items, session.config._tmp_path_factory)
+    if not session.config.option.collectonly:
+        _early.start(session.items, session.config._tmp_path_factory)
 
 
 def pytest_sessionfinish(session):
