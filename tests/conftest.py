@@ -33,6 +33,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if "finished_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(_early.uses("finished_run"))
 
 
 def pytest_configure(config):
@@ -108,16 +110,24 @@ def fsdp4_run(tmp_path_factory):
     return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
 
 
-@pytest.fixture(scope="session")
-def finished_run(tmp_path_factory):
-    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4).
-    Tests copy it (``shutil.copytree``) before they change anything."""
+def _finished_run(tmp, env):
+    """:func:`finished_run`'s run (tests/_early.py's run ``"finished_run"``)."""
     from _runs import FINISHED, run_debug
 
-    dump = tmp_path_factory.mktemp("finished_run") / "run"
-    r = run_debug(dump, FINISHED, steps=4, forked=True)
+    dump = tmp / "run"
+    r = run_debug(dump, FINISHED, steps=4, forked=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return dump
+
+
+_early.job("finished_run", _finished_run)
+
+
+@pytest.fixture(scope="session")
+def finished_run():
+    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4),
+    started early (tests/_early.py). Tests copy it (``shutil.copytree``) before they change anything."""
+    return _early.result("finished_run")
 
 
 @contextlib.contextmanager

@@ -23,14 +23,29 @@ def _ok(r):
     return r
 
 
-@pytest.mark.slow
-def test_rerun_after_a_finished_run_is_reported_complete(tmp_path, finished_run):
-    a = tmp_path / "a"
-    shutil.copytree(finished_run, a)
-    assert latest_step(str(a / "checkpoint")) == 4 and not _model_only(a / "checkpoint" / "step-4")
-    before = (a / "metrics.jsonl").read_bytes()
+def _rerun(tmp, env):
+    """A copy of ``finished_run`` (tests/conftest.py), then the same command again through run_train.sh:
+    ``(the copy; its latest step, whether step-4 is model-only and metrics.jsonl's bytes before the run;
+    the run's result)``."""
+    a = tmp / "a"
+    shutil.copytree(_early.result("finished_run"), a)
+    before = latest_step(str(a / "checkpoint")), _model_only(a / "checkpoint" / "step-4"), \
+        (a / "metrics.jsonl").read_bytes()
+    return a, before, run_debug(a, FINISHED, env=env)
 
-    r = _ok(run_debug(a, FINISHED))  # the same command again
+
+_early.job("rerun_finished_run", _rerun)
+
+
+@pytest.mark.slow
+@_early.uses("finished_run")
+@_early.uses("rerun_finished_run")
+def test_rerun_after_a_finished_run_is_reported_complete():
+    """(The copy and the run started early: tests/_early.py.)"""
+    a, (step, model_only, before), r = _early.result("rerun_finished_run")
+    assert step == 4 and not model_only
+
+    r = _ok(r)  # the same command again
     assert f"already complete at step 4 (--training.steps 4); its checkpoint is {a / 'checkpoint' / 'step-4'}" \
         in r.stdout
     assert "step:  " not in r.stdout  # no step ran
