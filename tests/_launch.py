@@ -72,10 +72,11 @@ def _forkserver():
 
 
 def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None,
-                timeout: float = 600, n_layers: int | None = None) -> Ranks:
+                timeout: float = 600, n_layers: int | None = None, base_env: dict | None = None) -> Ranks:
     """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on ``nranks`` gloo
     ranks; ``tmp``: a folder for their logs; ``env``: extra variables (e.g. ``NGPU`` for a dry run);
-    ``n_layers``: the debug flavor's blocks (forked ranks only; default: the flavor's).
+    ``n_layers``: the debug flavor's blocks (forked ranks only; default: the flavor's); ``base_env``:
+    the environment to start from (default: this process's).
     Waits for every rank (a failed rank's peers are stopped 30 s after it; all after ``timeout``);
     the return code is that of the first rank, in rank order, that failed by itself."""
     from torch.distributed import TCPStore
@@ -84,7 +85,8 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     os.makedirs(tmp, exist_ok=True)
     argv = ["--job.config_file", DEBUG, *argv]
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # held until every rank exited
-    base = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "CONFIG_FILE")}
+    base = {k: v for k, v in (os.environ if base_env is None else base_env).items()
+            if k not in ("CONFIG", "CONFIG_FILE")}
     if fresh:
         base["PYTHONPATH"] = os.pathsep.join([REPO] + ([base["PYTHONPATH"]] if base.get("PYTHONPATH") else []))
     procs, logs = [], [(os.path.join(tmp, f"rank{r}.out"), os.path.join(tmp, f"rank{r}.err")) for r in range(nranks)]

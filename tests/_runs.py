@@ -14,17 +14,18 @@ FINISHED = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--c
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE", "LOG_RANK")
 
 
-def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=False, ngpu=1, config=None):
+def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=False, ngpu=1, config=None, env=None):
     """The debug config (or TOML file ``config``) with ``small``, ``steps``, ``dump`` and ``flags`` on
     ``ngpu`` ranks through run_train.sh; with ``direct``, ``python -m graph_trainer.train`` (one rank);
-    with ``forked`` / ``fresh``, tests/_launch.py's ranks. Has ``returncode``, ``stdout``, ``stderr``."""
+    with ``forked`` / ``fresh``, tests/_launch.py's ranks; ``env``: the environment to start from
+    (default: this process's). Has ``returncode``, ``stdout``, ``stderr``."""
     args = [*small, "--training.steps", str(steps), "--job.dump_folder", str(dump), *flags]
     if forked or fresh:
         from _launch import train_ranks
 
         assert config is None
-        return train_ranks(ngpu, args, f"{dump}.logs", fresh=fresh)
-    env = {k: v for k, v in os.environ.items() if k != "CONFIG_FILE"}
+        return train_ranks(ngpu, args, f"{dump}.logs", fresh=fresh, base_env=env)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "CONFIG_FILE"}
     env["NGPU"] = str(ngpu)
     launch = ["bash", "run_train.sh"]
     if direct:
@@ -35,9 +36,9 @@ def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=Fa
     return subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
-def launch_env(**launch):
-    """The caller's environment without launcher variables, CPU only, plus ``launch``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+def launch_env(base=None, **launch):
+    """The caller's environment (or ``base``) without launcher variables, CPU only, plus ``launch``."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCH_VARS}
     return {**env, "CUDA_VISIBLE_DEVICES": "", **launch}
 
 

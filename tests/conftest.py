@@ -1,7 +1,8 @@
 """Shared fixtures: the tests' tiny models and the runs several test modules start from.
 
 Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using
-a fixture of :data:`SLOW_FIXTURES`. Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
+a fixture of :data:`SLOW_FIXTURES`. Single-process runs that tests only read start early, in the
+background (tests/_early.py). Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
 unless set): several CPU-bound processes on a few cores otherwise slow single ops many times over.
 """
 
@@ -15,6 +16,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: this 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+import _early  # noqa: E402  tests/ is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,6 +33,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if "finished_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(_early.uses("finished_run"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{_early.MARK}(name): reads tests/_early.py's run ``name``")
+
+
+def pytest_collection_finish(session):
+    """The runs of tests/_early.py that the selected tests read start now, in the background."""
+    if not session.config.option.collectonly:
+        _early.start(session.items, session.config._tmp_path_factory)
+
+
+def pytest_sessionfinish(session):
+    _early.stop()
 
 
 @pytest.fixture(scope="session")
@@ -91,16 +110,24 @@ def fsdp4_run(tmp_path_factory):
     return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
 
 
-@pytest.fixture(scope="session")
-def finished_run(tmp_path_factory):
-    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4).
-    Tests copy it (``shutil.copytree``) before they change anything."""
+def _finished_run(tmp, env):
+    """:func:`finished_run`'s run (tests/_early.py's run ``"finished_run"``)."""
     from _runs import FINISHED, run_debug
 
-    dump = tmp_path_factory.mktemp("finished_run") / "run"
-    r = run_debug(dump, FINISHED, steps=4, forked=True)
+    dump = tmp / "run"
+    r = run_debug(dump, FINISHED, steps=4, forked=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return dump
+
+
+_early.job("finished_run", _finished_run)
+
+
+@pytest.fixture(scope="session")
+def finished_run():
+    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4),
+    started early (tests/_early.py). Tests copy it (``shutil.copytree``) before they change anything."""
+    return _early.result("finished_run")
 
 
 @contextlib.contextmanager

@@ -12,22 +12,32 @@ import torch
 
 from graph_trainer.metrics import read_metrics
 
-from _runs import launch_env  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import launch_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process(tmp_path):
-    """NGPU=64, FSDP32xTP2: one process (no torchrun rank prefix), the model built on the meta
-    device and only rank 0's shards allocated, its step traced with the collectives of 64 ranks
-    (pass table), 3 steps with finite losses; the summary says the mode."""
-    dump = tmp_path / "out"
+def _fake_collectives_run(tmp, env):
+    """COMM_MODE=fake_collectives NGPU=64 ./run_train.sh, FSDP32 x TP2: ``(its dump folder, its result)``."""
+    dump = tmp / "out"
     flags = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
              "--training.steps", "3", "--parallelism.data_parallel_shard_degree", "32",
              "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(dump)]
-    r = subprocess.run(["bash", "run_train.sh", *flags], cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env=launch_env(COMM_MODE="fake_collectives", NGPU="64"))
+    return dump, subprocess.run(["bash", "run_train.sh", *flags], cwd=REPO, capture_output=True, text=True,
+                                timeout=600, env=launch_env(env, COMM_MODE="fake_collectives", NGPU="64"))
+
+
+_early.job("fake_collectives_fsdp32_tp2", _fake_collectives_run)
+
+
+@pytest.mark.slow
+@_early.uses("fake_collectives_fsdp32_tp2")
+def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process():
+    """NGPU=64, FSDP32xTP2: one process (no torchrun rank prefix), the model built on the meta
+    device and only rank 0's shards allocated, its step traced with the collectives of 64 ranks
+    (pass table), 3 steps with finite losses; the summary says the mode. (Started early: tests/_early.py.)"""
+    dump, r = _early.result("fake_collectives_fsdp32_tp2")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "COMM_MODE=fake_collectives: rank 0 of 64 ranks on cpu" in out

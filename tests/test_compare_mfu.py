@@ -16,7 +16,8 @@ from graph_trainer.tools import compare_mfu, runs, stats
 from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
-from _launch import run_script  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
@@ -54,9 +55,9 @@ if bad := [a for a in sys.argv if a.startswith("--fake.bad")]:
 '''
 
 
-def _compare(*args):
+def _compare(*args, env=ENV):
     """``python3 scripts/compare_mfu.py *args``, forked from tests/_launch.py's server (its imports done)."""
-    return run_script([SCRIPT, *args], env=ENV, cwd=REPO, timeout=400)
+    return run_script([SCRIPT, *args], env=env, cwd=REPO, timeout=400)
 
 
 def _git(repo, *args):
@@ -230,16 +231,37 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
     assert len(started) == 1 and started[0].poll() is not None  # stopped and reaped
 
 
+REAL_BAD_FLAG = (["--a-flags", ""], "--training.no_such_flag 1")
+
+
+def _real_bad_flag(tmp, env):
+    """The real tree with :data:`REAL_BAD_FLAG`: ``(its result, its --out folder)``."""
+    out = tmp / "cmp"
+    a_side, b_flags = REAL_BAD_FLAG
+    return _compare(*a_side, "--b-flags", b_flags, "--out", str(out), "--", *TINY, env=_env(env)), out
+
+
+def _env(env):
+    """A run's environment (tests/_early.py: the session's start) without the launcher variables, as :data:`ENV`."""
+    return {k: v for k, v in env.items() if k not in ("CONFIG_FILE", "CONFIG", "NGPU")}
+
+
+_early.job("compare_mfu_real_bad_flag", _real_bad_flag)
+
+
 @pytest.mark.parametrize("tree, a_side, b_flags, needle", [
     pytest.param("fake", ["--a", "HEAD~1"], "--fake.bad 1", "unrecognized option --fake.bad", id="fake"),
-    pytest.param("real", ["--a-flags", ""], "--training.no_such_flag 1", "--training.no_such_flag", id="real",
-                 marks=pytest.mark.slow),  # the real config parser, on both sides
+    pytest.param("real", *REAL_BAD_FLAG, "--training.no_such_flag", id="real",  # started early: tests/_early.py
+                 marks=[pytest.mark.slow, _early.uses("compare_mfu_real_bad_flag")]),  # the real config parser
 ])
 def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, a_side, b_flags, needle, tmp_path, request):
     """Exit 2 naming side B (not A), nothing run, no output folder."""
-    where = ["--repo", str(request.getfixturevalue("fake_repo"))] if tree == "fake" else []
-    out = tmp_path / "cmp"
-    r = _compare(*where, *a_side, "--b-flags", b_flags, "--out", str(out), *(["--", *TINY] if tree == "real" else []))
+    if tree == "real":  # on both sides
+        r, out = _early.result("compare_mfu_real_bad_flag")
+    else:
+        out = tmp_path / "cmp"
+        r = _compare("--repo", str(request.getfixturevalue("fake_repo")), *a_side, "--b-flags", b_flags, "--out",
+                     str(out))
     assert r.returncode == 2 and "side B" in r.stderr and needle in r.stderr, r.stdout + r.stderr
     assert "side A" not in r.stderr and "validating" in r.stdout and "step 1" not in r.stdout
     assert not out.exists()
@@ -261,15 +283,26 @@ def test_usage_errors(args, needle, tmp_path):
     assert not (tmp_path / "cmp").exists()
 
 
-@pytest.mark.slow
-def test_real_head_ref_against_working_tree_flags(tmp_path):
-    """A: HEAD from a worktree (--allow-dirty; outside git: the working tree), B: + max_norm 0.5; profiled."""
+def _real_head_ref(tmp, env):
+    """A: HEAD (if a git tree), B: the working tree + max_norm 0.5, profiled: ``(HEAD or None, --out, result)``."""
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
     head = git.stdout.strip() if git.returncode == 0 else None
-    out = tmp_path / "cmp"
+    out = tmp / "cmp"
     r = _compare(*(["--a", "HEAD", "--allow-dirty"] if head else ["--a-flags", ""]),
                  "--b-flags", "--training.max_norm 0.5", "--repeats", "1", "--steps", "2", "--warmup", "0",
-                 "--profile-step", "2", "--out", str(out), "--", *TINY)
+                 "--profile-step", "2", "--out", str(out), "--", *TINY, env=_env(env))
+    return head, out, r
+
+
+_early.job("compare_mfu_real_head_ref", _real_head_ref)
+
+
+@pytest.mark.slow
+@_early.uses("compare_mfu_real_head_ref")
+def test_real_head_ref_against_working_tree_flags():
+    """A: HEAD from a worktree (--allow-dirty; outside git: the working tree), B: + max_norm 0.5; profiled.
+    (Started early: tests/_early.py.)"""
+    head, out, r = _early.result("compare_mfu_real_head_ref")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"| A: {f'HEAD@{head[:8]}' if head else 'working tree'} (1/1 runs) |" in r.stdout
     assert "| B: working tree + --training.max_norm 0.5 (1/1 runs) |" in r.stdout

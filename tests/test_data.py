@@ -17,7 +17,8 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset, build_text_dataloader
 
-from _runs import LAUNCH_VARS, run_debug  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import LAUNCH_VARS, run_debug
 from graph_trainer import config, data
 from graph_trainer.errors import UserError
 
@@ -266,16 +267,26 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
     assert data.resolve_tokenizer_path(str(tok), VOCAB) == str(tok)
 
 
-@pytest.mark.slow
-def test_training_stops_at_bad_line_deep_in_file(tmp_path):
-    """A null 'text' on line 2000 (past preflight) stops forked and torchrun ranks: one `error: file:line`, exit 2."""
-    path = tmp_path / "docs.jsonl"
+def _bad_line_runs(tmp, env):
+    """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [their results])``."""
+    path = tmp / "docs.jsonl"
     path.write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
     small = ["--training.dataset_path", str(path), "--training.seq_len", "64", "--training.local_batch_size", "2",
              "--compile.inductor_compilation", "none"]
+    return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, env=env) for forked in (True, False)]
+
+
+_early.job("bad_line_deep_in_file", _bad_line_runs)
+
+
+@pytest.mark.slow
+@_early.uses("bad_line_deep_in_file")
+def test_training_stops_at_bad_line_deep_in_file():
+    """A null 'text' on line 2000 (past preflight) stops forked and torchrun ranks: one `error: file:line`, exit 2.
+    (Started early: tests/_early.py.)"""
+    path, runs = _early.result("bad_line_deep_in_file")
     needle = f"error: {path}:2000: 'text' is null"
-    for forked in (True, False):
-        r = run_debug(tmp_path / f"run{forked}", small, steps=3, forked=forked)
+    for r in runs:
         text = r.stdout + r.stderr
         assert r.returncode == 2, text[-3000:]  # run_train.sh: a worker's user error is exit 2
         assert needle in r.stderr and "Traceback" not in text, text[-3000:]

@@ -17,7 +17,8 @@ from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.loss_compare import first_difference
 
-from _launch import run_script  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import run_script
 from _runs import run_debug
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,16 +27,41 @@ PASS = "--compile.numerics_changing_optim"
 
 
 def _train(dump, *flags, check=True, config=None, **launch):
-    """``_runs.run_debug`` of the debug model at SMALL shapes (or ``config`` as is) with state hashes."""
+    """``_runs.run_debug`` of the debug model at SMALL shapes (or ``config`` as is) with state hashes
+    (``launch``: its launch arguments)."""
     r = run_debug(dump, [] if config else SMALL, "--debug.state_hashes", *flags, config=config, **launch)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
 
+def _bitwise_runs(tmp, ngpu, steps, config, extra, env=None):
+    """Run a (uninterrupted) and run b (stopped at steps/2, then resumed in a new process) of
+    :func:`test_run_to_run_and_resume_bitwise_with_pass`: ``(a's folder, b's, the resumed run's result)``."""
+    half = steps // 2
+    same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
+    if ngpu == 1 and config is None:
+        ckpt += ["--training.dataloader.num_workers", "1"]
+    a, b = tmp / "a", tmp / "b"
+    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
+    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
+    # on one CPU rank, a and the first half of b side by side: each process uses one core
+    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
+        runs = [pool.submit(_train, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
+                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
+        for run in runs:
+            run.result()
+    assert latest_step(str(b / "checkpoint")) == half
+    return a, b, _train(b, *same, *ckpt, steps=steps, config=config, env=env, **launch)
+
+
+_early.job("bitwise_1rank", lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], env))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ngpu, steps, config, extra, flavor", [
-    pytest.param(1, 4, None, [], "debugmodel", id="1rank"),
+    pytest.param(1, 4, None, [], "debugmodel", id="1rank", marks=_early.uses("bitwise_1rank")),  # started early
     pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp"),
     pytest.param(1, 10, "train_configs/llama3_1b.toml", ["--debug.deterministic"], "1B", id="gpu_1b",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
@@ -46,21 +72,10 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     On one CPU rank b reads its batches with a dataloader worker (the GPU default), a without;
     on several, a's ranks are forked from tests/_launch.py's server (one string-hash seed), b's new."""
     half = steps // 2
-    same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
-    if ngpu == 1 and config is None:
-        ckpt += ["--training.dataloader.num_workers", "1"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
-    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
-    # on one CPU rank, a and the first half of b side by side: each process uses one core
-    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
-        runs = [pool.submit(_train, a, *same, steps=steps, config=config, **launch_a),  # uninterrupted, never saves
-                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, **launch)]
-        for run in runs:
-            run.result()
-    assert latest_step(str(b / "checkpoint")) == half
-    r = _train(b, *same, *ckpt, steps=steps, config=config, **launch)
+    if (ngpu, steps, config, extra) == (1, 4, None, []):
+        a, b, r = _early.result("bitwise_1rank")  # tests/_early.py
+    else:
+        a, b, r = _bitwise_runs(tmp_path, ngpu, steps, config, extra)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
@@ -70,12 +85,23 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     assert meta["flavor"] == flavor and meta["layout"].startswith(f"dp_shard{ngpu}")
 
 
+def _loss_compare(tmp, env):
+    """scripts/loss_compare.py, pass off vs on, --assert-equal: ``(its --out folder, its result)``."""
+    out = tmp / "cmp"
+    return out, run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags",
+                            PASS, "--assert-equal", "--", *SMALL], env=env, cwd=REPO,
+                           timeout=900)  # forked from tests/_launch.py's server
+
+
+_early.job("loss_compare_pass", _loss_compare)
+
+
 @pytest.mark.slow
-def test_loss_compare_pass_on_vs_off(tmp_path):
-    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails."""
-    out = tmp_path / "cmp"
-    r = run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags", PASS,
-                    "--assert-equal", "--", *SMALL], cwd=REPO, timeout=900)  # forked from tests/_launch.py's server
+@_early.uses("loss_compare_pass")
+def test_loss_compare_pass_on_vs_off():
+    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails.
+    (Started early: tests/_early.py.)"""
+    out, r = _early.result("loss_compare_pass")
     res = json.loads((out / "loss_compare.json").read_text())
     assert r.returncode == 1, r.stdout + r.stderr
     assert res["bitwise_equal"] is False and "differ" in res["first_difference"]
@@ -114,11 +140,21 @@ def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
     assert os.path.exists(path)  # nothing deleted
 
 
+def _nan_run(tmp, env):
+    """run_train.sh at a diverging learning rate, a checkpoint every step: ``(its dump folder, its result)``."""
+    d = tmp / "run"
+    return d, _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
+                     "--checkpoint.interval", "1", steps=6, check=False, env=env)
+
+
+_early.job("nan_run", _nan_run)
+
+
 @pytest.mark.slow
-def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
-    d = tmp_path / "run"
-    r = _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
-               "--checkpoint.interval", "1", steps=6, check=False)
+@_early.uses("nan_run")
+def test_nan_stops_run_and_keeps_last_good_checkpoint():
+    """(Started early: tests/_early.py.)"""
+    d, r = _early.result("nan_run")
     assert r.returncode != 0
     assert "grad norm is nan at step 2; stopping" in r.stderr.lower()
     assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr  # one paragraph

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import _early
 from _launch import run_script
 from _scripts import SCRIPTS, load_script, table
 
@@ -13,13 +14,23 @@ ISOLATED = "full+isolated rmsnorm"
 COMPILED = ["full", ISOLATED, "regional+rmsnorm", POINTWISE]
 
 
+def _tiny_run(tmp, env):
+    """``fusion_report.py --tiny``: ``(its JSON file, its result)``."""
+    out = tmp / "report.json"
+    return out, run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], env=env, cwd=SCRIPTS.parent,
+                           timeout=300)  # forked from tests/_launch.py's server (its imports done)
+
+
+_early.job("fusion_report_tiny", _tiny_run)
+
+
 @pytest.mark.slow
-def test_tiny_run(tmp_path):
+@_early.uses("fusion_report_tiny")
+def test_tiny_run():
     """The ways and their kernels; regional keeps the norm backward alone while full fuses into it;
-    every way matches the uncompiled numerics; timings; the markdown table matches the JSON."""
-    out = tmp_path / "report.json"
-    proc = run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], cwd=SCRIPTS.parent,
-                      timeout=300)  # forked from tests/_launch.py's server (its imports done)
+    every way matches the uncompiled numerics; timings; the markdown table matches the JSON.
+    (Started early: tests/_early.py.)"""
+    out, proc = _early.result("fusion_report_tiny")
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
     ways = {w["way"]: w for w in report["ways"]}

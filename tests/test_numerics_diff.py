@@ -13,7 +13,8 @@ from graph_trainer.numerics import (EagerRecorder, GraphRecorder, assign_keys, f
                                     record_eager_forward, save)
 from graph_trainer.tools.numerics_diff import compare, main
 
-from _launch import run_script  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,15 +116,25 @@ def test_save_load_and_bad_input(tmp_path, capsys):
         assert needle in err and "Traceback" not in err
 
 
+def _numerics_diff_cli(tmp, env):
+    """scripts/numerics_diff.py, default pipeline vs the RMSNorm pass: ``(its out folder, its result)``."""
+    out = tmp / "nd"
+    return out, run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
+                            "--compile.numerics_changing_optim", "--out", str(out), "--", "--training.seq_len", "64",
+                            "--training.local_batch_size", "2"],
+                           env=env, cwd=REPO, timeout=900)  # forked from tests/_launch.py's server (its imports done)
+
+
+_early.job("numerics_diff_cli", _numerics_diff_cli)
+
+
 @pytest.mark.slow
-def test_cli_names_the_rmsnorm_node(tmp_path):
+@_early.uses("numerics_diff_cli")
+def test_cli_names_the_rmsnorm_node():
     """The default pipeline against --compile.numerics_changing_optim on the debug model (seq 64,
     batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no op before
-    it in A's execution order differs (brute force over the records)."""
-    out = tmp_path / "nd"
-    r = run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags", "--compile.numerics_changing_optim",
-                    "--out", str(out), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
-                   cwd=REPO, timeout=900)  # forked from tests/_launch.py's server (its imports done)
+    it in A's execution order differs (brute force over the records). (Started early: tests/_early.py.)"""
+    out, r = _early.result("numerics_diff_cli")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     first = json.loads((out / "numerics_diff.json").read_text())["ranks"]["0"]["divergent"][0]
     assert first["key"].split()[1].endswith("norm"), first

@@ -13,7 +13,8 @@ import torch
 import torch.fx
 from torch._logging._internal import trace_log
 
-from _runs import run_debug  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import run_debug
 from passes.conftest import fused_norm_graph, tagged_nodes
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
@@ -123,22 +124,34 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
     assert "'inductor_region': 'rmsnorm_forward_0'" in artifacts[f"graph_after_{ANNOTATE}"][1]
 
 
-@pytest.mark.slow
-def test_tlparse_lists_one_artifact_per_pass(tmp_path, monkeypatch):
-    """A 2-step debug run with TORCH_TRACE and RMSNorm regions: tlparse lists ours per pass and Inductor's."""
-    tlparse = shutil.which("tlparse") or pytest.skip("the tlparse binary is not installed (pip install tlparse)")
-    trace_dir = tmp_path / "trace"
-    monkeypatch.setenv("TORCH_TRACE", str(trace_dir))
+def _traced_run(tmp, env):
+    """The 2-step debug run with TORCH_TRACE into ``tmp/trace``: ``(tmp, its result)``; None without tlparse."""
+    if shutil.which("tlparse") is None:
+        return None
     small = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
-    r = run_debug(tmp_path / "run", small, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
-                  direct=True)  # the trainer's entry point, without run_train.sh's pre-check and torchrun
+    return tmp, run_debug(tmp / "run", small, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
+                          direct=True,  # the trainer's entry point, without run_train.sh's pre-check and torchrun
+                          env={**env, "TORCH_TRACE": str(tmp / "trace")})
+
+
+_early.job("tlparse_traced_run", _traced_run)
+
+
+@pytest.mark.slow
+@_early.uses("tlparse_traced_run")
+def test_tlparse_lists_one_artifact_per_pass(tmp_path):
+    """A 2-step debug run with TORCH_TRACE and RMSNorm regions: tlparse lists ours per pass and Inductor's.
+    (The run started early: tests/_early.py.)"""
+    tlparse = shutil.which("tlparse") or pytest.skip("the tlparse binary is not installed (pip install tlparse)")
+    run_tmp, r = _early.result("tlparse_traced_run")
+    trace_dir = run_tmp / "trace"
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Per-pass report" in r.stdout and "| (input)" in r.stdout
-    summary = read_metrics(tmp_path / "run" / "metrics.jsonl")[1]
+    summary = read_metrics(run_tmp / "run" / "metrics.jsonl")[1]
     passes = [p["pass"] for p in summary["passes"]]
     assert passes[-2:] == [ANNOTATE, "regional_inductor"]
     assert summary["passes"][-1]["regions_after"] == summary["passes"][-1]["stats"]["regions"] > 0
-    assert (tmp_path / "run" / "graphs" / f"{len(passes):02d}_regional_inductor.diff").read_text()
+    assert (run_tmp / "run" / "graphs" / f"{len(passes):02d}_regional_inductor.diff").read_text()
     (log,) = os.listdir(trace_dir)
     out = tmp_path / "tl_out"
     p = subprocess.run([tlparse, str(trace_dir / log), "-o", str(out), "--overwrite", "--no-browser"],

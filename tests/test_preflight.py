@@ -8,16 +8,17 @@ import subprocess
 
 import pytest
 
-from _runs import LAUNCH_VARS, launch_env  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import LAUNCH_VARS, launch_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
 
 
-def _run_sh(args, env=None):
-    """run_train.sh without the caller's launcher variables, CPU only, plus ``env``."""
+def _run_sh(args, env=None, base=None):
+    """run_train.sh without the caller's (or ``base``'s) launcher variables, CPU only, plus ``env``."""
     return subprocess.run(["bash", os.path.join(REPO, "run_train.sh"), *args], capture_output=True, text=True,
-                          env=launch_env(**(env or {})), timeout=300, cwd=REPO)
+                          env=launch_env(base, **(env or {})), timeout=300, cwd=REPO)
 
 
 def _files(tmp):
@@ -83,15 +84,37 @@ def _in_process(where, env, args, monkeypatch, capsys):
     return rc, out.out + out.err
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
-    files = _files(tmp_path)
-    where, env, args, needle = CASES[case]
+def _case(case, tmp):
+    """Case ``case`` of :data:`CASES` with its files in ``tmp``: ``(env, args, needle)``."""
+    files = _files(tmp)
+    _, env, args, needle = CASES[case]
     env = {k: v.format(**files) for k, v in env.items()}
-    args = [a.format(**files) for a in args] + ["--job.dump_folder", str(tmp_path / "out")]
-    needle = needle.format(**files)
+    args = [a.format(**files) for a in args] + ["--job.dump_folder", str(tmp / "out")]
+    return env, args, needle.format(**files)
+
+
+def _script_cases(tmp, base):
+    """The cases refused by run_train.sh itself, each in its folder: ``{case: (folder, needle, result)}``."""
+    out = {}
+    for i, case in enumerate(c for c, (where, *_) in CASES.items() if where == "script"):
+        (folder := tmp / str(i)).mkdir()
+        env, args, needle = _case(case, folder)
+        out[case] = folder, needle, _run_sh(args, env, base)
+    return out
+
+
+_early.job("run_train_script_cases", _script_cases)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=_early.uses("run_train_script_cases")) if w == "script"
+                                  else c for c, (w, *_) in CASES.items()])  # run_train.sh's runs start early
+def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
+    where = CASES[case][0]
+    if where == "script":  # its files and output in the folder of tests/_early.py's run
+        tmp_path, needle, r = _early.result("run_train_script_cases")[case]
+    else:
+        env, args, needle = _case(case, tmp_path)
     if where == "script":
-        r = _run_sh(args, env)
         rc, text = r.returncode, r.stdout + r.stderr
         lines = r.stderr.strip().splitlines()
         assert lines and lines[0].startswith("error: ") and needle in lines[0], r.stderr[-2000:]
@@ -104,8 +127,13 @@ def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()
 
 
+_early.job("run_train_help", lambda tmp, env: _run_sh(["--help"], base=env))
+
+
+@_early.uses("run_train_help")
 def test_help_without_torchrun():
-    r = _run_sh(["--help"])
+    """``./run_train.sh --help`` (started early: tests/_early.py)."""
+    r = _early.result("run_train_help")
     assert r.returncode == 0 and "[rank0]" not in r.stdout
     lines = r.stdout.splitlines()
     assert lines.index("[compile]") < lines.index("[job]")  # the project's flags first

@@ -10,7 +10,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from graph_trainer.checkpoint import is_model_only, latest_step
 
-from _runs import FINISHED, run_debug  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import FINISHED, run_debug
 
 
 def _model_only(path) -> bool:
@@ -22,14 +23,29 @@ def _ok(r):
     return r
 
 
-@pytest.mark.slow
-def test_rerun_after_a_finished_run_is_reported_complete(tmp_path, finished_run):
-    a = tmp_path / "a"
-    shutil.copytree(finished_run, a)
-    assert latest_step(str(a / "checkpoint")) == 4 and not _model_only(a / "checkpoint" / "step-4")
-    before = (a / "metrics.jsonl").read_bytes()
+def _rerun(tmp, env):
+    """A copy of ``finished_run`` (tests/conftest.py), then the same command again through run_train.sh:
+    ``(the copy; its latest step, whether step-4 is model-only and metrics.jsonl's bytes before the run;
+    the run's result)``."""
+    a = tmp / "a"
+    shutil.copytree(_early.result("finished_run"), a)
+    before = latest_step(str(a / "checkpoint")), _model_only(a / "checkpoint" / "step-4"), \
+        (a / "metrics.jsonl").read_bytes()
+    return a, before, run_debug(a, FINISHED, env=env)
 
-    r = _ok(run_debug(a, FINISHED))  # the same command again
+
+_early.job("rerun_finished_run", _rerun)
+
+
+@pytest.mark.slow
+@_early.uses("finished_run")
+@_early.uses("rerun_finished_run")
+def test_rerun_after_a_finished_run_is_reported_complete():
+    """(The copy and the run started early: tests/_early.py.)"""
+    a, (step, model_only, before), r = _early.result("rerun_finished_run")
+    assert step == 4 and not model_only
+
+    r = _ok(r)  # the same command again
     assert f"already complete at step 4 (--training.steps 4); its checkpoint is {a / 'checkpoint' / 'step-4'}" \
         in r.stdout
     assert "step:  " not in r.stdout  # no step ran
@@ -37,27 +53,61 @@ def test_rerun_after_a_finished_run_is_reported_complete(tmp_path, finished_run)
     assert sorted(os.listdir(a / "checkpoint")) == ["step-2", "step-4"]
 
 
-@pytest.mark.slow
-def test_model_only_last_checkpoint_is_named_not_corrupt(tmp_path):
-    d = tmp_path / "run"
+def _model_only_runs(tmp, env):
+    """Four forked runs into one dump folder: a run whose last checkpoint is model-only, the same
+    command again, a resume from step 2, the same again. ``(folder, [(result, reading)])``, each
+    reading taken right after its run (an error while reading: the error): step-4 model-only and
+    metrics.jsonl's bytes; metrics.jsonl's bytes; whether step-4.1 and step-4 are model-only."""
+    d = tmp / "run"
     only = [*FINISHED, "--checkpoint.last_save_model_only"]
-    _ok(run_debug(d, only, forked=True))
-    step4 = d / "checkpoint" / "step-4"
-    assert _model_only(step4)
-    before = (d / "metrics.jsonl").read_bytes()
+    step4, metrics = d / "checkpoint" / "step-4", d / "metrics.jsonl"
+    runs = [((only,), lambda: (_model_only(step4), metrics.read_bytes())),
+            ((only,), metrics.read_bytes),
+            ((FINISHED, "--checkpoint.load_step", "2"), lambda: (_model_only(d / "checkpoint" / "step-4.1"),
+                                                                 _model_only(step4))),
+            ((FINISHED,), lambda: None)]
+    out = []
+    for args, read in runs:
+        r = run_debug(d, *args, forked=True, env=env)
+        try:
+            out.append((r, read()))
+        except Exception as e:  # raised in the test, after its checks of the run
+            out.append((r, e))
+    return d, out
 
-    r = run_debug(d, only, forked=True)  # the same command again (the loader's message)
+
+def _reading(value):
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+_early.job("model_only_runs", _model_only_runs)
+
+
+@pytest.mark.slow
+@_early.uses("model_only_runs")
+def test_model_only_last_checkpoint_is_named_not_corrupt():
+    """(The runs started early: tests/_early.py; each check reads the folder as it was right after its run.)"""
+    d, ((r1, first), (r2, second), (r3, third), (r4, _)) = _early.result("model_only_runs")
+    _ok(r1)
+    step4 = d / "checkpoint" / "step-4"
+    model_only, before = _reading(first)
+    assert model_only
+
+    r = r2  # the same command again (the loader's message)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
         "training; resume from step-2 with --checkpoint.load_step 2" in r.stderr
     assert "corrupt" not in r.stderr and "Traceback" not in r.stderr and "FrameSummary" not in r.stderr
-    assert (d / "metrics.jsonl").read_bytes() == before
+    assert _reading(second) == before
 
     # Following the advice: the resumed run saves step 4 again; the model-only one is kept aside.
-    r = _ok(run_debug(d, FINISHED, "--checkpoint.load_step", "2", forked=True))
+    r = _ok(r3)
     assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r.stdout
-    assert _model_only(d / "checkpoint" / "step-4.1") and not _model_only(step4)
-    assert "already complete at step 4" in _ok(run_debug(d, FINISHED, forked=True)).stdout
+    kept_model_only, step4_model_only = _reading(third)
+    assert kept_model_only and not step4_model_only
+    assert "already complete at step 4" in _ok(r4).stdout
 
 
 def test_load_failure_names_the_first_real_error(tmp_path):

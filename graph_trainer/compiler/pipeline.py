@@ -102,6 +102,7 @@ def plan_pipeline(
     tp_group_name: str | None = None,
     cudagraph: bool = False,
     device_type: str | None = None,
+    estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
     traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
@@ -114,7 +115,9 @@ def plan_pipeline(
     the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
     device: a world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
     when its memory fits and Inductor does not compile the whole graph (which leaves the host
-    nothing to save); ``device_type``: as :func:`build_pipeline`. Returns ``(pipeline, policy)``
+    nothing to save); ``device_type``: as :func:`build_pipeline`; ``estimates``: a dict shared by
+    calls that differ in the budget only (same ``compile_cfg``, ``layout``, ``gm`` and options), in
+    which the graph estimates are kept, each computed once. Returns ``(pipeline, policy)``
     (the policy only predicts the peak when the config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -128,16 +131,19 @@ def plan_pipeline(
     first = next((i for i, n in enumerate(trial) if n in LEVER_PASSES.values()), len(trial))
     has_sac = LEVER_PASSES["save"] in names and has_recompute_tags(gm.graph)
     has_fsdp = has_fsdp and LEVER_PASSES["keep_last_blocks"] in names
-    clean = None
+    known = {} if estimates is None else estimates
 
     def estimate(save: str) -> int:
-        nonlocal clean
-        if clean is None:  # lazy: the trials read graphs, never run them, so no pass generates code
-            clean = run_pipeline(_LazyGraphModule.from_graphmodule(copy.deepcopy(gm)), None, trial[:first], quiet=True)
+        if save in known:
+            return known[save]
+        if "clean" not in known:  # lazy: the trials read graphs, never run them, so no pass generates code
+            known["clean"] = run_pipeline(_LazyGraphModule.from_graphmodule(copy.deepcopy(gm)), None, trial[:first],
+                                          quiet=True)
         candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))
         steps = [pass_step(n, candidate) for n in trial[first:]]
-        return estimate_peak_memory(run_pipeline(copy.deepcopy(clean), None, steps, quiet=True),
-                                    fused=compile_cfg.inductor_compilation == "full")[0]
+        known[save] = estimate_peak_memory(run_pipeline(copy.deepcopy(known["clean"]), None, steps, quiet=True),
+                                           fused=compile_cfg.inductor_compilation == "full")[0]
+        return known[save]
 
     t0 = time.perf_counter()
     policy = choose_levers(

@@ -150,11 +150,11 @@ def dry_run(cfg) -> dict:
         [(cfg.compile.memory_budget_gib * GiB, "--compile.memory_budget_gib")] if cfg.compile.memory_budget_gib > 0
         else [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB]
     )
-    policies, plans = [], []
+    policies, plans, estimates = [], [], {}  # the graph estimates do not depend on the budget
     for budget, source in budgets:
         logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
         pipeline, policy = plan_pipeline(cfg.compile, layout, gm, budget_bytes=int(budget), state_bytes=3 * shard_bytes,
-                                         has_fsdp=tpar.sharded, device_type="cuda")
+                                         has_fsdp=tpar.sharded, device_type="cuda", estimates=estimates)
         policies.append({"budget_gib": round(budget / GiB, 2), "levers": policy.levers.flags(),
                          "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2),
                          "graph_estimate_gib": round(policy.graph_peak_bytes / GiB, 2),

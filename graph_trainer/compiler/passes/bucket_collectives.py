@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
 
 from graph_trainer.compiler.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
 from graph_trainer.compiler.registry import GraphPass, PassContext
@@ -148,6 +147,9 @@ def _bucket_all_gather(graph, members) -> None:
 def _bucket_reduce_scatter(graph, members) -> None:
     """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``),
     issued after the last member's issue and waited after the last member's wait."""
+    # here, not at import: importing the pass registry (the launcher's pre-check reads it) need not load Inductor
+    from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
+
     held = any(m[2] is not None for m in members)
     for _, wait, hld in members:  # torch replaces the waits' uses: read the waits, not the holds
         if hld is not None:

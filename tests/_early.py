@@ -1,0 +1,98 @@
+"""Runs that tests start early (not a test module). A test module registers a run with :func:`job`
+and marks the tests reading it with :func:`uses`; after collection tests/conftest.py starts the runs
+of the selected tests in the order of those tests, one at a time on a background thread, so a
+single-process script or training runs on a core that in-process tests leave idle. A test takes
+the outcome with :func:`result` (run in the test's own thread if no one started it yet).
+
+A run gets its own temporary folder and the environment of the session's start (taken when it is
+registered, at collection), never what a test has monkeypatched meanwhile; its outcome is whatever
+the function returns (checked by the tests, as before)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+MARK = "early_job"
+
+
+class _Run:
+    def __init__(self, fn: Callable[[Path, dict], Any]):
+        self.fn, self.env = fn, dict(os.environ)
+        self.tmp: Path | None = None
+        self.claimed, self.lock, self.done = False, threading.Lock(), threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def claim(self) -> bool:
+        with self.lock:
+            claimed, self.claimed = self.claimed, True
+            return not claimed
+
+    def run(self, tmp_factory) -> None:
+        try:
+            self.value = self.fn(Path(tmp_factory.mktemp("early")), dict(self.env))
+        except BaseException as e:  # raised again in the test that reads it
+            self.error = e
+        finally:
+            self.done.set()
+
+
+_RUNS: dict[str, _Run] = {}
+_TMP = None  # the session's tmp_path_factory
+_stop = threading.Event()
+
+
+def job(name: str, fn: Callable[[Path, dict], Any]) -> None:
+    """Register ``fn(tmp folder, environment)`` as run ``name`` (at a test module's import)."""
+    _RUNS.setdefault(name, _Run(fn))
+
+
+def uses(name: str):
+    """The mark of a test reading run ``name``."""
+    return getattr(pytest.mark, MARK)(name)
+
+
+def start(items, tmp_factory) -> None:
+    """Start the runs that ``items`` (the selected tests, in order) use, on one background thread."""
+    global _TMP
+    _TMP = tmp_factory
+    names = []
+    for item in items:
+        for mark in item.iter_markers(MARK):
+            if mark.args[0] in _RUNS and mark.args[0] not in names:
+                names.append(mark.args[0])
+    if not names:
+        return
+    from _launch import _forkserver
+
+    _forkserver()  # started here, in the main thread, before any run forks from it
+
+    def work():
+        for name in names:
+            if _stop.is_set():
+                return
+            if _RUNS[name].claim():
+                _RUNS[name].run(_TMP)
+
+    threading.Thread(target=work, name="early-runs", daemon=True).start()
+
+
+def stop() -> None:
+    """Start no further run (the session ends)."""
+    _stop.set()
+
+
+def result(name: str, tmp_factory=None) -> Any:
+    """The outcome of run ``name``: waits for it, or runs it here if it has not started."""
+    run = _RUNS[name]
+    if run.claim():
+        run.run(tmp_factory or _TMP)
+    run.done.wait()
+    if run.error is not None:
+        raise run.error
+    return run.value
