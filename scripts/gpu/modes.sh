@@ -21,11 +21,13 @@
 # --compile.memory_budget_gib $BUDGET_GIB, e.g. jit's peak), iso (the fastest setting without vs with
 # its RMSNorms isolated: + --compile.numerics_changing_optim --compile.passes isolate_rmsnorm),
 # cold_profile (the fastest setting's step 1 from a cold Inductor cache under cProfile, top
-# functions by cumulative and own time), first_cache (as first, both runs with one --compile.graph_cache_dir: the second loads the compiled
-# step), first_auto (the same with the fastest setting's own graph cache, in the new Inductor cache), plain_cache (the same for the plain command: the second loads the graph, then compiles its
-# regions and captures its CUDA graph), cache_bitwise (1b: the fastest setting and the plain command
-# under --debug.deterministic, 4 steps, cold, then from the cache, for the fastest setting also from
-# the graph alone: losses, grad norms and final state hashes equal).
+# functions by cumulative and own time), first_cache (as first, both runs with one
+# --compile.graph_cache_dir: the second loads the compiled step), first_auto (the same with the
+# fastest setting's own graph cache, in the new Inductor cache), plain_cache (the same for the plain
+# command: the second loads the graph, then compiles its regions and captures its CUDA graph),
+# cache_bitwise (1b: the fastest setting and the plain command under --debug.deterministic, 4 steps,
+# cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
+# and final state hashes equal).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
