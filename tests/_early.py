@@ -96,3 +96,11 @@ def result(name: str, tmp_factory=None) -> Any:
     if run.error is not None:
         raise run.error
     return run.value
+
+
+def reading(value: Any) -> Any:
+    """``value``, a reading a run took between its steps, or raise it when the run stored the
+    exception that reading met instead."""
+    if isinstance(value, Exception):
+        raise value
+    return value

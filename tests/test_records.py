@@ -110,12 +110,6 @@ def _crash_runs(tmp, env):
     return d, out
 
 
-def _reading(value):
-    if isinstance(value, Exception):
-        raise value
-    return value
-
-
 _early.job("crash_runs", _crash_runs)
 
 
@@ -128,15 +122,15 @@ def test_resume_after_a_crash_appends_and_a_fresh_run_rotates():
     into the same dump folder then moves metrics.jsonl aside, unchanged. (The copy and the runs started
     early: tests/_early.py; each check reads the folder as it was right after its run.)"""
     d, ((_, start), (r, after_missing), (r2, after_resume), (r3, _)) = _early.result("crash_runs")
-    first, files = _reading(start)
+    first, files = _early.reading(start)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
     assert "Traceback" not in r.stderr
-    assert _reading(after_missing) == (first, files)
+    assert _early.reading(after_missing) == (first, files)
     r = r2
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Resumed from" in r.stdout and "(step 2)" in r.stdout
-    both, (rows, summary), step2_metadata = _reading(after_resume)
+    both, (rows, summary), step2_metadata = _early.reading(after_resume)
     assert both.startswith(first) and len(both.splitlines()) == len(first.splitlines()) + 3  # steps 3, 4, summary
     # (rows: the newest row per step: tested above)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and summary["resumed_from_step"] == 2

@@ -76,12 +76,6 @@ def _model_only_runs(tmp, env):
     return d, out
 
 
-def _reading(value):
-    if isinstance(value, Exception):
-        raise value
-    return value
-
-
 _early.job("model_only_runs", _model_only_runs)
 
 
@@ -92,7 +86,7 @@ def test_model_only_last_checkpoint_is_named_not_corrupt():
     d, ((r1, first), (r2, second), (r3, third), (r4, _)) = _early.result("model_only_runs")
     _ok(r1)
     step4 = d / "checkpoint" / "step-4"
-    model_only, before = _reading(first)
+    model_only, before = _early.reading(first)
     assert model_only
 
     r = r2  # the same command again (the loader's message)
@@ -100,12 +94,12 @@ def test_model_only_last_checkpoint_is_named_not_corrupt():
     assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
         "training; resume from step-2 with --checkpoint.load_step 2" in r.stderr
     assert "corrupt" not in r.stderr and "Traceback" not in r.stderr and "FrameSummary" not in r.stderr
-    assert _reading(second) == before
+    assert _early.reading(second) == before
 
     # Following the advice: the resumed run saves step 4 again; the model-only one is kept aside.
     r = _ok(r3)
     assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r.stdout
-    kept_model_only, step4_model_only = _reading(third)
+    kept_model_only, step4_model_only = _early.reading(third)
     assert kept_model_only and not step4_model_only
     assert "already complete at step 4" in _ok(r4).stdout
 
