@@ -104,3 +104,17 @@ def reading(value: Any) -> Any:
     if isinstance(value, Exception):
         raise value
     return value
+
+
+def readings(steps: list, run: Callable[[Any], Any]) -> list:
+    """``(run(args), read())`` for each ``(args, read)`` of ``steps``, in order: each reading is taken
+    right after its run, before the next changes the folder; a reading that raises is stored as
+    its exception (:func:`reading` raises it in the test, after the test's checks of the run)."""
+    out = []
+    for args, read in steps:
+        r = run(args)
+        try:
+            out.append((r, read()))
+        except Exception as e:  # noqa: BLE001
+            out.append((r, e))
+    return out

@@ -99,15 +99,8 @@ def _crash_runs(tmp, env):
              ((FINISHED,), lambda: (metrics.read_bytes(), read_metrics(str(metrics)),
                                     (d / "checkpoint" / "step-2" / ".metadata").is_file())),
              ((FINISHED, "--checkpoint.folder", "checkpoint_b"), lambda: None)]
-    out = []
-    for args, read in steps:
-        r = None if args is None else run_debug(d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True,
-                                                env=env)
-        try:
-            out.append((r, read()))
-        except Exception as e:  # raised in the test, after its checks of the run
-            out.append((r, e))
-    return d, out
+    return d, _early.readings(steps, lambda args: None if args is None else run_debug(
+        d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True, env=env))
 
 
 _early.job("crash_runs", _crash_runs)

@@ -66,14 +66,7 @@ def _model_only_runs(tmp, env):
             ((FINISHED, "--checkpoint.load_step", "2"), lambda: (_model_only(d / "checkpoint" / "step-4.1"),
                                                                  _model_only(step4))),
             ((FINISHED,), lambda: None)]
-    out = []
-    for args, read in runs:
-        r = run_debug(d, *args, forked=True, env=env)
-        try:
-            out.append((r, read()))
-        except Exception as e:  # raised in the test, after its checks of the run
-            out.append((r, e))
-    return d, out
+    return d, _early.readings(runs, lambda args: run_debug(d, *args, forked=True, env=env))
 
 
 _early.job("model_only_runs", _model_only_runs)
