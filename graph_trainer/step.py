@@ -81,31 +81,27 @@ class TracedTrainStep(_Step):
 
         t0 = time.perf_counter()
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
-        if cached is not None and cached.get("compiled") is not None:
-            traced = TracedStep(cached["compiled"], cached["param_names"], cached["buffer_names"], 0.0)
-            self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
-            seconds = time.perf_counter() - t0
-            logger.info(f"graph cache: loaded the compiled step {graph_cache.compiled_path(self.cache_path)} in "
-                        f"{seconds:.2f}s: no trace, memory policy, passes or [{', '.join(s.name for s in self.pipeline)}]; "
-                        f"memory policy as cached: {self.stats.get('memory_policy', '-')}, predicted peak "
-                        f"{self.stats.get('predicted_peak_gib')} GiB")
-            self.stats.update(trace_time_s=0.0, compile_time_s=seconds, graph_cache="compiled")
-            self.graph = traced
-            return
         if cached is not None:
-            gm = cached["gm"]
-            example_inputs = placeholder_vals(gm)
-            traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, example_inputs)
             self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
-            logger.info(f"graph cache: loaded {self.cache_path} in {time.perf_counter() - t0:.2f}s "
-                        f"({len(gm.graph.nodes)} nodes): no trace, memory policy or passes before "
-                        f"[{', '.join(s.name for s in self.pipeline)}]; memory policy as cached: "
-                        f"{self.stats.get('memory_policy', '-')}, predicted peak "
+            steps = ", ".join(s.name for s in self.pipeline)
+            if compiled := cached.get("compiled"):  # nothing left to run
+                traced = TracedStep(compiled, cached["param_names"], cached["buffer_names"], 0.0)
+                what = f"the compiled step {graph_cache.compiled_path(self.cache_path)}"
+                skipped = f"no trace, memory policy, passes or [{steps}]"
+            else:
+                gm = cached["gm"]
+                traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, placeholder_vals(gm))
+                what = f"{self.cache_path} ({len(gm.graph.nodes)} nodes)"
+                skipped = f"no trace, memory policy or passes before [{steps}]"
+            logger.info(f"graph cache: loaded {what} in {time.perf_counter() - t0:.2f}s: {skipped}; memory policy as "
+                        f"cached: {self.stats.get('memory_policy', '-')}, predicted peak "
                         f"{self.stats.get('predicted_peak_gib')} GiB")
-            records = list(self.stats.get("passes", []))
-            traced.gm = run_pipeline(gm, example_inputs, self.pipeline, records=records)
-            self.stats.update(trace_time_s=0.0, compile_time_s=time.perf_counter() - t0, passes=records,
-                              graph_cache="hit")
+            if not compiled:
+                records = list(self.stats.get("passes", []))
+                traced.gm = run_pipeline(traced.gm, traced.example_inputs, self.pipeline, records=records)
+                self.stats["passes"] = records
+            self.stats.update(trace_time_s=0.0, compile_time_s=time.perf_counter() - t0,
+                              graph_cache="compiled" if compiled else "hit")
             self.graph = traced
             return
         logger.info("Tracing the training step (forward + loss + backward) into one FX graph ...")
