@@ -23,7 +23,6 @@ MARK = "early_job"
 class _Run:
     def __init__(self, fn: Callable[[Path, dict], Any]):
         self.fn, self.env = fn, dict(os.environ)
-        self.tmp: Path | None = None
         self.claimed, self.lock, self.done = False, threading.Lock(), threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None

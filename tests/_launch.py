@@ -28,15 +28,20 @@ class Ranks:
     stderr: str
 
 
-def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None = None) -> None:
-    """A forked rank: the caller's environment, stdout / stderr into files, the debug flavor at
-    ``n_layers`` blocks if given, then the trainer."""
+def _as_child(env: dict, out: str, err: str) -> None:
+    """In a forked process: the caller's environment ``env``, stdout / stderr into the files ``out`` / ``err``."""
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
+
+
+def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None = None) -> None:
+    """A forked rank: the caller's environment, stdout / stderr into files, the debug flavor at
+    ``n_layers`` blocks if given, then the trainer."""
+    _as_child(env, out, err)
     import torch
 
     torch.set_num_threads(1)
@@ -127,13 +132,8 @@ def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
     files, ``argv[0]`` run as ``__main__`` with its folder first on ``sys.path``, as Python runs a script."""
     import runpy
 
-    os.environ.clear()
-    os.environ.update(env)
+    _as_child(env, out, err)
     os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")

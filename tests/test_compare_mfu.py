@@ -23,7 +23,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
 TINY = ["--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ENV = {k: v for k, v in os.environ.items() if k not in ("CONFIG_FILE", "CONFIG", "NGPU")}
+
+
+def _env(env):
+    """``env`` without the launcher variables: a run's own config and world, never the caller's."""
+    return {k: v for k, v in env.items() if k not in ("CONFIG_FILE", "CONFIG", "NGPU")}
+
+
+ENV = _env(os.environ)
 
 FAKE_TRAIN = r'''
 import json, os, subprocess, sys, time
@@ -239,11 +246,6 @@ def _real_bad_flag(tmp, env):
     out = tmp / "cmp"
     a_side, b_flags = REAL_BAD_FLAG
     return _compare(*a_side, "--b-flags", b_flags, "--out", str(out), "--", *TINY, env=_env(env)), out
-
-
-def _env(env):
-    """A run's environment (tests/_early.py: the session's start) without the launcher variables, as :data:`ENV`."""
-    return {k: v for k, v in env.items() if k not in ("CONFIG_FILE", "CONFIG", "NGPU")}
 
 
 _early.job("compare_mfu_real_bad_flag", _real_bad_flag)

@@ -112,14 +112,12 @@ def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
     where = CASES[case][0]
     if where == "script":  # its files and output in the folder of tests/_early.py's run
         tmp_path, needle, r = _early.result("run_train_script_cases")[case]
-    else:
-        env, args, needle = _case(case, tmp_path)
-    if where == "script":
         rc, text = r.returncode, r.stdout + r.stderr
         lines = r.stderr.strip().splitlines()
         assert lines and lines[0].startswith("error: ") and needle in lines[0], r.stderr[-2000:]
         assert len(lines) == 1, r.stderr[-2000:]  # one paragraph, nothing from torchrun
     else:
+        env, args, needle = _case(case, tmp_path)
         rc, text = _in_process(where, env, args, monkeypatch, capsys)
     assert rc == 2, text[-2000:]
     assert needle in text, text[-2000:]
