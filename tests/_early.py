@@ -1,8 +1,7 @@
 """Runs that tests start early (not a test module). A test module registers a run with :func:`job`
-and marks the tests reading it with :func:`uses`; after collection tests/conftest.py starts the runs
-of the selected tests in the order of those tests, one at a time on a background thread, so a
-single-process script or training runs on a core that in-process tests leave idle. A test takes
-the outcome with :func:`result` (run in the test's own thread if no one started it yet).
+and marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`, which
+runs it in the test's own thread the first time. With :data:`BACKGROUND` (off) tests/conftest.py
+would start the selected tests' runs after collection on a background thread instead.
 
 A run gets its own temporary folder and the environment of the session's start (taken when it is
 registered, at collection), never what a test has monkeypatched meanwhile; its outcome is whatever
@@ -56,10 +55,19 @@ def uses(name: str):
     return getattr(pytest.mark, MARK)(name)
 
 
+#: Start the runs on a background thread at collection. Off: each run starts in the first test that
+#: reads it. On, a fresh-clone suite aborted (a fatal error in the main thread while the background
+#: thread started a forked script) and once found torch._functorch.config.enable_autograd_cache hidden.
+BACKGROUND = False
+
+
 def start(items, tmp_factory) -> None:
-    """Start the runs that ``items`` (the selected tests, in order) use, on one background thread."""
+    """Start the runs that ``items`` (the selected tests, in order) use, on one background thread
+    (only with :data:`BACKGROUND`)."""
     global _TMP
     _TMP = tmp_factory
+    if not BACKGROUND:
+        return
     names = []
     for item in items:
         for mark in item.iter_markers(MARK):

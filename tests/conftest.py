@@ -1,8 +1,8 @@
 """Shared fixtures: the tests' tiny models and the runs several test modules start from.
 
 Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using
-a fixture of :data:`SLOW_FIXTURES`. Single-process runs that tests only read start early, in the
-background (tests/_early.py). Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
+a fixture of :data:`SLOW_FIXTURES`. Single-process runs that tests only read are registered with
+tests/_early.py. Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
 unless set): several CPU-bound processes on a few cores otherwise slow single ops many times over.
 """
 
