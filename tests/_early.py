@@ -57,7 +57,7 @@ def uses(name: str):
 
 #: Start the runs on a background thread at collection. Off: each run starts in the first test that
 #: reads it. On, a fresh-clone suite aborted (a fatal error in the main thread while the background
-#: thread started a forked script) and once found torch._functorch.config.enable_autograd_cache hidden.
+#: thread started a forked script); not root-caused.
 BACKGROUND = False
 
 
