@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from graph_trainer.tools import compare_mfu, runs, stats
+from graph_trainer.tools import compare_mfu, profiling, runs, stats
 from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
@@ -398,3 +398,25 @@ def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monke
     assert compare_mfu.timeline_plot("x.png", all_runs, {"A": "main", "B": "pr"}, 3) == "x.png"
     assert seen["a"] == stats.profile_json(str(tmp_path / "A2"), 3)  # the median wall of A's three
     assert seen["labels"] == ("A2 main, median wall of 3 runs", "B1 pr")
+
+
+def test_kernel_comparison_names_the_matmul_and_attention_kernels_that_moved(tmp_path):
+    """Per kernel of the matmul and attention categories, the median over a side's runs (0 where a run
+    lacks it), the largest |B - A| first; Triton kernels (named per compile) are left to the categories."""
+    def profile(name, kernels):
+        run = runs.Run(side=name[0], repeat=int(name[1]), index=0, dump_folder=str(tmp_path / name), log="")
+        os.makedirs(os.path.dirname(path := stats.profile_json(run.dump_folder, 8)))
+        rows = [{"name": k, "category": profiling.kernel_category(k), "ms": ms, "calls": 2} for k, ms in kernels]
+        with open(path, "w") as f:
+            json.dump(profiling.summarize_events([(r["name"], r["ms"] * 1e3, 2) for r in rows], 1), f)
+        return run
+
+    gemm_nt, gemm_tn, flash = "nvjet_tst_128x256_NNT", "nvjet_tst_128x256_TNT", "flash_bwd_kernel<128>"
+    found = [profile("A1", [(gemm_nt, 10.0), (flash, 5.0), ("triton_poi_fused_0", 3.0)]),
+             profile("A2", [(gemm_nt, 12.0), (flash, 5.0)]),
+             profile("B1", [(gemm_tn, 11.0), (gemm_nt, 2.0), (flash, 6.5), ("triton_poi_fused_7", 1.0)])]
+    k = stats.kernel_comparison(found, {"A": "jit", "B": "full"}, 8, per_kernel=2)
+    assert [r["name"] for r in k["per_kernel"]] == [gemm_tn, gemm_nt]  # +11, -9; flash +1.5 is the 3rd
+    assert k["per_kernel"][1]["A"] == {"ms": 11.0, "calls": 2} and k["per_kernel"][0]["A"]["ms"] == 0
+    assert f"| `{gemm_tn}` | matmul | 0.00 (0) | 11.00 (2) | +11.00 |" in k["markdown"]
+    assert "triton_poi" not in k["markdown"]

@@ -43,8 +43,9 @@ def kernel_category(name: str) -> str:
 
 def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int = 15) -> dict[str, Any]:
     """Per-step milliseconds from ``(name, self_time_us, calls)`` rows summed over ``steps`` steps:
-    ``{"steps", "total_ms", "categories": {cat: {"ms", "share", "calls"}}, "top": [{"name", "category",
-    "ms", "calls"}]}`` by descending ms; ``share`` of ``total_ms``, the summed kernel time."""
+    ``{"steps", "total_ms", "categories": {cat: {"ms", "share", "calls"}}, "kernels": [{"name", "category",
+    "ms", "calls"}], "top": the first ``top`` of "kernels"}``, by descending ms; ``share`` of ``total_ms``,
+    the summed kernel time."""
     steps = max(1, int(steps))
     cats: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
     rows = []
@@ -57,8 +58,8 @@ def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int 
     total = sum(c["ms"] for c in cats.values())
     categories = {k: {**v, "share": v["ms"] / total if total else 0.0}
                   for k, v in sorted(cats.items(), key=lambda kv: -kv[1]["ms"])}
-    return {"steps": steps, "total_ms": total, "categories": categories,
-            "top": sorted(rows, key=lambda r: -r["ms"])[:top]}
+    rows.sort(key=lambda r: -r["ms"])
+    return {"steps": steps, "total_ms": total, "categories": categories, "kernels": rows, "top": rows[:top]}
 
 
 def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:

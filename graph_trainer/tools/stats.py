@@ -144,11 +144,19 @@ def profile_json(dump_folder: str, step: int, rank: int = 0) -> str:
     return os.path.join(dump_folder, "profile_traces", f"iteration_{step}", f"rank{rank}_kernels.json")
 
 
-def kernel_comparison(runs: list, labels: dict, step: int) -> dict:
+#: Categories whose kernels :func:`kernel_comparison` compares one by one: their names (cuBLAS's
+#: tile and transpose variants, the attention kernels' templates) are the same from run to run,
+#: unlike Triton kernels named by each compile.
+PER_KERNEL_CATEGORIES = ("matmul", "attention")
+
+
+def kernel_comparison(runs: list, labels: dict, step: int, per_kernel: int = 12) -> dict:
     """Milliseconds of the profiled ``step`` by kernel category and of its timeline (wall,
     compute, exposed communication, idle), per side the median over the runs with a readable
-    :func:`profile_json`. Returns ``{"step", "unit" (device or CPU), "runs": {side: n},
-    "sides": {side: {category: ms, "total": ms}}, "timeline": {side: {key: ms}}, "markdown"}``."""
+    :func:`profile_json`; then the ``per_kernel`` kernels of :data:`PER_KERNEL_CATEGORIES` whose
+    time differs most between the sides (a kernel absent on a side counts 0 ms there). Returns
+    ``{"step", "unit" (device or CPU), "runs": {side: n}, "sides": {side: {category: ms, "total":
+    ms}}, "timeline": {side: {key: ms}}, "per_kernel": [{"name", "category", "A", "B"}], "markdown"}``."""
     found: dict[str, list[dict]] = {"A": [], "B": []}
     for r in runs:
         try:
@@ -179,5 +187,31 @@ def kernel_comparison(runs: list, labels: dict, step: int) -> dict:
     if timeline:
         lines += ["", f"| step timeline {header}", "|---|---:|---:|---:|"]
         lines += [row(label, timeline, key) for key, label in TIMELINE_ROWS]
+    moved = _kernels_moved(found, per_kernel)
+    if moved:
+        lines += ["", f"| kernel (ms, launches) | category {header}", "|---|---|---:|---:|---:|"]
+        for k in moved:
+            name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
+            a, b = (f"{k[s]['ms']:.2f} ({k[s]['calls']:.0f})" for s in ("A", "B"))
+            lines.append(f"| `{name}` | {k['category']} | {a} | {b} | {k['B']['ms'] - k['A']['ms']:+.2f} |")
     return {"step": step, "unit": unit, "runs": {s: len(v) for s, v in found.items()}, "sides": sides,
-            "timeline": timeline, "markdown": "\n".join(lines)}
+            "timeline": timeline, "per_kernel": moved, "markdown": "\n".join(lines)}
+
+
+def _kernels_moved(found: dict[str, list[dict]], n: int) -> list[dict]:
+    """The ``n`` kernels of :data:`PER_KERNEL_CATEGORIES` with the largest ``|B - A|``: per side the
+    median over runs of ms and launches per step (0 in a run without the kernel)."""
+    if not (found["A"] and found["B"]) or not all("kernels" in k for ks in found.values() for k in ks):
+        return []
+    per_run = {s: [{r["name"]: r for r in k["kernels"] if r["category"] in PER_KERNEL_CATEGORIES} for k in ks]
+               for s, ks in found.items()}
+    names = {name for runs in per_run.values() for run in runs for name in run}
+
+    def med(side: str, name: str, key: str) -> float:
+        return statistics.median(run[name][key] if name in run else 0.0 for run in per_run[side])
+
+    rows = [{"name": name, "category": next(run[name]["category"] for rs in per_run.values() for run in rs
+                                           if name in run),
+             **{s: {"ms": med(s, name, "ms"), "calls": med(s, name, "calls")} for s in ("A", "B")}}
+            for name in names]
+    return sorted(rows, key=lambda r: (-abs(r["B"]["ms"] - r["A"]["ms"]), r["name"]))[:n]
