@@ -27,7 +27,9 @@
 # command: the second loads the graph, then compiles its regions and captures its CUDA graph),
 # cache_bitwise (1b: the fastest setting and the plain command under --debug.deterministic, 4 steps,
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
-# and final state hashes equal).
+# and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
+# alternating, profiled). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# 0.5 s; after each comparison, per run the medians over its steady steps (4..12).
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -48,6 +50,25 @@ cmp() {  # name, A flags, B flags, A label, B label, repeats
     echo "$1 rc=$?"; cp "/tmp/$1/comparison.json" "$OUT/$1.json" 2>/dev/null
     for f in /tmp/"$1"/*.png; do cp "$f" "$OUT/$1_$(basename "$f")"; done 2>/dev/null
     grep -h "ok in\|FAILED\|^|" "$OUT/$1.log" | cut -c1-300
+    [[ -n ${SMI:-} ]] && python3 - "$OUT/smi.csv" /tmp/"$1"/runs/*.log <<'PY'
+import datetime, re, statistics, sys
+def when(text, fmt):
+    return datetime.datetime.strptime(text, fmt).timestamp()
+rows = []  # timestamp, clocks.sm [MHz], power.draw [W], clocks_event_reasons.active
+for line in open(sys.argv[1]).read().splitlines()[1:]:
+    f = [x.strip() for x in line.split(",")]
+    try:
+        rows.append((when(f[0], "%Y/%m/%d %H:%M:%S.%f"), float(f[1].split()[0]), float(f[2].split()[0]), f[3]))
+    except (ValueError, IndexError):
+        continue
+for log in sys.argv[2:]:
+    t = {int(m.group(2)): when(m.group(1), "%Y-%m-%d %H:%M:%S,%f") for line in open(log, errors="replace")
+         if (m := re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*step: *(\d+) ", line))}
+    w = [r for r in rows if 4 in t and t[4] <= r[0] <= t[max(t)]]
+    if w:
+        print(f"{log.rsplit('/', 1)[-1][:-4]}: SM clock {statistics.median(r[1] for r in w):.0f} MHz, power "
+              f"{statistics.median(r[2] for r in w):.0f} W, throttle reasons {sorted({r[3] for r in w})} ({len(w)} samples)")
+PY
 }
 first_step() {  # name, flags: to step 2, wall from launch split at the first log line and at step 2
     local t0 t1; t0=$(date +%s.%N)
@@ -100,6 +121,8 @@ probe() {  # where the time before the first log line goes
     python3 -X importtime -m graph_trainer.config --job.config_file "$CONFIG_FILE" $L 2>&1 >/dev/null \
         | sort -t'|' -k2 -n | tail -8
 }
+[[ -n ${SMI:-} ]] && nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \
+    --format=csv -lms 500 > "$OUT/smi.csv" &
 for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
@@ -132,7 +155,10 @@ jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;   # tuning compiles long
+vs_fast) cmp "${W}_vs_fast" "$FAST" "$FAST ${VS:?set VS}" "fastest" "fastest + $VS" "$R" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
 done
+[[ -n ${SMI:-} ]] && kill %1 2>/dev/null
+true
