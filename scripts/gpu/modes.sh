@@ -121,8 +121,8 @@ probe() {  # where the time before the first log line goes
     python3 -X importtime -m graph_trainer.config --job.config_file "$CONFIG_FILE" $L 2>&1 >/dev/null \
         | sort -t'|' -k2 -n | tail -8
 }
-[[ -n ${SMI:-} ]] && nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \
-    --format=csv -lms 500 > "$OUT/smi.csv" &
+[[ -n ${SMI:-} ]] && { nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \
+    --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 & SMI_PID=$!; }
 for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
@@ -160,5 +160,5 @@ iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.p
     "fastest, RMSNorms isolated" "$R" ;;
 esac
 done
-[[ -n ${SMI:-} ]] && kill %1 2>/dev/null
+[[ -n ${SMI_PID:-} ]] && kill "$SMI_PID"   # it would hold the caller's pipe open
 true
