@@ -13,10 +13,12 @@ matmuls of its forward and backward, as the traced step calls them::
 Columns: ``calls`` per step (``n_layers`` for a block's linear, 1 for the output projection);
 ``ms warm``: the median of back-to-back calls with the same inputs (as much of them in L2 as
 fits, as when a matmul runs right after the kernel that wrote its input); ``ms cold``: the
-median with L2 flushed before each call (a write of ``--flush-mib``); ``cold / warm``;
+median with L2 flushed before each call (a write of ``--flush-mib``); ``cold / warm``; on
+CUDA ``ms idle``: the median with a spin kernel of :data:`IDLE_CYCLES` before each call, which
+leaves L2 as it is but lets the GPU's power draw fall, as memory-bound work between matmuls does;
 ``TFLOP/s`` at ``ms cold`` (``2 * M * N * K`` per call); on CUDA the kernel that ran (cuBLAS
-names its tile shape and the operands' transposes). Timing: CUDA events around each call
-(CUDA), ``time.perf_counter`` (CPU). What the table is for: docs/perf.md, "Kernel by kernel".
+names its tile shape and the operands' transposes). Timing: CUDA events around each call, all
+calls queued before one synchronize (CUDA); ``time.perf_counter`` (CPU). What the table is for: docs/perf.md, "Kernel by kernel".
 
 Example::
 
@@ -38,6 +40,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from graph_trainer.errors import UserError  # noqa: E402
 from graph_trainer.model import flavors, model_args  # noqa: E402
+
+#: GPU clock cycles of the spin kernel before each call of ``ms idle`` (≈ 0.1 ms at 2 GHz).
+IDLE_CYCLES = 200_000
 
 #: (name, column-parallel under TP): a block's linears in torchtitan's Llama3.
 BLOCK_LINEARS = (("wq", True), ("wk", True), ("wv", True), ("wo", False), ("w1", True), ("w3", True), ("w2", False))
@@ -69,22 +74,28 @@ def linear_shapes(flavor: str, tp: int = 1) -> list[tuple[str, int, int, int]]:
 
 
 def _timed(fn, iters: int, device: torch.device, flush=None) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls, ``flush()`` (untimed) before each."""
+    """Median milliseconds of ``fn()`` over ``iters`` calls, ``flush()`` (untimed) before each.
+
+    On CUDA every call is queued behind the previous one (events around each, one synchronize at
+    the end), so the GPU is never idle while the host launches: the events time the kernel only,
+    not a launch from an idle GPU."""
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            if flush is not None:
+                flush()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
     times = []
     for _ in range(iters):
         if flush is not None:
             flush()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -100,7 +111,8 @@ def _kernel(fn) -> str:
 def bench(flavor: str, tokens: int, tp: int = 1, dtype: torch.dtype = torch.bfloat16, iters: int = 20,
           device: str | None = None, flush_mib: int = 512) -> list[dict]:
     """One row per matmul (see the module docstring): ``{"linear", "op", "m", "n", "k", "calls",
-    "ms_warm", "ms_cold", "tflops", "kernel"}``; times in ms per call, ``tflops`` at ``ms_cold``.
+    "ms_warm", "ms_cold", "ms_idle" (None on CPU), "tflops", "kernel"}``; times in ms per call,
+    ``tflops`` at ``ms_cold``.
 
     Raises:
         UserError: as :func:`linear_shapes`.
@@ -117,8 +129,9 @@ def bench(flavor: str, tokens: int, tp: int = 1, dtype: torch.dtype = torch.bflo
             fn()  # cuBLAS's heuristics and workspace, once
             warm = _timed(fn, iters, dev)
             cold = _timed(fn, iters, dev, flush=scratch.zero_)
+            idle = _timed(fn, iters, dev, flush=lambda: torch.cuda._sleep(IDLE_CYCLES)) if dev.type == "cuda" else None
             rows.append({"linear": name, "op": op, "m": m, "n": n, "k": k, "calls": calls, "ms_warm": warm,
-                         "ms_cold": cold, "tflops": 2 * m * n * k / cold / 1e9,
+                         "ms_cold": cold, "ms_idle": idle, "tflops": 2 * m * n * k / cold / 1e9,
                          "kernel": _kernel(fn) if dev.type == "cuda" else "-"})
         del x, w, dy
     return rows
@@ -126,14 +139,19 @@ def bench(flavor: str, tokens: int, tp: int = 1, dtype: torch.dtype = torch.bflo
 
 def markdown(rows: list[dict]) -> str:
     """The rows of :func:`bench` as a markdown table, and the step's sums (ms per step)."""
-    lines = ["| linear | matmul | M × N × K | calls | ms warm | ms cold | cold / warm | TFLOP/s (cold) | kernel |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| linear | matmul | M × N × K | calls | ms warm | ms cold | cold / warm | ms idle | TFLOP/s (cold) "
+             "| kernel |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        idle = "-" if r["ms_idle"] is None else f"{r['ms_idle']:.3f}"
         lines.append(f"| {r['linear']} | {r['op']} | {r['m']} × {r['n']} × {r['k']} | {r['calls']} | "
-                     f"{r['ms_warm']:.3f} | {r['ms_cold']:.3f} | {r['ms_cold'] / r['ms_warm']:.2f} | "
+                     f"{r['ms_warm']:.3f} | {r['ms_cold']:.3f} | {r['ms_cold'] / r['ms_warm']:.2f} | {idle} | "
                      f"{r['tflops']:.0f} | `{r['kernel']}` |")
     warm, cold = (sum(r[k] * r["calls"] for r in rows) for k in ("ms_warm", "ms_cold"))
-    lines += ["", f"per step (calls × ms): warm {warm:.2f} ms, cold {cold:.2f} ms ({cold / warm:.3f}×)"]
+    line = f"per step (calls × ms): warm {warm:.2f} ms, cold {cold:.2f} ms ({cold / warm:.3f}×)"
+    if rows and rows[0]["ms_idle"] is not None:
+        idle = sum(r["ms_idle"] * r["calls"] for r in rows)
+        line += f", idle {idle:.2f} ms ({idle / warm:.3f}×)"
+    lines += ["", line]
     return "\n".join(lines)
 
 
