@@ -1,16 +1,21 @@
 """Runs that tests start early (not a test module). A test module registers a run with :func:`job`
-and marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`, which
-runs it in the test's own thread the first time. With :data:`BACKGROUND` (off) tests/conftest.py
-would start the selected tests' runs after collection on a background thread instead.
+and marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`.
+
+After collection tests/conftest.py queues the runs the selected tests read; one at a time each runs
+in its own process, forked from tests/_launch.py's server, while the tests go on in this one (with
+:data:`BACKGROUND` off, a run starts in the first test that reads it). Nothing here starts a thread:
+processes are started from the main thread, after a test (:func:`advance`) or in :func:`result`.
 
 A run gets its own temporary folder and the environment of the session's start (taken when it is
 registered, at collection), never what a test has monkeypatched meanwhile; its outcome is whatever
-the function returns (checked by the tests, as before)."""
+the function returns (picklable; checked by the tests). A run that raised raises in the test that
+reads it, as a RuntimeError with the run's traceback."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import threading
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,36 +23,26 @@ import pytest
 
 MARK = "early_job"
 
+#: Run the queued runs in background processes. Off: each starts in the first test that reads it.
+BACKGROUND = True
+
 
 class _Run:
-    def __init__(self, fn: Callable[[Path, dict], Any]):
-        self.fn, self.env = fn, dict(os.environ)
-        self.claimed, self.lock, self.done = False, threading.Lock(), threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def claim(self) -> bool:
-        with self.lock:
-            claimed, self.claimed = self.claimed, True
-            return not claimed
-
-    def run(self, tmp_factory) -> None:
-        try:
-            self.value = self.fn(Path(tmp_factory.mktemp("early")), dict(self.env))
-        except BaseException as e:  # raised again in the test that reads it
-            self.error = e
-        finally:
-            self.done.set()
+    def __init__(self, fn: Callable[[Path, dict], Any], module_file: str):
+        self.fn, self.module_file, self.env = fn, module_file, dict(os.environ)
+        self.waiter = None  # _launch.fork_call's, once started
+        self.outcome: tuple[bool, Any] | None = None  # (ok, value or error), once read
 
 
 _RUNS: dict[str, _Run] = {}
+_QUEUE: list[str] = []  # not started yet, in the order the selected tests read them
 _TMP = None  # the session's tmp_path_factory
-_stop = threading.Event()
 
 
 def job(name: str, fn: Callable[[Path, dict], Any]) -> None:
-    """Register ``fn(tmp folder, environment)`` as run ``name`` (at a test module's import)."""
-    _RUNS.setdefault(name, _Run(fn))
+    """Register ``fn(tmp folder, environment)`` (a module-level function of the calling module, or
+    a lambda there) as run ``name``, at a test module's import."""
+    _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"]))
 
 
 def uses(name: str):
@@ -55,54 +50,73 @@ def uses(name: str):
     return getattr(pytest.mark, MARK)(name)
 
 
-#: Start the runs on a background thread at collection. Off: each run starts in the first test that
-#: reads it. On, a fresh-clone suite aborted (a fatal error in the main thread while the background
-#: thread started a forked script); not root-caused.
-BACKGROUND = False
+def _in_child(module_file: str, name: str, tmp: str, env: dict) -> Any:
+    """In a process forked from the server: import the module that registered run ``name`` (which
+    registers it here) and run it; its own runs fork from this process (one thread, imports done)."""
+    import multiprocessing as mp
+
+    import _launch
+
+    _launch._CTX = mp.get_context("fork")
+    spec = importlib.util.spec_from_file_location(f"_early_{Path(module_file).stem}", module_file)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return _RUNS[name].fn(Path(tmp), env)
+
+
+def _start(name: str) -> None:
+    from _launch import fork_call
+
+    run = _RUNS[name]
+    if name in _QUEUE:
+        _QUEUE.remove(name)
+    run.waiter = fork_call(_in_child, run.module_file, name, str(_TMP.mktemp("early")), dict(run.env))
 
 
 def start(items, tmp_factory) -> None:
-    """Start the runs that ``items`` (the selected tests, in order) use, on one background thread
+    """Queue the runs that ``items`` (the selected tests, in order) read and start the first
     (only with :data:`BACKGROUND`)."""
     global _TMP
     _TMP = tmp_factory
     if not BACKGROUND:
         return
-    names = []
     for item in items:
         for mark in item.iter_markers(MARK):
-            if mark.args[0] in _RUNS and mark.args[0] not in names:
-                names.append(mark.args[0])
-    if not names:
-        return
-    from _launch import _forkserver
+            if mark.args[0] in _RUNS and mark.args[0] not in _QUEUE:
+                _QUEUE.append(mark.args[0])
+    advance()
 
-    _forkserver()  # started here, in the main thread, before any run forks from it
 
-    def work():
-        for name in names:
-            if _stop.is_set():
-                return
-            if _RUNS[name].claim():
-                _RUNS[name].run(_TMP)
-
-    threading.Thread(target=work, name="early-runs", daemon=True).start()
+def advance() -> None:
+    """Start the next queued run when no started run is still going (called after each test)."""
+    if _QUEUE and not any(r.waiter is not None and r.outcome is None and not r.waiter.done() for r in _RUNS.values()):
+        _start(_QUEUE[0])
 
 
 def stop() -> None:
-    """Start no further run (the session ends)."""
-    _stop.set()
+    """Start no further run and stop those still going (the session ends)."""
+    _QUEUE.clear()
+    for run in _RUNS.values():
+        if run.waiter is not None and run.outcome is None:
+            run.waiter.kill()
 
 
 def result(name: str, tmp_factory=None) -> Any:
-    """The outcome of run ``name``: waits for it, or runs it here if it has not started."""
+    """The outcome of run ``name``: waits for it, or starts it here if it has not started."""
+    global _TMP
+    _TMP = _TMP or tmp_factory
     run = _RUNS[name]
-    if run.claim():
-        run.run(tmp_factory or _TMP)
-    run.done.wait()
-    if run.error is not None:
-        raise run.error
-    return run.value
+    if run.outcome is None:
+        if run.waiter is None:
+            _start(name)
+        try:
+            run.outcome = (True, run.waiter())
+        except RuntimeError as e:
+            run.outcome = (False, e)
+        advance()
+    ok, value = run.outcome
+    if not ok:
+        raise value
+    return value
 
 
 def reading(value: Any) -> Any:

@@ -176,7 +176,9 @@ def _call_into(q, fn, args: tuple) -> None:
 
 def fork_call(fn, *args, timeout: float = 900):
     """Start ``fn(*args)`` (a module-level function, picklable arguments and result) in a process
-    forked from the server; returns a function that waits for its result (or raises what it raised)."""
+    forked from the server; returns a function that waits for its result (or raises RuntimeError
+    with the traceback of what it raised), with ``.done()`` (it has put its result or exited,
+    without waiting) and ``.kill()``."""
     q = queue()
     p = _forkserver().Process(target=_call_into, args=(q, fn, args))
     p.start()
@@ -198,6 +200,8 @@ def fork_call(fn, *args, timeout: float = 900):
             raise RuntimeError(f"{fn.__name__} failed in its forked process:\n{value}")
         return value
 
+    result.done = lambda: p.exitcode is not None or not q.empty()
+    result.kill = p.kill
     return result
 
 

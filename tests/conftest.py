@@ -42,9 +42,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """The runs of tests/_early.py that the selected tests read start now, in the background."""
+    """The runs of tests/_early.py that the selected tests read are queued; the first starts now."""
     if not session.config.option.collectonly:
         _early.start(session.items, session.config._tmp_path_factory)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _early.advance()  # the next run of tests/_early.py, if the last one is done
 
 
 def pytest_sessionfinish(session):
