@@ -13,6 +13,7 @@ reads it, as a RuntimeError with the run's traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -28,8 +29,8 @@ BACKGROUND = True
 
 
 class _Run:
-    def __init__(self, fn: Callable[[Path, dict], Any], module_file: str):
-        self.fn, self.module_file, self.env = fn, module_file, dict(os.environ)
+    def __init__(self, fn: Callable[[Path, dict], Any] | None, module_file: str, needs: tuple[str, ...] = ()):
+        self.fn, self.module_file, self.needs, self.env = fn, module_file, needs, dict(os.environ)
         self.waiter = None  # _launch.fork_call's, once started
         self.outcome: tuple[bool, Any] | None = None  # (ok, value or error), once read
 
@@ -39,10 +40,11 @@ _QUEUE: list[str] = []  # not started yet, in the order the selected tests read 
 _TMP = None  # the session's tmp_path_factory
 
 
-def job(name: str, fn: Callable[[Path, dict], Any]) -> None:
+def job(name: str, fn: Callable[[Path, dict], Any], needs: tuple[str, ...] = ()) -> None:
     """Register ``fn(tmp folder, environment)`` (a module-level function of the calling module, or
-    a lambda there) as run ``name``, at a test module's import."""
-    _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"]))
+    a lambda there) as run ``name``, at a test module's import; ``needs``: the runs whose outcome
+    ``fn`` reads with :func:`result` (done before it starts, their outcomes passed to its process)."""
+    _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"], tuple(needs)))
 
 
 def uses(name: str):
@@ -50,14 +52,17 @@ def uses(name: str):
     return getattr(pytest.mark, MARK)(name)
 
 
-def _in_child(module_file: str, name: str, tmp: str, env: dict) -> Any:
+def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) -> Any:
     """In a process forked from the server: import the module that registered run ``name`` (which
-    registers it here) and run it; its own runs fork from this process (one thread, imports done)."""
+    registers it here) and run it, with the outcomes ``needed`` of its ``needs``; its own runs fork
+    from this process (one thread, imports done)."""
     import multiprocessing as mp
 
     import _launch
 
     _launch._CTX = mp.get_context("fork")
+    for dep, outcome in needed.items():
+        _RUNS.setdefault(dep, _Run(None, "")).outcome = outcome
     spec = importlib.util.spec_from_file_location(f"_early_{Path(module_file).stem}", module_file)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     return _RUNS[name].fn(Path(tmp), env)
@@ -69,7 +74,11 @@ def _start(name: str) -> None:
     run = _RUNS[name]
     if name in _QUEUE:
         _QUEUE.remove(name)
-    run.waiter = fork_call(_in_child, run.module_file, name, str(_TMP.mktemp("early")), dict(run.env))
+    for dep in run.needs:
+        with contextlib.suppress(RuntimeError):  # a failed one fails in the run's own read of it
+            result(dep)
+    needed = {dep: _RUNS[dep].outcome for dep in run.needs}
+    run.waiter = fork_call(_in_child, run.module_file, name, str(_TMP.mktemp("early")), dict(run.env), needed)
 
 
 def start(items, tmp_factory) -> None:

@@ -103,7 +103,7 @@ def _crash_runs(tmp, env):
         d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True, env=env))
 
 
-_early.job("crash_runs", _crash_runs)
+_early.job("crash_runs", _crash_runs, needs=("finished_run",))
 
 
 @pytest.mark.slow

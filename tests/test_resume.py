@@ -34,7 +34,7 @@ def _rerun(tmp, env):
     return a, before, run_debug(a, FINISHED, env=env)
 
 
-_early.job("rerun_finished_run", _rerun)
+_early.job("rerun_finished_run", _rerun, needs=("finished_run",))
 
 
 @pytest.mark.slow
