@@ -29,7 +29,9 @@
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
 # and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
 # alternating, profiled). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
-# 0.5 s; after each comparison, per run the medians over its steady steps (4..12).
+# 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
+# its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
+# of samples under the software power cap.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
@@ -66,8 +68,11 @@ for log in sys.argv[2:]:
          if (m := re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}).*step: *(\d+) ", line))}
     w = [r for r in rows if 4 in t and t[4] <= r[0] <= t[max(t)]]
     if w:
-        print(f"{log.rsplit('/', 1)[-1][:-4]}: SM clock {statistics.median(r[1] for r in w):.0f} MHz, power "
-              f"{statistics.median(r[2] for r in w):.0f} W, throttle reasons {sorted({r[3] for r in w})} ({len(w)} samples)")
+        clocks = sorted(r[1] for r in w)
+        capped = sum(int(r[3], 16) & 0x4 != 0 for r in w)  # SW power cap
+        print(f"{log.rsplit('/', 1)[-1][:-4]}: SM clock median {statistics.median(clocks):.0f} MHz (10th percentile "
+              f"{clocks[len(clocks) // 10]:.0f}), power {statistics.median(r[2] for r in w):.0f} W, power cap in "
+              f"{100 * capped / len(w):.0f} % of {len(w)} samples, reasons {sorted({r[3] for r in w})}")
 PY
 }
 first_step() {  # name, flags: to step 2, wall from launch split at the first log line and at step 2
@@ -121,8 +126,9 @@ probe() {  # where the time before the first log line goes
     python3 -X importtime -m graph_trainer.config --job.config_file "$CONFIG_FILE" $L 2>&1 >/dev/null \
         | sort -t'|' -k2 -n | tail -8
 }
-[[ -n ${SMI:-} ]] && { nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \
-    --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 & SMI_PID=$!; }
+if [[ ${SMI:-} == nvml ]]; then python3 "$(dirname "$0")/nvml_sampler.py" --interval-ms 10 > "$OUT/smi.csv" 2>&1 & SMI_PID=$!
+elif [[ -n ${SMI:-} ]]; then nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active \
+    --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 & SMI_PID=$!; fi
 for part in ${PARTS:-pair first cg fastb}; do
 case $part in
 pair) cmp "${W}_jit_plain" "--compile.mode jit" "" "jit" "plain command" "$R" ;;
