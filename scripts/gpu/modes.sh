@@ -28,7 +28,8 @@
 # cache_bitwise (1b: the fastest setting and the plain command under --debug.deterministic, 4 steps,
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
 # and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
-# alternating, profiled). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# alternating, profiled), layouts (one step of the fastest setting and of jit with
+# TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
 # 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
 # its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
 # of samples under the software power cap.
@@ -117,6 +118,25 @@ cache_bitwise() {  # label, flags, runs (cold, compiled: from the compiled step,
         fi
     done
 }
+layouts() {  # name, flags: one step with TORCH_LOGS=output_code; the first forward matmuls and attention
+    # calls of the generated code, each with the allocations (shape, strides) of the buffers it names
+    timeout "$T" env TORCH_LOGS=output_code ./run_train.sh $L $2 --training.steps 1 --job.dump_folder "/tmp/$1" \
+        > "/tmp/$1.log" 2>&1
+    echo "$1 rc=$?"
+    python3 - "/tmp/$1.log" <<'PY' | tee "$OUT/$1.txt"
+import re, sys
+lines = [l.split("[__output_code]", 1)[1] for l in open(sys.argv[1], errors="replace") if "[__output_code]" in l]
+alloc = {}
+for line in lines:
+    if (m := re.match(r"\s*(buf\d+) = (empty_strided_\w+\(.*)", line)) and m.group(1) not in alloc:
+        alloc[m.group(1)] = m.group(2)[:160]
+calls = [l for l in lines if "extern_kernels.mm(" in l or "torch.ops.aten._scaled_dot_product" in l and "= torch.ops" in l]
+for line in calls[:8]:
+    print(line.strip()[:400])
+    for b in sorted(set(re.findall(r"\b(buf\d+)\b", line)) & alloc.keys(), key=lambda b: int(b[3:])):
+        print(f"    {b} = {alloc[b]}")
+PY
+}
 probe() {  # where the time before the first log line goes
     for c in "import torch" "import torch, torchtitan.train" "import datasets" "import torch._inductor.compile_fx"; do
         local t0; t0=$(date +%s.%N); python3 -c "$c"; echo "python3 -c '$c': $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
@@ -161,6 +181,7 @@ jit_fast) cmp "${W}_jit_fast" "--compile.mode jit" "$FAST" "jit" "fastest ($FAST
 cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
     grep -h "cudagraph_pass\|memory policy:" /tmp/"${W}_cg_fast"/runs/A1.log | sed 's/^.*INFO - //' | cut -c1-220 ;;
 fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;   # tuning compiles long
+layouts) layouts "${W}_layouts_fast" "$FAST --compile.graph_cache_dir off"; layouts "${W}_layouts_jit" "--compile.mode jit" ;;
 vs_fast) cmp "${W}_vs_fast" "$FAST" "$FAST ${VS:?set VS}" "fastest" "fastest + $VS" "$R" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
