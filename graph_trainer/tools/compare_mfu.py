@@ -4,7 +4,8 @@
 steps after ``max(--warmup, 1)`` of tps, tflops and MFU, and the max memory; per side: the median over
 its runs. B vs A is "real" when ``|delta|`` exceeds the larger relative range ``(max - min) / median``
 of the two sides' repeats. ``--out`` gets ``comparison.json``, ``tps_per_step.png``, each run's dump
-folder and log, and with ``--profile-step N`` ``timeline_a_vs_b.png`` (the median-wall run per side).
+folder and log, and with ``--profile-step N`` ``timeline_a_vs_b.png`` (the median-wall run per side) and
+the kernel tables of :func:`graph_trainer.tools.stats.kernel_comparison`.
 
 Examples::
 
@@ -120,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps 1..W are excluded from the statistics; step 1 always is (default 3)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (--profiling.*) and print device time per step by kernel "
-                        "category, A vs B (graph_trainer/tools/profiling.py); the profiled step stays in the medians")
+                        "category, A vs B (graph_trainer/tools/profiling.py), then the matmul and attention kernels "
+                        "whose time moved most; the profiled step stays in the medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
     return p
 
