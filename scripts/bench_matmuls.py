@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--iters", type=int, default=20, help="timed calls per matmul and condition (default 20)")
     p.add_argument("--flush-mib", type=int, default=512, help="MiB written to flush L2 (default 512)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there)")
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when there")
     args = p.parse_args(argv)
     if args.flavor not in flavors():
         p.error(f"--flavor {args.flavor}: not one of {', '.join(sorted(flavors()))}")
