@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # without `pip install -e .`
 
 from graph_trainer.errors import UserError  # noqa: E402
-from graph_trainer.model import flavors, model_args  # noqa: E402
+from graph_trainer.model import build_model, flavors, model_args  # noqa: E402
 
 #: GPU clock cycles of the spin kernel before each call of ``ms idle`` (≈ 0.1 ms at 2 GHz).
 IDLE_CYCLES = 200_000
@@ -49,27 +49,24 @@ BLOCK_LINEARS = (("wq", True), ("wk", True), ("wv", True), ("wo", False), ("w1",
 
 
 def linear_shapes(flavor: str, tp: int = 1) -> list[tuple[str, int, int, int]]:
-    """``(name, in, out, calls per step)`` of ``flavor``'s linears on one TP rank of ``tp``.
+    """``(name, in, out, calls per step)`` of ``flavor``'s linears on one TP rank of ``tp``, read from
+    the weights of torchtitan's model built on the meta device.
 
     Raises:
         UserError: unknown flavor; ``tp`` does not divide a split dimension.
     """
-    a = model_args(flavor)
-    head = a.dim // a.n_heads
-    hidden = int(2 * 4 * a.dim / 3)
-    if a.ffn_dim_multiplier is not None:
-        hidden = int(a.ffn_dim_multiplier * hidden)
-    hidden = a.multiple_of * ((hidden + a.multiple_of - 1) // a.multiple_of)  # torchtitan's FeedForward
-    kv = (a.n_kv_heads or a.n_heads) * head
-    dims = {"wq": (a.dim, a.dim), "wk": (a.dim, kv), "wv": (a.dim, kv), "wo": (a.dim, a.dim),
-            "w1": (a.dim, hidden), "w3": (a.dim, hidden), "w2": (hidden, a.dim)}
+    args = model_args(flavor)
+    model = build_model(args, "meta")
+    weights = {name.rsplit(".", 1)[-1]: m.weight for name, m in model.layers["0"].named_modules()
+               if isinstance(m, torch.nn.Linear)}  # wq, wk, ..., w3
+    weights["output"] = model.output.weight
     out = []
     for name, column in BLOCK_LINEARS + (("output", True),):
-        i, o = (a.dim, a.vocab_size) if name == "output" else dims[name]
+        o, i = weights[name].shape  # nn.Linear: [out, in]
         split = o if column else i
         if split % tp:
             raise UserError(f"--tp {tp} does not divide {name}'s {'out' if column else 'in'} dimension ({split}).")
-        out.append((name, i if column else i // tp, o // tp if column else o, 1 if name == "output" else a.n_layers))
+        out.append((name, i if column else i // tp, o // tp if column else o, 1 if name == "output" else args.n_layers))
     return out
 
 
