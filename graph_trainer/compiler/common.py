@@ -28,6 +28,8 @@ SUMMARY_KEY = "graph_trainer_pass_summary"
 #: shares generated kernels only with nodes of the same group.
 FUSION_GROUP_KEY = "inductor_fusion_group"
 STATS_KEY = "graph_trainer_pass_stats"
+#: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
+BARRIER_KEY = "low_precision_pointwise_barrier"
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -93,6 +95,13 @@ def tag_for_inductor(
     if candidate_configs:
         tag["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
     node.meta["custom"] = {**custom_meta(node), COMPILE_WITH_INDUCTOR_KEY: tag}
+
+
+def untag_for_inductor(node: torch.fx.Node) -> None:
+    """Remove ``node``'s ``compile_with_inductor`` tag and its eager-rounding mark (:data:`BARRIER_KEY`)."""
+    if is_tagged_for_inductor(node):
+        node.meta["custom"] = {k: v for k, v in custom_meta(node).items() if k != COMPILE_WITH_INDUCTOR_KEY}
+    node.meta.pop(BARRIER_KEY, None)
 
 
 def is_getitem(node: torch.fx.Node) -> bool:

@@ -29,7 +29,9 @@
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
 # and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
 # alternating, profiled), layouts (one step of the fastest setting and of jit with
-# TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides),
+# blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
+# alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
 # 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
 # its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
 # of samples under the software power cap.
@@ -44,6 +46,7 @@ seed) export NGPU=8 COMM_MODE=fake_collectives CONFIG_FILE=train_configs/llama3_
 *) echo "usage: $0 1b|seed" >&2; exit 2 ;;
 esac
 W=$1; R=${REPEATS:-2}; FAST=${FAST:---compile.inductor_compilation full}; NO_EXACT="--compile.disable_passes exact_pointwise"
+BLOCKS=${BLOCKS:---compile.numerics_changing_optim --compile.passes annotate_blocks}
 FASTEST_B=${FASTEST_B:-$FAST --compile.full_inductor.configs '{\"coordinate_descent_tuning\":true}'}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache_${W}_$$   # cold for the first run of FAST below
 cmp() {  # name, A flags, B flags, A label, B label, repeats
@@ -91,7 +94,7 @@ if step2 is not None:
     parts += f", -> step 2 {step2 - stamps[0][0]:.1f} s, step 2 -> exit {t1 - step2:.1f} s"
 print(f"{name} rc={rc} launch-to-exit {t1 - t0:.1f} s ({parts})")
 PY
-    grep -h "Traced the training\|took \|compiled the whole\|step:  [12] \|memory policy:\|cudagraph_pass\|graph cache:" "$OUT/$1.log" \
+    grep -h "Traced the training\|took \|compiled the whole\|compiled [0-9]* region\|annotate_blocks \|step:  [12] \|memory policy:\|cudagraph_pass\|graph cache:" "$OUT/$1.log" \
         | sed 's/^.*INFO - //' | cut -c1-220
 }
 bitwise() {  # name, B flags, B label: eager vs B under --debug.deterministic, 6 steps
@@ -183,6 +186,8 @@ cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
 fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;   # tuning compiles long
 layouts) layouts "${W}_layouts_fast" "$FAST --compile.graph_cache_dir off"; layouts "${W}_layouts_jit" "--compile.mode jit" ;;
 vs_fast) cmp "${W}_vs_fast" "$FAST" "$FAST ${VS:?set VS}" "fastest" "fastest + $VS" "$R" ;;
+blocks) cmp "${W}_blocks" "$FAST" "$BLOCKS" "fastest" "blocks ($BLOCKS)" "$R" ;;
+blocks_first) first_step "${W}_blocks_cold" "$BLOCKS"; first_step "${W}_blocks_warm" "$BLOCKS" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac

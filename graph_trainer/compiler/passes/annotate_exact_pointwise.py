@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (find_pointwise_regions, packet_name, set_pass_summary, tag_regions,
-                                           val_bytes)
+from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, packet_name, set_pass_summary,
+                                           tag_regions, val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
@@ -42,8 +42,6 @@ EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "
 #: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
 #: denormals (eager's CUDA kernels keep them).
 EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
-#: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
-BARRIER_KEY = "low_precision_pointwise_barrier"
 
 
 def is_exact(node: torch.fx.Node) -> bool:

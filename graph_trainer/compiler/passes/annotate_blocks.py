@@ -1,0 +1,131 @@
+"""Tag each transformer block's forward and backward as one Inductor region: whole-block fusion
+like ``full_inductor``, compiled once per distinct block instead of once per block.
+
+Matches: every ``call_function`` node of an aten op that is not a collective, a wait, an
+in-place op or an op on one-element CPU tensors beside an accelerator. Its region is its
+block (the ``layers.<i>`` prefix of its module FQN, else ``rest``) and its phase; a node
+without a module FQN (FSDP's copies, mixed-precision casts) joins the region of the tagged node
+before it in graph order, so each region is a stretch of the graph.
+
+Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
+"block_<block>_<phase>"}`` on the matched nodes, replacing the tags of the annotation passes
+before it (their eager-rounding marks too). ``regional_inductor`` cuts each region where a
+collective sits inside it (acyclic pieces) and compiles identical pieces once
+(``region_signature``): the 32 blocks of Llama3 8B share a handful of compiles. Changes
+numerics as the whole-graph compile does (fused bf16 chains computed in fp32):
+``--compile.numerics_changing_optim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from graph_trainer.compiler.common import (
+    is_collective,
+    is_getitem,
+    module_fqn_of,
+    phase_of,
+    placeholder_vals,
+    set_pass_summary,
+    tag_for_inductor,
+    untag_for_inductor,
+)
+from graph_trainer.compiler.registry import GraphPass
+
+#: Module FQN prefix of the transformer blocks (Llama3: ``layers.<i>``).
+BLOCKS_PREFIX = "layers"
+
+
+def block_of(node: torch.fx.Node) -> str | None:
+    """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for one of another module, None
+    for a node without a module FQN."""
+    fqn = module_fqn_of(node)
+    if fqn is None:
+        return None
+    parts = fqn.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == BLOCKS_PREFIX else "rest"
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+def _mutated_args(node: torch.fx.Node) -> list[Any]:
+    schema = node.target._schema
+    args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
+    return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+
+
+def compilable(node: torch.fx.Node, device: torch.device | None, region: set[torch.fx.Node] = frozenset()) -> bool:
+    """Whether ``node`` may join a block region: an aten op producing tensors, not a collective
+    or a wait, mutating nothing but nodes of ``region`` (the region's own intermediates), and
+    (with ``device`` an accelerator) none of its tensors on the CPU (one-element CPU tensors stay
+    eager, as Inductor would copy them to the device on every call)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or is_collective(node):
+        return False
+    if target._schema.is_mutable and not all(a in region for a in _mutated_args(node)):
+        return False
+    outs = _tensors(node.meta.get("val"))
+    if not outs:
+        return False
+    if device is not None and device.type != "cpu":
+        ins = [v for u in node.all_input_nodes for v in _tensors(u.meta.get("val"))]
+        if any(t.device.type == "cpu" for t in outs + ins):
+            return False
+    return True
+
+
+def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.fx.GraphModule:
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring).
+
+    A region is a run of consecutive matched nodes of one block and phase; a new one starts
+    where a node would read a value computed from the run outside it (a collective's output,
+    an op left eager), so every region is fused without a dependency cycle and the regions
+    follow each other in graph order, and after an in-place op left eager.
+
+    Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions)."""
+    vals = placeholder_vals(gm)
+    device = next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
+                  None)
+    current: str | None = None  # block and phase of the run
+    run = ""  # its region id
+    members: set[torch.fx.Node] = set()  # the run's nodes and their getitems
+    downstream: set[torch.fx.Node] = set()  # nodes outside the run computed from it
+    runs: dict[str, int] = {}
+    broken = False
+    for node in gm.graph.nodes:
+        untag_for_inductor(node)
+        if is_getitem(node) and node.args[0] in members:
+            members.add(node)
+            continue
+        block = block_of(node)
+        region = f"block_{block}_{phase_of(node) or 'forward'}" if block is not None else current
+        if region is None or not compilable(node, device, members if region == current else set()):
+            if any(u in members or u in downstream for u in node.all_input_nodes):
+                downstream.add(node)
+            if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+                broken = True  # the run's reads must not move past an eager in-place op
+            continue
+        if region != current or broken or any(u in downstream for u in node.all_input_nodes):
+            broken = False
+            current, run = region, f"{region}_{len(runs)}"
+            members, downstream = set(), set()
+        tag_for_inductor(node, {}, run)
+        members.add(node)
+        runs[run] = runs.get(run, 0) + 1
+    nodes = sum(runs.values())
+    blocks = {r.split("_")[1] for r in runs}
+    set_pass_summary(gm, f"tagged {nodes} node(s) into {len(runs)} region(s) of {len(blocks)} blocks and the rest, "
+                     "forward and backward", nodes=nodes, regions=len(runs), blocks=len(blocks))
+    return gm
+
+
+PASS = GraphPass(
+    name="annotate_blocks", fn=annotate_blocks_pass, changes_numerics=True, requires=("regional_inductor",),
+    aliases=("blocks",),
+)
