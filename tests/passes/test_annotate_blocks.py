@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import is_collective
+from graph_trainer.compiler.common import hold, is_collective, is_wait
 from graph_trainer.compiler.passes.annotate_blocks import annotate_blocks_pass, block_of
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, scoop_regions
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
@@ -85,3 +85,19 @@ def test_identical_blocks_compile_once_and_the_step_stays_close(tiny_llama):
     # two more blocks: four more regions, no more compiles
     assert stats[4]["regions"] == stats[2]["regions"] + 4
     assert stats[4]["distinct_compiles"] == stats[2]["distinct_compiles"]
+
+
+def test_collectives_join_a_region_with_their_wait(fsdp_trace):
+    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
+    plain = annotate_blocks_pass(traced.gm, traced.example_inputs)
+    n_plain = len(region_ids(plain))
+    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
+    gm = annotate_blocks_pass(traced.gm, traced.example_inputs, collectives=True)
+    inside = [n for n in tagged_nodes(gm) if is_collective(n)]
+    assert inside and len(region_ids(gm)) <= n_plain
+    for n in inside:  # each issue in the region of its wait, and no keep-alive left on a compiled wait
+        if not is_wait(n):
+            (wait,) = n.users
+            assert inductor_tag(wait)["inductor_region"] == inductor_tag(n)["inductor_region"]
+        assert all(u.target is not hold for u in n.users)
+    scoop_regions(gm)

@@ -18,14 +18,17 @@ numerics as the whole-graph compile does (fused bf16 chains computed in fp32):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
 from graph_trainer.compiler.common import (
+    hold,
     is_collective,
     is_getitem,
+    is_wait,
     module_fqn_of,
     phase_of,
     placeholder_vals,
@@ -60,13 +63,16 @@ def _mutated_args(node: torch.fx.Node) -> list[Any]:
     return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
 
 
-def compilable(node: torch.fx.Node, device: torch.device | None, region: set[torch.fx.Node] = frozenset()) -> bool:
+def compilable(node: torch.fx.Node, device: torch.device | None, region: set[torch.fx.Node] = frozenset(),
+               collectives: set[torch.fx.Node] = frozenset()) -> bool:
     """Whether ``node`` may join a block region: an aten op producing tensors, not a collective
-    or a wait, mutating nothing but nodes of ``region`` (the region's own intermediates), and
-    (with ``device`` an accelerator) none of its tensors on the CPU (one-element CPU tensors stay
-    eager, as Inductor would copy them to the device on every call)."""
+    or a wait unless in ``collectives``, mutating nothing but nodes of ``region`` (the region's
+    own intermediates), and (with ``device`` an accelerator) none of its tensors on the CPU
+    (one-element CPU tensors stay eager, as Inductor would copy them to the device on every call)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or is_collective(node):
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if is_collective(node) and node not in collectives:
         return False
     if target._schema.is_mutable and not all(a in region for a in _mutated_args(node)):
         return False
@@ -80,32 +86,23 @@ def compilable(node: torch.fx.Node, device: torch.device | None, region: set[tor
     return True
 
 
-def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.fx.GraphModule:
-    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring).
-
-    A region is a run of consecutive matched nodes of one block and phase; a new one starts
-    where a node would read a value computed from the run outside it (a collective's output,
-    an op left eager), so every region is fused without a dependency cycle and the regions
-    follow each other in graph order, and after an in-place op left eager.
-
-    Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions)."""
-    vals = placeholder_vals(gm)
-    device = next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
-                  None)
+def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None, collectives: set[torch.fx.Node]) -> dict:
+    """One pass of tagging (:func:`annotate_blocks_pass`); returns ``{node: run id}`` of the tagged
+    nodes. A ``hold`` of a wait in ``collectives`` counts as part of its run (it is stripped after)."""
     current: str | None = None  # block and phase of the run
     run = ""  # its region id
-    members: set[torch.fx.Node] = set()  # the run's nodes and their getitems
+    members: set[torch.fx.Node] = set()  # the run's nodes, their getitems and holds
     downstream: set[torch.fx.Node] = set()  # nodes outside the run computed from it
-    runs: dict[str, int] = {}
+    run_of: dict[torch.fx.Node, str] = {}
     broken = False
     for node in gm.graph.nodes:
         untag_for_inductor(node)
-        if is_getitem(node) and node.args[0] in members:
+        if (is_getitem(node) or node.target is hold) and node.args[0] in members:
             members.add(node)
             continue
         block = block_of(node)
         region = f"block_{block}_{phase_of(node) or 'forward'}" if block is not None else current
-        if region is None or not compilable(node, device, members if region == current else set()):
+        if region is None or not compilable(node, device, members if region == current else set(), collectives):
             if any(u in members or u in downstream for u in node.all_input_nodes):
                 downstream.add(node)
             if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
@@ -113,19 +110,69 @@ def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None) -
             continue
         if region != current or broken or any(u in downstream for u in node.all_input_nodes):
             broken = False
-            current, run = region, f"{region}_{len(runs)}"
+            current, run = region, f"{region}_{len(set(run_of.values()))}"
             members, downstream = set(), set()
         tag_for_inductor(node, {}, run)
         members.add(node)
-        runs[run] = runs.get(run, 0) + 1
-    nodes = sum(runs.values())
+        run_of[node] = run
+    return run_of
+
+
+def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
+                         collectives: bool = False) -> torch.fx.GraphModule:
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring).
+
+    A region is a run of consecutive matched nodes of one block and phase; a new one starts
+    where a node would read a value computed from the run outside it (a collective's output,
+    an op left eager), so every region is fused without a dependency cycle and the regions
+    follow each other in graph order, and after an in-place op left eager.
+
+    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the
+    same one (Inductor then issues and waits it inside the region's code, as in the whole-graph
+    compile; the ``hold`` after the wait is removed); a pair that would not is left eager and
+    the tagging runs again. Otherwise every collective stays eager and cuts the block's run.
+
+    Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions),
+    ``collectives`` (issues compiled inside a region)."""
+    vals = placeholder_vals(gm)
+    device = next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
+                  None)
+    pairs = {}
+    if collectives:
+        for node in gm.graph.nodes:
+            waits = [u for u in node.users if is_wait(u)]
+            if is_collective(node) and not is_wait(node) and len(waits) == len(node.users) == 1:
+                pairs[node] = waits[0]
+    while True:
+        run_of = _tag_runs(gm, device, {n for pair in pairs.items() for n in pair})
+        split = [c for c, w in pairs.items() if c not in run_of or run_of.get(w) != run_of[c]]
+        if not split:
+            break
+        for c in split:
+            del pairs[c]
+    for node in list(gm.graph.nodes):  # a wait inside a region needs no keep-alive
+        if node.target is hold and node.args[0] in run_of:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    runs = set(run_of.values())
     blocks = {r.split("_")[1] for r in runs}
-    set_pass_summary(gm, f"tagged {nodes} node(s) into {len(runs)} region(s) of {len(blocks)} blocks and the rest, "
-                     "forward and backward", nodes=nodes, regions=len(runs), blocks=len(blocks))
+    set_pass_summary(gm, f"tagged {len(run_of)} node(s) into {len(runs)} region(s) of {len(blocks)} blocks and the "
+                     f"rest, forward and backward" + (f"; {len(pairs)} collective(s) inside them" if collectives else ""),
+                     nodes=len(run_of), regions=len(runs), blocks=len(blocks), collectives=len(pairs))
     return gm
 
 
+@dataclass
+class AnnotateBlocksOptions:
+    """``[compile.annotate_blocks]``: options of ``annotate_blocks``."""
+
+    collectives: bool = False
+    """Compile a collective and its wait inside a block's region where both fall in it (TP's
+    all-gathers and reduce-scatters), so they no longer cut the block into several regions."""
+
+
 PASS = GraphPass(
-    name="annotate_blocks", fn=annotate_blocks_pass, changes_numerics=True, requires=("regional_inductor",),
+    name="annotate_blocks", fn=annotate_blocks_pass, options=AnnotateBlocksOptions, changes_numerics=True, requires=("regional_inductor",),
     aliases=("blocks",),
 )
