@@ -1,19 +1,20 @@
-"""Tag each transformer block's forward and backward as one Inductor region: whole-block fusion
-like ``full_inductor``, compiled once per distinct block instead of once per block.
+"""Tag each transformer block's forward and backward as Inductor regions: whole-block fusion
+like ``full_inductor``, compiled once per distinct region instead of once per block.
 
-Matches: every ``call_function`` node of an aten op that is not a collective, a wait, an
-in-place op or an op on one-element CPU tensors beside an accelerator. Its region is its
-block (the ``layers.<i>`` prefix of its module FQN, else ``rest``) and its phase; a node
-without a module FQN (FSDP's copies, mixed-precision casts) joins the region of the tagged node
-before it in graph order, so each region is a stretch of the graph.
+Matches: every ``call_function`` node of an aten op except collectives and waits (unless
+``collectives``), in-place ops on anything but the region's own intermediates, and ops on
+one-element CPU tensors beside an accelerator. Its region is its block (the ``layers.<i>``
+prefix of its module FQN, else ``rest``) and phase; a node without a module FQN (FSDP's copies,
+mixed-precision casts) joins the run before it in graph order.
 
 Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
-"block_<block>_<phase>"}`` on the matched nodes, replacing the tags of the annotation passes
-before it (their eager-rounding marks too). ``regional_inductor`` cuts each region where a
-collective sits inside it (acyclic pieces) and compiles identical pieces once
-(``region_signature``): the 32 blocks of Llama3 8B share a handful of compiles. Changes
-numerics as the whole-graph compile does (fused bf16 chains computed in fp32):
-``--compile.numerics_changing_optim``.
+"block_<block>_<phase>_<run>"}`` on the matched nodes, replacing the tags of the annotation
+passes before it (and the eager-rounding marks of ``annotate_exact_pointwise``). A block's run
+is cut where a node reads a value computed from the run outside it (a collective left eager),
+so regions fuse without a dependency cycle; ``regional_inductor`` compiles identical regions
+once (``region_signature``). Changes numerics as the whole-graph compile does (fused bf16
+chains computed in fp32): ``--compile.numerics_changing_optim``. Measured against the
+whole-graph compile (speed, cold first step): ``docs/perf.md``, "Regions per transformer block".
 """
 
 from __future__ import annotations
