@@ -87,7 +87,8 @@ def compilable(node: torch.fx.Node, device: torch.device | None, region: set[tor
     return True
 
 
-def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None, collectives: set[torch.fx.Node]) -> dict:
+def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
+              collectives: set[torch.fx.Node]) -> dict[torch.fx.Node, str]:
     """One pass of tagging (:func:`annotate_blocks_pass`); returns ``{node: run id}`` of the tagged
     nodes. A ``hold`` of a wait in ``collectives`` counts as part of its run (it is stripped after)."""
     current: str | None = None  # block and phase of the run
@@ -174,6 +175,6 @@ class AnnotateBlocksOptions:
 
 
 PASS = GraphPass(
-    name="annotate_blocks", fn=annotate_blocks_pass, options=AnnotateBlocksOptions, changes_numerics=True, requires=("regional_inductor",),
-    aliases=("blocks",),
+    name="annotate_blocks", fn=annotate_blocks_pass, options=AnnotateBlocksOptions, changes_numerics=True,
+    requires=("regional_inductor",), aliases=("blocks",),
 )
