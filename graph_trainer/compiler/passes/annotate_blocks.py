@@ -159,8 +159,9 @@ def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
     gm.recompile()
     runs = set(run_of.values())
     blocks = {r.split("_")[1] for r in runs}
+    inside = f"; {len(pairs)} collective(s) inside them" if collectives else ""
     set_pass_summary(gm, f"tagged {len(run_of)} node(s) into {len(runs)} region(s) of {len(blocks)} blocks and the "
-                     f"rest, forward and backward" + (f"; {len(pairs)} collective(s) inside them" if collectives else ""),
+                     f"rest, forward and backward{inside}",
                      nodes=len(run_of), regions=len(runs), blocks=len(blocks), collectives=len(pairs))
     return gm
 
