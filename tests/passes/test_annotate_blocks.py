@@ -28,12 +28,12 @@ def test_opt_in_numerics_changing_and_regional_only():
 
 
 def test_regions_follow_blocks_and_phases(tiny_llama):
-    gm, example_inputs, _ = trace_step(tiny_llama(3))
+    gm, example_inputs, _ = trace_step(tiny_llama(2))
     steps = build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_blocks"))
     records = []
     gm = run_pipeline(gm, example_inputs, steps[:-1], quiet=True, records=records)  # the RMSNorm pass ran first
     ids = region_ids(gm)
-    assert {r.rsplit("_", 1)[0] for r in ids} == {f"block_{b}_{p}" for b in ("layers.0", "layers.1", "layers.2", "rest")
+    assert {r.rsplit("_", 1)[0] for r in ids} == {f"block_{b}_{p}" for b in ("layers.0", "layers.1", "rest")
                                                   for p in ("forward", "backward")}
     for n in tagged_nodes(gm):
         region = inductor_tag(n)["inductor_region"]
@@ -74,7 +74,7 @@ def test_fsdp_step_collectives_stay_out_and_regions_fuse_without_cycles(fsdp_tra
 @pytest.mark.slow
 def test_identical_blocks_compile_once_and_the_step_stays_close(tiny_llama):
     stats = {}
-    for n_layers in (2, 4):
+    for n_layers in (1, 2):
         gm, example_inputs, inputs = trace_step(tiny_llama(n_layers))
         ref = gm(*inputs)
         records = []
@@ -82,9 +82,9 @@ def test_identical_blocks_compile_once_and_the_step_stays_close(tiny_llama):
                                                                      passes="annotate_blocks")), records=records)
         assert_close(gm(*inputs), ref)
         stats[n_layers] = records[-1]["stats"]
-    # two more blocks: four more regions, no more compiles
-    assert stats[4]["regions"] == stats[2]["regions"] + 4
-    assert stats[4]["distinct_compiles"] == stats[2]["distinct_compiles"]
+    # one more block: two more regions (its forward, its backward), no more compiles
+    assert stats[2]["regions"] == stats[1]["regions"] + 2
+    assert stats[2]["distinct_compiles"] == stats[1]["distinct_compiles"]
 
 
 def test_collectives_join_a_region_with_their_wait(fsdp_trace):
