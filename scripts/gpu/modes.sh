@@ -55,6 +55,8 @@ cmp() {  # name, A flags, B flags, A label, B label, repeats
         > "$OUT/$1.log" 2>&1
     echo "$1 rc=$?"; cp "/tmp/$1/comparison.json" "$OUT/$1.json" 2>/dev/null
     for f in /tmp/"$1"/*.png; do cp "$f" "$OUT/$1_$(basename "$f")"; done 2>/dev/null
+    for k in /tmp/"$1"/runs/*/profile_traces/iteration_*/rank0_kernels.md; do  # every kernel of each profiled run
+        r=${k#/tmp/"$1"/runs/}; cp "$k" "$OUT/$1_${r%%/*}_kernels.md"; done 2>/dev/null
     grep -h "ok in\|FAILED\|^|" "$OUT/$1.log" | cut -c1-300
     [[ -n ${SMI:-} ]] && python3 - "$OUT/smi.csv" /tmp/"$1"/runs/*.log <<'PY'
 import datetime, re, statistics, sys
