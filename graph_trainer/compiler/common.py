@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import operator
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import torch
@@ -219,10 +219,12 @@ def hold(x, *keep_alive):
     return x
 
 
-def strip_holds(gm: torch.fx.GraphModule) -> int:
-    """Replace every :func:`hold` node by its first argument (before a compiler that owns
-    buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
-    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold]
+def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
+    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first
+    argument (before a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how
+    many were removed."""
+    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
+             and (of is None or node.args[0] in of)]
     for node in holds:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
@@ -353,6 +355,14 @@ def val_bytes(val: Any) -> int:
 def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
     """``meta.get("val")`` of every placeholder of ``gm``, in order (None where missing)."""
     return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.device | None:
+    """The device of the first placeholder value (then ``example_inputs`` leaf) that is neither
+    on the CPU nor on meta, or None (a CPU graph)."""
+    vals = placeholder_vals(gm) + pytree.tree_leaves(example_inputs)
+    return next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
+                None)
 
 
 def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):

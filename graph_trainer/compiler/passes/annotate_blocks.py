@@ -26,14 +26,15 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.common import (
+    accelerator_of,
     hold,
     is_collective,
     is_getitem,
     is_wait,
     module_fqn_of,
     phase_of,
-    placeholder_vals,
     set_pass_summary,
+    strip_holds,
     tag_for_inductor,
     untag_for_inductor,
 )
@@ -96,6 +97,7 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
     members: set[torch.fx.Node] = set()  # the run's nodes, their getitems and holds
     downstream: set[torch.fx.Node] = set()  # nodes outside the run computed from it
     run_of: dict[torch.fx.Node, str] = {}
+    n_runs = 0
     broken = False
     for node in gm.graph.nodes:
         untag_for_inductor(node)
@@ -112,7 +114,7 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
             continue
         if region != current or broken or any(u in downstream for u in node.all_input_nodes):
             broken = False
-            current, run = region, f"{region}_{len(set(run_of.values()))}"
+            current, run, n_runs = region, f"{region}_{n_runs}", n_runs + 1
             members, downstream = set(), set()
         tag_for_inductor(node, {}, run)
         members.add(node)
@@ -136,9 +138,7 @@ def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
 
     Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions),
     ``collectives`` (issues compiled inside a region)."""
-    vals = placeholder_vals(gm)
-    device = next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
-                  None)
+    device = accelerator_of(gm)
     pairs = {}
     if collectives:
         for node in gm.graph.nodes:
@@ -152,11 +152,7 @@ def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
             break
         for c in split:
             del pairs[c]
-    for node in list(gm.graph.nodes):  # a wait inside a region needs no keep-alive
-        if node.target is hold and node.args[0] in run_of:
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    gm.recompile()
+    strip_holds(gm, run_of)  # a wait inside a region needs no keep-alive
     runs = set(run_of.values())
     blocks = {r.split("_")[1] for r in runs}
     inside = f"; {len(pairs)} collective(s) inside them" if collectives else ""

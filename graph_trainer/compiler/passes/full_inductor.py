@@ -23,12 +23,12 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.common import (
+    accelerator_of,
     collective_kind,
     detect_graph_fake_mode,
     fake_inputs_for,
     fusion_group_of,
     json_object,
-    placeholder_vals,
     set_pass_summary,
     strip_holds,
     strip_recompute_tags,
@@ -147,10 +147,7 @@ def full_inductor_pass(
     from torch._inductor.compile_fx import compile_fx
 
     strip_holds(gm)
-    vals = placeholder_vals(gm) + pytree.tree_leaves(example_inputs)
-    device = next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
-                  None)
-    moved = move_cpu_scalars(gm, device)
+    moved = move_cpu_scalars(gm, accelerator_of(gm, example_inputs))
     strip_recompute_tags(gm.graph)
     fake_inputs = fake_inputs_for(gm, example_inputs)
     fake_mode = detect_graph_fake_mode(gm, example_inputs)
