@@ -28,7 +28,8 @@
 # cache_bitwise (1b: the fastest setting and the plain command under --debug.deterministic, 4 steps,
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
 # and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
-# alternating, profiled), layouts (one step of the fastest setting and of jit with
+# alternating, profiled), plain_vs (the plain command with the flags in VS, e.g. a pass option
+# turned off, vs without, alternating, profiled), layouts (one step of the fastest setting and of jit with
 # TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides),
 # blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
 # alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
@@ -188,6 +189,7 @@ cg) cmp "${W}_cg_fast" "" "$FAST" "plain command" "fastest ($FAST)" 1
 fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest B" 1 ;;   # tuning compiles long
 layouts) layouts "${W}_layouts_fast" "$FAST --compile.graph_cache_dir off"; layouts "${W}_layouts_jit" "--compile.mode jit" ;;
 vs_fast) cmp "${W}_vs_fast" "$FAST" "$FAST ${VS:?set VS}" "fastest" "fastest + $VS" "$R" ;;
+plain_vs) cmp "${W}_plain_vs" "${VS:?set VS}" "" "plain + $VS" "plain command" "$R" ;;
 blocks) cmp "${W}_blocks" "$FAST" "$BLOCKS" "fastest" "blocks ($BLOCKS)" "$R" ;;
 blocks_first) first_step "${W}_blocks_cold" "$BLOCKS"; first_step "${W}_blocks_warm" "$BLOCKS" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.compiler.common import tag_for_inductor
@@ -58,6 +60,37 @@ def test_only_exact_ops_join():
     assert (stats["eager_bytes"], stats["fused_bytes"]) == (128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2 + 2), 128 * (3 + 2 + 2))
     with pytest.raises(ValueError, match="min_ops"):
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
+
+
+def _silu_and_casts(device, **options):
+    """bf16 ``x`` (1024 x 1024): ``silu(x) * x``, a lone cast of ``x`` to fp32 (4 MiB), and of the
+    8 x 8 ``y``; fake tensors on ``device`` (no GPU needed). Returns the op names per region."""
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+
+    def op(target, *args, **kwargs):
+        n = g.call_function(target, args, kwargs)
+        n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
+        return n
+
+    g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x), op(aten._to_copy.default, x, dtype=torch.float32),
+              op(aten._to_copy.default, y, dtype=torch.float32)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    with FakeTensorMode() as mode:
+        fakes = [torch.empty(1024, 1024, dtype=torch.bfloat16, device=device),
+                 torch.empty(8, 8, dtype=torch.bfloat16, device=device)]
+    FakeTensorProp(gm, mode).propagate(*fakes)
+    annotate_exact_pointwise_pass(gm, **options)
+    regions = {}
+    for n in tagged_nodes(gm):
+        regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
+    return sorted(regions.values())
+
+
+def test_silu_joins_on_cuda_only_and_a_large_lone_cast_is_a_region():
+    assert _silu_and_casts("cuda") == [["_to_copy"], ["silu", "mul"]]
+    assert _silu_and_casts("cpu") == [["_to_copy"]]  # eager CPU's SiLU is another approximation
+    assert _silu_and_casts("cuda", activations=False, lone_casts=False) == []
 
 
 @pytest.mark.parametrize("device", DEVICES)

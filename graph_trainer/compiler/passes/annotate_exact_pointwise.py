@@ -6,12 +6,22 @@ dtype. Each such op is one correctly rounded IEEE operation, so a fused kernel g
 bits as long as it also rounds after every op and contracts no ``a * b + c`` into an FMA.
 Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion`` off), so
 these regions save the intermediates' trips through memory and keep the numerics: no
-``--compile.numerics_changing_optim``. Transcendental ops (SiLU, exp, rsqrt), division and
-reductions round differently when fused and are left out.
+``--compile.numerics_changing_optim``. On CUDA, SiLU joins them too (``activations``): Inductor
+lowers it to eager's own formula, ``x / (1 + exp(x))`` in fp32 with libdevice's ``exp``, and
+``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's (every
+bf16 input and 4M fp32 ones checked on an H100, ``docs/perf.md``, "Eager-exact pointwise
+regions"). Other transcendental ops, SiLU's backward (Inductor divides approximately there),
+division and reductions round differently when fused and are left out.
+
+A lone cast between bf16 / fp16 and fp32 of at least :data:`LONE_CAST_BYTES` is a region of its
+own (``lone_casts``): eager converts bf16 to fp32 with an unvectorized casting kernel, Inductor's
+kernel runs at copy bandwidth, and a conversion is exact either way. On one GPU these are the
+parameters' casts to bf16 and their gradients' back to fp32; under FSDP, the casts before the
+all-gather and the reduce-scatter.
 
 Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
-:data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them.
+:data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them; and the lone casts.
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
@@ -27,29 +37,41 @@ speed are in ``docs/perf.md``, "Eager-exact pointwise regions".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, packet_name, set_pass_summary,
-                                           tag_regions, val_bytes)
+from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, is_tagged_for_inductor, packet_name,
+                                           set_pass_summary, tag_regions, val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
 EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",
                        "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"})
+#: aten op packets that fused Triton code computes with eager CUDA's bits under
+#: :data:`EAGER_NUMERICS` (not eager CPU's: its SiLU's ``exp`` is another approximation).
+EXACT_CUDA_ACTIVATIONS = frozenset({"silu"})
 #: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
-#: denormals (eager's CUDA kernels keep them).
-EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True}
+#: denormals (eager's CUDA kernels keep them), IEEE division.
+EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True,
+                  "eager_numerics.division_rounding": True}
+#: Smallest output of a lone cast that gets a region of its own (a compile per shape).
+LONE_CAST_BYTES = 1 << 20
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def is_exact(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an op of :data:`EXACT_OPS` that fused code computes with eager's bits.
+def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
+    """Whether ``node`` is an op of :data:`EXACT_OPS` (with ``activations``, also one of
+    :data:`EXACT_CUDA_ACTIVATIONS` on a CUDA tensor) that fused code computes with eager's bits.
     Excluded: ``add`` / ``sub`` with ``alpha`` other than 1 (a multiply-add), and a Python number
     beside a bf16 / fp16 tensor unless that dtype holds it exactly (eager may round the number
     to the tensor's dtype first, Inductor computes with it in fp32)."""
     name = packet_name(node)
+    if activations and name in EXACT_CUDA_ACTIVATIONS:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.device.type == "cuda"
     if name not in EXACT_OPS or (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1):
         return False
     low = [v.dtype for u in node.all_input_nodes if isinstance(v := u.meta.get("val"), torch.Tensor)
@@ -67,35 +89,70 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
         return sum(val_bytes(n.meta.get("val")) for n in nodes)
 
     members = set(region)
-    eager = sum(nbytes([n, *n.all_input_nodes]) for n in region if is_exact(n))
+    eager = sum(nbytes([n, *n.all_input_nodes]) for n in region if is_exact(n, activations=True))
     inputs = {u for n in region for u in n.all_input_nodes if u not in members}
     return eager, nbytes(inputs) + nbytes(n for n in region if any(u not in members for u in n.users))
 
 
-def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
-                                  min_ops: int = 2) -> torch.fx.GraphModule:
-    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``) as one eager-numerics region
+def is_lone_cast(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an untagged ``_to_copy`` that only changes the dtype between two of
+    bf16 / fp16 / fp32, with an output of at least :data:`LONE_CAST_BYTES`."""
+    if packet_name(node) != "_to_copy" or set(node.kwargs) != {"dtype"} or is_tagged_for_inductor(node):
+        return False
+    src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype != out.dtype
+            and {src.dtype, out.dtype} <= set(_FLOATS) and val_bytes(out) >= LONE_CAST_BYTES)
+
+
+def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
+                                  activations: bool = True, lone_casts: bool = True) -> torch.fx.GraphModule:
+    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
+    and with ``lone_casts`` each :func:`is_lone_cast` outside them, as one eager-numerics region
     for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
-    (compiler/common.py), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic`, summed: the
-    memory traffic the regions save a step is their difference)."""
+    (compiler/common.py), ``lone_casts`` (regions of one cast), ``eager_bytes`` / ``fused_bytes``
+    (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
+    difference)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
-    regions = find_pointwise_regions(gm.graph, min_ops, accept=is_exact)
+    chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
+    taken = {n for region in chains for n in region}
+    casts = [[n] for n in gm.graph.nodes if lone_casts and n not in taken and is_lone_cast(n)]
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    regions = sorted(chains + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
     for n in (n for region in regions for n in region):
         n.meta[BARRIER_KEY] = True
-    eager, fused = (sum(t) for t in zip(*map(region_traffic, regions))) if regions else (0, 0)
+    eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
     set_pass_summary(
         gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
-        f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes); "
-        f"their ops move {fused / 2**30:.2f} GiB fused instead of {eager / 2**30:.2f} GiB one kernel each",
-        **st, eager_bytes=eager, fused_bytes=fused,
+        f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
+        f"{len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused instead of "
+        f"{eager / 2**30:.2f} GiB one kernel each",
+        **st, lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
     )
     return gm
 
 
+@dataclass
+class ExactPointwiseOptions:
+    """``[compile.annotate_exact_pointwise]``: options of ``annotate_exact_pointwise``."""
+
+    min_ops: int = 2
+    """Fewest ops (views not counted) of a chain that becomes a region."""
+    activations: bool = True
+    """SiLU joins the chains on CUDA (Inductor's lowering gives eager's bits there)."""
+    lone_casts: bool = True
+    """A cast between bf16 / fp16 and fp32 of at least 1 MiB outside every chain is a region of
+    its own (Inductor's cast kernel against eager's unvectorized bf16 -> fp32 one)."""
+
+    def check(self) -> None:
+        if self.min_ops < 1:
+            raise ValueError(f"--compile.annotate_exact_pointwise.min_ops must be >= 1, got {self.min_ops}")
+
+
 PASS = GraphPass(
     name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
+    options=ExactPointwiseOptions,
     enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional",
     requires=("regional_inductor",), aliases=("exact_pointwise",),
 )
