@@ -387,11 +387,13 @@ def validate(cfg) -> list[str]:
     try:
         registry.check_options(comp)
         names = registry.resolve(registry.PassContext(comp)) if comp.mode == "aot_fx_trace" else []
+        on_cuda = registry.resolve(registry.PassContext(comp, device_type="cuda")) if comp.mode == "aot_fx_trace" else []
     except ValueError as e:
         raise UserError(f"{e}.") from None
     for spec in registry.registry().values():
         options = registry.options_of(spec, comp)
-        if spec.name not in names and options is not None and asdict(options) != asdict(spec.options()):
+        if (spec.name not in names and spec.name not in on_cuda and options is not None
+                and asdict(options) != asdict(spec.options())):
             raise UserError(f"[compile.{spec.section}] is set, but {spec.name} does not run in this pipeline "
                             f"(--compile.mode {comp.mode}, passes {names}); enable it or drop those options.")
     return names

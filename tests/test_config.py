@@ -27,6 +27,8 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
          "[compile.full_inductor] is set, but full_inductor does not run"),
         (["--compile.rmsnorm.no-tune"],
          "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
+        (["--compile.annotate_exact_pointwise.no-lone_casts", "--compile.inductor_compilation", "full"],
+         "[compile.annotate_exact_pointwise] is set, but annotate_exact_pointwise_for_regional_inductor does not run"),
         (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
          "--compile.full_inductor.configs must be a JSON object"),
         (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
@@ -49,6 +51,11 @@ def test_bad_config_is_rejected(flags, needle):
     with pytest.raises(UserError) as e:
         parse_args(["--job.config_file", DEBUG, *flags])
     assert needle in str(e.value)
+
+
+def test_options_of_a_pass_on_by_default_on_cuda_pass_the_check_on_any_host():
+    cfg = parse_args(["--job.config_file", DEBUG, "--compile.annotate_exact_pointwise.no-lone_casts"])
+    assert cfg.compile.annotate_exact_pointwise.lone_casts is False
 
 
 def test_aliases_and_config_names(monkeypatch):
