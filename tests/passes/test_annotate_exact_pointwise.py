@@ -62,23 +62,32 @@ def test_only_exact_ops_join():
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
 
-def _silu_and_casts(device, **options):
-    """bf16 ``x`` (1024 x 1024): ``silu(x) * x``, a lone cast of ``x`` to fp32 (4 MiB), and of the
-    8 x 8 ``y``; fake tensors on ``device`` (no GPU needed). Returns the op names per region."""
+def _silu_graph():
+    """bf16 ``x`` (1024 x 1024), ``y`` (8 x 8), fp32 ``z`` (1024 x 1024): ``silu(x) * x``,
+    ``silu_backward(x * x, x)``, the lone casts of ``x`` (4 MiB) and ``y`` to fp32, of ``z`` to bf16."""
     g = torch.fx.Graph()
-    x, y = g.placeholder("x"), g.placeholder("y")
+    x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
 
     def op(target, *args, **kwargs):
         n = g.call_function(target, args, kwargs)
         n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
         return n
 
-    g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x), op(aten._to_copy.default, x, dtype=torch.float32),
-              op(aten._to_copy.default, y, dtype=torch.float32)))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x),
+              op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
+              *(op(aten._to_copy.default, t, dtype=d) for t, d in ((x, F32), (y, F32), (z, torch.bfloat16)))))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+F32 = torch.float32
+SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
+
+
+def _regions(device, **options):
+    """The op names of each region of ``_silu_graph`` on ``device`` (fake tensors: no GPU needed)."""
+    gm = _silu_graph()
     with FakeTensorMode() as mode:
-        fakes = [torch.empty(1024, 1024, dtype=torch.bfloat16, device=device),
-                 torch.empty(8, 8, dtype=torch.bfloat16, device=device)]
+        fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
     FakeTensorProp(gm, mode).propagate(*fakes)
     annotate_exact_pointwise_pass(gm, **options)
     regions = {}
@@ -87,10 +96,23 @@ def _silu_and_casts(device, **options):
     return sorted(regions.values())
 
 
-def test_silu_joins_on_cuda_only_and_a_large_lone_cast_is_a_region():
-    assert _silu_and_casts("cuda") == [["_to_copy"], ["silu", "mul"]]
-    assert _silu_and_casts("cpu") == [["_to_copy"]]  # eager CPU's SiLU is another approximation
-    assert _silu_and_casts("cuda", activations=False, lone_casts=False) == []
+def test_silu_joins_on_cuda_only_and_a_large_widening_cast_is_a_region():
+    silu_backward = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub",
+                     "addcmul", "mul", "mul", "_to_copy"]  # eager's formula, in fp32
+    assert _regions("cuda") == [["_to_copy"], ["mul", *silu_backward], ["silu", "mul"]]
+    assert _regions("cpu") == [["_to_copy"]]  # eager CPU's SiLU is another approximation
+    assert _regions("cuda", activations=False, lone_casts=False) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="eager CUDA's SiLU kernels")
+def test_silu_regions_and_casts_are_bitwise_eager_on_cuda():
+    torch.manual_seed(0)
+    xs = [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
+    ref = _silu_graph()(*xs)
+    gm = _silu_graph()
+    fakes = fake_prop(gm, xs)
+    out = run_pipeline(annotate_exact_pointwise_pass(gm), fakes, ["regional_inductor"])(*xs)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,16 +8,18 @@ Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion
 these regions save the intermediates' trips through memory and keep the numerics: no
 ``--compile.numerics_changing_optim``. On CUDA, SiLU joins them too (``activations``): Inductor
 lowers it to eager's own formula, ``x / (1 + exp(x))`` in fp32 with libdevice's ``exp``, and
-``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's (every
-bf16 input and 4M fp32 ones checked on an H100, ``docs/perf.md``, "Eager-exact pointwise
-regions"). Other transcendental ops, SiLU's backward (Inductor divides approximately there),
-division and reductions round differently when fused and are left out.
+``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's. SiLU's
+backward joins as well: inside a region the pass writes it as eager's kernel computes it (below,
+:func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Every
+bf16 input (backward: against 64 gradients each) and 4M fp32 ones checked on an H100
+(``docs/perf.md``, "Eager-exact pointwise regions"). Other transcendental ops, division and
+reductions round differently when fused and are left out.
 
-A lone cast between bf16 / fp16 and fp32 of at least :data:`LONE_CAST_BYTES` is a region of its
-own (``lone_casts``): eager converts bf16 to fp32 with an unvectorized casting kernel, Inductor's
-kernel runs at copy bandwidth, and a conversion is exact either way. On one GPU these are the
-parameters' casts to bf16 and their gradients' back to fp32; under FSDP, the casts before the
-all-gather and the reduce-scatter.
+A lone widening cast (bf16 / fp16 to fp32) of at least :data:`LONE_CAST_BYTES` is a region of its
+own (``lone_casts``): eager converts with an unvectorized casting kernel, Inductor's runs at
+copy bandwidth on large tensors, and a widening is exact either way. On one GPU these are the
+gradients' casts back to fp32; under FSDP, the casts before the reduce-scatter. (Eager's fp32 to
+bf16 kernel is vectorized: no gain there.)
 
 Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
@@ -25,7 +27,8 @@ chains (one phase and module each, cut where a region would form a cycle) of the
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
-by Inductor's lowering: round after this op, as eager does) on the chosen nodes.
+by Inductor's lowering: round after this op, as eager does) on the chosen nodes; each tagged
+``silu_backward`` becomes the ops of eager's formula (:func:`exact_silu_backward`).
 
 Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise``
 turns it off); elsewhere with ``--compile.passes exact_pointwise``. Not by default on the CPU:
@@ -37,6 +40,7 @@ speed are in ``docs/perf.md``, "Eager-exact pointwise regions".
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,19 +51,21 @@ from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, 
                                            set_pass_summary, tag_regions, val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
+aten = torch.ops.aten
+
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
 EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",
                        "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"})
 #: aten op packets that fused Triton code computes with eager CUDA's bits under
 #: :data:`EAGER_NUMERICS` (not eager CPU's: its SiLU's ``exp`` is another approximation).
-EXACT_CUDA_ACTIVATIONS = frozenset({"silu"})
+EXACT_CUDA_ACTIVATIONS = frozenset({"silu", "silu_backward"})
 #: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
 #: denormals (eager's CUDA kernels keep them), IEEE division.
 EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True,
                   "eager_numerics.division_rounding": True}
 #: Smallest output of a lone cast that gets a region of its own (a compile per shape).
 LONE_CAST_BYTES = 1 << 20
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
@@ -95,13 +101,42 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
 
 
 def is_lone_cast(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an untagged ``_to_copy`` that only changes the dtype between two of
-    bf16 / fp16 / fp32, with an output of at least :data:`LONE_CAST_BYTES`."""
+    """Whether ``node`` is an untagged ``_to_copy`` that only widens bf16 / fp16 to fp32, with an
+    output of at least :data:`LONE_CAST_BYTES`."""
     if packet_name(node) != "_to_copy" or set(node.kwargs) != {"dtype"} or is_tagged_for_inductor(node):
         return False
     src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype != out.dtype
-            and {src.dtype, out.dtype} <= set(_FLOATS) and val_bytes(out) >= LONE_CAST_BYTES)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype in _LOW
+            and out.dtype == torch.float32 and val_bytes(out) >= LONE_CAST_BYTES)
+
+
+def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel, which
+    Inductor (``EAGER_NUMERICS``) lowers to the same instructions: in fp32, ``s = 1.0 / (1 +
+    exp(-x))`` (a float numerator: IEEE division, where ``1 / t`` would not be), ``dy * s *
+    fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's ``1 + x * (1 - s)``), cast to the
+    output dtype. Each new node copies ``node``'s meta (phase, module, region tag) with its own
+    fake ``val``. Returns the new nodes; ``node`` is erased."""
+    graph, (dy, x) = node.graph, node.args
+
+    def op(target, *args):
+        with graph.inserting_before(node):
+            n = graph.call_function(target, args, {"dtype": args[1]} if target is aten._to_copy.default else {})
+        n.meta.update({k: copy.deepcopy(v) for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        n.meta["val"] = target(*vals[:1], **n.kwargs) if n.kwargs else target(*vals)
+        new.append(n)
+        return n
+
+    new: list[torch.fx.Node] = []
+    xf, dyf = op(aten._to_copy.default, x, torch.float32), op(aten._to_copy.default, dy, torch.float32)
+    den = op(aten.add.Tensor, op(aten.exp.default, op(aten.neg.default, xf)), 1)
+    s = op(aten.div.Tensor, op(aten.full_like.default, den, 1.0), den)
+    t = op(aten.addcmul.default, op(aten.full_like.default, xf, 1.0), xf, op(aten.rsub.Scalar, s, 1))
+    out = op(aten._to_copy.default, op(aten.mul.Tensor, op(aten.mul.Tensor, dyf, s), t), node.meta["val"].dtype)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return new
 
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
@@ -120,9 +155,12 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = sorted(chains + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
-    for n in (n for region in regions for n in region):
-        n.meta[BARRIER_KEY] = True
     eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
+    for region in regions:
+        for n in list(region):
+            n.meta[BARRIER_KEY] = True
+            if packet_name(n) == "silu_backward":
+                region.extend(exact_silu_backward(n))
     set_pass_summary(
         gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
@@ -140,10 +178,10 @@ class ExactPointwiseOptions:
     min_ops: int = 2
     """Fewest ops (views not counted) of a chain that becomes a region."""
     activations: bool = True
-    """SiLU joins the chains on CUDA (Inductor's lowering gives eager's bits there)."""
+    """SiLU and its backward join the chains on CUDA (written as eager's kernel computes them)."""
     lone_casts: bool = True
-    """A cast between bf16 / fp16 and fp32 of at least 1 MiB outside every chain is a region of
-    its own (Inductor's cast kernel against eager's unvectorized bf16 -> fp32 one)."""
+    """A cast from bf16 / fp16 to fp32 of at least 1 MiB outside every chain is a region of its
+    own (Inductor's cast kernel against eager's unvectorized one)."""
 
     def check(self) -> None:
         if self.min_ops < 1:
