@@ -90,6 +90,7 @@ def _regions(device, **options):
         fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
     FakeTensorProp(gm, mode).propagate(*fakes)
     annotate_exact_pointwise_pass(gm, **options)
+    FakeTensorProp(gm, mode).propagate(*fakes)  # the rewritten graph runs
     regions = {}
     for n in tagged_nodes(gm):
         regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)

@@ -119,21 +119,20 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
     fake ``val``. Returns the new nodes; ``node`` is erased."""
     graph, (dy, x) = node.graph, node.args
 
-    def op(target, *args):
+    def op(target, *args, **kwargs):
         with graph.inserting_before(node):
-            n = graph.call_function(target, args, {"dtype": args[1]} if target is aten._to_copy.default else {})
+            n = graph.call_function(target, args, kwargs)
         n.meta.update({k: copy.deepcopy(v) for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        n.meta["val"] = target(*vals[:1], **n.kwargs) if n.kwargs else target(*vals)
+        n.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args], **kwargs)
         new.append(n)
         return n
 
     new: list[torch.fx.Node] = []
-    xf, dyf = op(aten._to_copy.default, x, torch.float32), op(aten._to_copy.default, dy, torch.float32)
+    xf, dyf = op(aten._to_copy.default, x, dtype=torch.float32), op(aten._to_copy.default, dy, dtype=torch.float32)
     den = op(aten.add.Tensor, op(aten.exp.default, op(aten.neg.default, xf)), 1)
     s = op(aten.div.Tensor, op(aten.full_like.default, den, 1.0), den)
     t = op(aten.addcmul.default, op(aten.full_like.default, xf, 1.0), xf, op(aten.rsub.Scalar, s, 1))
-    out = op(aten._to_copy.default, op(aten.mul.Tensor, op(aten.mul.Tensor, dyf, s), t), node.meta["val"].dtype)
+    out = op(aten._to_copy.default, op(aten.mul.Tensor, op(aten.mul.Tensor, dyf, s), t), dtype=node.meta["val"].dtype)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return new
