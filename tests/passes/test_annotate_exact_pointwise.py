@@ -62,9 +62,10 @@ def test_only_exact_ops_join():
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
 
-def _silu_graph():
+def _silu_graph(x_device):
     """bf16 ``x`` (1024 x 1024), ``y`` (8 x 8), fp32 ``z`` (1024 x 1024): ``silu(x) * x``,
-    ``silu_backward(x * x, x)``, the lone casts of ``x`` (4 MiB) and ``y`` to fp32, of ``z`` to bf16."""
+    ``silu_backward(x * x, x)``, the lone casts of ``x`` (4 MiB, as autograd writes them: layout
+    and ``x_device`` named) and ``y`` to fp32, of ``z`` to bf16."""
     g = torch.fx.Graph()
     x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
 
@@ -75,7 +76,8 @@ def _silu_graph():
 
     g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x),
               op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
-              *(op(aten._to_copy.default, t, dtype=d) for t, d in ((x, F32), (y, F32), (z, torch.bfloat16)))))
+              op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
+              *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16)))))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
@@ -85,7 +87,7 @@ SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32
 
 def _regions(device, **options):
     """The op names of each region of ``_silu_graph`` on ``device`` (fake tensors: no GPU needed)."""
-    gm = _silu_graph()
+    gm = _silu_graph(torch.device(device))
     with FakeTensorMode() as mode:
         fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
     FakeTensorProp(gm, mode).propagate(*fakes)
@@ -109,8 +111,8 @@ def test_silu_joins_on_cuda_only_and_a_large_widening_cast_is_a_region():
 def test_silu_regions_and_casts_are_bitwise_eager_on_cuda():
     torch.manual_seed(0)
     xs = [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
-    ref = _silu_graph()(*xs)
-    gm = _silu_graph()
+    ref = _silu_graph(xs[0].device)(*xs)
+    gm = _silu_graph(xs[0].device)
     fakes = fake_prop(gm, xs)
     out = run_pipeline(annotate_exact_pointwise_pass(gm), fakes, ["regional_inductor"])(*xs)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
