@@ -29,7 +29,8 @@
 # cold, then from the cache, for the fastest setting also from the graph alone: losses, grad norms
 # and final state hashes equal), vs_fast (the fastest setting without vs with the flags in VS,
 # alternating, profiled), plain_vs (the plain command with the flags in VS, e.g. a pass option
-# turned off, vs without, alternating, profiled), layouts (one step of the fastest setting and of jit with
+# turned off, vs without, alternating, profiled), first_vs (the plain command with VS's flags to
+# step 2: launch -> step 2, the passes' times), layouts (one step of the fastest setting and of jit with
 # TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides),
 # blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
 # alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
@@ -190,6 +191,7 @@ fastb) T=$(( T * 3 )) cmp "${W}_fast_b" "$FAST" "$FASTEST_B" "fastest" "fastest 
 layouts) layouts "${W}_layouts_fast" "$FAST --compile.graph_cache_dir off"; layouts "${W}_layouts_jit" "--compile.mode jit" ;;
 vs_fast) cmp "${W}_vs_fast" "$FAST" "$FAST ${VS:?set VS}" "fastest" "fastest + $VS" "$R" ;;
 plain_vs) cmp "${W}_plain_vs" "${VS:?set VS}" "" "plain + $VS" "plain command" "$R" ;;
+first_vs) first_step "${W}_first_vs_$(echo "$VS" | tr -c 'a-z0-9_\n' '_' | cut -c1-60)" "${VS:?set VS}" ;;
 blocks) cmp "${W}_blocks" "$FAST" "$BLOCKS" "fastest" "blocks ($BLOCKS)" "$R" ;;
 blocks_first) first_step "${W}_blocks_cold" "$BLOCKS"; first_step "${W}_blocks_warm" "$BLOCKS" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
