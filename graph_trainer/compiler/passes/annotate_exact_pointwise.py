@@ -7,12 +7,12 @@ bits as long as it also rounds after every op and contracts no ``a * b + c`` int
 Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion`` off), so
 these regions save the intermediates' trips through memory and keep the numerics: no
 ``--compile.numerics_changing_optim``. On CUDA, SiLU joins them too (``activations``): Inductor
-lowers it to eager's own formula, ``x / (1 + exp(x))`` in fp32 with libdevice's ``exp``, and
+lowers it to eager's own formula, ``x / (1 + exp(-x))`` in fp32 with libdevice's ``exp``, and
 ``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's. SiLU's
 backward joins as well: inside a region the pass writes it as eager's kernel computes it (below,
-:func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Every
-bf16 input (backward: against 64 gradients each) and 4M fp32 ones checked on an H100
-(``docs/perf.md``, "Eager-exact pointwise regions"). Other transcendental ops, division and
+:func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Checked on
+an H100 for every bf16 input and for random fp32 ones (``docs/perf.md``, "Eager-exact pointwise
+regions"). Other transcendental ops, division and
 reductions round differently when fused and are left out.
 
 A lone widening cast (bf16 / fp16 to fp32) of at least :data:`LONE_CAST_BYTES` is a region of its
@@ -20,8 +20,8 @@ own (``lone_casts``): eager converts with an unvectorized casting kernel, Induct
 copy bandwidth on large tensors, and a widening is exact either way. On one GPU these are the
 gradients' casts back to fp32 and RoPE's; under FSDP, also the casts before the reduce-scatter.
 (Eager's fp32 to bf16 kernel is vectorized: no gain there.) ``auto`` takes them only in a graph
-without collectives: on the seed rank (FSDP4 x TP2) their compiles added about a minute to the
-first step on torch 2.11, even with a warm Inductor cache, for 1.4 % (``docs/perf.md``,
+without collectives: on the seed rank (FSDP4 x TP2) their compiles made the first step far
+slower on torch 2.11, even with a warm Inductor cache, for a small gain (``docs/perf.md``,
 "Eager-exact pointwise regions"; cause not traced).
 
 Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
