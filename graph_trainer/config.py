@@ -386,11 +386,12 @@ def validate(cfg) -> list[str]:
                         f"({prof.profiler_warmup}) + --profiling.profiler_active ({prof.profiler_active}).")
     try:
         registry.check_options(comp)
-        names = registry.resolve(registry.PassContext(comp)) if comp.mode == "aot_fx_trace" else []
-        on_cuda = registry.resolve(registry.PassContext(comp, device_type="cuda")) if comp.mode == "aot_fx_trace" else []
+        traced = comp.mode == "aot_fx_trace"
+        names = registry.resolve(registry.PassContext(comp)) if traced else []
+        on_cuda = registry.resolve(registry.PassContext(comp, device_type="cuda")) if traced else []
     except ValueError as e:
         raise UserError(f"{e}.") from None
-    for spec in registry.registry().values():
+    for spec in registry.registry().values():  # options of a pass that runs on no device
         options = registry.options_of(spec, comp)
         if (spec.name not in names and spec.name not in on_cuda and options is not None
                 and asdict(options) != asdict(spec.options())):

@@ -62,6 +62,10 @@ def test_only_exact_ops_join():
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
 
+F32 = torch.float32
+SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
+
+
 def _silu_graph(x_device):
     """bf16 ``x`` (1024 x 1024), ``y`` (8 x 8), fp32 ``z`` (1024 x 1024): ``silu(x) * x``,
     ``silu_backward(x * x, x)``, the lone casts of ``x`` (4 MiB, as autograd writes them: layout
@@ -79,10 +83,6 @@ def _silu_graph(x_device):
               op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
               *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16)))))
     return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
-F32 = torch.float32
-SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
 
 
 def _regions(device, **options):
