@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.fx
@@ -21,18 +23,21 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 OLD_CPU = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 
+def _op(g, target, *args, **kwargs):
+    """A forward node of module ``block`` in ``g``."""
+    n = g.call_function(target, args, kwargs)
+    n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
+    return n
+
+
 def _graph():
     """bf16 ``(a, b, c)``: ((a * b + c) -> fp32 * 0.1234567 + itself -> bf16 - a) squared, halved;
-    beside it a SiLU, an ``add`` with alpha 2, a division and a bf16 product with 0.1234567 (which
-    bf16 cannot hold): not exact, never tagged."""
+    beside it a SiLU (exact on CUDA only), an ``add`` with alpha 2, a division and a bf16 product
+    with 0.1234567 (which bf16 cannot hold): not exact, never tagged."""
     g = torch.fx.Graph()
     a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
 
-    def op(target, *args, **kwargs):
-        n = g.call_function(target, args, kwargs)
-        n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
-        return n
-
+    op = functools.partial(_op, g)
     s = op(aten.add.Tensor, op(aten.mul.Tensor, a, b), c)  # an FMA candidate in bf16
     f = op(aten._to_copy.default, s, dtype=torch.float32)
     f = op(aten.add.Tensor, op(aten.mul.Tensor, f, 0.1234567), f)  # and in fp32
@@ -73,11 +78,7 @@ def _silu_graph(x_device):
     g = torch.fx.Graph()
     x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
 
-    def op(target, *args, **kwargs):
-        n = g.call_function(target, args, kwargs)
-        n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
-        return n
-
+    op = functools.partial(_op, g)
     g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x),
               op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
               op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
