@@ -164,11 +164,10 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     regions = sorted(chains + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
     eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
-    for region in regions:
-        for n in list(region):
-            n.meta[BARRIER_KEY] = True
-            if packet_name(n) == "silu_backward":
-                region.extend(exact_silu_backward(n))
+    for n in [n for region in regions for n in region]:
+        n.meta[BARRIER_KEY] = True
+        if packet_name(n) == "silu_backward":
+            exact_silu_backward(n)  # its new nodes copy the region tag and the mark
     set_pass_summary(
         gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
