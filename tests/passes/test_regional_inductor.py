@@ -91,6 +91,12 @@ def test_candidates_not_timed_on_cpu_by_default():
     gm = regional_inductor_pass(gm, fakes, timer=timer)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["selections"] == [] and stats["regions"] == 3 and stats["distinct_compiles"] == 3
+    # one record per Inductor compile: its ops, inputs, seconds and cache outcome (never bypassed:
+    # the static trace's fake mode gets a ShapeEnv while the regions compile)
+    compiles = stats["compiles"]
+    assert len(compiles) == 3 and all(c["s"] > 0 and c["cache"] in ("hit", "miss") for c in compiles)
+    assert {o for c in compiles for o in c["ops"]} >= {"_fused_rms_norm", "_fused_rms_norm_backward"}
+    assert all("float32[" in c["inputs"] for c in compiles)
     assert not any(n.target in (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
                    for n in gm.graph.nodes)
     _check_numerics(gm, 2)

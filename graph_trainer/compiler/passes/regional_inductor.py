@@ -19,6 +19,7 @@ import copy
 import logging
 import time
 import timeit
+from collections import Counter
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from graph_trainer.compiler.common import (
     detect_graph_fake_mode,
     is_getitem,
     is_tagged_for_inductor,
+    packet_name,
     set_pass_summary,
     split_acyclic,
 )
@@ -174,6 +176,11 @@ def time_region_ms(fn, inputs) -> float:
     return sorted(timeit.repeat(lambda: fn(*inputs), number=1, repeat=10))[5] * 1e3
 
 
+def _shapes(example_inputs) -> str:
+    return ", ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+                     for v in example_inputs if isinstance(v, torch.Tensor))
+
+
 @contextlib.contextmanager
 def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, timer=None):
     """Patch ``torch._inductor.standalone_compile`` while regions are compiled: memoize by
@@ -182,30 +189,46 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
     :func:`time_region_ms`) and keep the fastest, a candidate only when more than
     :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs).
 
-    Yields stats ``{"compiled", "reused", "selections"}``; each selection is ``{"region",
-    "inputs", "ms": [per variant], "chosen": index (0: inductor_configs), "configs"}``.
+    Yields stats ``{"compiled", "reused", "selections", "compiles"}``; each selection is
+    ``{"region", "inputs", "ms": [per variant], "chosen": index (0: inductor_configs), "configs"}``;
+    each entry of ``compiles`` is one Inductor compile, ``{"region", "inputs", "ops": its
+    call_function nodes, "s": wall seconds, "cache": AOTAutograd's cache (Inductor's FX graph cache
+    behind it) "hit" / "miss" / "bypass", from ``torch._dynamo.utils.counters`` ("" if none counted)}``.
     """
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
 
     orig = inductor.standalone_compile
     timer = timer or time_region_ms
     cache: dict = {}
-    stats: dict = {"compiled": 0, "reused": 0, "selections": []}
+    stats: dict = {"compiled": 0, "reused": 0, "selections": [], "compiles": []}
+
+    def timed(gm, example_inputs, *args, **kwargs):
+        aot = counters["aot_autograd"]
+        before = {k: aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")}
+        t0 = time.perf_counter()
+        out = orig(gm, example_inputs, *args, **kwargs)
+        outcome = [k for k, v in before.items() if aot[f"autograd_cache_{k}"] > v]
+        stats["compiled"] += 1
+        stats["compiles"].append({
+            "region": _annotation(gm).get("inductor_region"), "inputs": _shapes(example_inputs),
+            "ops": sorted({packet_name(n) or str(n.target) for n in gm.graph.nodes
+                           if n.op == "call_function" and not is_getitem(n)}),
+            "s": round(time.perf_counter() - t0, 3), "cache": "/".join(outcome)})
+        return out
 
     def compile_best(gm, example_inputs, *args, **kwargs):
         cwi = _annotation(gm)
         candidates = cwi.get("candidate_inductor_configs") or []
         on_cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in example_inputs)
         if not candidates or not (on_cuda if select_candidates is None else select_candidates):
-            stats["compiled"] += 1
-            return orig(gm, example_inputs, *args, **kwargs)
+            return timed(gm, example_inputs, *args, **kwargs)
         variants = []
         for cand in [{}, *candidates]:
             gm_copy = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
             with inductor_config.patch(cand):
-                variants.append(orig(gm_copy, example_inputs, *args, **kwargs))
-            stats["compiled"] += 1
+                variants.append(timed(gm_copy, example_inputs, *args, **kwargs))
         from torch._dynamo.testing import rand_strided
 
         inputs = [rand_strided(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
@@ -214,8 +237,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
         chosen = min(range(len(ms)), key=lambda i: (ms[i], i))
         if ms[chosen] > ms[0] * (1.0 - MIN_CANDIDATE_GAIN):  # noise never picks a candidate
             chosen = 0
-        shapes = ", ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
-                           for v in example_inputs if isinstance(v, torch.Tensor))
+        shapes = _shapes(example_inputs)
         stats["selections"].append({"region": cwi.get("inductor_region"), "inputs": shapes, "ms": ms, "chosen": chosen,
                                     "configs": [cwi.get("inductor_configs", {})] + [dict(c) for c in candidates]})
         times = ", ".join(f"{'inductor_configs' if i == 0 else f'candidate {i}'} {t:.4f} ms" for i, t in enumerate(ms))
@@ -241,6 +263,24 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
         inductor.standalone_compile = orig
 
 
+@contextlib.contextmanager
+def _static_shape_env(fake_mode):
+    """Give a fake mode without a ``ShapeEnv`` (make_fx's static trace) an empty one while the
+    regions compile: Inductor's FX graph cache and AOTAutograd's cache bypass every graph whose
+    mode has none ("No shape env"), so each run would lower every region again. The shapes stay
+    static (``fake_mode.static_shapes`` is unchanged): no symbol, no guard is created."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if fake_mode.shape_env is not None:
+        yield
+        return
+    fake_mode.shape_env = ShapeEnv()
+    try:
+        yield
+    finally:
+        fake_mode.shape_env = None
+
+
 def regional_inductor_pass(
     gm: torch.fx.GraphModule,
     example_inputs=None,
@@ -253,7 +293,7 @@ def regional_inductor_pass(
     :func:`_dedupe_and_select_region_compiles`.
 
     Stats: ``regions``, ``tagged_nodes``, ``distinct_compiles`` (Inductor compiles run),
-    ``selections``, ``compile_s``."""
+    ``selections``, ``compiles`` (each compile's seconds and cache outcome), ``compile_s``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
 
@@ -266,6 +306,7 @@ def regional_inductor_pass(
     t0 = time.perf_counter()
     with (
         torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
+        _static_shape_env(fake_mode),
         _dedupe_and_select_region_compiles(select_candidates, timer) as stats,
     ):
         gm, n_regions = scoop_regions(gm)
@@ -277,12 +318,17 @@ def regional_inductor_pass(
     sel = stats["selections"]
     picked = sum(1 for x in sel if x["chosen"] != 0)
     sel_text = f"; timed {len(sel)} distinct region(s), {picked} took a candidate config" if sel else ""
+    compiles = stats["compiles"]
+    cache = Counter(c["cache"] or "not counted" for c in compiles)
+    slow = max(compiles, key=lambda c: c["s"], default=None)
+    slow_text = (f"; cache {', '.join(f'{k} {v}' for k, v in sorted(cache.items()))}; slowest {slow['s']:.1f}s: "
+                 f"{'+'.join(slow['ops'])} ({slow['inputs']})") if slow else ""
     set_pass_summary(
         gm,
         f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
-        f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}",
+        f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}{slow_text}",
         regions=n_regions, distinct_compiles=stats["compiled"], selections=sel, tagged_nodes=tagged,
-        compile_s=round(compile_s, 3),
+        compile_s=round(compile_s, 3), compiles=compiles,
     )
     return gm
 
