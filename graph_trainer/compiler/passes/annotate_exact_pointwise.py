@@ -104,15 +104,17 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
 
 
 def is_lone_cast(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an untagged ``_to_copy`` that only widens bf16 / fp16 to fp32 (the
-    autograd's casts also name the strided layout and the same device), with an output of at
-    least :data:`LONE_CAST_BYTES`."""
+    """Whether ``node`` is an untagged ``_to_copy`` that only widens bf16 / fp16 to fp32 on a
+    CUDA device (the autograd's casts also name the strided layout and the same device), with an
+    output of at least :data:`LONE_CAST_BYTES`. CPU casts stay eager: the gain is CUDA's
+    unvectorized kernel, and a CPU region is a C++ compile."""
     if packet_name(node) != "_to_copy" or not set(node.kwargs) <= {"dtype", "layout", "device"} \
             or is_tagged_for_inductor(node):
         return False
     src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
     return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype in _LOW
-            and out.dtype == torch.float32 and out.device == src.device and out.layout == torch.strided
+            and out.dtype == torch.float32 and out.device == src.device and out.device.type == "cuda"
+            and out.layout == torch.strided
             and val_bytes(out) >= LONE_CAST_BYTES)
 
 
