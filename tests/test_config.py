@@ -27,7 +27,7 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
          "[compile.full_inductor] is set, but full_inductor does not run"),
         (["--compile.rmsnorm.no-tune"],
          "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
-        (["--compile.annotate_exact_pointwise.lone_casts", "off", "--compile.inductor_compilation", "full"],
+        (["--compile.annotate_exact_pointwise.no-lone_casts", "--compile.inductor_compilation", "full"],
          "[compile.annotate_exact_pointwise] is set, but annotate_exact_pointwise_for_regional_inductor does not run"),
         (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
          "--compile.full_inductor.configs must be a JSON object"),
@@ -38,7 +38,7 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
         (["--compile.passes", "full_inductor"], "cannot run together"),
         (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
         (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
-        (["--compile.annotate_exact_pointwise.lone_casts", "yes"], "lone_casts must be auto, on or off"),
+        (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
         (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
         (["--compile.sac.save", "some"], "recompute, matmuls, all"),
         (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
@@ -55,8 +55,8 @@ def test_bad_config_is_rejected(flags, needle):
 
 
 def test_options_of_a_pass_on_by_default_on_cuda_pass_the_check_on_any_host():
-    cfg = parse_args(["--job.config_file", DEBUG, "--compile.annotate_exact_pointwise.lone_casts", "on"])
-    assert cfg.compile.annotate_exact_pointwise.lone_casts == "on"
+    cfg = parse_args(["--job.config_file", DEBUG, "--compile.annotate_exact_pointwise.no-lone_casts"])
+    assert cfg.compile.annotate_exact_pointwise.lone_casts is False
 
 
 def test_aliases_and_config_names(monkeypatch):

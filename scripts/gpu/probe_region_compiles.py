@@ -6,7 +6,7 @@ call (one per distinct region) runs under cProfile. A call over ``PROBE_SLOW_S``
 profile's top functions by cumulative time. Usage (from the repository root):
 
     python3 scripts/gpu/probe_region_compiles.py --job.config_file train_configs/llama3_8b.toml \
-        --comm.mode fake_collectives ... --compile.annotate_exact_pointwise.lone_casts on --training.steps 1
+        --comm.mode fake_collectives --parallelism.tensor_parallel_degree 2 ... --training.steps 1
 """
 import cProfile
 import io

@@ -18,3 +18,52 @@ def test_remove_dead_code_keeps_collectives():
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [
         torch.ops._c10d_functional.all_reduce.default, aten.cos.default]
     assert gm.meta["graph_trainer_pass_stats"]["removed"] == 1
+
+
+def _graph(build):
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.output((build(g, x),))
+    return remove_dead_code_pass(torch.fx.GraphModule(torch.nn.Module(), g), None)
+
+
+def _ops(gm):
+    return [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_in_place_op_on_a_dead_temporary_goes_with_its_chain():
+    """DTensor's shadow RMSNorm under TP: ``mean(pow(x)).add_(eps)`` read by nothing."""
+    def build(g, x):
+        mean = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (x, 2)), [1], True))
+        g.call_function(aten.add_.Scalar, (mean, 1e-5))
+        return g.call_function(aten.cos.default, (x,))
+
+    gm = _graph(build)
+    assert _ops(gm) == ["cos"]
+    assert gm.meta["graph_trainer_pass_stats"]["dead_mutations"] == 1
+    x = torch.randn(4, 8)
+    assert torch.equal(gm(x)[0], x.cos())
+
+
+def test_in_place_ops_that_can_be_observed_stay():
+    def on_input(g, x):  # mutates the graph's input
+        g.call_function(aten.add_.Scalar, (x, 1.0))
+        return g.call_function(aten.cos.default, (x,))
+
+    def read_later(g, x):  # the temporary is read by another node too
+        t = g.call_function(aten.sin.default, (x,))
+        g.call_function(aten.add_.Scalar, (t, 1.0))
+        return g.call_function(aten.cos.default, (t,))
+
+    def on_a_view(g, x):  # the temporary is a view of the input
+        g.call_function(aten.add_.Scalar, (g.call_function(aten.view.default, (x, [-1])), 1.0))
+        return g.call_function(aten.cos.default, (x,))
+
+    def random(g, x):  # advances the generator
+        g.call_function(aten.uniform_.default, (g.call_function(aten.sin.default, (x,)),))
+        return g.call_function(aten.cos.default, (x,))
+
+    assert _ops(_graph(on_input)) == ["add_", "cos"]
+    assert _ops(_graph(read_later)) == ["sin", "add_", "cos"]
+    assert _ops(_graph(on_a_view)) == ["view", "add_", "cos"]
+    assert _ops(_graph(random)) == ["sin", "uniform_", "cos"]

@@ -19,10 +19,8 @@ A lone widening cast (bf16 / fp16 to fp32) of at least :data:`LONE_CAST_BYTES` i
 own (``lone_casts``): eager converts with an unvectorized casting kernel, Inductor's runs at
 copy bandwidth on large tensors, and a widening is exact either way. On one GPU these are the
 gradients' casts back to fp32 and RoPE's; under FSDP, also the casts before the reduce-scatter.
-(Eager's fp32 to bf16 kernel is vectorized: no gain there.) ``auto`` takes them only in a graph
-without collectives: on the seed rank (FSDP4 x TP2) their compiles made the first step far
-slower on torch 2.11, even with a warm Inductor cache, for a small gain (``docs/perf.md``,
-"Eager-exact pointwise regions"; cause not traced).
+(Eager's fp32 to bf16 kernel is vectorized: no gain there.) Only CUDA casts: a CPU region is a
+C++ compile (``docs/perf.md``, "Eager-exact pointwise regions").
 
 Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
@@ -50,7 +48,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, is_collective, is_tagged_for_inductor,
+from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, is_tagged_for_inductor,
                                            packet_name, set_pass_summary, tag_regions, val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
@@ -147,10 +145,9 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
-                                  activations: bool = True, lone_casts: str = "auto") -> torch.fx.GraphModule:
+                                  activations: bool = True, lone_casts: bool = True) -> torch.fx.GraphModule:
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
-    and with ``lone_casts`` (``"on"``; ``"auto"``: in a graph without collectives) each
-    :func:`is_lone_cast` outside them, as one eager-numerics region
+    and with ``lone_casts`` each :func:`is_lone_cast` outside them, as one eager-numerics region
     for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
     (compiler/common.py), ``lone_casts`` (regions of one cast), ``eager_bytes`` / ``fused_bytes``
     (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
@@ -159,9 +156,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
-    if lone_casts == "auto":
-        lone_casts = "off" if any(map(is_collective, gm.graph.nodes)) else "on"
-    casts = [[n] for n in gm.graph.nodes if lone_casts == "on" and n not in taken and is_lone_cast(n)]
+    casts = [[n] for n in gm.graph.nodes if lone_casts and n not in taken and is_lone_cast(n)]
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = sorted(chains + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
@@ -188,17 +183,13 @@ class ExactPointwiseOptions:
     """Fewest ops (views not counted) of a chain that becomes a region."""
     activations: bool = True
     """SiLU and its backward join the chains on CUDA (written as eager's kernel computes them)."""
-    lone_casts: str = "auto"
-    """on: a cast from bf16 / fp16 to fp32 of at least 1 MiB outside every chain is a region of its
-    own (Inductor's cast kernel against eager's unvectorized one); off; auto: on in a graph
-    without collectives (one GPU), off under FSDP / TP (their compiles cost the first step)."""
+    lone_casts: bool = True
+    """A cast from bf16 / fp16 to fp32 of at least 1 MiB on a CUDA device, outside every chain, is a
+    region of its own (Inductor's cast kernel against eager's unvectorized one)."""
 
     def check(self) -> None:
         if self.min_ops < 1:
             raise ValueError(f"--compile.annotate_exact_pointwise.min_ops must be >= 1, got {self.min_ops}")
-        if self.lone_casts not in ("auto", "on", "off"):
-            raise ValueError(f"--compile.annotate_exact_pointwise.lone_casts must be auto, on or off, "
-                             f"got {self.lone_casts!r}")
 
 
 PASS = GraphPass(

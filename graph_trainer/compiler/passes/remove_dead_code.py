@@ -1,6 +1,13 @@
 """Dead code elimination for the traced training-step graph: torch.fx's
 ``Graph.eliminate_dead_code``, which keeps impure nodes (``Node.is_impure``: mutating, random,
-effectful ops), with every collective kept too (unused or not) so that ranks stay in lock-step."""
+effectful ops), with every collective kept too (unused or not) so that ranks stay in lock-step.
+
+One exception to "mutating = impure" (:func:`mutates_only_dead_temporaries`): an unused in-place
+op whose every mutated argument is a fresh temporary that nothing else reads (``mean(...).add_(eps)``
+with nothing after it) changes nothing observable, so it goes, and with it the chain that fed
+it. Under TP, DTensor's sharding propagation leaves such chains in the trace: each RMSNorm's
+decomposition run on empty CPU tensors of the global shape, which fx keeps for its ``add_``.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +18,52 @@ from graph_trainer.compiler.common import is_collective, num_nodes, set_pass_sum
 from graph_trainer.compiler.registry import GraphPass
 
 
+def _fresh(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an aten op whose outputs are new storage (no alias of an input)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and all(r.alias_info is None for r in target._schema.returns)
+            and not any(a.alias_info is not None for a in target._schema.arguments))
+
+
+def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an unused, unseeded in-place aten op whose mutated arguments are each a
+    :func:`_fresh` node's output read by ``node`` alone: removing it changes no value the graph
+    returns or mutates. Random in-place ops (``Tag.nondeterministic_seeded``) stay: they advance
+    the generator."""
+    target = node.target
+    if node.users or node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
+            or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    mutated = [a for a, arg in zip(node.args, target._schema.arguments)
+               if arg.alias_info is not None and arg.alias_info.is_write]
+    mutated += [node.kwargs[arg.name] for arg in target._schema.arguments
+                if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write and arg.name in node.kwargs]
+    return bool(mutated) and all(isinstance(m, torch.fx.Node) and _fresh(m) and set(m.users) == {node}
+                                 for m in mutated)
+
+
 def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Remove unused pure nodes from ``gm`` (in place) and recompile. Stats: ``removed``."""
+    """Remove unused pure nodes and unused in-place ops on dead temporaries from ``gm`` (in place)
+    and recompile. Stats: ``removed``, ``dead_mutations`` (in-place ops removed)."""
     before = num_nodes(gm)
-    changed = gm.graph.eliminate_dead_code(is_impure_node=lambda n: is_collective(n) or n.is_impure())
+    dead_mutations = []
+
+    def impure(n: torch.fx.Node) -> bool:
+        if is_collective(n):
+            return True
+        if n.is_impure() and mutates_only_dead_temporaries(n):
+            dead_mutations.append(n)
+            return False
+        return n.is_impure()
+
+    changed = gm.graph.eliminate_dead_code(is_impure_node=impure)
     gm.graph.lint()
     gm.recompile()
     removed = before - num_nodes(gm)
-    set_pass_summary(gm, f"removed {removed} dead node(s)" if changed else "no dead code", removed=removed)
+    extra = f" ({len(dead_mutations)} in-place op(s) on dead temporaries)" if dead_mutations else ""
+    set_pass_summary(gm, f"removed {removed} dead node(s){extra}" if changed else "no dead code", removed=removed,
+                     dead_mutations=len(dead_mutations))
     return gm
 
 
