@@ -101,8 +101,8 @@ PY
     grep -h "Traced the training\|took \|compiled the whole\|compiled [0-9]* region\|annotate_blocks \|step:  [12] \|memory policy:\|cudagraph_pass\|graph cache:" "$OUT/$1.log" \
         | sed 's/^.*INFO - //' | cut -c1-220
     python3 - "/tmp/$1/metrics.jsonl" <<'PY'   # regional_inductor's five slowest compiles
-import json, sys
-for line in open(sys.argv[1]) if __import__("os").path.exists(sys.argv[1]) else []:
+import json, os, sys
+for line in open(sys.argv[1]) if os.path.exists(sys.argv[1]) else []:
     for p in json.loads(line).get("summary", {}).get("passes", []):
         for c in sorted(p.get("stats", {}).get("compiles", []), key=lambda c: -c["s"])[:5]:
             print(f"  compile {c['s']:.2f} s, cache {c['cache'] or '-'}: {'+'.join(c['ops'])[:80]} ({c['inputs'][:90]})")

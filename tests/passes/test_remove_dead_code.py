@@ -32,7 +32,7 @@ def _ops(gm):
 
 
 def test_in_place_op_on_a_dead_temporary_goes_with_its_chain():
-    """DTensor's shadow RMSNorm under TP: ``mean(pow(x)).add_(eps)`` read by nothing."""
+    """As the CPU RMSNorm copy in a TP trace: ``mean(pow(x)).add_(eps)`` read by nothing."""
     def build(g, x):
         mean = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (x, 2)), [1], True))
         g.call_function(aten.add_.Scalar, (mean, 1e-5))

@@ -5,8 +5,9 @@ effectful ops), with every collective kept too (unused or not) so that ranks sta
 One exception to "mutating = impure" (:func:`mutates_only_dead_temporaries`): an unused in-place
 op whose every mutated argument is a fresh temporary that nothing else reads (``mean(...).add_(eps)``
 with nothing after it) changes nothing observable, so it goes, and with it the chain that fed
-it. Under TP, DTensor's sharding propagation leaves such chains in the trace: each RMSNorm's
-decomposition run on empty CPU tensors of the global shape, which fx keeps for its ``add_``.
+it. Under TP the trace holds ops on empty CPU tensors of the global shape beside the real ones
+(most likely DTensor's sharding propagation); an RMSNorm's decomposition among them ends in
+such an ``add_``.
 """
 
 from __future__ import annotations
@@ -47,15 +48,17 @@ def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torc
     """Remove unused pure nodes and unused in-place ops on dead temporaries from ``gm`` (in place)
     and recompile. Stats: ``removed``, ``dead_mutations`` (in-place ops removed)."""
     before = num_nodes(gm)
-    dead_mutations = []
+    dead_mutations: set[torch.fx.Node] = set()
 
     def impure(n: torch.fx.Node) -> bool:
         if is_collective(n):
             return True
-        if n.is_impure() and mutates_only_dead_temporaries(n):
-            dead_mutations.append(n)
+        if not n.is_impure():
             return False
-        return n.is_impure()
+        if mutates_only_dead_temporaries(n):
+            dead_mutations.add(n)
+            return False
+        return True
 
     changed = gm.graph.eliminate_dead_code(is_impure_node=impure)
     gm.graph.lint()
