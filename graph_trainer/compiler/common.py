@@ -104,6 +104,15 @@ def untag_for_inductor(node: torch.fx.Node) -> None:
     node.meta.pop(BARRIER_KEY, None)
 
 
+def mutated_args(node: torch.fx.Node) -> list[Any]:
+    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional
+    or keyword; ``None`` for such an optional argument not given. ``node.target`` must be an
+    ``OpOverload``."""
+    schema = node.target._schema
+    args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
+    return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+
+
 def is_getitem(node: torch.fx.Node) -> bool:
     """Whether ``node`` is ``operator.getitem`` (an element of a tuple-returning node)."""
     return node.op == "call_function" and node.target is operator.getitem

@@ -32,6 +32,7 @@ from graph_trainer.compiler.common import (
     is_getitem,
     is_wait,
     module_fqn_of,
+    mutated_args,
     phase_of,
     set_pass_summary,
     strip_holds,
@@ -59,12 +60,6 @@ def _tensors(val: Any) -> list[torch.Tensor]:
     return [v for v in vals if isinstance(v, torch.Tensor)]
 
 
-def _mutated_args(node: torch.fx.Node) -> list[Any]:
-    schema = node.target._schema
-    args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
-    return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
-
-
 def compilable(node: torch.fx.Node, device: torch.device | None, region: set[torch.fx.Node] = frozenset(),
                collectives: set[torch.fx.Node] = frozenset()) -> bool:
     """Whether ``node`` may join a block region: an aten op producing tensors, not a collective
@@ -76,7 +71,7 @@ def compilable(node: torch.fx.Node, device: torch.device | None, region: set[tor
         return False
     if is_collective(node) and node not in collectives:
         return False
-    if target._schema.is_mutable and not all(a in region for a in _mutated_args(node)):
+    if target._schema.is_mutable and not all(a in region for a in mutated_args(node)):
         return False
     outs = _tensors(node.meta.get("val"))
     if not outs:

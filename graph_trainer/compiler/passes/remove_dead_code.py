@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import is_collective, num_nodes, set_pass_summary
+from graph_trainer.compiler.common import is_collective, mutated_args, num_nodes, set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 
@@ -36,10 +36,7 @@ def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
     if node.users or node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
             or torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    mutated = [a for a, arg in zip(node.args, target._schema.arguments)
-               if arg.alias_info is not None and arg.alias_info.is_write]
-    mutated += [node.kwargs[arg.name] for arg in target._schema.arguments
-                if arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write and arg.name in node.kwargs]
+    mutated = [m for m in mutated_args(node) if m is not None]
     return bool(mutated) and all(isinstance(m, torch.fx.Node) and _fresh(m) and set(m.users) == {node}
                                  for m in mutated)
 
