@@ -75,6 +75,30 @@ def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_
             assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
+def test_pointwise_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
+    """``all_but_pointwise``: SwiGLU's silu and mul (and the views the backward reads them through) are
+    recomputed from the kept matmul outputs; no value
+    the backward did not read before is kept, no matmul is recomputed, the result is bit for bit."""
+    gm, example_inputs, flat = _traced(tiny_llama, tmp_path, "selective")
+    with torch.no_grad():
+        ref = gm(*flat)
+    saved_before = set(saved_for_backward(gm.graph))
+    gm = sac_recompute_pass(gm, example_inputs, pointwise_only=True)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
+    assert stats["recomputed_mm"] == 0 and stats["recomputed"] == len(copies) > 0
+    targets = {c.target for c in copies}
+    assert {torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor} <= targets
+    assert all(torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default
+               or t._schema.returns[0].alias_info is not None for t in targets)  # or a view of one
+    saved_after = set(saved_for_backward(gm.graph))
+    assert saved_after < saved_before  # fewer values kept, none added
+    assert stats["saved_bytes_after"] < stats["saved_bytes_before"]
+    with torch.no_grad():
+        out = gm(*flat)
+    assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
 @pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "2")])
 def test_no_op_without_op_level_sac(tiny_llama, tmp_path, mode, option):
     """Layer-level AC really recomputes under make_fx (no tags); no AC has nothing to do."""

@@ -12,6 +12,12 @@ rewired to a copy placed before the first backward node that needs it; the copy'
 of the same block are copied the same way, its other inputs used as saved. Copies are in the
 ``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
 removed (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
+
+``pointwise_only`` (``--compile.sac.save all_but_pointwise``) recomputes only the tagged pointwise
+ops and casts whose inputs the backward keeps anyway (:func:`free_pointwise`): SwiGLU's ``silu``
+and ``mul`` from the two saved matmul outputs. That frees their outputs and keeps nothing new; where
+the exact pointwise regions compile the backward's pointwise ops, the recomputation joins their kernel
+(it reads what the kernel already reads).
 """
 
 from __future__ import annotations
@@ -50,6 +56,45 @@ def _is_recomputable(node: torch.fx.Node, save_ops=frozenset()) -> bool:
     if not isinstance(target, torch._ops.OpOverload):
         return False
     return not (target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or is_collective(node))
+
+
+def _pointwise_or_cast(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target.overloadpacket is torch.ops.aten._to_copy)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and any(
+        r.alias_info is not None for r in target._schema.returns)
+
+
+def free_pointwise(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The forward values the backward reads that it can recompute without keeping anything new:
+    tagged (:func:`_is_recomputable`) pointwise ops or casts whose every input is a graph input,
+    another such value of the same block, or a forward value whose storage the backward reads
+    anyway; and the views of such values (the backward often reads a value through a view)."""
+    read = set(saved_for_backward(graph))
+    kept: dict[torch.fx.Node, bool] = {}
+
+    def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n or a view of it
+        if n not in kept:
+            kept[n] = n in read or any(_is_view(u) and storage_read(u) for u in n.users)
+        return kept[n]
+
+    chosen: set[torch.fx.Node] = set()
+    for n in graph.nodes:  # topological: a chain's first op is decided before the ops that read it
+        if n.op != "call_function" or not _is_recomputable(n):
+            continue
+        if _is_view(n):
+            if n.all_input_nodes and n.all_input_nodes[0] in chosen:
+                chosen.add(n)
+        elif storage_read(n) and _pointwise_or_cast(n) and all(
+                a.op in ("placeholder", "get_attr") or (a in chosen and _region(a) == _region(n))
+                or (a not in chosen and storage_read(a)) for a in n.all_input_nodes):
+            chosen.add(n)
+    return chosen
 
 
 def _saved_bytes(graph: torch.fx.Graph) -> int:
@@ -97,12 +142,13 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 
 def sac_recompute_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False
+    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False, pointwise_only: bool = False
 ) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
     ``save_ops``: OpOverloads kept even where tagged (``aten.mm.default``: ``--compile.sac.save
     matmuls``). ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
+    ``pointwise_only``: recompute only :func:`free_pointwise`'s values (``all_but_pointwise``).
     Stats: ``recomputed`` (copies), ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` /
     ``_after`` (distinct storages of the forward values the backward reads, graph inputs excluded).
     """
@@ -110,12 +156,17 @@ def sac_recompute_pass(
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    if pointwise_only:
+        recomputable = free_pointwise(graph).__contains__
+    else:
+        def recomputable(n: torch.fx.Node) -> bool:
+            return _is_recomputable(n, save_ops)
 
     def copy_of(node: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
         if node in copies:
             return copies[node]
         for a in node.all_input_nodes:  # tagged inputs of the same block first, so they precede the copy
-            if _is_recomputable(a, save_ops) and _region(a) == _region(node):
+            if recomputable(a) and _region(a) == _region(node):
                 copy_of(a, before)
         with graph.inserting_before(before):
             new = graph.node_copy(node, lambda a: copies.get(a, a))
@@ -127,7 +178,7 @@ def sac_recompute_pass(
         return new
 
     for user in [n for n in graph.nodes if phase_of(n) == "backward" and not save_all]:
-        tagged = [a for a in user.all_input_nodes if _is_recomputable(a, save_ops)]
+        tagged = [a for a in user.all_input_nodes if recomputable(a)]
         if not tagged:
             continue
         for a in tagged:
@@ -158,6 +209,8 @@ def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     save = ctx.levers.save if ctx.levers is not None else "recompute"
     if save == "matmuls":
         return {"save_ops": [torch.ops.aten.mm.default]}
+    if save == "all_but_pointwise":
+        return {"pointwise_only": True}
     return {"save_all": True} if save == "all" else {}
 
 
