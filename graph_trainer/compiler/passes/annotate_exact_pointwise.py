@@ -6,15 +6,13 @@ dtype. Each such op is one correctly rounded IEEE operation, so a fused kernel g
 bits as long as it also rounds after every op and contracts no ``a * b + c`` into an FMA.
 Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion`` off), so
 these regions save the intermediates' trips through memory and keep the numerics: no
-``--compile.numerics_changing_optim``. On CUDA, SiLU and exp join them too (``activations``): Inductor
+``--compile.numerics_changing_optim``. On CUDA, SiLU joins them too (``activations``): Inductor
 lowers it to eager's own formula, ``x / (1 + exp(-x))`` in fp32 with libdevice's ``exp``, and
 ``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's. SiLU's
 backward joins as well: inside a region the pass writes it as eager's kernel computes it (below,
 :func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Checked on
 an H100 for every bf16 input and for random fp32 ones (``docs/perf.md``, "Eager-exact pointwise
-regions"). ``exp`` alone joins too: Inductor's ``libdevice.exp`` is the ``expf`` eager's kernel
-calls (the cross-entropy backward's ``exp`` of the fp32 log-probabilities then stays inside its
-region instead of a vocabulary-sized fp32 buffer). Other transcendental ops, division and
+regions"). Other transcendental ops, division and
 reductions round differently when fused and are left out.
 
 A lone widening cast (bf16 / fp16 to fp32) of at least :data:`LONE_CAST_BYTES` is a region of its
@@ -61,7 +59,7 @@ EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "
                        "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"})
 #: aten op packets that fused Triton code computes with eager CUDA's bits under
 #: :data:`EAGER_NUMERICS` (not eager CPU's: its SiLU's ``exp`` is another approximation).
-EXACT_CUDA_ACTIVATIONS = frozenset({"silu", "silu_backward", "exp"})
+EXACT_CUDA_ACTIVATIONS = frozenset({"silu", "silu_backward"})
 #: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
 #: denormals (eager's CUDA kernels keep them), IEEE division.
 EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True,
@@ -148,7 +146,7 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
                                   activations: bool = True, lone_casts: bool = True) -> torch.fx.GraphModule:
-    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU and exp with ``activations``),
+    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
     and with ``lone_casts`` each :func:`is_lone_cast` outside them, as one eager-numerics region
     for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
     (compiler/common.py), ``lone_casts`` (regions of one cast), ``eager_bytes`` / ``fused_bytes``
@@ -184,7 +182,7 @@ class ExactPointwiseOptions:
     min_ops: int = 2
     """Fewest ops (views not counted) of a chain that becomes a region."""
     activations: bool = True
-    """SiLU, its backward and exp join the chains on CUDA (written as eager's kernels compute them)."""
+    """SiLU and its backward join the chains on CUDA (written as eager's kernel computes them)."""
     lone_casts: bool = True
     """A cast from bf16 / fp16 to fp32 of at least 1 MiB on a CUDA device, outside every chain, is a
     region of its own (Inductor's cast kernel against eager's unvectorized one)."""
