@@ -40,7 +40,7 @@ DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
         (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
         (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
         (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
-        (["--compile.sac.save", "some"], "recompute, matmuls, all_but_pointwise, all"),
+        (["--compile.sac.save", "some"], "recompute, matmuls, all_but_cheap, all"),
         (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
         (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", "{oops"],
          "rmsnorm.inductor_configs must be a JSON object"),

@@ -35,7 +35,7 @@ import torch
 
 GiB = 2**30
 #: ``--compile.sac.save`` values the policy chooses from, leanest first.
-SAVE_LEVELS = ("recompute", "matmuls", "all_but_pointwise", "all")
+SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2
 #: Share of a CUDA device's memory the default budget leaves free (NCCL, CUDA context, workspaces).
@@ -58,11 +58,12 @@ CUDAGRAPH_GIB = 1.0
 class SACOptions:
     """``[compile.sac]``: what op-level selective AC keeps (``sac_recompute``'s lever)."""
 
-    save: Literal["auto", "recompute", "matmuls", "all_but_pointwise", "all"] = "auto"
+    save: Literal["auto", "recompute", "matmuls", "all_but_cheap", "all"] = "auto"
     """What op-level selective AC keeps from the forward for the backward. recompute:
     torchtitan's policy (every other matmul and the cheap ops recomputed); matmuls: every
-    matmul output kept, the cheap ops recomputed; all_but_pointwise: all kept but the pointwise
-    ops and casts computable from kept values (SwiGLU's silu and mul); all: nothing recomputed;
+    matmul output kept, the cheap ops recomputed; all_but_cheap: all kept but the pointwise
+    ops and casts computable from kept values (SwiGLU's silu and mul) and TP's all-gathered
+    activations (gathered again in the backward); all: nothing recomputed;
     auto: the memory policy picks within --compile.memory_budget_gib. Numerics unchanged in every case."""
 
 
@@ -88,9 +89,9 @@ class FSDPOptions:
 #: the values Inductor computes inside its kernels (``estimate_peak_memory(fused=True)``); what
 #: its own buffers and recomputation add grows with the recomputed share.
 CALIBRATION: dict[tuple[str, str], float] = {
-    ("regional", "recompute"): 1.10, ("regional", "matmuls"): 1.10, ("regional", "all_but_pointwise"): 1.13,
+    ("regional", "recompute"): 1.10, ("regional", "matmuls"): 1.10, ("regional", "all_but_cheap"): 1.13,
     ("regional", "all"): 1.10,
-    ("full", "recompute"): 1.46, ("full", "matmuls"): 1.42, ("full", "all_but_pointwise"): 1.15, ("full", "all"): 1.15,
+    ("full", "recompute"): 1.46, ("full", "matmuls"): 1.42, ("full", "all_but_cheap"): 1.15, ("full", "all"): 1.15,
 }
 
 
@@ -207,7 +208,7 @@ def choose_levers(
 
     ladder: list[tuple[str, int]] = []
     for i, s in enumerate(saves):
-        if len(saves) == 1 or s in ("matmuls", "all_but_pointwise"):
+        if len(saves) == 1 or s in ("matmuls", "all_but_cheap"):
             ladder += [(s, k) for k in keeps]
         else:
             ladder.append((s, keeps[0] if i == 0 else keeps[-1]))

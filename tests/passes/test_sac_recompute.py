@@ -75,15 +75,15 @@ def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_
             assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
-def test_pointwise_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
-    """``all_but_pointwise``: SwiGLU's silu and mul (and the views the backward reads them through) are
+def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
+    """``all_but_cheap``: SwiGLU's silu and mul (and the views the backward reads them through) are
     recomputed from the kept matmul outputs; no value
     the backward did not read before is kept, no matmul is recomputed, the result is bit for bit."""
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path, "selective")
     with torch.no_grad():
         ref = gm(*flat)
     saved_before = set(saved_for_backward(gm.graph))
-    gm = sac_recompute_pass(gm, example_inputs, pointwise_only=True)
+    gm = sac_recompute_pass(gm, example_inputs, cheap_only=True)
     stats = gm.meta["graph_trainer_pass_stats"]
     copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
     assert stats["recomputed_mm"] == 0 and stats["recomputed"] == len(copies) > 0
@@ -97,6 +97,44 @@ def test_pointwise_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp
     with torch.no_grad():
         out = gm(*flat)
     assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
+    """``all_but_cheap``: a TP all-gather of an activation (and its wait and views) is issued again in
+    the backward from its input, which the backward keeps instead of the gathered output; an FSDP
+    parameter's all-gather (fed from a placeholder) is ``reshard_after_forward``'s and stays."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+
+    def node(target, args, phase, val, region="layers.0"):
+        n = g.call_function(target, args)
+        n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, val=val,
+                      recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+        return n
+
+    half, full = torch.empty(4, 8), torch.empty(8, 8)
+    act = node(aten.relu.default, (x,), "forward", half)
+    gathered = node(aten.view.default, (node(c10d.wait_tensor.default, (node(
+        c10d.all_gather_into_tensor.default, (act, 2, "0"), "forward", full),), "forward", full), [8, 8]),
+        "forward", full)
+    wcast = node(aten._to_copy.default, (w,), "forward", half)
+    wgathered = node(c10d.wait_tensor.default, (node(c10d.all_gather_into_tensor.default, (wcast, 2, "1"),
+                                                     "forward", full),), "forward", full)
+    out = node(aten.mm.default, (gathered, wgathered), "forward", full)
+    grad = node(aten.mm.default, (gathered, out), "backward", full, region=None)
+    grad_w = node(aten.mm.default, (wgathered, grad), "backward", full, region=None)
+    g.output((out, grad_w))
+    gm = sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g), cheap_only=True)
+    copies = {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
+    assert {n.target for n in copies.values()} == {
+        c10d.all_gather_into_tensor.default, c10d.wait_tensor.default, aten.view.default}
+    ag = next(n for n in copies.values() if n.target is c10d.all_gather_into_tensor.default)
+    assert ag.args[0] is act and phase_of(ag) == "backward"  # gathered again from the kept activation
+    assert grad.args[0] is copies[gathered.name] and grad_w.args[0] is wgathered  # the parameter's stays
+    assert set(saved_for_backward(gm.graph)) == {act, out, wgathered}
 
 
 @pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "2")])

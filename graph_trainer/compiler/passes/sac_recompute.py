@@ -13,11 +13,11 @@ of the same block are copied the same way, its other inputs used as saved. Copie
 ``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
 removed (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
 
-``pointwise_only`` (``--compile.sac.save all_but_pointwise``) recomputes only the tagged pointwise
-ops and casts whose inputs the backward keeps anyway (:func:`free_pointwise`): SwiGLU's ``silu``
-and ``mul`` from the two saved matmul outputs. That frees their outputs and keeps nothing new; where
-the exact pointwise regions compile the backward's pointwise ops, the recomputation joins their kernel
-(it reads what the kernel already reads).
+``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only what is cheap to recompute
+from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops and casts whose inputs
+the backward keeps anyway (SwiGLU's ``silu`` and ``mul`` from the two saved matmul outputs: nothing
+new kept), and TP's all-gathers of activations (gathered again in the backward from their input, as
+eager SAC recomputes them; under real TP one more all-gather per use, placed by ``overlap_collectives``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.common import (
-    custom_meta, is_collective, phase_of, set_pass_summary, storages, strip_recompute_tags,
+    collective_kind, custom_meta, is_collective, is_wait, phase_of, set_pass_summary, shard_chain, storages,
+    strip_recompute_tags,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
@@ -70,11 +71,20 @@ def _is_view(node: torch.fx.Node) -> bool:
         r.alias_info is not None for r in target._schema.returns)
 
 
-def free_pointwise(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The forward values the backward reads that it can recompute without keeping anything new:
+def _gathers_activation(node: torch.fx.Node) -> bool:
+    """A forward all-gather inside a checkpointed block of an activation (TP's sequence-parallel
+    gathers; FSDP's parameter gathers, fed from a placeholder, are ``reshard_after_forward``'s)."""
+    return (collective_kind(node) == "all_gather_into_tensor" and phase_of(node) == "forward"
+            and _region(node) is not None and shard_chain(node) is None)
+
+
+def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The forward values the backward reads that it can recompute from less than they hold:
     tagged (:func:`_is_recomputable`) pointwise ops or casts whose every input is a graph input,
     another such value of the same block, or a forward value whose storage the backward reads
-    anyway; and the views of such values (the backward often reads a value through a view)."""
+    anyway (nothing new kept); an activation's all-gather and its wait (:func:`_gathers_activation`:
+    the backward gathers again from the input, a 1 / group-size share of the output); and the
+    views of such values (the backward often reads a value through a view)."""
     read = set(saved_for_backward(graph))
     kept: dict[torch.fx.Node, bool] = {}
 
@@ -85,6 +95,10 @@ def free_pointwise(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 
     chosen: set[torch.fx.Node] = set()
     for n in graph.nodes:  # topological: a chain's first op is decided before the ops that read it
+        if is_wait(n):
+            if _gathers_activation(n.args[0]) and storage_read(n):
+                chosen.update((n.args[0], n))
+            continue
         if n.op != "call_function" or not _is_recomputable(n):
             continue
         if _is_view(n):
@@ -142,13 +156,13 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 
 def sac_recompute_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False, pointwise_only: bool = False
+    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False, cheap_only: bool = False
 ) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
     ``save_ops``: OpOverloads kept even where tagged (``aten.mm.default``: ``--compile.sac.save
     matmuls``). ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
-    ``pointwise_only``: recompute only :func:`free_pointwise`'s values (``all_but_pointwise``).
+    ``cheap_only``: recompute only :func:`cheap_to_recompute`'s values (``all_but_cheap``).
     Stats: ``recomputed`` (copies), ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` /
     ``_after`` (distinct storages of the forward values the backward reads, graph inputs excluded).
     """
@@ -156,8 +170,8 @@ def sac_recompute_pass(
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    if pointwise_only:
-        recomputable = free_pointwise(graph).__contains__
+    if cheap_only:
+        recomputable = cheap_to_recompute(graph).__contains__
     else:
         def recomputable(n: torch.fx.Node) -> bool:
             return _is_recomputable(n, save_ops)
@@ -209,8 +223,8 @@ def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     save = ctx.levers.save if ctx.levers is not None else "recompute"
     if save == "matmuls":
         return {"save_ops": [torch.ops.aten.mm.default]}
-    if save == "all_but_pointwise":
-        return {"pointwise_only": True}
+    if save == "all_but_cheap":
+        return {"cheap_only": True}
     return {"save_all": True} if save == "all" else {}
 
 
