@@ -10,7 +10,8 @@ it). None changes numerics.
 
 Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block)
 to the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by
-one, then the rest of the activations; every rung with buckets of :data:`BUCKET_BLOCKS`. The
+one; then every activation but those cheap to recompute (``all_but_cheap``), again with kept blocks
+one by one; under full Inductor last the rest (``all``); every rung with buckets of :data:`BUCKET_BLOCKS`. The
 highest rung whose predicted peak fits the budget wins; when even the leanest does not fit, the
 buckets go too and the policy says so. CUDA graphs come before the ladder where they may run
 (``cudagraph=True``: one process on a CUDA device, regional or no Inductor): they remove the host's
@@ -34,7 +35,9 @@ from typing import Literal
 import torch
 
 GiB = 2**30
-#: ``--compile.sac.save`` values the policy chooses from, leanest first.
+#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor:
+#: elsewhere ``all_but_cheap`` recomputes what ``all`` keeps at no measured cost (docs/perf.md,
+#: "The plain command at `jit`'s memory"), so only ``--compile.sac.save all`` spends that memory.
 SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2
@@ -171,8 +174,9 @@ def choose_levers(
     cudagraph: bool = False,
 ) -> MemoryPolicy:
     """Pick the levers (module docstring); a pure function of its arguments. The ladder,
-    leanest first: ``recompute``; ``matmuls`` with 0 .. ``n_blocks`` kept blocks; ``all`` with
-    all kept (levers named in ``fixed_fields`` keep ``fixed``'s value), searched from the top.
+    leanest first: ``recompute``; ``matmuls`` and ``all_but_cheap`` each with 0 .. ``n_blocks`` kept
+    blocks; under full Inductor ``all`` with all kept (levers named in ``fixed_fields`` keep
+    ``fixed``'s value), searched from the top.
 
     ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level
     looked at); a kept block and each block of a bucket add ``block_bytes`` (one block's gathered
@@ -186,7 +190,8 @@ def choose_levers(
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
     bucket = fixed.bucket_blocks if "bucket_blocks" in fixed_fields else (BUCKET_BLOCKS if has_fsdp else 0)
-    saves = [fixed.save] if "save" in fixed_fields else (list(SAVE_LEVELS) if has_sac else ["all"])
+    levels = [s for s in SAVE_LEVELS if s != "all" or inductor == "full"]
+    saves = [fixed.save] if "save" in fixed_fields else (levels if has_sac else ["all"])
     keeps = [fixed.keep_last_blocks] if "keep_last_blocks" in fixed_fields else (
         list(range(n_blocks + 1)) if has_fsdp else [0])
     graphs = [fixed.cudagraph] if "cudagraph" in fixed_fields else ([True, False] if cudagraph else [False])

@@ -15,7 +15,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 #: A hand-built 8B-like graph: estimates per save level with no kept block (GiB), one block's
 #: gathered weights, 32 blocks, fp32 shards + AdamW state.
-EST = {"recompute": 26.6, "matmuls": 36.1, "all": 69.1}
+EST = {"recompute": 26.6, "matmuls": 36.1, "all_but_cheap": 50.0, "all": 69.1}
+ABC = "all_but_cheap"
 BLOCK, N, STATE = 0.41, 32, 44.9
 
 
@@ -36,8 +37,9 @@ def _peak(save, keep, bucket=BUCKET_BLOCKS, inductor="regional"):
 def test_large_and_small_budgets():
     calls = []
     p = _choose(1000, calls=calls)
-    assert p.levers == Levers("all", N, BUCKET_BLOCKS) and p.fits and calls == ["all"]  # from the top: one estimate
-    assert p.predicted_peak_bytes == _peak("all", N) and "everything fits" in p.describe()
+    assert p.levers == Levers(ABC, N, BUCKET_BLOCKS) and p.fits and calls == [ABC]  # from the top: one estimate
+    assert p.predicted_peak_bytes == _peak(ABC, N) and "everything fits" in p.describe()
+    assert _choose(1000, inductor="full").levers == Levers("all", N, BUCKET_BLOCKS)  # "all" only under full
     lean = _peak("recompute", 0)
     p = _choose(lean / GiB + 0.01)
     assert p.levers == Levers("recompute", 0, BUCKET_BLOCKS) and p.fits
@@ -53,7 +55,9 @@ def test_a_middle_budget_keeps_matmuls_then_as_many_blocks_as_fit(keep):
     assert p.levers == Levers("matmuls", keep, BUCKET_BLOCKS)
     assert p.predicted_peak_bytes <= p.budget_bytes < _peak("matmuls", keep + 1)
     assert f"with {keep + 1} kept blocks would not fit" in p.describe()
-    assert _choose(_peak("all", N) / GiB - 0.01).levers == Levers("matmuls", N, BUCKET_BLOCKS)  # short of "all"
+    assert _choose(_peak(ABC, 0) / GiB - 0.01).levers == Levers("matmuls", N, BUCKET_BLOCKS)  # short of ABC
+    p = _choose(_peak(ABC, keep) / GiB + 0.001)  # then all but the cheap values, as many blocks as fit
+    assert p.levers == Levers(ABC, keep, BUCKET_BLOCKS) and p.budget_bytes < _peak(ABC, keep + 1)
 
 
 def test_user_levers_stay_and_the_inductor_mode_counts():
@@ -95,12 +99,12 @@ def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save
 
 def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     p = _choose(1000, cudagraph=True)
-    assert p.levers == Levers("all", N, BUCKET_BLOCKS, True) and "CUDA graphs fit" in p.describe()
-    assert p.predicted_peak_bytes == _peak("all", N) + CUDAGRAPH_GIB * GiB
+    assert p.levers == Levers(ABC, N, BUCKET_BLOCKS, True) and "CUDA graphs fit" in p.describe()
+    assert p.predicted_peak_bytes == _peak(ABC, N) + CUDAGRAPH_GIB * GiB
     assert "--compile.passes cudagraph" in p.levers.flags()
-    # the budget of "all" without the graph: the graph stays, the ladder steps down
-    p = _choose(_peak("all", N) / GiB, cudagraph=True)
-    assert p.levers.cudagraph and p.levers.save == "matmuls" and p.fits
+    # the budget of the top rung without the graph: the graph stays, the ladder steps down
+    p = _choose(_peak(ABC, N) / GiB, cudagraph=True)
+    assert p.levers.cudagraph and p.levers.save == ABC and p.levers.keep_last_blocks < N and p.fits
     # room for the leanest rung but not for the graph on top: the graph goes
     lean = _peak("recompute", 0) / GiB
     p = _choose(lean + CUDAGRAPH_GIB / 2, cudagraph=True)
@@ -110,7 +114,7 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     p = _choose(1000, cudagraph=True, fixed=Levers(cudagraph=False), fixed_fields={"cudagraph"})
     assert not p.levers.cudagraph and "CUDA graph" not in p.describe()
     p = _choose(1000, fixed=Levers(cudagraph=True), fixed_fields={"cudagraph"})
-    assert p.levers.cudagraph and p.predicted_peak_bytes == _peak("all", N) + CUDAGRAPH_GIB * GiB
+    assert p.levers.cudagraph and p.predicted_peak_bytes == _peak(ABC, N) + CUDAGRAPH_GIB * GiB
     assert not _choose(1000).levers.cudagraph  # not allowed (CPU, several processes): never
 
 
@@ -141,7 +145,7 @@ def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
 
 
 def test_dry_run_plans_from_the_traced_graph(monkeypatch):
-    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps everything, a tiny one
+    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps all but the cheap values, a tiny one
     recomputes and reshards, and the pipeline that runs is the chosen one."""
     from graph_trainer.config import parse_args
     from graph_trainer.projection.dry_run import dry_run
@@ -159,7 +163,7 @@ def test_dry_run_plans_from_the_traced_graph(monkeypatch):
                 dist.destroy_process_group()
 
     big, tiny = run("64"), run("0.0001")
-    assert [p["levers"] for p in big["memory_policies"]] == [Levers("all", 6, BUCKET_BLOCKS).flags()]
+    assert [p["levers"] for p in big["memory_policies"]] == [Levers("all_but_cheap", 6, BUCKET_BLOCKS).flags()]
     assert [p["levers"] for p in tiny["memory_policies"]] == [Levers("recompute", 0, 0).flags()]
     assert "bucket_collectives" in big["graph_passes"] and "bucket_collectives" not in tiny["graph_passes"]
     assert tiny["peak_graph_bytes"] < big["peak_graph_bytes"]  # recompute and resharding: less memory
