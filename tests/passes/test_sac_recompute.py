@@ -109,14 +109,14 @@ def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     g = torch.fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
 
-    def node(target, args, phase, val, region="layers.0"):
+    def node(target, args, phase, val, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
         n = g.call_function(target, args)
         n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, val=val,
-                      recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+                      recompute=policy)
         return n
 
     half, full = torch.empty(4, 8), torch.empty(8, 8)
-    act = node(aten.relu.default, (x,), "forward", half)
+    act = node(aten.relu.default, (x,), "forward", half, policy=CheckpointPolicy.MUST_SAVE)
     gathered = node(aten.view.default, (node(c10d.wait_tensor.default, (node(
         c10d.all_gather_into_tensor.default, (act, 2, "0"), "forward", full),), "forward", full), [8, 8]),
         "forward", full)

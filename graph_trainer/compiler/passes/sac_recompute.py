@@ -14,10 +14,11 @@ of the same block are copied the same way, its other inputs used as saved. Copie
 removed (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
 
 ``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only what is cheap to recompute
-from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops and casts whose inputs
-the backward keeps anyway (SwiGLU's ``silu`` and ``mul`` from the two saved matmul outputs: nothing
-new kept), and TP's all-gathers of activations (gathered again in the backward from their input, as
-eager SAC recomputes them; under real TP one more all-gather per use, placed by ``overlap_collectives``).
+from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops, casts and RMSNorm
+forwards whose inputs the backward keeps anyway (SwiGLU's ``silu`` and ``mul`` from the two saved
+matmul outputs, a norm from its input: nothing new kept), and TP's all-gathers of activations (gathered
+again in the backward from their input, itself recomputed where it is such a norm, as eager SAC
+recomputes them; under real TP one more all-gather per use, placed by ``overlap_collectives``).
 """
 
 from __future__ import annotations
@@ -78,37 +79,42 @@ def _gathers_activation(node: torch.fx.Node) -> bool:
             and _region(node) is not None and shard_chain(node) is None)
 
 
+#: Non-pointwise ops as cheap to recompute as a pointwise one: RMSNorm's forward kernel (it reads its
+#: input, which the backward keeps for the norm's backward anyway).
+CHEAP_OPS = frozenset({torch.ops.aten._fused_rms_norm.default})
+
+
 def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The forward values the backward reads that it can recompute from less than they hold:
-    tagged (:func:`_is_recomputable`) pointwise ops or casts whose every input is a graph input,
-    another such value of the same block, or a forward value whose storage the backward reads
-    anyway (nothing new kept); an activation's all-gather and its wait (:func:`_gathers_activation`:
-    the backward gathers again from the input, a 1 / group-size share of the output); and the
-    views of such values (the backward often reads a value through a view)."""
+    """The forward values the backward may recompute from less than they hold (it copies those it
+    reads, with their inputs of this set in the same block): an activation's all-gather and its wait
+    (:func:`_gathers_activation`: gathered again from the input, a 1 / group-size share of the
+    output); tagged (:func:`_is_recomputable`) pointwise ops, casts and :data:`CHEAP_OPS` whose every
+    input is a graph input, such a value of the same block or a value whose storage the backward
+    reads anyway (nothing new kept: RMSNorm's forward from its input, SwiGLU's ``silu`` and ``mul``
+    from the two matmul outputs); and the views and ``getitem`` s of such values."""
     read = set(saved_for_backward(graph))
     kept: dict[torch.fx.Node, bool] = {}
 
     def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n or a view of it
         if n not in kept:
-            kept[n] = n in read or any(_is_view(u) and storage_read(u) for u in n.users)
+            kept[n] = n in read or any((_is_view(u) or u.target is operator.getitem) and storage_read(u)
+                                       for u in n.users)
         return kept[n]
 
-    chosen: set[torch.fx.Node] = set()
-    for n in graph.nodes:  # topological: a chain's first op is decided before the ops that read it
-        if is_wait(n):
-            if _gathers_activation(n.args[0]) and storage_read(n):
-                chosen.update((n.args[0], n))
+    cheap: set[torch.fx.Node] = set()
+    for n in graph.nodes:  # topological: inputs are decided first
+        if is_wait(n) and _gathers_activation(n.args[0]):
+            cheap.update((n.args[0], n))
+        elif n.op != "call_function" or not _is_recomputable(n):
             continue
-        if n.op != "call_function" or not _is_recomputable(n):
-            continue
-        if _is_view(n):
-            if n.all_input_nodes and n.all_input_nodes[0] in chosen:
-                chosen.add(n)
-        elif storage_read(n) and _pointwise_or_cast(n) and all(
-                a.op in ("placeholder", "get_attr") or (a in chosen and _region(a) == _region(n))
-                or (a not in chosen and storage_read(a)) for a in n.all_input_nodes):
-            chosen.add(n)
-    return chosen
+        elif _is_view(n) or n.target is operator.getitem:
+            if n.all_input_nodes and n.all_input_nodes[0] in cheap:
+                cheap.add(n)
+        elif (_pointwise_or_cast(n) or n.target in CHEAP_OPS) and all(
+                a.op in ("placeholder", "get_attr") or (a in cheap and _region(a) == _region(n)) or storage_read(a)
+                for a in n.all_input_nodes):
+            cheap.add(n)
+    return cheap
 
 
 def _saved_bytes(graph: torch.fx.Graph) -> int:
