@@ -90,6 +90,7 @@ def test_user_levers_stay_and_the_inductor_mode_counts():
     # rank 0 of the seed layout (8B FSDP4xTP2, fake_collectives), the policy's plan:
     ("regional", "all", False, 11.22, 35.39, 48.93),
     ("regional", "all", True, 11.22, 35.39, 51.06),
+    ("regional", "all_but_cheap", True, 11.22, 24.39, 40.26),
     ("full", "all", False, 11.22, 29.93, 44.91),
 ])
 def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save, cudagraph, state, est, measured):
