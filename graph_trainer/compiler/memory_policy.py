@@ -66,8 +66,8 @@ class SACOptions:
     """What op-level selective AC keeps from the forward for the backward. recompute:
     torchtitan's policy (every other matmul and the cheap ops recomputed); matmuls: every
     matmul output kept, the cheap ops recomputed; all_but_cheap: all kept but the pointwise
-    ops and casts computable from kept values (SwiGLU's silu and mul) and TP's all-gathered
-    activations (gathered again in the backward); all: nothing recomputed;
+    ops, casts and RMSNorms computable from kept values (SwiGLU's silu and mul) and TP's
+    all-gathered activations (gathered again in the backward); all: nothing recomputed;
     auto: the memory policy picks within --compile.memory_budget_gib. Numerics unchanged in every case."""
 
 

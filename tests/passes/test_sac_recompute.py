@@ -100,9 +100,12 @@ def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_pat
 
 
 def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
-    """``all_but_cheap``: a TP all-gather of an activation (and its wait and views) is issued again in
-    the backward from its input, which the backward keeps instead of the gathered output; an FSDP
-    parameter's all-gather (fed from a placeholder) is ``reshard_after_forward``'s and stays."""
+    """``all_but_cheap``: a TP all-gather of a norm's output (and its wait and view) is issued again in
+    the backward from the norm recomputed from its input, which the backward keeps anyway for the
+    norm's backward; an FSDP parameter's all-gather (fed from a placeholder) is
+    ``reshard_after_forward``'s and stays."""
+    import operator
+
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -115,8 +118,10 @@ def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
                       recompute=policy)
         return n
 
-    half, full = torch.empty(4, 8), torch.empty(8, 8)
-    act = node(aten.relu.default, (x,), "forward", half, policy=CheckpointPolicy.MUST_SAVE)
+    half, full, rows = torch.empty(4, 8), torch.empty(8, 8), torch.empty(4, 1)
+    h = node(aten.relu.default, (x,), "forward", half, policy=CheckpointPolicy.MUST_SAVE)
+    norm = node(aten._fused_rms_norm.default, (h, [8], None, 1e-5), "forward", (half, rows))
+    act, rstd = (node(operator.getitem, (norm, i), "forward", v) for i, v in ((0, half), (1, rows)))
     gathered = node(aten.view.default, (node(c10d.wait_tensor.default, (node(
         c10d.all_gather_into_tensor.default, (act, 2, "0"), "forward", full),), "forward", full), [8, 8]),
         "forward", full)
@@ -126,15 +131,16 @@ def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     out = node(aten.mm.default, (gathered, wgathered), "forward", full)
     grad = node(aten.mm.default, (gathered, out), "backward", full, region=None)
     grad_w = node(aten.mm.default, (wgathered, grad), "backward", full, region=None)
-    g.output((out, grad_w))
+    grad_h = node(aten.mul.Tensor, (h, rstd), "backward", half, region=None)  # the norm's backward reads both
+    g.output((out, grad_w, grad_h))
     gm = sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g), cheap_only=True)
     copies = {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
-    assert {n.target for n in copies.values()} == {
-        c10d.all_gather_into_tensor.default, c10d.wait_tensor.default, aten.view.default}
-    ag = next(n for n in copies.values() if n.target is c10d.all_gather_into_tensor.default)
-    assert ag.args[0] is act and phase_of(ag) == "backward"  # gathered again from the kept activation
+    assert set(copies) == {norm.name, act.name, rstd.name, *(n.name for n in gathered.all_input_nodes),
+                           gathered.all_input_nodes[0].args[0].name, gathered.name}
+    ag = copies[gathered.all_input_nodes[0].args[0].name]
+    assert ag.args[0] is copies[act.name] and copies[norm.name].args[0] is h and phase_of(ag) == "backward"
     assert grad.args[0] is copies[gathered.name] and grad_w.args[0] is wgathered  # the parameter's stays
-    assert set(saved_for_backward(gm.graph)) == {act, out, wgathered}
+    assert set(saved_for_backward(gm.graph)) == {h, out, wgathered}
 
 
 @pytest.mark.parametrize("mode, option", [("none", "op"), ("full", "op"), ("selective", "2")])

@@ -7,7 +7,8 @@ remats tagged graphs inside ``compile_fx`` only, 2.11 not at all: this pass does
 
 Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
 block (``custom["ac_region"]``; SAC's tag left set after the block is ignored) that a backward
-node uses; never ops that mutate an input, random ops or collectives. Each backward use is
+node uses; never ops that mutate an input, random ops or collectives (but ``cheap_only``'s
+activation all-gathers, below). Each backward use is
 rewired to a copy placed before the first backward node that needs it; the copy's tagged inputs
 of the same block are copied the same way, its other inputs used as saved. Copies are in the
 ``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
