@@ -35,8 +35,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.common import (
-    collective_kind, custom_meta, is_collective, is_wait, phase_of, set_pass_summary, shard_chain, storages,
-    strip_recompute_tags,
+    collective_kind, custom_meta, is_collective, is_getitem, is_wait, phase_of, set_pass_summary, shard_chain,
+    storages, strip_recompute_tags,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
@@ -93,14 +93,10 @@ def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     input is a graph input, such a value of the same block or a value whose storage the backward
     reads anyway (nothing new kept: RMSNorm's forward from its input, SwiGLU's ``silu`` and ``mul``
     from the two matmul outputs); and the views and ``getitem`` s of such values."""
-    read = set(saved_for_backward(graph))
-    kept: dict[torch.fx.Node, bool] = {}
+    read = {ref for n in saved_for_backward(graph) for ref, _ in storages(n.meta.get("val"))}
 
-    def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n or a view of it
-        if n not in kept:
-            kept[n] = n in read or any((_is_view(u) or u.target is operator.getitem) and storage_read(u)
-                                       for u in n.users)
-        return kept[n]
+    def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n's storage (n, a view of it, its base)
+        return any(ref in read for ref, _ in storages(n.meta.get("val")))
 
     cheap: set[torch.fx.Node] = set()
     for n in graph.nodes:  # topological: inputs are decided first
@@ -108,7 +104,7 @@ def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             cheap.update((n.args[0], n))
         elif n.op != "call_function" or not _is_recomputable(n):
             continue
-        elif _is_view(n) or n.target is operator.getitem:
+        elif _is_view(n) or is_getitem(n):
             if n.all_input_nodes and n.all_input_nodes[0] in cheap:
                 cheap.add(n)
         elif (_pointwise_or_cast(n) or n.target in CHEAP_OPS) and all(
