@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -171,3 +172,60 @@ def test_default_on_cuda_under_regional_inductor_only():
     off = Compile(disable_passes="exact_pointwise")
     assert name not in resolve(PassContext(off, device_type="cuda"))
     assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))
+
+
+def _bucket_graph(device):
+    """FSDP's bucketed reduce-scatter input: ``cat([g.float().view(4, -1) for g in (a, b)] + [c.view(4, -1)],
+    dim=1)`` of bf16 ``a``, ``b`` (``b``'s cast also read by an ``add``) and fp32 ``c``; and the all-gather
+    input ``cat([a.float().bfloat16(), c.bfloat16()])`` (the narrowing cast of ``c`` on ``device``)."""
+    g = torch.fx.Graph()
+    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
+    op = functools.partial(_op, g)
+    fa, fb = (op(aten._to_copy.default, t, dtype=F32, layout=torch.strided, device=device) for t in (a, b))
+    views = [op(aten.view.default, t, [4, -1]) for t in (fa, fb, c)]
+    bucket = op(aten.cat.default, views, 1)
+    gathered = op(aten.cat.default, [op(aten._to_copy.default, op(aten._to_copy.default, a, dtype=F32),
+                                        dtype=torch.bfloat16), op(aten._to_copy.default, c, dtype=torch.bfloat16)])
+    g.output((bucket, op(aten.add.Tensor, fb, 1.0), gathered))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _bucket_inputs(device, fake=True):
+    make = (lambda: FakeTensorMode()) if fake else (lambda: contextlib.nullcontext())
+    with make():
+        return [torch.randn(n, device=device).to(d) for n, d in ((4096, torch.bfloat16), (512, torch.bfloat16),
+                                                                   (64, F32))]
+
+
+def _bucket_regions(device, **options):
+    gm = _bucket_graph(torch.device(device))
+    FakeTensorProp(gm).propagate(*_bucket_inputs(device))
+    annotate_exact_pointwise_pass(gm, **options)
+    regions = {}
+    for n in tagged_nodes(gm):
+        regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
+    return sorted(regions.values()), gm.meta["graph_trainer_pass_stats"]
+
+
+def test_a_cat_of_casts_on_cuda_is_one_region():
+    """A cast feeding only a cat joins it with its views; ``b``'s cast, also read by the ``add``,
+    stays in its chain with it, as does the chain ``a -> fp32 -> bf16`` (a region of its own)."""
+    regions, stats = _bucket_regions("cuda")
+    chains = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]
+    assert regions == sorted(chains + [["_to_copy", "cat"], ["_to_copy", "view", "cat"]])
+    assert stats["cast_cats"] == 2
+    assert _bucket_regions("cuda", cast_cats=False)[0] == chains
+    assert _bucket_regions("cpu")[0] == chains  # CPU casts and cats stay eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA regions")
+def test_a_cat_of_casts_is_bitwise_eager_on_cuda():
+    torch.manual_seed(0)
+    xs = _bucket_inputs("cuda", fake=False)
+    xs[2] = xs[2] * 1e3  # fp32 values that bf16 must round
+    ref = _bucket_graph(xs[0].device)(*xs)
+    gm = _bucket_graph(xs[0].device)
+    fakes = fake_prop(gm, xs)
+    out = run_pipeline(annotate_exact_pointwise_pass(gm), fakes, ["regional_inductor"])(*xs)
+    assert gm.meta["graph_trainer_pass_stats"]["cast_cats"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))

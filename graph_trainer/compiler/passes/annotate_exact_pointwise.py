@@ -22,6 +22,11 @@ gradients' casts back to fp32 and RoPE's; under FSDP, also the casts before the 
 (Eager's fp32 to bf16 kernel is vectorized: no gain there.) Only CUDA casts: a CPU region is a
 C++ compile (``docs/perf.md``, "Eager-exact pointwise regions").
 
+A ``cat`` of casts (``cast_cats``, :func:`cast_cat_region`): FSDP's buckets concatenate the cast
+parameter shards before their all-gather and the cast gradients before their reduce-scatter.
+Eager writes each cast out, then copies them all into the bucket; in one region Inductor writes
+each cast into its slice of the bucket. A ``cat`` moves values unchanged, so the bits stay.
+
 Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
 :data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them; and the lone casts.
@@ -48,8 +53,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (BARRIER_KEY, find_pointwise_regions, is_tagged_for_inductor,
-                                           packet_name, set_pass_summary, tag_regions, val_bytes)
+from graph_trainer.compiler.common import (BARRIER_KEY, RESHAPE_OPS, find_pointwise_regions,
+                                           is_tagged_for_inductor, packet_name, set_pass_summary, tag_regions,
+                                           val_bytes)
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -101,19 +107,50 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
     return eager, nbytes(inputs) + nbytes(n for n in region if any(u not in members for u in n.users))
 
 
+def _plain_cast(node: torch.fx.Node) -> bool:
+    """An untagged ``_to_copy`` of a CUDA tensor that changes only the dtype (and names the layout / device)."""
+    if packet_name(node) != "_to_copy" or not set(node.kwargs) <= {"dtype", "layout", "device"} \
+            or is_tagged_for_inductor(node):
+        return False
+    src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and out.device == src.device
+            and out.device.type == "cuda" and out.layout == torch.strided)
+
+
 def is_lone_cast(node: torch.fx.Node) -> bool:
     """Whether ``node`` is an untagged ``_to_copy`` that only widens bf16 / fp16 to fp32 on a
     CUDA device (the autograd's casts also name the strided layout and the same device), with an
     output of at least :data:`LONE_CAST_BYTES`. CPU casts stay eager: the gain is CUDA's
     unvectorized kernel, and a CPU region is a C++ compile."""
-    if packet_name(node) != "_to_copy" or not set(node.kwargs) <= {"dtype", "layout", "device"} \
-            or is_tagged_for_inductor(node):
+    if not _plain_cast(node):
         return False
-    src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.dtype in _LOW
-            and out.dtype == torch.float32 and out.device == src.device and out.device.type == "cuda"
-            and out.layout == torch.strided
-            and val_bytes(out) >= LONE_CAST_BYTES)
+    src, out = node.args[0].meta["val"], node.meta["val"]
+    return src.dtype in _LOW and out.dtype == torch.float32 and val_bytes(out) >= LONE_CAST_BYTES
+
+
+def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The nodes of ``cat``'s region, in graph order: ``cat`` (an untagged ``aten.cat`` on a CUDA
+    device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the
+    views (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on that path. None
+    when no input is such a cast. Nothing else reads a member but ``cat``'s users, so the region
+    forms no cycle."""
+    val = cat.meta.get("val")
+    if (cat.op != "call_function" or cat.target is not aten.cat.default or is_tagged_for_inductor(cat)
+            or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
+        return None
+    region = []
+    for piece in dict.fromkeys(cat.args[0]):
+        path, n = [], piece
+        while isinstance(n, torch.fx.Node) and n.target in RESHAPE_OPS and len(n.users) == 1 \
+                and not is_tagged_for_inductor(n):
+            path.append(n)
+            n = n.args[0]
+        if isinstance(n, torch.fx.Node) and len(n.users) == 1 and n not in taken and _plain_cast(n):
+            region += [n, *path]
+    if not region:
+        return None
+    pos = {n: i for i, n in enumerate(cat.graph.nodes)}
+    return sorted(region + [cat], key=pos.__getitem__)
 
 
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -145,20 +182,24 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
-                                  activations: bool = True, lone_casts: bool = True) -> torch.fx.GraphModule:
+                                  activations: bool = True, lone_casts: bool = True,
+                                  cast_cats: bool = True) -> torch.fx.GraphModule:
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
-    and with ``lone_casts`` each :func:`is_lone_cast` outside them, as one eager-numerics region
-    for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``
-    (compiler/common.py), ``lone_casts`` (regions of one cast), ``eager_bytes`` / ``fused_bytes``
+    with ``cast_cats`` each :func:`cast_cat_region` outside them, and with ``lone_casts`` each
+    :func:`is_lone_cast` outside both, as one eager-numerics region for ``regional_inductor``;
+    ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions`` (compiler/common.py),
+    ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` / ``fused_bytes``
     (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
     difference)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
+    cats = [r for n in list(gm.graph.nodes) if cast_cats and (r := cast_cat_region(n, taken))]
+    taken.update(n for region in cats for n in region)
     casts = [[n] for n in gm.graph.nodes if lone_casts and n not in taken and is_lone_cast(n)]
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    regions = sorted(chains + casts, key=lambda r: pos[r[0]])
+    regions = sorted(chains + cats + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
     eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
     for n in [n for region in regions for n in region]:
@@ -168,9 +209,9 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     set_pass_summary(
         gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
-        f"{len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused instead of "
-        f"{eager / 2**30:.2f} GiB one kernel each",
-        **st, lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
+        f"{len(cats)} cats of casts, {len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused "
+        f"instead of {eager / 2**30:.2f} GiB one kernel each",
+        **st, cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
     )
     return gm
 
@@ -186,6 +227,9 @@ class ExactPointwiseOptions:
     lone_casts: bool = True
     """A cast from bf16 / fp16 to fp32 of at least 1 MiB on a CUDA device, outside every chain, is a
     region of its own (Inductor's cast kernel against eager's unvectorized one)."""
+    cast_cats: bool = True
+    """A cat on a CUDA device and the casts it concatenates are one region: each cast writes into
+    its slice (FSDP's buckets before the all-gather and the reduce-scatter), no copy of them all."""
 
     def check(self) -> None:
         if self.min_ops < 1:

@@ -7,6 +7,12 @@ graph runs without autograd) whose users do not mutate it. Never a graph output,
 an alias group that some op mutates (in-place and ``out=`` ops, or ops it cannot analyse;
 collectives alias their inputs). Each match is replaced by its input: same values.
 
+Also a ``cat`` that writes a contiguous tensor's bytes again in their own order: the pieces of
+one ``split`` of ``x``, all of them in order, where the split and the cat dimensions have only
+size-1 dimensions before them (:func:`identity_cat_source`). It becomes ``view(x, shape)``. DTensor
+writes one before every reduce-scatter of a sequence-parallel activation (``Shard(1)``, batch 1:
+``cat(chunk(x, tp, dim=1), dim=0)``, the chunks already in memory order).
+
 Not Inductor's ``post_grad.remove_noop_ops``: it assumes a functional graph (this one keeps its
 in-place ops), so it removes a ``clone`` whose source is later updated in place, and it has no
 rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
@@ -115,8 +121,43 @@ def _non_mutating_user(user: torch.fx.Node, node: torch.fx.Node) -> bool:
                    for a, s in _bound_args(user, user.target._schema))
 
 
+def _leading_ones(val: torch.Tensor, dim: int) -> bool:
+    return all(statically_known_true(size == 1) for size in val.shape[:dim])
+
+
+def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``aten.cat(pieces, dim)`` whose pieces are every output of one
+    ``split`` / ``split_with_sizes`` of a contiguous ``x`` (``getitem`` 0, 1, ... in order), with
+    only size-1 dimensions before the split dimension of ``x`` and before ``dim`` of each piece:
+    then each piece is one run of ``x``'s memory, the runs follow each other, and the cat's
+    contiguous output holds ``x``'s bytes in the same order. Else None."""
+    if node.op != "call_function" or node.target is not aten.cat.default or not node.args:
+        return None
+    pieces, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not pieces or not all(isinstance(p, torch.fx.Node) and p.target is operator.getitem for p in pieces):
+        return None
+    split = pieces[0].args[0]
+    if not (isinstance(split, torch.fx.Node) and split.target in (aten.split.Tensor, aten.split_with_sizes.default)
+            and isinstance(split.meta.get("val"), (list, tuple))):
+        return None
+    if [p.args for p in pieces] != [(split, i) for i in range(len(split.meta["val"]))]:
+        return None
+    x, out = split.args[0], _val(node)
+    x_val, split_dim = _val(x), split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if x_val is None or out is None or x_val.dtype != out.dtype or not x_val.is_contiguous():
+        return None
+    split_dim, dim = split_dim % x_val.dim(), dim % out.dim()
+    if not (_leading_ones(x_val, split_dim) and all(_val(p) is not None and _leading_ones(_val(p), dim) for p in pieces)):
+        return None
+    return x
+
+
 def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch.fx.Node]) -> str | None:
     kind = _KINDS.get(node.target) if node.op == "call_function" and node.args else None
+    if node.target is aten.cat.default:
+        src = identity_cat_source(node)
+        ok = src is not None and node not in outputs and not aliases.is_mutated(node) and not aliases.is_mutated(src)
+        return "cat" if ok else None
     if kind is None or node in outputs or node.kwargs.get("out") is not None:
         return None
     src = node.args[0]
@@ -136,7 +177,7 @@ def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch
 def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
     """Replace no-op views / aliases / clones / detaches by their input (module docstring), in
     place. Stats: ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``,
-    ``alias``, ``clone``, ``detach``)."""
+    ``alias``, ``clone``, ``detach``, ``cat``: replaced by a view)."""
     aliases = _AliasInfo(gm.graph)
     outputs = {a for o in gm.graph.find_nodes(op="output") for a in o.all_input_nodes}
     removed: Counter[str] = Counter()
@@ -144,7 +185,15 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
         kind = _removable_kind(node, aliases, outputs)
         if kind is None:
             continue
-        node.replace_all_uses_with(node.args[0])
+        if kind == "cat":  # x's bytes in the cat's shape
+            src, shape = identity_cat_source(node), list(node.meta["val"].shape)
+            with gm.graph.inserting_before(node):
+                view = gm.graph.call_function(aten.view.default, (src, shape))
+            view.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+            view.meta["val"] = aten.view.default(src.meta["val"], shape)
+            node.replace_all_uses_with(view)
+        else:
+            node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
         removed[kind] += 1
     if removed:
