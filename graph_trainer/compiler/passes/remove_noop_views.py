@@ -20,6 +20,7 @@ rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from graph_trainer.compiler.common import RESHAPE_OPS, DisjointSet, is_collective, set_pass_summary
+from graph_trainer.compiler.common import RESHAPE_OPS, DisjointSet, custom_meta, is_collective, set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -189,8 +190,9 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
             src, shape = identity_cat_source(node), list(node.meta["val"].shape)
             with gm.graph.inserting_before(node):
                 view = gm.graph.call_function(aten.view.default, (src, shape))
-            view.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-            view.meta["val"] = aten.view.default(src.meta["val"], shape)
+            view.meta["custom"] = dict(custom_meta(node))
+            with src.meta["val"].fake_mode if hasattr(src.meta["val"], "fake_mode") else contextlib.nullcontext():
+                view.meta["val"] = aten.view.default(src.meta["val"], shape)
             node.replace_all_uses_with(view)
         else:
             node.replace_all_uses_with(node.args[0])
