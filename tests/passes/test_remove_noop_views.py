@@ -100,3 +100,29 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
     assert (aten.cat.default not in _targets(gm)) == removed
     assert gm.meta["graph_trainer_pass_stats"].get("removed_cat", 0) == removed
     assert torch.equal(gm(x)[0], ref[0])
+
+
+def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, tmp_path):
+    """On a traced step, ``cat(split(x, 4, dim=1), dim=0)`` of the embedding's output ``x`` (batch 1)
+    becomes a view whose metadata pickles (graph_cache.save): a fake view of a traced value would not."""
+    from graph_trainer.compiler import graph_cache
+
+    gm, _, _ = trace_step(tiny_llama(1), batch=1)
+    x = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default)
+    out = gm.graph.output_node()
+    with gm.graph.inserting_before(out), x.meta["val"].fake_mode:
+        split = gm.graph.call_function(aten.split.Tensor, (x, 4, 1))
+        split.meta["val"] = aten.split.Tensor(x.meta["val"], 4, 1)
+        pieces = [gm.graph.call_function(operator.getitem, (split, i)) for i in range(2)]
+        cat = gm.graph.call_function(aten.cat.default, (pieces, 0))
+        cat.meta["val"] = torch.empty(2, 4, x.meta["val"].shape[-1])
+        for i, p in enumerate(pieces):
+            p.meta["val"] = split.meta["val"][i]
+        doubled = gm.graph.call_function(aten.mul.Tensor, (cat, 2.0))
+        doubled.meta["val"] = cat.meta["val"] * 2.0
+    out.args = ((*out.args[0], doubled),)
+    remove_noop_views_pass(gm, None)
+    assert gm.meta["graph_trainer_pass_stats"]["removed_cat"] == 1
+    for n in [*pieces[::-1], split]:  # dead now
+        gm.graph.erase_node(n)
+    assert graph_cache.save(tmp_path / "g.pkl", gm, [], [], [], {})

@@ -20,7 +20,6 @@ rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from collections import Counter
 from typing import Any
@@ -190,9 +189,9 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
             src, shape = identity_cat_source(node), list(node.meta["val"].shape)
             with gm.graph.inserting_before(node):
                 view = gm.graph.call_function(aten.view.default, (src, shape))
-            view.meta["custom"] = dict(custom_meta(node))
-            with src.meta["val"].fake_mode if hasattr(src.meta["val"], "fake_mode") else contextlib.nullcontext():
-                view.meta["val"] = aten.view.default(src.meta["val"], shape)
+            # the cat's own fake value: a fake view of a traced value does not pickle into the graph
+            # cache; the memory estimate counts the view as the buffer of the cat it replaces
+            view.meta.update(custom=dict(custom_meta(node)), val=node.meta["val"])
             node.replace_all_uses_with(view)
         else:
             node.replace_all_uses_with(node.args[0])
