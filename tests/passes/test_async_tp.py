@@ -198,7 +198,7 @@ def _traced_tp(world: int, shard: int, batch: int = 2, *flags, layers: int = L, 
 
 @pytest.mark.parametrize("world, shard, batch, flags, inductor, misread", [
     (2, 1, 2, (), (9, 15, 5), 0),
-    (2, 1, 1, (), (0, 0, 5), 10),
+    (2, 1, 1, (), (0, 0, 0), 10),  # batch 1: Inductor's sees neither funcol's one view nor remove_noop_views' one
     (8, 4, 2, SAC_OP, (5, 5, 5), 4),
 ], ids=["tp2", "tp2_batch1", "fsdp4xtp2_op_sac"])
 def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, misread, fake_group):
@@ -211,7 +211,7 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     theirs = [a for a in find_all_gather_patterns(gm.graph) if a.group_name == tp]
     assert len(theirs) == len(ours) and sum(a.gather_dim != ours[a.ag_node] for a in theirs) == misread
     *counts, fused = _inductor_pass(gm, tp)
-    assert tuple(counts) == inductor and fused and all("val" not in n.meta for n in fused)  # views as reshapes
+    assert tuple(counts) == inductor and (fused or not any(inductor)) and all("val" not in n.meta for n in fused)
     fsdp_before = _kinds(gm, tpar.fsdp_group.group_name) if tpar.fsdp_group is not None else None
     mms_before, before = _kinds(gm)["mm"], _refake(gm)
     gm = async_tp_pass(gm, None)

@@ -7,7 +7,9 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
   ``A``. Every ``aten.mm`` of the same phase reading ``A`` as left operand (directly, or through
   ``view(A, [M, K])`` and back) joins one ``fused_all_gather_matmul``.
 * **matmul -> reduce-scatter**: as Inductor's ``find_reduce_scatter_patterns`` finds them
-  (chunks in rank order), of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads.
+  (chunks in rank order), of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads; also
+  through the ``view`` into ``[g, S / g, ...]`` that ``remove_noop_views`` leaves of DTensor's
+  ``cat(chunk(t, g, dim=d), dim=0)`` when ``t``'s dims before ``d`` are 1 (:func:`_chunks_view`).
 
 Left, with the reason in the summary: last-dim gathers / scatters, reduce-scatters of a sum of
 matmuls, matmuls of another phase (SAC's recomputed projections) or whose right operand depends
@@ -268,6 +270,22 @@ def _chunk_index(part: torch.fx.Node) -> int | None:
     return (_arg(part, 2, "start") or 0) // max(1, _shape(part)[_arg(part, 1, "dim", 0)])
 
 
+def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | None:
+    """The scatter dimension of ``t`` when ``x = view(t, [g, S / g, *rest])`` of ``t``'s shape
+    ``[1, .., 1, S, *rest]``, scattered on dim 0 into ``g = group_size`` chunks: the same chunks as
+    scattering ``t`` on the dimension of ``S`` (``remove_noop_views``' view in place of DTensor's
+    ``cat(chunk(t, g, dim=d), dim=0)``). Else None."""
+    if scatter_dim != 0 or not _is(x, RESHAPE_OPS) or len(x.users) != 1 or len(x.args[0].users) != 1:
+        return None
+    inner, outer = _shape(x.args[0]), _shape(x)
+    if inner is None or outer is None or len(outer) < 2 or outer[0] != group_size:
+        return None
+    d = next((i for i, size in enumerate(inner) if size != 1), None)
+    if d is None or d == len(inner) - 1 or inner[d] != group_size * outer[1] or inner[d + 1:] != outer[2:]:
+        return None
+    return d
+
+
 def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int]) -> ReduceScatterMatch:
     """``rs`` as Inductor's ``find_reduce_scatter_patterns`` matched it (``found``), checked."""
     m = ReduceScatterMatch(rs)
@@ -294,6 +312,9 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
         m.reason = "scatter on the last dimension"
     if m.reason is not None:
         return m
+    if (outer := _chunks_view(x, m.scatter_dim, _arg(rs, 2, "group_size"))) is not None:
+        m.layout, x, m.scatter_dim = [x], x.args[0], outer  # the view remove_noop_views left of DTensor's cat
+        shape = _shape(x)
     if _is(x, _MM):  # the producer: mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
         m.matmul = Matmul(x, x.args[0], x.args[1])
     elif _is(x, RESHAPE_OPS) and _is(x.args[0], _MM) and len(x.args[0].users) == 1:

@@ -174,6 +174,22 @@ def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch
     return kind
 
 
+def _cat_to_view(graph: torch.fx.Graph, cat: torch.fx.Node) -> None:
+    """Replace ``cat`` (:func:`identity_cat_source` holds) by ``view(x, cat's shape)``; its pieces
+    and their ``split`` go too where nothing else reads them. The view keeps the cat's fake value
+    (a fake view of a traced value does not pickle into the graph cache): the memory estimate counts
+    it as the buffer of the cat it replaces."""
+    pieces = list(cat.args[0])
+    with graph.inserting_before(cat):
+        view = graph.call_function(aten.view.default, (identity_cat_source(cat), list(cat.meta["val"].shape)))
+    view.meta.update(custom=dict(custom_meta(cat)), val=cat.meta["val"])
+    cat.replace_all_uses_with(view)
+    graph.erase_node(cat)
+    for dead in [*pieces, pieces[0].args[0]]:
+        if not dead.users:
+            graph.erase_node(dead)
+
+
 def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
     """Replace no-op views / aliases / clones / detaches by their input (module docstring), in
     place. Stats: ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``,
@@ -185,17 +201,11 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
         kind = _removable_kind(node, aliases, outputs)
         if kind is None:
             continue
-        if kind == "cat":  # x's bytes in the cat's shape
-            src, shape = identity_cat_source(node), list(node.meta["val"].shape)
-            with gm.graph.inserting_before(node):
-                view = gm.graph.call_function(aten.view.default, (src, shape))
-            # the cat's own fake value: a fake view of a traced value does not pickle into the graph
-            # cache; the memory estimate counts the view as the buffer of the cat it replaces
-            view.meta.update(custom=dict(custom_meta(node)), val=node.meta["val"])
-            node.replace_all_uses_with(view)
+        if kind == "cat":
+            _cat_to_view(gm.graph, node)
         else:
             node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
+            gm.graph.erase_node(node)
         removed[kind] += 1
     if removed:
         gm.graph.lint()
