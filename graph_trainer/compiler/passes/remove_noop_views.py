@@ -147,9 +147,9 @@ def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
     if x_val is None or out is None or x_val.dtype != out.dtype or not x_val.is_contiguous():
         return None
     split_dim, dim = split_dim % x_val.dim(), dim % out.dim()
-    if not (_leading_ones(x_val, split_dim) and all(_val(p) is not None and _leading_ones(_val(p), dim) for p in pieces)):
+    if not _leading_ones(x_val, split_dim):
         return None
-    return x
+    return x if all(_val(p) is not None and _leading_ones(_val(p), dim) for p in pieces) else None
 
 
 def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch.fx.Node]) -> str | None:
