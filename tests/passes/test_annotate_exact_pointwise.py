@@ -87,18 +87,22 @@ def _silu_graph(x_device):
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
-def _regions(device, **options):
-    """The op names of each region of ``_silu_graph`` on ``device`` (fake tensors: no GPU needed)."""
-    gm = _silu_graph(torch.device(device))
-    with FakeTensorMode() as mode:
-        fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
-    FakeTensorProp(gm, mode).propagate(*fakes)
+def _tagged_regions(gm, fakes, **options):
+    """The op names of each region the pass tags in ``gm`` on ``fakes`` (the rewritten graph runs too)."""
+    FakeTensorProp(gm).propagate(*fakes)
     annotate_exact_pointwise_pass(gm, **options)
-    FakeTensorProp(gm, mode).propagate(*fakes)  # the rewritten graph runs
+    FakeTensorProp(gm).propagate(*fakes)
     regions = {}
     for n in tagged_nodes(gm):
         regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
     return sorted(regions.values())
+
+
+def _regions(device, **options):
+    """The op names of each region of ``_silu_graph`` on ``device`` (fake tensors: no GPU needed)."""
+    with FakeTensorMode():
+        fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
+    return _tagged_regions(_silu_graph(torch.device(device)), fakes, **options)
 
 
 def test_silu_joins_on_cuda_only_and_a_large_widening_cuda_cast_is_a_region():
@@ -191,20 +195,14 @@ def _bucket_graph(device):
 
 
 def _bucket_inputs(device, fake=True):
-    make = (lambda: FakeTensorMode()) if fake else (lambda: contextlib.nullcontext())
-    with make():
+    with FakeTensorMode() if fake else contextlib.nullcontext():
         return [torch.randn(n, device=device).to(d) for n, d in ((4096, torch.bfloat16), (512, torch.bfloat16),
                                                                    (64, F32))]
 
 
 def _bucket_regions(device, **options):
     gm = _bucket_graph(torch.device(device))
-    FakeTensorProp(gm).propagate(*_bucket_inputs(device))
-    annotate_exact_pointwise_pass(gm, **options)
-    regions = {}
-    for n in tagged_nodes(gm):
-        regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
-    return sorted(regions.values()), gm.meta["graph_trainer_pass_stats"]
+    return _tagged_regions(gm, _bucket_inputs(device), **options), gm.meta["graph_trainer_pass_stats"]
 
 
 def test_a_cat_of_casts_on_cuda_is_one_region():

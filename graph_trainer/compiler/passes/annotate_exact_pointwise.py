@@ -129,11 +129,11 @@ def is_lone_cast(node: torch.fx.Node) -> bool:
 
 
 def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
-    """The nodes of ``cat``'s region, in graph order: ``cat`` (an untagged ``aten.cat`` on a CUDA
-    device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the
-    views (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on that path. None
-    when no input is such a cast. Nothing else reads a member but ``cat``'s users, so the region
-    forms no cycle."""
+    """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged
+    ``aten.cat`` on a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in
+    ``taken``) with the views (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on
+    that path. None when no input is such a cast. Nothing else reads a member but ``cat``'s users,
+    so the region forms no cycle."""
     val = cat.meta.get("val")
     if (cat.op != "call_function" or cat.target is not aten.cat.default or is_tagged_for_inductor(cat)
             or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
@@ -146,11 +146,8 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
             path.append(n)
             n = n.args[0]
         if isinstance(n, torch.fx.Node) and len(n.users) == 1 and n not in taken and _plain_cast(n):
-            region += [n, *path]
-    if not region:
-        return None
-    pos = {n: i for i, n in enumerate(cat.graph.nodes)}
-    return sorted(region + [cat], key=pos.__getitem__)
+            region += [n, *reversed(path)]
+    return region + [cat] if region else None
 
 
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -195,10 +192,10 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
-    cats = [r for n in list(gm.graph.nodes) if cast_cats and (r := cast_cat_region(n, taken))]
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cats = [sorted(r, key=pos.__getitem__) for n in gm.graph.nodes if cast_cats and (r := cast_cat_region(n, taken))]
     taken.update(n for region in cats for n in region)
     casts = [[n] for n in gm.graph.nodes if lone_casts and n not in taken and is_lone_cast(n)]
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     regions = sorted(chains + cats + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
     eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
