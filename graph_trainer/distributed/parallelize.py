@@ -124,19 +124,28 @@ def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | No
 
 
 def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
-    """torchtitan's Llama3 parallelization (eager / jit baselines); on one rank with bf16 parameters
-    FSDP2 over a 1-rank mesh, so the baseline trains in bf16 like the traced step. Returns the model."""
+    """torchtitan's Llama3 parallelization (eager / jit baselines). Returns the model.
+
+    With bf16 parameters and no FSDP or DDP in the layout (one rank; TP alone) the baseline
+    trains in bf16 like the traced step: FSDP2 over a 1-rank data-parallel mesh casts the
+    parameters (it gathers nothing on one rank). torchtitan alone would train TP without FSDP in
+    fp32 ("Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"),
+    which the traced step never does."""
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
     if parallel_dims.world_size > 1:
         parallel_dims.build_mesh()
     model = parallelize_llama(model, parallel_dims, cfg)
-    if parallel_dims.world_size == 1 and cfg.training.mixed_precision_param == "bfloat16":
-        from torch.distributed.device_mesh import init_device_mesh
+    if (cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled
+            and not parallel_dims.dp_replicate_enabled):
+        if parallel_dims.world_size == 1:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        if not dist.is_initialized():
-            _init_single_process_group(device)
-        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+            if not dist.is_initialized():
+                _init_single_process_group(device)
+            mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+        else:  # the layout's own size-1 "fsdp" dimension (beside "tp" in one mesh, as FSDP x TP needs)
+            mesh = parallel_dims._meshes["fsdp"]
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
         logger.info("Applied FSDP2 over a 1-rank mesh for bf16 mixed precision")
     # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
