@@ -1,4 +1,4 @@
-"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP and replicate x TP on gloo (CPU), against eager
+"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against eager
 torchtitan of the same layout and against the layouts that see the same batches. (TP's
 collectives in the graph: tests/passes/test_async_tp.py and the 8B dry run in tests/test_fsdp.py.)
 
@@ -6,9 +6,9 @@ Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2
 per layout and mode per module, the ranks forked as torchrun starts them (tests/_launch.py); the
 traced FSDP4 run is the ``fsdp4_run`` fixture (run_train.sh). FSDP4 and HSDP, compared with it, have
 the debug model's 6 blocks, the other layouts 2 (:data:`BLOCKS`). Traced FSDP4 and HSDP are bitwise
-eager torchtitan at every step (loss and grad norm); FSDP2 x TP2, and TP2 with bf16 parameters, have
-bitwise eager's losses and their grad norms up to the order DTensor sums the TP-replicated norm
-weights' squares.
+eager torchtitan at every step (loss and grad norm), and so are replicas alone (DDP's layout) with
+bf16 parameters; FSDP2 x TP2, and TP2 with bf16 parameters, have bitwise eager's losses and their
+grad norms up to the order DTensor sums the TP-replicated norm weights' squares.
 """
 
 import os
@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slow  # every test starts gloo ranks
 STEPS = 2  # as the fsdp4_run fixture
 #: name: (ranks, data_parallel_shard_degree, tensor_parallel_degree, data_parallel_replicate_degree)
 LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fsdp2tp2": (4, 2, 2, 1),
-           "rep2tp2": (4, 1, 2, 2), "fsdp4": (4, 4, 1, 1), "hsdp": (4, 2, 1, 2), "tp2bf16": (2, 1, 2, 1)}
+           "rep2tp2": (4, 1, 2, 2), "fsdp4": (4, 4, 1, 1), "hsdp": (4, 2, 1, 2), "tp2bf16": (2, 1, 2, 1),
+           "rep2bf16": (2, 1, 1, 2)}
 #: Flags of a layout beyond its degrees: bf16 parameters, the GPU configs' setting
-FLAGS = {"tp2bf16": ["--training.mixed_precision_param", "bfloat16"]}
+FLAGS = {k: ["--training.mixed_precision_param", "bfloat16"] for k in ("tp2bf16", "rep2bf16")}
 REPLICAS = "Replicate degree 2: gradients all-reduced over the replicas inside the graph"
 #: Blocks of the debug model per layout: 2, or the flavor's (None) where compared with the fixture.
 BLOCKS = {"fsdp4": None, "hsdp": None}
@@ -63,9 +64,11 @@ def runs(request, tmp_path_factory):
     ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step
     ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""),
     ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 1e-6, ""),
-    # TP alone with bf16 parameters: eager torchtitan would train in fp32 (no FSDP, no autocast);
-    # the baseline's FSDP2 over a 1-rank mesh casts the parameters as the traced step does
+    # TP alone and replicas alone with bf16 parameters: eager torchtitan would train in fp32 (no
+    # FSDP, no autocast); the baseline's FSDP2 over a 1-rank shard dimension (HSDP for the replicas)
+    # casts the parameters as the traced step does
     ("tp2bf16", ("tp2bf16", "eager"), 0.0, 1e-6, ""),
+    ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
     # the same batches: TP2 those of one rank, FSDP2 x TP2 and replicate 2 x TP2 (traced only:
     # torchtitan's eager DDP refuses TP) those of FSDP2, HSDP those of FSDP4; not bitwise
     # (loss-parallel cross-entropy, row-parallel matmuls and the gradients sum in another order)
@@ -73,7 +76,7 @@ def runs(request, tmp_path_factory):
     ("fsdp2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-4, "reduce-scatter(s)/other collectives earlier"),  # overlap pass
     ("rep2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-6, REPLICAS),
     ("hsdp", ("fsdp4", "aot_fx_trace"), 1e-6, 1e-4, REPLICAS),
-], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "tp2_vs_one", "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2",
+], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one", "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2",
         "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
     """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every step."""

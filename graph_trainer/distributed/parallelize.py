@@ -78,7 +78,8 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
 
     Raises:
         UserError: degrees whose product is not the world size, a TP degree that does not divide
-            the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP.
+            the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP; replicas x TP
+            without FSDP for the eager / jit baselines (torchtitan's DDP refuses TP).
     """
     p = cfg.parallelism
     for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
@@ -96,6 +97,9 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
     if tp * rep * shard != world_size:
         raise UserError(f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
                         f"TP {tp}) but {world}. Make the product equal {name} (shard -1 = the rest).")
+    if rep > 1 and tp > 1 and shard == 1 and cfg.compile.mode in ("eager", "jit"):
+        raise UserError(f"--compile.mode {cfg.compile.mode} cannot run replicas x TP without FSDP (torchtitan's DDP "
+                        "refuses TP): use --parallelism.data_parallel_shard_degree > 1 (HSDP x TP) or the traced step.")
     for what, h in (("heads", n_heads), ("KV heads", n_kv_heads or n_heads)):
         if h % tp:
             raise UserError(f"tensor_parallel_degree={tp} does not divide the model's {h} {what}.")
@@ -126,28 +130,38 @@ def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | No
 def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
     """torchtitan's Llama3 parallelization (eager / jit baselines). Returns the model.
 
-    With bf16 parameters and no FSDP or DDP in the layout (one rank; TP alone) the baseline
-    trains in bf16 like the traced step: FSDP2 over a 1-rank data-parallel mesh casts the
-    parameters (it gathers nothing on one rank). torchtitan alone would train TP without FSDP in
-    fp32 ("Mixed precision training with TP or PP is only supported when FSDP/HSDP/CP is enabled"),
-    which the traced step never does."""
+    With bf16 parameters the baseline trains in bf16 like the traced step in every layout.
+    torchtitan casts only through FSDP2 and leaves TP alone and DDP in fp32 ("Mixed precision
+    training with TP or PP is only supported when FSDP/HSDP/CP is enabled"; DDP gets autocast in
+    torchtitan's trainer, not here). So where the layout has no FSDP, FSDP2 over a 1-rank shard
+    dimension casts the parameters and gathers nothing: on one rank and under TP alone plain FSDP,
+    with replicas (DDP's layout) HSDP, whose all-reduce over the replicas replaces DDP's."""
+    from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
     if parallel_dims.world_size > 1:
         parallel_dims.build_mesh()
-    model = parallelize_llama(model, parallel_dims, cfg)
-    if (cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled
-            and not parallel_dims.dp_replicate_enabled):
+    mesh = None
+    if cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled:
         if parallel_dims.world_size == 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             if not dist.is_initialized():
                 _init_single_process_group(device)
             mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
-        else:  # the layout's own size-1 "fsdp" dimension (beside "tp" in one mesh, as FSDP x TP needs)
-            mesh = parallel_dims._meshes["fsdp"]
+        elif not parallel_dims.dp_replicate_enabled:  # TP alone: the layout's own size-1 "fsdp" dimension
+            mesh = parallel_dims._meshes["fsdp"]  # (beside "tp" in one mesh, as FSDP x TP needs)
+        elif not parallel_dims.tp_enabled:  # replicas alone (torchtitan's DDP refuses TP)
+            mesh = parallel_dims._global_meshes["dense"]["dp_replicate", "fsdp"]
+    if mesh is not None and parallel_dims.dp_replicate_enabled:  # torchtitan's steps without its DDP
+        model = parallelize_llama(model, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                                                      world_size=1), cfg)
+    else:
+        model = parallelize_llama(model, parallel_dims, cfg)
+    if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
-        logger.info("Applied FSDP2 over a 1-rank mesh for bf16 mixed precision")
+        logger.info(f"Applied FSDP2 over a 1-rank shard dimension ({'HSDP over the replicas, ' if mesh.ndim > 1 else ''}"
+                    f"mesh {tuple(mesh.shape)}) for bf16 mixed precision")
     # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
     # factor is already 1 (forced to a plain SUM on gloo, which lacks PREMUL_SUM); DDP: a SUM hook
     from torch.distributed.fsdp import FSDPModule
