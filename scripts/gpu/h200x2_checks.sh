@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two device calls on 2x H200 (each <= 10 min), Llama3 8B FSDP2 / TP2 with real NCCL:
+# Device calls on 2x H200 (each <= 10 min), Llama3 8B FSDP2 / TP2 with real NCCL:
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh det")
 #   run(kind="nvidia-h100-x2", needs_h200=true, carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh norms")
 # On 2x H100 (no needs_h200): export CONFIG_FILE=train_configs/llama3_1b.toml first (the 8B needs H200s).
@@ -10,6 +10,9 @@
 # norms: the RMSNorm passes off vs on at FSDP2 and at TP2 (regional Inductor, the plain
 #        command's mode), one run each in the order FSDP2, FSDP2 + passes, TP2, TP2 + passes
 #        (scripts/gpu/h200x2.sh; REPEATS=N for more rounds).
+# tp2:   8B TP2 (FSDP1xTP2): jit vs the plain command, alternating, step 8 profiled (REPEATS, default 3;
+#        the script's deadline ends the last round early):
+#   run(kind="nvidia-h200-x2", needs_h200=true, carry=[".whl"], command="bash scripts/gpu/h200x2_checks.sh tp2")
 set -uo pipefail
 here=$(dirname "$0")
 NORMS="--compile.numerics_changing_optim --compile.passes residual_rmsnorm"
@@ -30,5 +33,8 @@ det)
     ;;
 norms)
     RUNS="fsdp2:130:;fsdp2_norms:130:$NORMS;tp2:130:$TP;tp2_norms:130:$TP $NORMS" bash "$here/h200x2.sh" ;;
-*) echo "usage: $0 det|norms" >&2; exit 2 ;;
+tp2)
+    P="--profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1"
+    REPEATS=${REPEATS:-3} RUNS="jit:150:$TP $P --compile.mode jit;plain:150:$TP $P" bash "$here/h200x2.sh" ;;
+*) echo "usage: $0 det|norms|tp2" >&2; exit 2 ;;
 esac

@@ -33,7 +33,8 @@
 # step 2: launch -> step 2, the passes' times), layouts (one step of the fastest setting and of jit with
 # TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides),
 # blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
-# alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache), launches (the plain command's
+# step 8 launch by launch: its casts by grid, the device's gaps: scripts/gpu/launches.py). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
 # 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
 # its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
 # of samples under the software power cap.
@@ -201,6 +202,11 @@ plain_vs) cmp "${W}_plain_vs" "${VS:?set VS}" "" "plain + $VS" "plain command" "
 first_vs) first_step "${W}_first_vs_$(echo "$VS" | tr -c 'a-z0-9_\n' '_' | cut -c1-60)" "${VS:?set VS}" ;;
 blocks) cmp "${W}_blocks" "$FAST" "$BLOCKS" "fastest" "blocks ($BLOCKS)" "$R" ;;
 blocks_first) first_step "${W}_blocks_cold" "$BLOCKS"; first_step "${W}_blocks_warm" "$BLOCKS" ;;
+launches) timeout "$T" ./run_train.sh $L --training.steps 9 --job.dump_folder "/tmp/${W}_launches" \
+    --profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1 \
+    > "$OUT/${W}_launches.log" 2>&1; echo "${W}_launches rc=$?"
+    python3 "$(dirname "$0")/launches.py" "/tmp/${W}_launches/profile_traces/iteration_8/rank0_trace.json" \
+        triton_poi_fused__to_copy bfloat16_copy_kernel | tee "$OUT/${W}_launches.txt" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
