@@ -161,7 +161,8 @@ def log_lines():
 @pytest.fixture(scope="session")
 def dry_runs_8b():
     """The dry runs of Llama3 8B on 8 fake ranks (``_runs.dry_run_8b_8_ranks``), side by side (each uses
-    one core): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp``, in this process:
+    one core): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp`` and the RMSNorm pass
+    (``--compile.numerics_changing_optim``), in this process:
     ``(summary, graph_trainer's log messages)``; ``"fsdp8"``, op-level SAC recomputing, no block kept,
     one memory budget, forked from tests/_launch.py's server: its summary."""
     from _launch import fork_call
@@ -171,7 +172,8 @@ def dry_runs_8b():
                       "--compile.memory_budget_gib", "71")
     with graph_trainer_logs() as messages:
         summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
-                                     "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp")
+                                     "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp",
+                                     "--compile.numerics_changing_optim")
     return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
 
 

@@ -124,8 +124,10 @@ def test_fake_backend_dry_run_8b_fsdp8(dry_runs_8b):
 
 
 def test_fake_backend_dry_run_8b_fsdp4_tp2(dry_run_8b_fsdp4_tp2):
-    """The seed layout: the session's 8B FSDP4 x TP2 dry run (tests/conftest.py), collectives as traced."""
-    s, _ = dry_run_8b_fsdp4_tp2
+    """The seed layout: the session's 8B FSDP4 x TP2 dry run (tests/conftest.py), collectives as traced,
+    and the seed's RMSNorm pass tagging every norm a GPU trace has (the forward ones traced fused too)."""
+    s, messages = dry_run_8b_fsdp4_tp2
+    assert any("tagged 65 forward + 65 backward RMSNorms + 64 recomputed" in m for m in messages)
     assert s["layout"] == "FSDP4xTP2"
     # the memory policy's plan for an 80 GB and a 141 GB device: the smaller plans no fatter
     small, large = s["memory_policies"]

@@ -14,7 +14,8 @@ from graph_trainer.metrics import peak_bf16_for_name
 from graph_trainer.model import build_model, flavors, loss_fn, model_args
 from graph_trainer.projection import cost_model as P
 from graph_trainer.projection import devices as D
-from graph_trainer.projection.dry_run import dry_run, fused_attention_on_meta, fused_rms_norm_on_meta
+from graph_trainer.projection.dry_run import (dry_run, fused_attention_on_meta, fused_rms_norm_on_meta,
+                                             restore_fused_rms_norm)
 
 from _runs import DEBUG  # tests/ is on sys.path
 from _scripts import load_script
@@ -149,8 +150,11 @@ def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
     with fused_rms_norm_on_meta():
         gm = make_fx(step)(x, w)
     assert F.rms_norm is orig
+    assert restore_fused_rms_norm(gm) == 1
     plain = make_fx(step)(x, w)
-    assert aten._fused_rms_norm_backward.default in {n.target for n in gm.graph.nodes}
+    targets = {n.target for n in gm.graph.nodes}
+    assert {aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default} <= targets  # one node each
+    assert aten.rsqrt.default not in targets  # the forward not decomposed
     assert aten._fused_rms_norm_backward.default not in {n.target for n in plain.graph.nodes}
     assert [n.meta["val"].shape for n in gm.graph.find_nodes(op="output")[0].all_input_nodes] == [x.shape, w.shape]
     assert estimate_peak_memory(gm)[0] < estimate_peak_memory(plain)[0]

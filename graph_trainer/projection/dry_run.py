@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor.experimental
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 logger = logging.getLogger("graph_trainer")
@@ -68,6 +69,43 @@ def fused_attention_on_meta():
             save_list.discard(op)
 
 
+@torch.library.custom_op("graph_trainer::fused_rms_norm", mutates_args=(),
+                         schema="(Tensor x, int[] shape, Tensor? weight, float? eps) -> (Tensor, Tensor)")
+def _fused_rms_norm_node(x, shape, weight, eps):
+    """``aten._fused_rms_norm`` as one traced node: ``make_fx`` decomposes the aten op wherever it
+    has a CompositeImplicitAutograd kernel (meta and CPU tensors on torch 2.13), which a CUDA trace
+    never does. :func:`restore_fused_rms_norm` gives the node the aten op back."""
+    return torch.ops.aten._fused_rms_norm.default(x, shape, weight, eps)
+
+
+@_fused_rms_norm_node.register_fake
+def _(x, shape, weight, eps):
+    rstd_shape = tuple(x.shape[: x.dim() - len(shape)]) + (1,) * len(shape)
+    return torch.empty_like(x), x.new_empty(rstd_shape, dtype=torch.float32)  # rstd: fp32, as CUDA's
+
+
+@torch.distributed.tensor.experimental.register_sharding(torch.ops.graph_trainer.fused_rms_norm.default)
+def _fused_rms_norm_sharding(x, shape, weight, eps):
+    """DTensor placements of :func:`_fused_rms_norm_node` (TP's norms): all replicated, or ``x``
+    (and both outputs) sharded on a dimension the norm does not reduce, the weight replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    w = None if weight is None else Replicate()
+    return [([Replicate(), Replicate()], [Replicate(), None, w, None])] + [
+        ([Shard(d), Shard(d)], [Shard(d), None, w, None]) for d in range(x.ndim - len(shape))]
+
+
+def restore_fused_rms_norm(gm: torch.fx.GraphModule) -> int:
+    """Retarget ``gm``'s :func:`_fused_rms_norm_node` nodes to ``aten._fused_rms_norm`` (the same
+    schema and outputs), as a CUDA trace has them; returns how many."""
+    nodes = gm.graph.find_nodes(op="call_function", target=torch.ops.graph_trainer.fused_rms_norm.default)
+    for node in nodes:
+        node.target = torch.ops.aten._fused_rms_norm.default
+    if nodes:
+        gm.recompile()
+    return len(nodes)
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """RMSNorm as CUDA runs it (``aten._fused_rms_norm`` and its backward kernel), which keeps
     only the input and the fp32 ``rstd`` for the backward. On meta tensors the op decomposes
@@ -75,7 +113,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, shape, weight, eps):
-        y, rstd = torch.ops.aten._fused_rms_norm.default(x, shape, weight, eps)
+        y, rstd = _fused_rms_norm_node(x, shape, weight, eps)
         ctx.save_for_backward(x, rstd, weight)
         ctx.shape = shape
         return y
@@ -90,7 +128,8 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 @contextlib.contextmanager
 def fused_rms_norm_on_meta():
-    """Trace ``F.rms_norm`` on meta tensors as :class:`_FusedRMSNorm` (as a GPU runs it)."""
+    """Trace ``F.rms_norm`` on meta tensors as :class:`_FusedRMSNorm` (as a GPU runs it); after the
+    trace, :func:`restore_fused_rms_norm` names its forward nodes ``aten._fused_rms_norm``."""
     import torch.nn.functional as F
 
     orig = F.rms_norm
@@ -142,6 +181,7 @@ def dry_run(cfg) -> dict:
         tokens = torch.zeros(b, s, dtype=torch.long, device="meta")
         traced = tpar.trace(model, functools.partial(loss_fn, dp_group=tpar.dp_group), tokens, tokens, pdtype)
     gm = traced.gm
+    restore_fused_rms_norm(gm)
     shard_bytes = sum(p.numel() * 4 for p in tpar.params)
     colls = collective_summary(gm)
     peak_before, _ = estimate_peak_memory(gm)
