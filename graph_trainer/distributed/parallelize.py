@@ -160,8 +160,9 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
         model = parallelize_llama(model, parallel_dims, cfg)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
-        logger.info(f"Applied FSDP2 over a 1-rank shard dimension ({'HSDP over the replicas, ' if mesh.ndim > 1 else ''}"
-                    f"mesh {tuple(mesh.shape)}) for bf16 mixed precision")
+        hsdp = "HSDP over the replicas, " if mesh.ndim > 1 else ""
+        logger.info(f"Applied FSDP2 over a 1-rank shard dimension ({hsdp}mesh {tuple(mesh.shape)}) for bf16 "
+                    "mixed precision")
     # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
     # factor is already 1 (forced to a plain SUM on gloo, which lacks PREMUL_SUM); DDP: a SUM hook
     from torch.distributed.fsdp import FSDPModule
