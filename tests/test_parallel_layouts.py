@@ -1,5 +1,5 @@
-"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against eager
-torchtitan of the same layout and against the layouts that see the same batches. (TP's
+"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against
+eager torchtitan of the same layout and against the layouts that see the same batches. (TP's
 collectives in the graph: tests/passes/test_async_tp.py and the 8B dry run in tests/test_fsdp.py.)
 
 Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run
@@ -76,8 +76,8 @@ def runs(request, tmp_path_factory):
     ("fsdp2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-4, "reduce-scatter(s)/other collectives earlier"),  # overlap pass
     ("rep2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-6, REPLICAS),
     ("hsdp", ("fsdp4", "aot_fx_trace"), 1e-6, 1e-4, REPLICAS),
-], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one", "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2",
-        "hsdp_vs_fsdp4"])
+], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one",
+        "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
     """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every step."""
     out, loss, norm = runs(layout, "aot_fx_trace")

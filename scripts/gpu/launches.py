@@ -27,7 +27,8 @@ def main() -> None:
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.trace}: not a profiler trace ({type(e).__name__}: {e})", file=sys.stderr)
         sys.exit(2)
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
     kernels = [e for e in device if e["cat"] == "kernel"]
     for pat in args.patterns:
         groups = collections.defaultdict(list)

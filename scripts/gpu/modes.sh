@@ -33,8 +33,9 @@
 # step 2: launch -> step 2, the passes' times), layouts (one step of the fastest setting and of jit with
 # TORCH_LOGS=output_code: the first forward matmul and attention calls and their buffers' strides),
 # blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
-# alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache), launches (the plain command's
-# step 8 launch by launch: its casts by grid, the device's gaps: scripts/gpu/launches.py). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache),
+# launches (the plain command's step 8 launch by launch: its casts by grid, the device's gaps:
+# scripts/gpu/launches.py). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
 # 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
 # its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
 # of samples under the software power cap.
