@@ -141,7 +141,7 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
 
     if parallel_dims.world_size > 1:
         parallel_dims.build_mesh()
-    mesh = None
+    mesh = None  # torchtitan builds the size-1 dimensions but its get_mesh refuses them: its _meshes
     if cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled:
         if parallel_dims.world_size == 1:
             from torch.distributed.device_mesh import init_device_mesh
