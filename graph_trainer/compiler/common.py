@@ -118,6 +118,13 @@ def is_getitem(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is operator.getitem
 
 
+def returns_view(target: Any) -> bool:
+    """Whether ``target`` is an op whose schema returns an alias of an input that it does not write
+    (``aten.view``, ``t``, ``split``, ``slice``, ...: a view, no kernel); False for non-ops."""
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
 def _op_name(target: Any) -> str | None:
     """``"mm"`` for ``aten.mm.default`` or ``aten.mm``; None for non-ops."""
     if isinstance(target, torch._ops.OpOverload):

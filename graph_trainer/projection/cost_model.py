@@ -191,12 +191,11 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
 def memory_op_bytes(node: torch.fx.Node) -> int:
     """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its
     schema or the passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
-    from graph_trainer.compiler.common import VIEW_OPS, is_collective
+    from graph_trainer.compiler.common import VIEW_OPS, is_collective, returns_view
 
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
-    is_view = node.target in VIEW_OPS or any(r.alias_info is not None and not r.alias_info.is_write
-                                             for r in node.target._schema.returns)
+    is_view = node.target in VIEW_OPS or returns_view(node.target)
     if is_collective(node) or is_view or node_flops(node) is not None or fused_tp_work(node) is not None:
         return 0
     return sum(val_bytes(_meta(a)) for a in node.all_input_nodes) + val_bytes(node.meta.get("val"))

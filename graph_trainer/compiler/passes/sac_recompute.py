@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.common import (
     collective_kind, custom_meta, is_collective, is_getitem, is_wait, phase_of, set_pass_summary, shard_chain,
-    storages, strip_recompute_tags,
+    returns_view, storages, strip_recompute_tags,
 )
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
@@ -65,12 +65,6 @@ def _pointwise_or_cast(node: torch.fx.Node) -> bool:
     target = node.target
     return isinstance(target, torch._ops.OpOverload) and (
         torch.Tag.pointwise in target.tags or target.overloadpacket is torch.ops.aten._to_copy)
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and any(
-        r.alias_info is not None for r in target._schema.returns)
 
 
 def _gathers_activation(node: torch.fx.Node) -> bool:
@@ -104,7 +98,7 @@ def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             cheap.update((n.args[0], n))
         elif n.op != "call_function" or not _is_recomputable(n):
             continue
-        elif _is_view(n) or is_getitem(n):
+        elif returns_view(n.target) or is_getitem(n):
             if n.all_input_nodes and n.all_input_nodes[0] in cheap:
                 cheap.add(n)
         elif (_pointwise_or_cast(n) or n.target in CHEAP_OPS) and all(
