@@ -141,7 +141,8 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
 
     if parallel_dims.world_size > 1:
         parallel_dims.build_mesh()
-    mesh = None  # torchtitan builds the size-1 dimensions but its get_mesh refuses them: its _meshes
+    # torchtitan builds size-1 mesh dimensions too, but its get_mesh refuses them: read its _meshes
+    mesh = None
     if cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled:
         if parallel_dims.world_size == 1:
             from torch.distributed.device_mesh import init_device_mesh
