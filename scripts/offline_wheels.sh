@@ -5,7 +5,7 @@
 #
 #   bash scripts/offline_wheels.sh DIR                 # complete set, 58 wheels, ~132 MiB
 #   MINIMAL=1 bash scripts/offline_wheels.sh DIR       # GPU bundle, 46 wheels, ~54 MiB
-#   MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl   # + liger-kernel, ~55 MiB
+#   MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl   # + liger-kernel and pytest, ~57 MiB
 #
 # On the GPU node (no network):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site DIR/*.whl
@@ -37,7 +37,8 @@
 #                    SummaryWriter, so tensorboard itself stays), and turns on
 #                    SLIM=1 and LZMA=1.
 #   BENCH=1          add liger-kernel (pure Python + Triton, ~0.7 MiB), so
-#                    scripts/bench_rmsnorm.py can time its `liger` variant
+#                    scripts/bench_rmsnorm.py can time its `liger` variant, and
+#                    pytest, to run the GPU-only tests on the node
 #   NO_NUMPY=1       skip numpy (if the node already has numpy>=2.0.2)
 #   SLIM=1           repack pyarrow without Flight, S3, C++ headers, Cython
 #                    sources, bundled tests and duplicate .so aliases, and
@@ -135,8 +136,8 @@ MATPLOTLIB=(
   pyparsing==3.3.2
 )
 
-# Optional benchmark baselines (BENCH=1); needs only torch, triton, packaging.
-BENCH_PKGS=(liger-kernel==0.8.5)
+# Optional benchmark baselines and the test runner (BENCH=1); need only torch, triton, packaging.
+BENCH_PKGS=(liger-kernel==0.8.5 pytest==9.0.3 pluggy==1.6.0 iniconfig==2.3.0 pygments==2.20.0)
 
 PKGS=("${RUNTIME[@]}")
 if [[ $BENCH == 1 ]]; then PKGS+=("${BENCH_PKGS[@]}"); fi

@@ -80,6 +80,42 @@ def test_local_copy_process_group_semantics():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_local_copy_process_group_copies_on_a_side_stream():
+    """CUDA: the copies wait for the work queued before the collective (a fill behind a 50 ms spin),
+    the caller's stream waits for the copies at ``wait_tensor``, they ran on the group's side
+    stream, and the same holds inside a captured and replayed CUDA graph."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from graph_trainer.distributed import fake_pg
+        fake_pg.init(4)
+        f, world = torch.ops._c10d_functional, dist.group.WORLD.group_name
+        x = torch.zeros(1 << 24, device="cuda")
+        torch.cuda._sleep(100_000_000)  # the caller's stream busy before x is written
+        x.fill_(3.0)
+        y = f.wait_tensor(f.all_gather_into_tensor(x, 4, world)) * 2
+        z = f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 4, world)) + 1
+        assert y.shape == (4 << 24,) and y.eq(6.0).all().item() and z.eq(7.0).all().item()
+        assert list(fake_pg.SIDE_STREAMS) == [x.device]
+        static = torch.zeros(1 << 20, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up before the capture, as torch's docs ask
+            f.wait_tensor(f.all_gather_into_tensor(static + 1, 4, world))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = f.wait_tensor(f.all_gather_into_tensor(static + 1, 4, world)) * 2
+        static.fill_(5.0)
+        graph.replay()
+        assert out.shape == (4 << 20,) and out.eq(12.0).all().item()
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+
+
 def test_materialize_meta_shards_norms_ones_others_normal():
     """Meta shards become fp32 tensors on the device: RMSNorm weights ones, the rest finite
     N(0, 0.02); a shard already allocated is kept as it is."""

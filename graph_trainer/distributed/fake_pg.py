@@ -6,17 +6,27 @@ the input into every chunk, reduce-scatter keeps this rank's chunk of the input 
 scatter / gather move this rank's piece, all-to-all copies; all-reduce, broadcast, barrier and
 send / recv change nothing. It measures the rank's compute and host time without communication.
 
+On a GPU the copies run on a side stream, as NCCL's kernels do: the caller's stream waits for
+them only where it waits for the collective (``Work.wait``, ``wait_tensor``), so they overlap the
+compute before that wait and take memory bandwidth, not a place in the compute stream's order.
+On the compute stream (as before) they were strided copies of every all-gather's output
+(docs/perf.md, "The fake collectives' copies").
+
 Own code because torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
 leaves a reduce-scatter's output as allocated: garbage on a GPU, which turned the losses into NaN.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 BACKEND = "fake_collectives"
+
+#: The side stream of each CUDA device that every group's copies run on (created at first use).
+SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _done(result=None):
@@ -26,6 +36,17 @@ def _done(result=None):
     return _create_work_from_future(fut)
 
 
+def _tensors(*trees) -> list[torch.Tensor]:
+    """The tensors in nested lists / tuples of tensors."""
+    out = []
+    for t in trees:
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        elif isinstance(t, (list, tuple)):
+            out.extend(_tensors(*t))
+    return out
+
+
 class LocalCopyProcessGroup(dist.ProcessGroup):
     """``world_size`` ranks of which this process is ``rank``; collectives are local copies
     (module docstring), on tensors of any device."""
@@ -33,6 +54,29 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
         self._rank, self._world = rank, world_size
+
+    def _local(self, outputs, inputs, copy) -> "dist.Work":
+        """Run ``copy()``, the collective's local copies from ``inputs`` into ``outputs``, and return
+        its ``Work``. CUDA tensors: on the device's side stream (``SIDE_STREAMS``), which first waits
+        for the caller's stream; every tensor is recorded on it (the caching allocator reuses none
+        before the copies end) and the returned ``Work`` makes the stream that waits on it wait for
+        the copies (a CUDA-aware ``Future``). Elsewhere: at once, a completed ``Work``."""
+        tensors = _tensors(outputs, inputs)
+        device = tensors[0].device if tensors else None
+        if device is None or device.type != "cuda":
+            copy()
+            return _done(outputs)
+        side = SIDE_STREAMS.get(device)
+        if side is None:
+            side = SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            copy()
+            for t in tensors:
+                t.record_stream(side)
+            fut = Future(devices=[device])
+            fut.set_result(outputs)
+        return _create_work_from_future(fut)
 
     def size(self) -> int:
         return self._world
@@ -60,48 +104,59 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         return _done()
 
     def scatter(self, outputs, inputs, *args, **kwargs):
-        if inputs:
-            outputs[0].copy_(inputs[0][self._rank])
-        return _done(outputs)
+        def copy():
+            if inputs:
+                outputs[0].copy_(inputs[0][self._rank])
+        return self._local(outputs, inputs, copy)
 
     def gather(self, outputs, inputs, *args, **kwargs):
-        for o in outputs[0] if outputs else []:
-            o.copy_(inputs[0])
-        return _done(outputs)
+        def copy():
+            for o in outputs[0] if outputs else []:
+                o.copy_(inputs[0])
+        return self._local(outputs, inputs, copy)
 
     def all_to_all_single(self, output, input, *args, **kwargs):
-        if output.shape == input.shape:
-            output.copy_(input)
-        return _done([output])
+        def copy():
+            if output.shape == input.shape:
+                output.copy_(input)
+        return self._local([output], [input], copy)
 
     def allgather(self, outputs, inputs, *args, **kwargs):
-        for outs, x in zip(outputs, inputs):
-            for o in outs:
-                o.copy_(x)
-        return _done(outputs)
+        def copy():
+            for outs, x in zip(outputs, inputs):
+                for o in outs:
+                    o.copy_(x)
+        return self._local(outputs, inputs, copy)
 
     def all_gather_single(self, output, input, *args, **kwargs):
-        output.view(self._world, *input.shape).copy_(input.unsqueeze(0).expand(self._world, *input.shape))
-        return _done([output])
+        def copy():  # chunk by chunk: contiguous copies (an expanded source is a strided, slower kernel)
+            for chunk in output.view(self._world, *input.shape).unbind(0):
+                chunk.copy_(input)
+        return self._local([output], [input], copy)
 
     def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        for o, x in zip(outputs, inputs):
-            self.all_gather_single(o, x)
-        return _done(outputs)
+        def copy():
+            for o, x in zip(outputs, inputs):
+                for chunk in o.view(self._world, *x.shape).unbind(0):
+                    chunk.copy_(x)
+        return self._local(outputs, inputs, copy)
 
     def reduce_scatter(self, outputs, inputs, *args, **kwargs):
-        for o, xs in zip(outputs, inputs):
-            o.copy_(xs[self._rank])
-        return _done(outputs)
+        def copy():
+            for o, xs in zip(outputs, inputs):
+                o.copy_(xs[self._rank])
+        return self._local(outputs, inputs, copy)
 
     def reduce_scatter_single(self, output, input, *args, **kwargs):
-        output.copy_(input.view(self._world, *output.shape)[self._rank])
-        return _done([output])
+        def copy():
+            output.copy_(input.view(self._world, *output.shape)[self._rank])
+        return self._local([output], [input], copy)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        for o, x in zip(outputs, inputs):
-            self.reduce_scatter_single(o, x)
-        return _done(outputs)
+        def copy():
+            for o, x in zip(outputs, inputs):
+                o.copy_(x.view(self._world, *o.shape)[self._rank])
+        return self._local(outputs, inputs, copy)
 
     # the names torch < 2.13 looks up
     alltoall_base = all_to_all_single
