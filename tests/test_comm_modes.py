@@ -84,7 +84,8 @@ def test_local_copy_process_group_semantics():
 def test_local_copy_process_group_copies_on_a_side_stream():
     """CUDA: the copies wait for the work queued before the collective (a fill behind a 50 ms spin),
     the caller's stream waits for the copies at ``wait_tensor``, they ran on the group's side
-    stream, and the same holds inside a captured and replayed CUDA graph."""
+    stream, and the same holds inside a captured and replayed CUDA graph, whose pool reuses the
+    collectives' freed blocks."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from graph_trainer.distributed import fake_pg
@@ -109,6 +110,15 @@ def test_local_copy_process_group_copies_on_a_side_stream():
         static.fill_(5.0)
         graph.replay()
         assert out.shape == (4 << 20,) and out.eq(12.0).all().item()
+        reserved, mib16 = torch.cuda.memory_reserved(), 4 << 22  # one all-gather's output: 16 MiB
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # 20 all-gathers in a row, each output dropped after its use
+            acc = static.clone()
+            for _ in range(20):
+                acc = acc + f.wait_tensor(f.all_gather_into_tensor(acc, 4, world)).view(4, -1)[3]
+        graph.replay()
+        assert acc.eq(5.0 * 2 ** 20).all().item()
+        assert torch.cuda.memory_reserved() - reserved < 8 * mib16, "the capture kept freed blocks from reuse"
         print("ok")
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,

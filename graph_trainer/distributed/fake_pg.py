@@ -47,6 +47,23 @@ def _tensors(*trees) -> list[torch.Tensor]:
     return out
 
 
+class SideStreamWork(dist.Work):
+    """The ``Work`` of copies queued on a side stream. ``wait()`` makes the caller's current stream
+    wait for them (a CUDA event), then drops the tensors it held since the copies were queued: their
+    blocks are freed in the waiting stream's order, after the copies (NCCL's "stashed" tensors; a
+    ``record_stream`` instead keeps a block from reuse during a CUDA graph capture, which ran the
+    captured step out of memory)."""
+
+    def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._event, self._tensors = event, tensors
+
+    def wait(self, timeout=None) -> bool:
+        self._event.wait()
+        self._tensors = []
+        return True
+
+
 class LocalCopyProcessGroup(dist.ProcessGroup):
     """``world_size`` ranks of which this process is ``rank``; collectives are local copies
     (module docstring), on tensors of any device."""
@@ -55,12 +72,10 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         super().__init__(rank, world_size)
         self._rank, self._world = rank, world_size
 
-    def _local(self, outputs, inputs, copy) -> "dist.Work":
+    def _local(self, outputs, inputs, copy) -> dist.Work:
         """Run ``copy()``, the collective's local copies from ``inputs`` into ``outputs``, and return
         its ``Work``. CUDA tensors: on the device's side stream (``SIDE_STREAMS``), which first waits
-        for the caller's stream; every tensor is recorded on it (the caching allocator reuses none
-        before the copies end) and the returned ``Work`` makes the stream that waits on it wait for
-        the copies (a CUDA-aware ``Future``). Elsewhere: at once, a completed ``Work``."""
+        for the caller's stream; a :class:`SideStreamWork`. Elsewhere: at once, a completed ``Work``."""
         tensors = _tensors(outputs, inputs)
         device = tensors[0].device if tensors else None
         if device is None or device.type != "cuda":
@@ -72,11 +87,9 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             copy()
-            for t in tensors:
-                t.record_stream(side)
-            fut = Future(devices=[device])
-            fut.set_result(outputs)
-        return _create_work_from_future(fut)
+        event = torch.cuda.Event()
+        event.record(side)
+        return SideStreamWork(event, tensors)
 
     def size(self) -> int:
         return self._world
