@@ -35,7 +35,8 @@
 # blocks (the fastest setting vs BLOCKS, default its regions per transformer block: annotate_blocks,
 # alternating, profiled), blocks_first (BLOCKS' first step, cold and with a warm Inductor cache),
 # launches (the plain command's step 8 launch by launch: its casts by grid, the device's gaps:
-# scripts/gpu/launches.py). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
+# scripts/gpu/launches.py), trio (a 2-step run that compiles the fastest setting into the cache, then
+# REPEATS rounds of jit, the plain command and the fastest setting, step 8 profiled: h200x2.sh's table). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every
 # 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
 # its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
 # of samples under the software power cap.
@@ -208,6 +209,11 @@ launches) timeout "$T" ./run_train.sh $L --training.steps 9 --job.dump_folder "/
     > "$OUT/${W}_launches.log" 2>&1; echo "${W}_launches rc=$?"
     python3 "$(dirname "$0")/launches.py" "/tmp/${W}_launches/profile_traces/iteration_8/rank0_trace.json" \
         triton_poi_fused__to_copy bfloat16_copy_kernel | tee "$OUT/${W}_launches.txt" ;;
+trio) timeout "$T" ./run_train.sh $L $FAST --training.steps 2 --job.dump_folder "/tmp/${W}_trio_warm" \
+        > "$OUT/${W}_trio_warm.log" 2>&1; echo "${W}_trio warm-up rc=$?"
+    P="--profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1"
+    RUN_DIR=/tmp/${W}_trio REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) \
+        RUNS="jit:70:--compile.mode jit $L $P;plain:90:$L $P;fastest:60:$L $P $FAST" bash "$(dirname "$0")/h200x2.sh" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
