@@ -145,7 +145,8 @@ class Comm:
     """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the
     NGPU-rank layout on a fake process group and prints the graph summary and projection.
     ``fake_collectives``: one process trains as rank 0 of that layout on one device, every collective a
-    local copy: that rank's compute, host time and memory; losses meaningless, no checkpoints.
+    local copy (on a GPU on a side stream, as NCCL's kernels): that rank's compute, host time and memory;
+    losses meaningless, no checkpoints.
     ``local_tensor``: not supported here."""
 
 
