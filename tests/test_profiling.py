@@ -45,6 +45,8 @@ def _assert_ranges(actual, expected):
     ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("gloo:all_gather", "communication"), ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
     ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_3", "inductor triton"),
+    ("triton_poi_fused_add_reduce_scatter_tensor_view_36", "inductor triton"),
+    ("triton_red_fused__fused_rms_norm_add_all_gather_into_tensor_21", "inductor triton"),
     ("triton_tem_fused_flex_attention_0", "attention"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),

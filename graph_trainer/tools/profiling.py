@@ -21,13 +21,14 @@ from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, dr
 
 logger = logging.getLogger("graph_trainer")
 
-#: (category, regex over the kernel name), first match wins. Order matters: NCCL, Inductor's
-#: generated kernels (but FlexAttention's) and attention kernels are matched before the generic
+#: (category, regex over the kernel name), first match wins. Order matters: Inductor's generated
+#: kernels (but FlexAttention's), NCCL and attention kernels are matched before the generic
 #: GEMM / Triton patterns.
 KERNEL_CATEGORIES: list[tuple[str, re.Pattern]] = [
-    ("communication", re.compile(r"nccl|^gloo:|all_?gather|reduce_?scatter|all_?reduce|c10d", re.I)),
-    # Inductor names a kernel after the ops it fused: the copies around an attention op are Triton work
+    # Inductor names a kernel after the ops it fused: the copies around an attention op, the add and
+    # copy-in that feed a reduce-scatter (``triton_poi_fused_add_reduce_scatter_tensor_…``) are Triton work
     ("inductor triton", re.compile(r"^triton_(?!tem_fused\w*flex_attention)")),
+    ("communication", re.compile(r"nccl|^gloo:|all_?gather|reduce_?scatter|all_?reduce|c10d", re.I)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*(?:tensorop|mma)|aten::(?:mm|addmm|bmm)", re.I)),
     ("inductor triton", re.compile(r"^triton_|triton", re.I)),
