@@ -8,9 +8,8 @@ send / recv change nothing. It measures the rank's compute and host time without
 
 On a GPU the copies run on a side stream, as NCCL's kernels do: the caller's stream waits for
 them only where it waits for the collective (``Work.wait``, ``wait_tensor``), so they overlap the
-compute before that wait and take memory bandwidth, not a place in the compute stream's order.
-On the compute stream (as before) they were strided copies of every all-gather's output
-(docs/perf.md, "The fake collectives' copies").
+compute before that wait and take memory bandwidth, not a place in the compute stream's order
+(docs/perf.md, "The fake collectives' copies", measures them against copies on the caller's stream).
 
 Own code because torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
 leaves a reduce-scatter's output as allocated: garbage on a GPU, which turned the losses into NaN.
@@ -50,9 +49,9 @@ def _tensors(*trees) -> list[torch.Tensor]:
 class SideStreamWork(dist.Work):
     """The ``Work`` of copies queued on a side stream. ``wait()`` makes the caller's current stream
     wait for them (a CUDA event), then drops the tensors it held since the copies were queued: their
-    blocks are freed in the waiting stream's order, after the copies (NCCL's "stashed" tensors; a
-    ``record_stream`` instead keeps a block from reuse during a CUDA graph capture, which ran the
-    captured step out of memory)."""
+    blocks are freed in the waiting stream's order, after the copies (NCCL's "stashed" tensors). Not
+    ``record_stream``: the caching allocator reuses no block used on another stream while a CUDA
+    graph capture is under way, so a captured step's memory would grow with every collective."""
 
     def __init__(self, event: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
         super().__init__()
