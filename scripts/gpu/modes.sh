@@ -37,9 +37,10 @@
 # launches (the plain command's step 8 launch by launch: its casts by grid, the device's gaps:
 # scripts/gpu/launches.py), trio (a 2-step run that compiles the fastest setting into the cache, then
 # REPEATS rounds of jit, the plain command and the fastest setting, step 8 profiled: h200x2.sh's
-# table). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every 0.5 s (SMI=nvml: scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over
-# its steady steps (4..12): the SM clock's median and 10th percentile, the median power, the share
-# of samples under the software power cap.
+# table). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every 0.5 s (SMI=nvml:
+# scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over its steady steps
+# (4..12): the SM clock's median and 10th percentile, the median power, the share of samples under
+# the software power cap.
 set -uo pipefail
 source "$(dirname "$0")/setup.sh"   # wheels, PYTHONPATH, env, $OUT
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
