@@ -180,12 +180,13 @@ def _cat_to_view(graph: torch.fx.Graph, cat: torch.fx.Node) -> None:
     (a fake view of a traced value does not pickle into the graph cache): the memory estimate counts
     it as the buffer of the cat it replaces."""
     pieces = list(cat.args[0])
+    split = pieces[0].args[0]  # split(x): identity_cat_source's x is its input
     with graph.inserting_before(cat):
-        view = graph.call_function(aten.view.default, (identity_cat_source(cat), list(cat.meta["val"].shape)))
+        view = graph.call_function(aten.view.default, (split.args[0], list(cat.meta["val"].shape)))
     view.meta.update(custom=dict(custom_meta(cat)), val=cat.meta["val"])
     cat.replace_all_uses_with(view)
     graph.erase_node(cat)
-    for dead in [*pieces, pieces[0].args[0]]:
+    for dead in [*pieces, split]:
         if not dead.users:
             graph.erase_node(dead)
 
