@@ -90,6 +90,16 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         event.record(side)
         return SideStreamWork(event, tensors)
 
+    def _gather_into(self, output, x) -> None:
+        """Every chunk of ``output`` a contiguous copy of ``x`` (an expanded source would be a
+        strided, slower kernel)."""
+        for chunk in output.view(self._world, *x.shape).unbind(0):
+            chunk.copy_(x)
+
+    def _scatter_from(self, output, x) -> None:
+        """``output`` = this rank's chunk of ``x``."""
+        output.copy_(x.view(self._world, *output.shape)[self._rank])
+
     def size(self) -> int:
         return self._world
 
@@ -141,16 +151,12 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         return self._local(outputs, inputs, copy)
 
     def all_gather_single(self, output, input, *args, **kwargs):
-        def copy():  # chunk by chunk: contiguous copies (an expanded source is a strided, slower kernel)
-            for chunk in output.view(self._world, *input.shape).unbind(0):
-                chunk.copy_(input)
-        return self._local([output], [input], copy)
+        return self._local([output], [input], lambda: self._gather_into(output, input))
 
     def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
         def copy():
             for o, x in zip(outputs, inputs):
-                for chunk in o.view(self._world, *x.shape).unbind(0):
-                    chunk.copy_(x)
+                self._gather_into(o, x)
         return self._local(outputs, inputs, copy)
 
     def reduce_scatter(self, outputs, inputs, *args, **kwargs):
@@ -160,14 +166,12 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         return self._local(outputs, inputs, copy)
 
     def reduce_scatter_single(self, output, input, *args, **kwargs):
-        def copy():
-            output.copy_(input.view(self._world, *output.shape)[self._rank])
-        return self._local([output], [input], copy)
+        return self._local([output], [input], lambda: self._scatter_from(output, input))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
         def copy():
             for o, x in zip(outputs, inputs):
-                o.copy_(x.view(self._world, *o.shape)[self._rank])
+                self._scatter_from(o, x)
         return self._local(outputs, inputs, copy)
 
     # the names torch < 2.13 looks up
