@@ -51,6 +51,8 @@ seed) export NGPU=8 COMM_MODE=fake_collectives CONFIG_FILE=train_configs/llama3_
     L="--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2"; T=300 ;;
 *) echo "usage: $0 1b|seed" >&2; exit 2 ;;
 esac
+# profile one step, step 8 (launches, trio)
+P="--profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1"
 W=$1; R=${REPEATS:-2}; FAST=${FAST:---compile.inductor_compilation full}; NO_EXACT="--compile.disable_passes exact_pointwise"
 BLOCKS=${BLOCKS:---compile.numerics_changing_optim --compile.passes annotate_blocks}
 FASTEST_B=${FASTEST_B:-$FAST --compile.full_inductor.configs '{\"coordinate_descent_tuning\":true}'}
@@ -205,14 +207,12 @@ plain_vs) cmp "${W}_plain_vs" "${VS:?set VS}" "" "plain + $VS" "plain command" "
 first_vs) first_step "${W}_first_vs_$(echo "$VS" | tr -c 'a-z0-9_\n' '_' | cut -c1-60)" "${VS:?set VS}" ;;
 blocks) cmp "${W}_blocks" "$FAST" "$BLOCKS" "fastest" "blocks ($BLOCKS)" "$R" ;;
 blocks_first) first_step "${W}_blocks_cold" "$BLOCKS"; first_step "${W}_blocks_warm" "$BLOCKS" ;;
-launches) timeout "$T" ./run_train.sh $L --training.steps 9 --job.dump_folder "/tmp/${W}_launches" \
-    --profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1 \
+launches) timeout "$T" ./run_train.sh $L $P --training.steps 9 --job.dump_folder "/tmp/${W}_launches" \
     > "$OUT/${W}_launches.log" 2>&1; echo "${W}_launches rc=$?"
     python3 "$(dirname "$0")/launches.py" "/tmp/${W}_launches/profile_traces/iteration_8/rank0_trace.json" \
         triton_poi_fused__to_copy bfloat16_copy_kernel | tee "$OUT/${W}_launches.txt" ;;
 trio) timeout "$T" ./run_train.sh $L $FAST --training.steps 2 --job.dump_folder "/tmp/${W}_trio_warm" \
         > "$OUT/${W}_trio_warm.log" 2>&1; echo "${W}_trio warm-up rc=$?"
-    P="--profiling.enable_profiling --profiling.profile_freq 8 --profiling.profiler_warmup 1 --profiling.profiler_active 1"
     RUN_DIR=/tmp/${W}_trio REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) \
         RUNS="jit:70:--compile.mode jit $L $P;plain:90:$L $P;fastest:60:$L $P $FAST" bash "$(dirname "$0")/h200x2.sh" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
