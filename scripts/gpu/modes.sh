@@ -37,7 +37,9 @@
 # launches (the plain command's step 8 launch by launch: its casts by grid, the device's gaps:
 # scripts/gpu/launches.py), trio (a 2-step run that compiles the fastest setting into the cache, then
 # REPEATS rounds of jit, the plain command and the fastest setting, step 8 profiled: h200x2.sh's
-# table). SMI=1: nvidia-smi samples SM clock, power and throttle reasons every 0.5 s (SMI=nvml:
+# table), norms (REPEATS rounds of the plain command, + the RMSNorm pass, + both norm passes:
+# h200x2.sh's table; FIRST_ROUND continues an earlier call's rounds on the same machine). SMI=1:
+# nvidia-smi samples SM clock, power and throttle reasons every 0.5 s (SMI=nvml:
 # scripts/gpu/nvml_sampler.py, every 10 ms); after each comparison, per run over its steady steps
 # (4..12): the SM clock's median and 10th percentile, the median power, the share of samples under
 # the software power cap.
@@ -215,6 +217,9 @@ trio) timeout "$T" ./run_train.sh $L $FAST --training.steps 2 --job.dump_folder 
         > "$OUT/${W}_trio_warm.log" 2>&1; echo "${W}_trio warm-up rc=$?"
     RUN_DIR=/tmp/${W}_trio REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) \
         RUNS="jit:70:--compile.mode jit $L $P;plain:90:$L $P;fastest:60:$L $P $FAST" bash "$(dirname "$0")/h200x2.sh" ;;
+norms) RUN_DIR=/tmp/${W}_norms REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) RUNS="plain:110:$L;norm:110:$L \
+        --compile.numerics_changing_optim;normres:110:$L --compile.numerics_changing_optim --compile.passes residual_rmsnorm" \
+        bash "$(dirname "$0")/h200x2.sh" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
