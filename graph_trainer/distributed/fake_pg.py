@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
@@ -33,17 +34,6 @@ def _done(result=None):
     fut = Future()
     fut.set_result(result)
     return _create_work_from_future(fut)
-
-
-def _tensors(*trees) -> list[torch.Tensor]:
-    """The tensors in nested lists / tuples of tensors."""
-    out = []
-    for t in trees:
-        if isinstance(t, torch.Tensor):
-            out.append(t)
-        elif isinstance(t, (list, tuple)):
-            out.extend(_tensors(*t))
-    return out
 
 
 class SideStreamWork(dist.Work):
@@ -75,7 +65,7 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         """Run ``copy()``, the collective's local copies from ``inputs`` into ``outputs``, and return
         its ``Work``. CUDA tensors: on the device's side stream (``SIDE_STREAMS``), which first waits
         for the caller's stream; a :class:`SideStreamWork`. Elsewhere: at once, a completed ``Work``."""
-        tensors = _tensors(outputs, inputs)
+        tensors = [t for t in pytree.tree_leaves((outputs, inputs)) if isinstance(t, torch.Tensor)]
         device = tensors[0].device if tensors else None
         if device is None or device.type != "cuda":
             copy()
