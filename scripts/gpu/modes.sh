@@ -140,6 +140,9 @@ cache_bitwise() {  # label, flags, runs (cold, compiled: from the compiled step,
         fi
     done
 }
+rounds() {  # name, RUNS: REPEATS rounds of h200x2.sh's runs (its table), ending before the call's 585 s
+    RUN_DIR=/tmp/${W}_$1 REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) RUNS="$2" bash "$(dirname "$0")/h200x2.sh"
+}
 layouts() {  # name, flags: one step with TORCH_LOGS=output_code; the first forward matmuls and attention
     # calls of the generated code, each with the allocations (shape, strides) of the buffers it names
     timeout "$T" env TORCH_LOGS=output_code ./run_train.sh $L $2 --training.steps 1 --job.dump_folder "/tmp/$1" \
@@ -215,11 +218,9 @@ launches) timeout "$T" ./run_train.sh $L $P --training.steps 9 --job.dump_folder
         triton_poi_fused__to_copy bfloat16_copy_kernel | tee "$OUT/${W}_launches.txt" ;;
 trio) timeout "$T" ./run_train.sh $L $FAST --training.steps 2 --job.dump_folder "/tmp/${W}_trio_warm" \
         > "$OUT/${W}_trio_warm.log" 2>&1; echo "${W}_trio warm-up rc=$?"
-    RUN_DIR=/tmp/${W}_trio REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) \
-        RUNS="jit:70:--compile.mode jit $L $P;plain:90:$L $P;fastest:60:$L $P $FAST" bash "$(dirname "$0")/h200x2.sh" ;;
-norms) RUN_DIR=/tmp/${W}_norms REPEATS=$R DEADLINE_S=$(( 585 - SECONDS )) RUNS="plain:110:$L;norm:110:$L \
-        --compile.numerics_changing_optim;normres:110:$L --compile.numerics_changing_optim --compile.passes residual_rmsnorm" \
-        bash "$(dirname "$0")/h200x2.sh" ;;
+    rounds trio "jit:70:--compile.mode jit $L $P;plain:90:$L $P;fastest:60:$L $P $FAST" ;;
+norms) rounds norms "plain:110:$L;norm:110:$L --compile.numerics_changing_optim;normres:110:$L \
+        --compile.numerics_changing_optim --compile.passes residual_rmsnorm" ;;
 iso) cmp "${W}_iso" "$FAST" "$FAST --compile.numerics_changing_optim --compile.passes isolate_rmsnorm" "fastest" \
     "fastest, RMSNorms isolated" "$R" ;;
 esac
