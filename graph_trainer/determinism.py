@@ -74,14 +74,19 @@ def tensor_sha256(tensors, threads: int = 8) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def state_hashes(params, optimizer_states, group=None) -> dict[str, str]:
+def state_hashes(params, optimizers, view=None, group=None) -> dict[str, str]:
     """``{"weights", "grads", "optimizer"}`` sha256 digests of this run's final state: ``params``
-    (local shards; DTensors through ``to_local()``), their grads, and ``optimizer_states`` in a fixed
-    order. With several ranks: the sha256 of the per-rank digests in rank order (same on every rank)."""
+    (local shards; DTensors through ``to_local()``), their grads, and the ``optimizers``' state of
+    them (:func:`optimizer_tensors`). ``view(i, t)``: a tensor ``t`` shaped like param ``i`` as it
+    is hashed (the traced step's flat FSDP shards in FSDP2's local shape, so that a traced run and
+    the eager baseline hash equal states equally). With several ranks: the sha256 of the per-rank
+    digests in rank order (same on every rank)."""
     import torch.distributed as dist
 
-    local = {"weights": tensor_sha256(params), "grads": tensor_sha256([p.grad for p in params]),
-             "optimizer": tensor_sha256(optimizer_states)}
+    view = view or (lambda i, t: t)
+    local = {"weights": tensor_sha256([view(i, p) for i, p in enumerate(params)]),
+             "grads": tensor_sha256([None if p.grad is None else view(i, p.grad) for i, p in enumerate(params)]),
+             "optimizer": tensor_sha256(optimizer_tensors(optimizers, params, view))}
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return local
     gathered: list = [None] * dist.get_world_size(group)
@@ -89,11 +94,13 @@ def state_hashes(params, optimizer_states, group=None) -> dict[str, str]:
     return {k: hashlib.sha256("".join(g[k] for g in gathered).encode()).hexdigest() for k in local}
 
 
-def optimizer_tensors(optimizers, params) -> list[torch.Tensor]:
-    """The optimizer state tensors of ``params`` in parameter order (sorted keys)."""
+def optimizer_tensors(optimizers, params, view=None) -> list[torch.Tensor]:
+    """The optimizer state tensors of ``params`` in parameter order (sorted keys), each through
+    ``view(i, t)`` (param ``i``) if given."""
     out = []
     for opt in optimizers:
-        for p in params:
+        for i, p in enumerate(params):
             st = opt.state.get(p, {})
-            out.extend(st[k] if isinstance(st[k], torch.Tensor) else torch.tensor(st[k]) for k in sorted(st))
+            ts = (st[k] if isinstance(st[k], torch.Tensor) else torch.tensor(st[k]) for k in sorted(st))
+            out.extend(view(i, t) if view else t for t in ts)
     return out

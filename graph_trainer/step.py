@@ -34,6 +34,7 @@ class _Step:
     dp_group = None
     record_dir: str | None = None
     rank = 0
+    hash_view = None  # (i, t) -> t as hashed (--debug.state_hashes): the param's own layout
 
     def global_loss(self, loss: torch.Tensor) -> float:
         """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
@@ -174,6 +175,10 @@ class TracedTrainStep(_Step):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it."""
         return self.tpar.clip_grad_norm_(max_norm)
+
+    def hash_view(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """``t`` shaped like param ``i`` in the eager baseline's local shape (``--debug.state_hashes``)."""
+        return self.tpar.as_fsdp2_local(i, t)
 
 
 class EagerTrainStep(_Step):

@@ -152,10 +152,10 @@ def train(cfg) -> dict:
     if device.type == "cuda":  # next to the reserved peak of every row: the allocated one
         extra["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if cfg.debug.state_hashes:
-        from graph_trainer.determinism import optimizer_tensors, state_hashes
+        from graph_trainer.determinism import state_hashes
 
         opts = getattr(optimizers, "optimizers", [optimizers])
-        extra["state_hashes"] = hashes = state_hashes(step_fn.params, optimizer_tensors(opts, step_fn.params))
+        extra["state_hashes"] = hashes = state_hashes(step_fn.params, opts, step_fn.hash_view)
         logger.info("final state sha256: %s", hashes)
     steps = cfg.training.steps - start_step
     summary = metrics.summary(exclude_steps=2 if steps >= 5 else 1, extra=extra)

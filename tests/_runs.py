@@ -65,9 +65,10 @@ def fixed_port() -> int:
 
 
 def fsdp4_flags():
-    """The debug model's FSDP4 run: 2 steps, seq 64, batch 2 per rank."""
+    """The debug model's FSDP4 run: 2 steps, seq 64, batch 2 per rank, deterministic (FSDP2's
+    reduce-scatter buckets), the final state's hashes."""
     return ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--parallelism.data_parallel_shard_degree", "4"]
+            "--parallelism.data_parallel_shard_degree", "4", "--debug.deterministic", "--debug.state_hashes"]
 
 
 def dry_run_8b_8_ranks(*flags) -> dict:

@@ -101,7 +101,7 @@ def fsdp_step(fsdp_trace):
 @pytest.fixture(scope="session")
 def fsdp4_run(tmp_path_factory):
     """``NGPU=4 ./run_train.sh`` on the debug model, FSDP4 (``_runs.fsdp4_flags``, CPU only):
-    ``(stdout, losses, grad norms)``."""
+    ``(stdout, losses, grad norms, final state hashes)``."""
     from _runs import fsdp4_flags, launch_env
     from graph_trainer.metrics import read_metrics
 
@@ -111,7 +111,7 @@ def fsdp4_run(tmp_path_factory):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
     assert summary["final_loss"] > 0
-    return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
+    return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows], summary["state_hashes"]
 
 
 def _finished_run(tmp, env):

@@ -5,10 +5,11 @@ collectives in the graph: tests/passes/test_async_tp.py and the 8B dry run in te
 Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run
 per layout and mode per module, the ranks forked as torchrun starts them (tests/_launch.py); the
 traced FSDP4 run is the ``fsdp4_run`` fixture (run_train.sh). FSDP4 and HSDP, compared with it, have
-the debug model's 6 blocks, the other layouts 2 (:data:`BLOCKS`). Traced FSDP4 and HSDP are bitwise
-eager torchtitan at every step (loss and grad norm), and so are replicas alone (DDP's layout) with
-bf16 parameters; FSDP2 x TP2, and TP2 with bf16 parameters, have bitwise eager's losses and their
-grad norms up to the order DTensor sums the TP-replicated norm weights' squares.
+the debug model's 6 blocks, the other layouts 2 (:data:`BLOCKS`). Traced FSDP4, HSDP, FSDP2 x TP2,
+and TP2 and replicas alone (DDP's layout) with bf16 parameters are bitwise eager torchtitan under
+``--debug.deterministic``: loss and grad norm at every step, then the final weights, gradients and
+AdamW state (``--debug.state_hashes``, the traced shards hashed in FSDP2's local shape). The same
+claims with NCCL: tests/test_gpu_tier.py.
 """
 
 import os
@@ -35,7 +36,7 @@ BLOCKS = {"fsdp4": None, "hsdp": None}
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """``runs(layout, mode)``: ``(rank 0's stdout, losses, grad norms)`` of a run of :data:`LAYOUTS`,
+    """``runs(layout, mode)``: ``(rank 0's stdout, losses, grad norms, final state hashes)`` of a run of :data:`LAYOUTS`,
     started on first use, once per module (traced FSDP4: the ``fsdp4_run`` fixture)."""
     done = {}
 
@@ -50,24 +51,26 @@ def runs(request, tmp_path_factory):
                                    "--parallelism.data_parallel_shard_degree", str(shard),
                                    "--parallelism.tensor_parallel_degree", str(tp),
                                    "--parallelism.data_parallel_replicate_degree", str(replicate),
-                                   *FLAGS.get(layout, [])], f"{dump}.logs",
+                                   "--debug.deterministic", "--debug.state_hashes", *FLAGS.get(layout, [])],
+                            f"{dump}.logs",
                             n_layers=BLOCKS.get(layout, 2))
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            rows, _ = read_metrics(os.path.join(dump, "metrics.jsonl"))
-            done[layout, mode] = r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows]
+            rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+            done[layout, mode] = (r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows],
+                                  summary["state_hashes"])
         return done[layout, mode]
 
     return run
 
 
 @pytest.mark.parametrize("layout, reference, loss_rtol, norm_rtol, line", [
-    ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step
+    ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step, and the final state
     ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""),
-    ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 1e-6, ""),
+    ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
     # TP alone and replicas alone with bf16 parameters: eager torchtitan would train in fp32 (no
     # FSDP, no autocast); the baseline's FSDP2 over a 1-rank shard dimension (HSDP for the replicas)
     # casts the parameters as the traced step does
-    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 1e-6, ""),
+    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""),
     ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
     # the same batches: TP2 those of one rank, FSDP2 x TP2 and replicate 2 x TP2 (traced only:
     # torchtitan's eager DDP refuses TP) those of FSDP2, HSDP those of FSDP4; not bitwise
@@ -79,9 +82,12 @@ def runs(request, tmp_path_factory):
 ], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one",
         "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
-    """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every step."""
-    out, loss, norm = runs(layout, "aot_fx_trace")
-    _, ref_loss, ref_norm = runs(*reference)
+    """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every
+    step; against eager (rtol 0) also the final weights, gradients and optimizer state."""
+    out, loss, norm, hashes = runs(layout, "aot_fx_trace")
+    _, ref_loss, ref_norm, ref_hashes = runs(*reference)
     assert line in out and len(loss) == len(ref_loss) == len(norm) == len(ref_norm) == STEPS
     for x, y, rtol in [*zip(loss, ref_loss, [loss_rtol] * STEPS), *zip(norm, ref_norm, [norm_rtol] * STEPS)]:
         assert abs(x - y) <= rtol * abs(y), (loss, ref_loss, norm, ref_norm)
+    if reference[1] == "eager":
+        assert hashes == ref_hashes

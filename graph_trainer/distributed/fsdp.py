@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,41 @@ def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], li
     specs, shards = shard_tensors([n for n, _ in named], [p for _, p in named], group)
     free_parameters(model, [n for n, _ in named])
     return specs, shards
+
+
+@dataclass
+class Fsdp2Layout:
+    """Where FSDP2 (``fully_shard``, the eager baseline's sharding) keeps one parameter: DTensor
+    ``placements`` on the ``(dp_replicate, fsdp, tp)`` mesh (the dimensions the layout has), the
+    parameter's global ``shape`` and ``stride``, and this rank's ``local_shape``."""
+
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+    local_shape: torch.Size
+
+
+def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_placements: tuple, shard: int,
+                 replicate: int) -> Fsdp2Layout | None:
+    """FSDP2's layout of a parameter of global ``shape`` / ``stride`` whose TP-local tensor is
+    ``tp_local`` (TP's ``tp_placements`` on a TP mesh dimension, ``()`` without TP), as
+    ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays it out: ``Replicate()`` on the replicas, dim-0 chunks on the
+    FSDP dimension (``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too), then TP's placement.
+
+    Returns None where this rank's flat shard (:func:`shard_tensors`) does not hold the same
+    elements as FSDP2's dim-0 chunk: ``tp_local``'s dim 0 not a multiple of ``shard``.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if tp_local.dim() == 0 or tp_local.shape[0] % shard:
+        return None
+    fsdp_dim: Any = Shard(0)
+    if tp_placements and isinstance(tp_placements[0], Shard) and tp_placements[0].dim == 0:
+        fsdp_dim = _StridedShard(0, split_factor=shape[0] // tp_local.shape[0])  # TP's degree
+    placements = ((Replicate(),) if replicate > 1 else ()) + (fsdp_dim,) + tuple(tp_placements)
+    local_shape = torch.Size((tp_local.shape[0] // shard, *tp_local.shape[1:]))
+    return Fsdp2Layout(placements, torch.Size(shape), tuple(stride), local_shape)
 
 
 class ShardedParams(torch.nn.Module):

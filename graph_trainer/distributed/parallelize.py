@@ -229,7 +229,9 @@ class TraceParallel:
     TP-local tensors), what the optimizer updates; ``materialize``: None or placeholders -> compute
     parameters inside the graph; ``dp_group``: the ranks sharing the global batch (token count,
     gradient sum); ``replicate_group``: HSDP's replicas; ``norm_group``: the ranks of the grad norm
-    (None: the world); ``norm_weights``: per param, ``1 / tp`` for TP-replicated ones, else 1.
+    (None: the world); ``norm_weights``: per param, ``1 / tp`` for TP-replicated ones, else 1;
+    ``fsdp2_mesh`` / ``fsdp2_layouts``: the eager baseline's mesh and, per param, where FSDP2 keeps it
+    (:func:`graph_trainer.distributed.fsdp.fsdp2_layout`; None when a shard holds other elements).
     """
 
     names: list[str] = field(default_factory=list)
@@ -243,6 +245,8 @@ class TraceParallel:
     tp_mesh: Any = None
     loss_parallel: bool = False
     norm_weights: list[float] | None = None
+    fsdp2_mesh: Any = None
+    fsdp2_layouts: list | None = None
 
     @property
     def sharded(self) -> bool:
@@ -261,15 +265,43 @@ class TraceParallel:
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             return trace_train_step(model, loss_fn, tokens, labels, param_dtype=param_dtype, **kwargs)
 
+    def as_fsdp2_local(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """``t``, shaped like placeholder ``i`` (its shard, gradient or AdamW moment), as a view in
+        FSDP2's local shape (unchanged without an FSDP2 layout, or for other shapes)."""
+        lay = self.fsdp2_layouts[i] if self.fsdp2_layouts else None
+        if lay is None or t.numel() != lay.local_shape.numel() or t.dim() == 0:
+            return t
+        return t.view(lay.local_shape)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm (over all ranks when sharded); returns it."""
-        if self.sharded:
+        """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
+
+        Sharded, the norm is torch's ``get_total_norm`` (as torchtitan's ``clip_grad_norm_``) over
+        the gradients as DTensors in FSDP2's layout on the eager baseline's mesh: DTensor reduces each
+        gradient's norm by its placements, in eager's order, so the traced step reports (and clips
+        with) eager's norm bitwise whatever the layout. Where a shard is not FSDP2's chunk (a dim 0
+        that the FSDP degree does not divide), :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_`.
+        """
+        if not self.sharded:
+            from torchtitan.distributed.utils import clip_grad_norm_
+
+            return clip_grad_norm_(self.params, max_norm, foreach=True)
+        if self.fsdp2_layouts is None or None in self.fsdp2_layouts:
             from graph_trainer.distributed import fsdp
 
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
-        from torchtitan.distributed.utils import clip_grad_norm_
+        from torch.distributed.tensor import DTensor
 
-        return clip_grad_norm_(self.params, max_norm, foreach=True)
+        grads, dgrads = [], []
+        for i, (p, lay) in enumerate(zip(self.params, self.fsdp2_layouts)):
+            if p.grad is not None:
+                grads.append(p.grad)
+                dgrads.append(DTensor.from_local(self.as_fsdp2_local(i, p.grad), self.fsdp2_mesh, lay.placements,
+                                                 run_check=False, shape=lay.shape, stride=lay.stride))
+        total = torch.nn.utils.get_total_norm(dgrads, 2.0, error_if_nonfinite=False, foreach=True)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grads_with_norm_
+        return total
 
 
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
@@ -317,6 +349,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]
     out.norm_weights = [1.0 / tp if tp > 1 and all(isinstance(pl, Replicate) for pl in p.placements) else 1.0
                         for _, p in named]
+    out.fsdp2_mesh = mesh[(("dp_replicate",) if rep > 1 else ()) + ("dp_shard",) + (("tp",) if tp > 1 else ())]
+    out.fsdp2_layouts = [fsdp.fsdp2_layout(t, p.shape, p.stride(), tuple(p.placements) if tp > 1 else (), shard, rep)
+                         for t, (_, p) in zip(local, named)]
     specs = None
     if shard > 1:
         out.fsdp_group = out.dp_group = mesh["dp_shard"].get_group()

@@ -9,7 +9,10 @@ the bucket's wait form a bucket. **All-gather**: at the first member's issue (la
 move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
 :func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after
 the last member's issue, waited at the last member wait, its buffer held until then. The same
-bits (only NCCL's summation order may change with the message size).
+bits, except that with more than 2 ranks NCCL's summation order of an element depends on where it
+lies in the message: under ``--debug.deterministic`` the reduce-scatter buckets are therefore
+FSDP2's units (the embedding, each block, the final norm and output: torchtitan's ``apply_fsdp``),
+members in parameter order, so the message is eager FSDP2's and so is every sum (docs/design.md).
 
 Not torch's bucketing (tests/passes/test_bucket_collectives.py): ``bucket_all_gather`` /
 ``bucket_reduce_scatter`` put each bucket's wait right behind its last member, which breaks (or
@@ -183,6 +186,44 @@ def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple
     return [r for r in runs if len(r) > 1]
 
 
+def _grad_index(wait: torch.fx.Node) -> int | None:
+    """The parameter whose gradient ``wait`` (a reduce-scatter's) becomes: its position among the
+    graph's outputs after the loss, followed through single-user nodes (a hold, HSDP's all-reduce)."""
+    node = wait
+    for _ in range(8):
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        if users[0].op == "output":
+            outs = list(users[0].args[0])
+            return outs.index(node) - 1 if outs.count(node) == 1 and outs.index(node) > 0 else None
+        node = users[0]
+    return None
+
+
+def _unit_runs(graph: torch.fx.Graph, units) -> list[list[tuple]]:
+    """Reduce-scatter buckets (of >= 2) of FSDP2's units of the ``BlockLayout`` ``units``: the
+    parameters before the first block, each block, the rest; members in parameter order. A unit
+    whose gradients cannot form one bucket (another key, a result read early) is left unbucketed."""
+    pos = _pos(graph)
+    first = units.params_before
+
+    def unit(i: int) -> int:
+        return -1 if i < first else min((i - first) // max(units.params_per_block, 1), units.n_blocks)
+
+    by_unit: dict[int, list[tuple[int, tuple]]] = {}
+    for n in graph.nodes:
+        if collective_kind(n) == "reduce_scatter_tensor" and (m := _member(n)) is not None:
+            if (i := _grad_index(m[2] or m[1])) is not None:
+                by_unit.setdefault(unit(i), []).append((i, m))
+    runs = []
+    for members in by_unit.values():
+        run = [m for _, m in sorted(members, key=lambda x: x[0])]
+        if len(run) > 1 and len({_key(m[0]) for m in run}) == 1 and _fits(run, "reduce_scatter_tensor", pos):
+            runs.append(run)
+    return runs
+
+
 def _fits(members, kind, pos) -> bool:
     """Can ``members`` form one bucket without reading a result before its wait?"""
     if kind == "all_gather_into_tensor":
@@ -204,13 +245,14 @@ def _fits(members, kind, pos) -> bool:
 
 
 def bucket_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9
+    gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9, fsdp2_units=None
 ) -> torch.fx.GraphModule:
     """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
     ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes
-    ``--compile.fsdp.bucket_blocks`` times the parameters per block). Stats:
-    ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
+    ``--compile.fsdp.bucket_blocks`` times the parameters per block). ``fsdp2_units``: a
+    ``BlockLayout`` (``--debug.deterministic``): the reduce-scatters bucketed by FSDP2's units
+    instead. Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
 
     Raises:
         ValueError: ``bucket_size < 1``.
@@ -220,17 +262,18 @@ def bucket_collectives_pass(
     graph = gm.graph
     ag, rs = _KINDS
     before = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
-    if bucket_size > 1:
-        for run in _runs(graph, ag, bucket_size):
+    if bucket_size > 1 or fsdp2_units is not None:
+        for run in _runs(graph, ag, bucket_size) if bucket_size > 1 else []:
             _bucket_all_gather(graph, run)
-        for run in _runs(graph, rs, bucket_size):
+        for run in _unit_runs(graph, fsdp2_units) if fsdp2_units is not None else _runs(graph, rs, bucket_size):
             _bucket_reduce_scatter(graph, run)
         graph.lint()
         gm.recompile()
     after = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
+    rs_how = "FSDP2's units" if fsdp2_units is not None else f"<= {bucket_size}"
     set_pass_summary(
-        gm, f"all-gathers {before[ag]} -> {after[ag]}, reduce-scatters {before[rs]} -> {after[rs]} "
-            f"(buckets of <= {bucket_size}; reduce-scatters merged by torch's merge_reduce_scatter_bucket)",
+        gm, f"all-gathers {before[ag]} -> {after[ag]} (buckets of <= {bucket_size}), reduce-scatters {before[rs]} -> "
+            f"{after[rs]} (buckets of {rs_how}, merged by torch's merge_reduce_scatter_bucket)",
         all_gather_before=before[ag], all_gather_after=after[ag],
         reduce_scatter_before=before[rs], reduce_scatter_after=after[rs],
     )
@@ -243,19 +286,22 @@ def _bucket_blocks(ctx: PassContext) -> int:
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each).
+    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each); with
+    ``--debug.deterministic`` the reduce-scatters by FSDP2's units (``fsdp2_units``).
 
     Raises:
         ValueError: buckets without the model's block layout.
     """
     blocks = _bucket_blocks(ctx)
+    units = {"fsdp2_units": ctx.layout} if ctx.deterministic and ctx.layout is not None else {}
     if blocks <= 0:
-        return {}
+        return {"bucket_size": 1, **units} if blocks == 0 else units
     if ctx.layout is None:
         raise ValueError("--compile.fsdp.bucket_blocks needs the model's block layout")
-    return {"bucket_size": blocks * ctx.layout.params_per_block}
+    return {"bucket_size": blocks * ctx.layout.params_per_block, **units}
 
 
 PASS = GraphPass(
-    name="bucket_collectives", fn=bucket_collectives_pass, enabled=lambda ctx: _bucket_blocks(ctx) != 0, kwargs=_kwargs,
+    name="bucket_collectives", fn=bucket_collectives_pass, kwargs=_kwargs,
+    enabled=lambda ctx: _bucket_blocks(ctx) != 0 or (ctx.deterministic and ctx.layout is not None),
 )
