@@ -167,9 +167,9 @@ def sharded_grad_norm_(
     """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm.
 
     ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights``
-    (default 1): ``1 / tp`` for TP-replicated tensors. With all weights 1 the rounding is that of
-    ``torch.nn.utils.get_total_norm`` on FSDP2's DTensor gradients, so the traced step reports
-    eager's norm bitwise.
+    (default 1): ``1 / tp`` for TP-replicated tensors. The traced step's fallback where a shard is
+    not FSDP2's dim-0 chunk (``TraceParallel.clip_grad_norm_``): the same norm as eager's, not its
+    rounding (that is DTensor's per-placement reduction).
     """
     grads = [s.grad for s in shards if s.grad is not None]
     if grads and (weights is None or all(w == 1 for w in weights)):

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU tier in one device call: the numerics claims with NCCL (tests/test_gpu_tier.py,
+# marker multigpu) on a machine with 2 or more GPUs, the one-GPU tests (marker gpu) on one GPU.
+# One PASSED / FAILED line per claim (pytest's -rA summary); each pytest's log under $OUT/tier/.
+#
+#   bash scripts/gpu/tier.sh                                   # every claim the GPUs allow
+#   TIER_K=eager_equals bash scripts/gpu/tier.sh               # a subset (pytest -k)
+#   GPU_TIER_CONFIG=train_configs/llama3_8b.toml TIER_K=eager_equals bash scripts/gpu/tier.sh
+#
+# With 4 or more GPUs the 2-GPU claims run two streams at once (GPUs 0,1 and 2,3), then the
+# 4-GPU claims. GPU_TIER_CONFIG / GPU_TIER_STEPS: see tests/test_gpu_tier.py.
+set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+mkdir -p "$OUT/tier"
+n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+k=${TIER_K:+ and (${TIER_K})}
+tier() {  # name, CUDA_VISIBLE_DEVICES, pytest arguments...
+    CUDA_VISIBLE_DEVICES=$2 python3 -m pytest -v -s -rA -p no:cacheprovider "${@:3}" > "$OUT/tier/$1.log" 2>&1
+}
+echo "GPU tier: $n GPU(s), config ${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}, torch $(python3 -c 'import torch; print(torch.__version__)')"
+if (( n == 1 )); then
+    tier one 0 -m gpu tests ${TIER_K:+-k "$TIER_K"}
+elif (( n >= 2 )); then
+    two="tests/test_gpu_tier.py"
+    if (( n >= 4 )); then
+        tier fsdp2 0,1 "$two" -k "fsdp2 and not fsdp2tp2$k" &
+        tier tp2 2,3 "$two" -k "tp2 and not fsdp2tp2$k" &
+        wait
+        tier fsdp2tp2 0,1,2,3 "$two" -k "fsdp2tp2$k"
+    else
+        tier two_gpus 0,1 "$two" -k "not fsdp2tp2$k"
+    fi
+fi
+grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
+! grep -q -E '^(FAILED|ERROR) ' "$OUT"/tier/*.log

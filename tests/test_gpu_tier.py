@@ -1,0 +1,119 @@
+"""The GPU tier: the numerics claims of tests/test_parallel_layouts.py and tests/test_determinism.py
+with NCCL on 2 and 4 GPUs (``multigpu``; skipped where the GPUs are missing). ``scripts/gpu/tier.sh``
+runs them, one device call per machine size, one pass / fail line per claim.
+
+Every run: ``--debug.deterministic``, the config ``$GPU_TIER_CONFIG`` (default the 1B; the 8B:
+``train_configs/llama3_8b.toml``) through ``run_train.sh`` (torchrun, NCCL).
+
+* eager == traced, bitwise (``scripts/loss_compare.py --assert-equal``): every loss and grad norm
+  of ``$GPU_TIER_STEPS`` (default 20) steps, then the final weights, gradients and AdamW state.
+* run to run, bitwise, with the numerics-changing options: regional Inductor with the RMSNorm and
+  residual-RMSNorm regions (and async TP in the TP layouts); full Inductor with its RMSNorm
+  isolation (and async TP).
+* a run stopped half way and resumed in new processes equals the uninterrupted run, bitwise.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from graph_trainer.metrics import read_metrics
+from graph_trainer.tools.loss_compare import first_difference
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.environ.get("GPU_TIER_CONFIG", "train_configs/llama3_1b.toml")
+STEPS = int(os.environ.get("GPU_TIER_STEPS", "20"))
+#: name: (GPUs, layout flags)
+LAYOUTS = {
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+}
+#: name: flags of a numerics-changing setting (async TP added where the layout has TP)
+OPTIONS = {
+    "regional": ["--compile.numerics_changing_optim", "--compile.passes", "annotate_residual_rmsnorm"],
+    "full": ["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"],
+}
+
+pytestmark = pytest.mark.multigpu
+
+
+def _gpus(layout: str):
+    """Skip unless the layout's GPUs are visible."""
+    n = LAYOUTS[layout][0]
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs, {torch.cuda.device_count()} visible")
+    return n
+
+
+def _env(ngpu: int) -> dict:
+    """The runs' environment: ``ngpu`` ranks, every rank's output shown (a failing rank's traceback)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "COMM_MODE", "NNODES", "NODE_RANK")}
+    return {**env, "NGPU": str(ngpu), "CONFIG_FILE": os.path.join(REPO, CONFIG),
+            "LOG_RANK": ",".join(map(str, range(ngpu)))}
+
+
+def _options(layout: str, option: str) -> list[str]:
+    flags = list(OPTIONS[option])
+    if "tp" in layout:
+        if "--compile.passes" in flags:
+            flags[flags.index("--compile.passes") + 1] += ",async_tp"
+        else:
+            flags += ["--compile.passes", "async_tp"]
+    return flags
+
+
+def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> dict:
+    """``scripts/loss_compare.py --assert-equal`` of two settings on the layout's GPUs: its JSON result."""
+    ngpu = _gpus(layout)
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "scripts/loss_compare.py", "--steps", str(steps), "--out", str(out), "--assert-equal",
+           "--a-flags", " ".join(a_flags), "--b-flags", " ".join(b_flags), "--",
+           *LAYOUTS[layout][1], "--debug.deterministic"]
+    r = subprocess.run(cmd, cwd=REPO, env=_env(ngpu), capture_output=True, text=True, timeout=1800)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    result = json.loads((out / "loss_compare.json").read_text())
+    assert r.returncode == 0 and result["bitwise_equal"], result["first_difference"]
+    return result
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
+def test_eager_equals_traced(tmp_path, layout):
+    """torchtitan's eager step and the traced step (the plain command): bitwise, STEPS steps and the final state."""
+    _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], [], STEPS)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
+def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):
+    """Two runs of the same numerics-changing setting: bitwise, 6 steps and the final state."""
+    flags = _options(layout, option)
+    _loss_compare(tmp_path, layout, flags, flags, 6)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2tp2"])
+def test_resume_bitwise(tmp_path, layout):
+    """A run stopped at step 2 (a checkpoint written by every rank) and resumed in new processes
+    equals the uninterrupted 4-step run: losses, grad norms, final state (RMSNorm pass on)."""
+    ngpu = _gpus(layout)
+    same = [*LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes", "--compile.numerics_changing_optim",
+            "--lr_scheduler.total_steps", "4", "--metrics.log_freq", "1"]
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
+
+    def run(folder, steps, *flags):
+        r = subprocess.run(["bash", "run_train.sh", *same, *flags, "--training.steps", str(steps),
+                            "--job.dump_folder", str(tmp_path / folder)], cwd=REPO, env=_env(ngpu),
+                           capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r
+
+    run("a", 4)
+    run("b", 2, *ckpt)
+    assert "Resumed from" in run("b", 4, *ckpt).stdout
+    (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(tmp_path / d / "metrics.jsonl")) for d in "ab")
+    assert len(rows_a) == 4 and sum_b["resumed_from_step"] == 2
+    assert first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
