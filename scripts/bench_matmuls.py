@@ -18,7 +18,7 @@ CUDA ``ms idle``: the median with a spin kernel of :data:`IDLE_CYCLES` before ea
 leaves L2 as it is but lets the GPU's power draw fall, as memory-bound work between matmuls does;
 ``TFLOP/s`` at ``ms cold`` (``2 * M * N * K`` per call); on CUDA the kernel that ran (cuBLAS
 names its tile shape and the operands' transposes). Timing: CUDA events around each call, all
-calls queued before one synchronize (CUDA); ``time.perf_counter`` (CPU). What the table is for: docs/perf.md, "Kernel by kernel".
+calls queued before one synchronize (CUDA); ``time.perf_counter`` (CPU). What the table is for: docs/perf_archive.md, "Kernel by kernel".
 
 Example::
 

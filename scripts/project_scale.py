@@ -15,7 +15,7 @@ projection of :mod:`graph_trainer.projection.cost_model`. Layouts, per model (``
 
 Prints one markdown table per model: memory per rank, the memory policy's predicted peak,
 collective bytes per step by kind and mesh dimension, and the projected step. ``--validate``
-instead projects the layouts docs/perf.md has measured (no measured figure is kept here).
+instead projects the layouts docs/perf_archive.md has measured (no measured figure is kept here).
 ``--device``, ``--gpus-per-node``, ``--cost-constants`` and ``--async-tp`` are passed to every
 dry run as the ``[projection]`` flags ``--projection.device`` (default h100; ``--validate``: each
 layout's own GPU), ``--projection.gpus_per_node``, ``--projection.cost_constants`` and
@@ -43,7 +43,7 @@ HSDP_SHARD = {"8B": 8, "70B": 64}
 TP_DEGREE = {"8B": 2, "70B": 8}
 LAYOUTS = ("fsdp", "hsdp", "fsdp_tp")
 #: ``(label, train_configs file, NGPU, device, flags, docs/perf_archive.md section)`` of the layouts
-#: measured on GPUs; their measured tps live in docs/perf.md ("Scale projection") only.
+#: measured on GPUs; their measured tps live in docs/perf_archive.md ("Scale projection") only.
 VALIDATION = (
     ("1B, 1 GPU, plain command", "llama3_1b.toml", 1, "h100", [],
      "fifth session, Call 3"),
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write every summary to this file")
     p.add_argument("--from-json", default=None, help="reuse the summaries of an earlier --json file (no dry run "
                                                       "for the points it holds)")
-    p.add_argument("--validate", action="store_true", help="project the layouts measured in docs/perf.md")
+    p.add_argument("--validate", action="store_true", help="project the layouts measured in docs/perf_archive.md")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one is not None:

@@ -37,7 +37,7 @@ import torch
 GiB = 2**30
 #: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor:
 #: elsewhere it stops at ``all_but_cheap``, which holds the plain command at or below torch.compile's
-#: peak for about 1.4 % of speed against ``all`` (docs/perf.md, "The plain command at `jit`'s
+#: peak for about 1.4 % of speed against ``all`` (docs/perf_archive.md, "The plain command at `jit`'s
 #: memory"); ``--compile.sac.save all`` buys that back with the memory.
 SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
@@ -54,7 +54,7 @@ LEVER_PASSES = {
 }
 #: What replaying the step as a CUDA graph adds to the peak, GiB: the warmup call's blocks, cached
 #: for its side stream, and the graph's private pool (fitted to the measured peaks of the 1B and
-#: the seed rank with and without the graph: docs/perf.md, "Memory prediction").
+#: the seed rank with and without the graph: docs/perf_archive.md, "Memory prediction").
 CUDAGRAPH_GIB = 1.0
 
 
@@ -88,7 +88,7 @@ class FSDPOptions:
 
 
 #: ``scale`` of ``measured peak reserved ~= state + scale * graph estimate`` per
-#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf.md, "Memory
+#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf_archive.md, "Memory
 #: prediction"). The allocator's caching adds a share (> 1). Under ``full`` the estimate leaves out
 #: the values Inductor computes inside its kernels (``estimate_peak_memory(fused=True)``); what
 #: its own buffers and recomputation add grows with the recomputed share.

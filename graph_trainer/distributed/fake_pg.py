@@ -9,7 +9,7 @@ send / recv change nothing. It measures the rank's compute and host time without
 On a GPU the copies run on a side stream, as NCCL's kernels do: the caller's stream waits for
 them only where it waits for the collective (``Work.wait``, ``wait_tensor``), so they overlap the
 compute before that wait and take memory bandwidth, not a place in the compute stream's order
-(docs/perf.md, "The fake collectives' copies", measures them against copies on the caller's stream).
+(docs/perf_archive.md, "The fake collectives' copies", measures them against copies on the caller's stream).
 
 Own code because torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
 leaves a reduce-scatter's output as allocated: garbage on a GPU, which turned the losses into NaN.

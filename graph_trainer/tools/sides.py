@@ -193,14 +193,14 @@ def _check_flags(side: Side, extra: list[str], steps: int, dump: str) -> str | N
 
 
 def validate_sides(sides: dict, extra: list[str], steps: int, dump: str) -> None:
-    """Check both sides' flags with the trainer's config parser (in parallel). Raises CompareError."""
+    """Check every side's flags with the trainer's config parser (in parallel). Raises CompareError."""
     keys = {n: (s.root, s.config_file, tuple(s.flags)) for n, s in sides.items()}
     unique = {key: n for n, key in keys.items()}  # two identical sides are checked once
     with ThreadPoolExecutor(max_workers=2) as ex:
         jobs = {key: ex.submit(_check_flags, sides[n], extra, steps, dump) for key, n in unique.items()}
         errors = {n: jobs[key].result() for n, key in keys.items()}
     msgs = [f"side {n} ({sides[n].label}): run_train.sh would reject its flags "
-            f"[{shlex.join(sides[n].flags + extra)}]:\n{errors[n]}" for n in ("A", "B") if errors[n]]
+            f"[{shlex.join(sides[n].flags + extra)}]:\n{errors[n]}" for n in sides if errors[n]]
     if msgs:
         raise CompareError("\n\n".join(msgs))
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on 1x H100 (<= 10 min): the single-GPU runs under "Not measured yet" in docs/perf.md.
+# One device call on 1x H100 (<= 10 min): the single-GPU runs under "Not measured yet" in docs/perf_archive.md.
 #   run(kind="nvidia-h100-x1", carry=[".whl"], command="bash scripts/gpu/h100.sh")
 # .whl: MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl  (here, before the call)
 # Writes at most 8 files to $OUT (the device tool's limit); each step has its own timeout.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tier in one device call: the numerics claims with NCCL (tests/test_gpu_tier.py,
 # marker multigpu) on a machine with 2 or more GPUs, the one-GPU tests (marker gpu) on one GPU.
-# One PASSED / FAILED line per claim (pytest's -rA summary); each pytest's log under $OUT/tier/.
+# One PASSED / FAILED line per claim (pytest's -rA summary); each pytest's log under $OUT/tier/,
+# the call's record under $OUT/results/ (copy it into docs/results/, then python3 scripts/results_page.py).
 #
 #   bash scripts/gpu/tier.sh                                   # every claim the GPUs allow
 #   TIER_K=eager_equals bash scripts/gpu/tier.sh               # a subset (pytest -k)
@@ -33,4 +34,25 @@ elif (( n >= 2 )); then
     fi
 fi
 grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
+# the call's record for the results page (docs/results/, scripts/results_page.py): copy it there
+python3 - "$OUT" "${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}" "${GPU_TIER_STEPS:-20}" "${TIER_K:-}" <<'PY'
+import datetime, glob, re, subprocess, sys, torch
+from graph_trainer.tools.bench import device_name, write_record
+out, config, steps, k = sys.argv[1:]
+what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
+        "test_run_to_run_with_numerics_changing_options": "run to run, 6 steps + final state",
+        "test_resume_bitwise": "stopped at step 2 and resumed == uninterrupted, 4 steps + final state"}
+claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[1]}
+          for f in sorted(glob.glob(f"{out}/tier/*.log")) for m in re.finditer(r"^(PASSED|FAILED|ERROR) \S+::(\S+)",
+                                                                                 open(f).read(), re.M)]
+if claims:
+    model = config.rsplit("/", 1)[-1].removesuffix(".toml")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    env = " ".join(f"{n}={v}" for n, v in (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
+    rec = {"schema": 1, "kind": "tier", "workload": f"gpu tier {model} {k}".strip(), "title": f"GPU tier, {model}"
+           + (f" ({k})" if k else ""), "date": datetime.date.today().isoformat(), "device": device_name(),
+           "torch": torch.__version__, "git_sha": sha, "command": f"{env} bash scripts/gpu/tier.sh".strip(),
+           "claims": sorted(claims, key=lambda c: c["claim"])}
+    print("record:", write_record(f"{out}/results", rec))
+PY
 ! grep -q -E '^(FAILED|ERROR) ' "$OUT"/tier/*.log

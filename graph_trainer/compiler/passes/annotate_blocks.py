@@ -14,7 +14,7 @@ is cut where a node reads a value computed from the run outside it (a collective
 so regions fuse without a dependency cycle; ``regional_inductor`` compiles identical regions
 once (``region_signature``). Changes numerics as the whole-graph compile does (fused bf16
 chains computed in fp32): ``--compile.numerics_changing_optim``. Measured against the
-whole-graph compile (speed, cold first step): ``docs/perf.md``, "Regions per transformer block".
+whole-graph compile (speed, cold first step): ``docs/perf_archive.md``, "Regions per transformer block".
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ lowers it to eager's own formula, ``x / (1 + exp(-x))`` in fp32 with libdevice's
 ``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's. SiLU's
 backward joins as well: inside a region the pass writes it as eager's kernel computes it (below,
 :func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Checked on
-an H100 for every bf16 input and for random fp32 ones (``docs/perf.md``, "Eager-exact pointwise
+an H100 for every bf16 input and for random fp32 ones (``docs/perf_archive.md``, "Eager-exact pointwise
 regions"). Other transcendental ops, division and
 reductions round differently when fused and are left out.
 
@@ -20,7 +20,7 @@ own (``lone_casts``): eager converts with an unvectorized casting kernel, Induct
 copy bandwidth on large tensors, and a widening is exact either way. On one GPU these are the
 gradients' casts back to fp32 and RoPE's; under FSDP, also the casts before the reduce-scatter.
 (Eager's fp32 to bf16 kernel is vectorized: no gain there.) Only CUDA casts: a CPU region is a
-C++ compile (``docs/perf.md``, "Eager-exact pointwise regions").
+C++ compile (``docs/perf_archive.md``, "Eager-exact pointwise regions").
 
 A ``cat`` of casts (``cast_cats``, :func:`cast_cat_region`): FSDP's buckets concatenate the cast
 parameter shards before their all-gather and the cast gradients before their reduce-scatter.
@@ -41,7 +41,7 @@ turns it off); elsewhere with ``--compile.passes exact_pointwise``. Not by defau
 torch 2.11's C++ backend folds the bf16 round trip away (not eager's bits there), and every
 region is a C++ compile. Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
 with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); the GPU runs and the
-speed are in ``docs/perf.md``, "Eager-exact pointwise regions".
+speed are in ``docs/perf_archive.md``, "Eager-exact pointwise regions".
 """
 
 from __future__ import annotations

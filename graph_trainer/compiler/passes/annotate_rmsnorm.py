@@ -44,7 +44,7 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: Config sets ``regional_inductor`` also compiles and times on CUDA per distinct RMSNorm region
 #: (``--compile.rmsnorm.tune``): split sizes of the norm backward's mix-order reduction (``dx`` rows
 #: fused with ``dw`` columns), and no mix-order reduction (``dx`` and ``dw`` apart, faster at the
-#: 1B's 8192 x 2048); no fixed choice wins on every shape (docs/perf.md, RMSNorm microbenchmark).
+#: 1B's 8192 x 2048); no fixed choice wins on every shape (docs/perf_archive.md, RMSNorm microbenchmark).
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction": False},
     {"triton.mix_order_reduction_split_size": 32},
@@ -126,7 +126,7 @@ class RMSNormOptions:
     (split sizes of the norm backward's reduction, or none), time them on CUDA and keep a candidate
     only when it beats Inductor's defaults by 2 %. About a second of compile per candidate
     and distinct region. No effect on CPU; off with --debug.deterministic (the pick depends
-    on timings). Measured: docs/perf.md."""
+    on timings). Measured: docs/perf_archive.md."""
 
     def check(self) -> None:
         """Raises ValueError: inductor_configs is not a JSON object of known Inductor keys."""

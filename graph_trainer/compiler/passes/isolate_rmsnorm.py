@@ -9,7 +9,7 @@ it fuses them with otherwise (pytorch#179423). Changes numerics against the plai
 compile (the norm's output is rounded to its dtype at the kernel boundary), so it needs
 ``--compile.numerics_changing_optim``.
 Opt-in (``--compile.passes isolate_rmsnorm``): it did not pay on the 1B or the seed rank
-(docs/perf.md, "The norms isolated inside the whole-graph compile"). Nothing is added,
+(docs/perf_archive.md, "The norms isolated inside the whole-graph compile"). Nothing is added,
 removed or rewired.
 """
 

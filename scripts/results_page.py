@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""Regenerate the results page docs/perf.md from the JSON records under docs/results/.
+
+Every device call leaves one record, ``docs/results/<YYYY-MM-DD>_<slug>.json`` (``"kind": "bench"``:
+a table of variants; ``"kind": "tier"``: a table of test claims). The page is the prose template
+``docs/results/template.md`` with its one ``{{records}}`` line replaced by one section per
+(kind, workload, device) group: the group's latest record (by date, then file name); older
+records stay in docs/results/ and are only counted. Tier groups come first, then bench groups
+by workload and device. Stdlib only; the output holds no timestamp, so regenerating is idempotent.
+
+    python3 scripts/results_page.py                   # write docs/perf.md
+    python3 scripts/results_page.py --check           # exit 1 if docs/perf.md is stale, write nothing
+    python3 scripts/results_page.py --results /tmp/results --out /tmp/perf.md
+
+Exit status: 0 written / up to date; 1 ``--check`` found the page stale; 2 a bad template or
+record, or a page over 250 lines (MAX_PAGE_LINES; one-line message, no traceback).
+Paths given relative are relative to the repository root (the parent of scripts/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = "docs/results"
+DEFAULT_OUT = "docs/perf.md"
+TEMPLATE_NAME = "template.md"
+PLACEHOLDER = "{{records}}"
+MAX_TEMPLATE_LINES = 60
+MAX_PAGE_LINES = 250
+SCHEMA = 1
+MISSING = "–"
+FAILED = "failed"
+
+#: Fields every record needs, and those of each kind.
+COMMON_FIELDS = ("schema", "kind", "workload", "title", "date", "device", "torch", "git_sha", "command")
+KIND_FIELDS = {"bench": ("variants",), "tier": ("claims",)}
+VARIANT_FIELDS = ("name", "tps")
+CLAIM_FIELDS = ("claim", "what", "result")
+DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+BENCH_HEADER = ("variant", "tps/GPU median (min–max)", "vs first", "verdict", "MFU", "peak GiB",
+                "predicted GiB", "compile s")
+BENCH_ALIGN = ("---", "---:", "---:", "---", "---:", "---:", "---:", "---:")
+
+
+class PageError(Exception):
+    """A refusal: its message is printed as one line and the script exits 2."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def resolve(path: str | Path) -> Path:
+    """``path`` made absolute: relative paths are taken from the repository root."""
+    path = Path(path)
+    return path if path.is_absolute() else REPO / path
+
+
+def shown(path: Path) -> str:
+    """``path`` as messages and the page name it: relative to the repository root when inside it."""
+    try:
+        return path.resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_template(results: Path) -> str:
+    """The text of ``results/template.md``, refused unless it has at most :data:`MAX_TEMPLATE_LINES`
+    lines and exactly one line reading :data:`PLACEHOLDER`."""
+    path = results / TEMPLATE_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PageError(f"{shown(path)}: cannot read the template ({type(e).__name__}: {e})") from None
+    lines = text.splitlines()
+    if len(lines) > MAX_TEMPLATE_LINES:
+        raise PageError(f"{shown(path)}: template has {len(lines)} lines, at most {MAX_TEMPLATE_LINES} allowed")
+    count = sum(line.strip() == PLACEHOLDER for line in lines)
+    if count != 1:
+        raise PageError(f"{shown(path)}: template needs exactly one line '{PLACEHOLDER}', found {count}")
+    return text
+
+
+def record_files(results: Path) -> list[Path]:
+    """The ``*.json`` files directly under ``results``, sorted by name."""
+    if not results.is_dir():
+        raise PageError(f"{shown(results)}: no such results directory")
+    return sorted(p for p in results.glob("*.json") if p.is_file())
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; anything else is refused naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PageError(f"{shown(path)}: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PageError(f"{shown(path)}: cannot read ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict):
+        raise PageError(f"{shown(path)}: a record must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def require(path: Path, obj: dict, fields: tuple[str, ...], where: str = "") -> None:
+    """Refuse ``obj`` (found at ``where`` in ``path``) if one of ``fields`` is absent or null."""
+    for field in fields:
+        if obj.get(field) is None:
+            raise PageError(f"{shown(path)}: missing required field '{where}{field}'")
+
+
+def require_list(path: Path, record: dict, field: str, fields: tuple[str, ...]) -> None:
+    """Refuse ``record[field]`` unless it is a non-empty list of objects each with ``fields``."""
+    items = record[field]
+    if not isinstance(items, list) or not items:
+        raise PageError(f"{shown(path)}: field '{field}' must be a non-empty list")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise PageError(f"{shown(path)}: field '{field}[{i}]' must be an object")
+        require(path, item, fields, f"{field}[{i}].")
+
+
+def validate(path: Path, record: dict) -> dict:
+    """``record`` after checking its schema, kind, date and required fields (naming file and field)."""
+    require(path, record, COMMON_FIELDS)
+    if record["schema"] != SCHEMA:
+        raise PageError(f"{shown(path)}: field 'schema' is {record['schema']!r}, this script reads {SCHEMA}")
+    if record["kind"] not in KIND_FIELDS:
+        raise PageError(f"{shown(path)}: field 'kind' is {record['kind']!r}, expected one of {sorted(KIND_FIELDS)}")
+    for field in ("workload", "title", "date", "device", "torch", "git_sha", "command"):
+        if not isinstance(record[field], str):
+            raise PageError(f"{shown(path)}: field '{field}' must be a string")
+    if not DATE_RE.fullmatch(record["date"]):
+        raise PageError(f"{shown(path)}: field 'date' is {record['date']!r}, expected YYYY-MM-DD")
+    require(path, record, KIND_FIELDS[record["kind"]])
+    if record["kind"] == "bench":
+        require_list(path, record, "variants", VARIANT_FIELDS)
+    else:
+        require_list(path, record, "claims", CLAIM_FIELDS)
+    return record
+
+
+def load_records(results: Path) -> list[tuple[Path, dict]]:
+    """Every record under ``results`` as ``(file, record)``, validated, in file-name order."""
+    return [(path, validate(path, read_json(path))) for path in record_files(results)]
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+def group_key(record: dict) -> tuple[str, str, str]:
+    """The group a record belongs to: ``(kind, workload, device)``."""
+    return record["kind"], record["workload"], record["device"]
+
+
+def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]:
+    """``(latest record, number of older records)`` per group, in page order: tier groups first,
+    then bench groups, each by workload then device. Latest = greatest (date, file name)."""
+    groups: dict[tuple[str, str, str], list[tuple[Path, dict]]] = {}
+    for path, record in records:
+        groups.setdefault(group_key(record), []).append((path, record))
+    order = sorted(groups, key=lambda k: (k[0] != "tier", k[1], k[2]))
+    out = []
+    for key in order:
+        members = sorted(groups[key], key=lambda pr: (pr[1]["date"], pr[0].name))
+        out.append((members[-1][1], len(members) - 1))
+    return out
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def median(stat) -> float | None:
+    """The median of a statistics object ``{"median": …}`` (a bare number is its own median)."""
+    if isinstance(stat, dict):
+        stat = stat.get("median")
+    return float(stat) if isinstance(stat, (int, float)) and not isinstance(stat, bool) else None
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` plus ``suffix``, or :data:`MISSING` when absent."""
+    return MISSING if value is None else f"{value:{spec}}{suffix}"
+
+
+def cell(text) -> str:
+    """``text`` as one table cell: one line, pipes escaped."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def row(cells) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(cell(c) for c in cells) + " |"
+
+
+def failed(variant: dict) -> bool:
+    """Whether a variant had no successful run (``tps.n == 0`` or no tps median)."""
+    tps = variant["tps"]
+    return (isinstance(tps, dict) and tps.get("n") == 0) or median(tps) is None
+
+
+def tps_cell(tps) -> str:
+    """``41,847 (41,000–42,500)``: median with the range of the repeats when known."""
+    text = fmt(median(tps), ",.0f")
+    if isinstance(tps, dict):
+        low, high = median(tps.get("min")), median(tps.get("max"))
+        if low is not None and high is not None:
+            text += f" ({low:,.0f}–{high:,.0f})"
+    return text
+
+
+def ratio_cell(variant: dict, index: int, first: dict) -> str:
+    """The variant's ``ratio`` (else its median over the first variant's) as ``1.130×``; the first is 1.000×."""
+    ratio = median(variant.get("ratio"))
+    if ratio is None and index == 0:
+        ratio = 1.0
+    if ratio is None and not failed(first) and median(first["tps"]) > 0:
+        ratio = median(variant["tps"]) / median(first["tps"])
+    return fmt(ratio, ".3f", "×")
+
+
+def variant_row(variant: dict, index: int, first: dict) -> str:
+    """The bench table row of one variant; measured cells read "failed" when no run succeeded."""
+    predicted = fmt(median(variant.get("predicted_peak_gib")), ".2f")
+    if failed(variant):
+        verdict = variant.get("verdict") or FAILED
+        return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED])
+    return row([
+        variant["name"],
+        tps_cell(variant["tps"]),
+        ratio_cell(variant, index, first),
+        variant.get("verdict") or MISSING,
+        fmt(median(variant.get("mfu")), ".1f", "%"),
+        fmt(median(variant.get("memory_gib")), ".2f"),
+        predicted,
+        fmt(median(variant.get("compile_time_s")), ".0f"),
+    ])
+
+
+def bench_table(record: dict) -> list[str]:
+    """The variants table of a bench record."""
+    variants = record["variants"]
+    lines = [row(BENCH_HEADER), "|" + "|".join(BENCH_ALIGN) + "|"]
+    return lines + [variant_row(v, i, variants[0]) for i, v in enumerate(variants)]
+
+
+def tier_table(record: dict) -> list[str]:
+    """The claims table of a tier record; the detail column only when some claim has one."""
+    claims = record["claims"]
+    detail = any(c.get("detail") for c in claims)
+    header = ["claim", "what", "result"] + (["detail"] if detail else [])
+    lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
+    for c in claims:
+        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([c.get("detail") or MISSING] if detail else [])
+        lines.append(row(cells))
+    return lines
+
+
+def meta_line(record: dict) -> str:
+    """``2026-11-27, torch 2.11.0+cu130, git abc12345`` plus the settings when recorded."""
+    sha = record["git_sha"][:8] or MISSING
+    line = f"{record['date']}, torch {record['torch']}, git `{sha}`"
+    settings = record.get("settings")
+    if isinstance(settings, dict) and settings:
+        line += " (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ")"
+    return line
+
+
+def code_block(command: str) -> list[str]:
+    """``command`` in a ```bash fence longer than any backtick run inside it."""
+    longest = max((len(m) for m in re.findall(r"`+", command)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}bash", *command.splitlines(), fence]
+
+
+def profile_link(record: dict, out: Path) -> list[str]:
+    """A markdown link to the record's profile picture (repo-relative path), relative to the page."""
+    png = record.get("profile_png")
+    if not png:
+        return []
+    target = os.path.relpath(resolve(png), out.parent).replace(os.sep, "/")
+    return [f"Profile: [{Path(png).name}]({target})", ""]
+
+
+def earlier_line(count: int, results: Path) -> list[str]:
+    """``2 earlier records in docs/results/.`` (nothing when the group has one record)."""
+    if count == 0:
+        return []
+    noun = "record" if count == 1 else "records"
+    return [f"_{count} earlier {noun} in {shown(results)}/._", ""]
+
+
+def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
+    """The lines of one group's section, ending with a blank line."""
+    table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
+    lines = [f"### {cell(record['title'])} — {cell(record['device'])}", "", meta_line(record), "", *table, ""]
+    lines += [*code_block(record["command"]), ""]
+    lines += profile_link(record, out)
+    if record.get("note"):
+        lines += [" ".join(str(record["note"]).split()), ""]
+    return lines + earlier_line(earlier, results)
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def header(results: Path) -> str:
+    """The page's first line: where it comes from (no date, so regeneration is idempotent)."""
+    return (f"<!-- generated by `python3 scripts/results_page.py` from {shown(results)}/ "
+            f"(records + {TEMPLATE_NAME}); do not edit by hand -->")
+
+
+def render(results: Path, out: Path) -> str:
+    """The whole page: header line, then the template with the sections in place of its placeholder."""
+    template = load_template(results)
+    groups = latest_per_group(load_records(results))
+    body: list[str] = []
+    for record, earlier in groups:
+        body += section(record, earlier, results, out)
+    while body and body[-1] == "":
+        body.pop()
+    if not body:
+        body = [f"_No records in {shown(results)}/._"]
+    lines = [header(results)]
+    for line in template.splitlines():
+        lines += body if line.strip() == PLACEHOLDER else [line]
+    page = "\n".join(lines).rstrip("\n") + "\n"
+    check_length(page, out)
+    return page
+
+
+def check_length(page: str, out: Path) -> None:
+    """Refuse a page over :data:`MAX_PAGE_LINES` lines (policy: the page shows latest results only)."""
+    n = len(page.splitlines())
+    if n > MAX_PAGE_LINES:
+        raise PageError(f"{shown(out)} would have {n} lines, the limit is {MAX_PAGE_LINES}: shorten the "
+                        f"template or notes, or merge workloads (older records are never rendered)")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its directory and ``os.replace``
+    (keeping an existing page's permissions, else 0644)."""
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)  # our own temporary file only
+        raise
+
+
+def current(out: Path) -> str | None:
+    """The text of the existing page, or None if there is none."""
+    try:
+        return out.read_text(encoding="utf-8")
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--results", default=DEFAULT_RESULTS,
+                   help=f"directory of the JSON records and {TEMPLATE_NAME} (default: {DEFAULT_RESULTS})")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"the page to write (default: {DEFAULT_OUT})")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if the page differs from what would be generated; write nothing")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate (or ``--check``) the page; returns the exit status."""
+    args = parse_args(argv)
+    results, out = resolve(args.results), resolve(args.out)
+    try:
+        page = render(results, out)
+    except PageError as e:
+        print(f"results_page: error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if current(out) != page:
+            print(f"results_page: {shown(out)} is out of date: run python3 scripts/results_page.py")
+            return 1
+        print(f"results_page: {shown(out)} is up to date")
+        return 0
+    if current(out) == page:
+        print(f"results_page: {shown(out)} unchanged")
+        return 0
+    write_atomic(out, page)
+    print(f"results_page: wrote {shown(out)} ({len(page.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

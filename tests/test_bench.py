@@ -1,0 +1,85 @@
+"""scripts/bench.py (graph_trainer/tools/bench.py): variants, statistics against the first, the
+table, records that are never overwritten, bad input; one CPU call of the debug model end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from graph_trainer.tools.bench import parse_variants, table, variant_results, write_record
+from graph_trainer.tools.runs import Run
+from graph_trainer.tools.sides import CompareError
+from graph_trainer.tools.stats import run_stats
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parse_variants():
+    assert parse_variants(["jit=--compile.mode jit", "plain="]) == [("jit", ["--compile.mode", "jit"]), ("plain", [])]
+    for bad, msg in [(["plain"], "NAME=FLAGS"), (["a=", "a=--x 1"], "twice"), (["a=--x '1"], "shell-quoted"),
+                     (["a=--training.steps 3"], "training.steps")]:
+        with pytest.raises(CompareError, match=msg):
+            parse_variants(bad)
+
+
+def _run(name, rnd, tps, status="ok", predicted=None):
+    rows = [{"step": s, "tps": tps if s > 1 else 1.0, "tflops": 1.0, "mfu": 40.0, "memory_gib": 10.0 + rnd}
+            for s in (1, 2, 3)]
+    r = Run(side=name, repeat=rnd, index=rnd, dump_folder="", log="", status=status)
+    if status == "ok":
+        r.rows, r.stats = rows, run_stats(rows, 1)
+        r.summary = {"predicted_peak_gib": predicted, "compile_time_s": 30.0 if predicted else None}
+    return r
+
+
+def test_variant_results_ratio_verdict_and_table():
+    runs = [_run("jit", 1, 100.0), _run("plain", 1, 120.0, predicted=9.5), _run("bad", 1, 0, status="failed"),
+            _run("jit", 2, 102.0), _run("plain", 2, 121.0, predicted=9.7), _run("bad", 2, 0, status="failed")]
+    v = {x["name"]: x for x in variant_results(["jit", "plain", "bad"], runs)}
+    assert v["jit"]["ratio"] == 1.0 and v["jit"]["verdict"] == "baseline"
+    assert v["plain"]["ratio"] == pytest.approx(120.5 / 101.0) and v["plain"]["verdict"] == "real"
+    assert v["plain"]["predicted_peak_gib"] == pytest.approx(9.6) and v["plain"]["memory_gib"]["max"] == 12.0
+    assert v["bad"]["ratio"] is None and v["bad"]["tps"]["n"] == 0
+    text = table(list(v.values()))
+    assert "| plain (2 runs) | 120 (120–121) | 1.193× | real | 40.0 % | 12.00 | 9.60 | 30 |" in text
+    assert "| bad (0 runs) | failed |" in text
+
+
+def test_write_record_never_overwrites(tmp_path):
+    rec = {"workload": "llama3_1b fsdp2", "date": "2026-11-27"}
+    paths = [write_record(str(tmp_path), rec) for _ in range(3)]
+    assert [os.path.basename(p) for p in paths] == ["2026-11-27_llama3_1b_fsdp2.json", "2026-11-27_llama3_1b_fsdp2_2.json",
+                                                    "2026-11-27_llama3_1b_fsdp2_3.json"]
+    assert json.loads(open(paths[0]).read()) == rec
+
+
+def _bench(*args, cwd=REPO, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE")}
+    return subprocess.run([sys.executable, "scripts/bench.py", *args], cwd=cwd, env={**env, "CUDA_VISIBLE_DEVICES": ""},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_input_exits_2_before_any_run(tmp_path):
+    r = _bench("--variant", "plain", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "NAME=FLAGS" in r.stderr and "Traceback" not in r.stderr
+    r = _bench("--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record")
+    assert r.returncode == 2 and "fast" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_debug_model_writes_a_record(tmp_path):
+    """Two variants, one round on the CPU: the table, bench.json and a record naming its command."""
+    r = _bench("--variant", "plain=", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "3",
+               "--warmup", "1", "--workload", "debug one", "--record-dir", str(tmp_path / "results"),
+               "--out", str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| eager (1 runs) |" in r.stdout
+    (path,) = (tmp_path / "results").iterdir()
+    rec = json.loads(path.read_text())
+    assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
+    assert rec["command"].startswith("scripts/bench.py --variant plain=") and "--training.seq_len 64" in rec["command"]
+    assert [v["name"] for v in rec["variants"]] == ["plain", "eager"] and rec["variants"][1]["flags"] == [
+        "--compile.mode", "eager"]
+    assert [x["status"] for x in rec["runs"]] == ["ok", "ok"] and rec["runs"][0]["tps"] > 0
