@@ -1,4 +1,4 @@
-# Sourced by every scripts/gpu/*.sh batch on the device machine: install the carried wheel
+# Sourced on the device machine (by scripts/gpu/tier.sh; before scripts/bench.py): install the carried wheel
 # bundle (.whl, made by `MINIMAL=1 BENCH=1 bash scripts/offline_wheels.sh .whl`) beside the
 # machine's torch, set the environment every run needs, and create $OUT. Exits the caller
 # when the install fails. The install runs once per machine (later batches of the same call
