@@ -75,7 +75,7 @@ class TracedTrainStep(_Step):
         from torch.fx._lazy_graph_module import _LazyGraphModule
 
         from graph_trainer.compiler import graph_cache
-        from graph_trainer.compiler.common import placeholder_vals
+        from graph_trainer.compiler.graph_values import placeholder_vals
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
         from graph_trainer.trace import TracedStep, ops_by_kind

@@ -33,7 +33,7 @@ this script makes ``CppScheduling.codegen_comment`` write the same line (from
 ``torch._inductor.utils.get_kernel_metadata``) above each C++ kernel call. Source
 Nodes are node names of the traced graph. Rule: a kernel contains the rms_norm
 backward if one of its Source Nodes belongs to a ``kind == "backward"`` instance of
-``graph_trainer.compiler.common.find_rmsnorm_instances(traced graph)`` (the fused
+``graph_trainer.compiler.matching.find_rmsnorm_instances(traced graph)`` (the fused
 ``_fused_rms_norm_backward`` on CUDA, the decomposed mul/sum/pow/div group on CPU);
 without origin comments, if its name contains ``rms_norm_backward``. ``fused with
 it``: its other Source Nodes (views dropped) as ``module_fqn phase[ops]``, with
@@ -76,7 +76,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # allow running without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from graph_trainer.compiler.common import module_fqn_of, phase_of  # noqa: E402
+from graph_trainer.compiler.node_meta import module_fqn_of, phase_of  # noqa: E402
 
 NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
@@ -270,7 +270,7 @@ def _op(node: torch.fx.Node) -> str:
 def analyse_kernels(kernels: list[dict[str, Any]], graph: torch.fx.Graph) -> dict[str, Any]:
     """Tag each kernel with ``phase`` (forward / backward / both: it fuses ops of the two) and ``rms_norm_bwd`` (rule: module docstring) and
     ``fused_with``; return the way's summary (counts, largest, norm-bwd kernels)."""
-    from graph_trainer.compiler.common import find_rmsnorm_instances
+    from graph_trainer.compiler.matching import find_rmsnorm_instances
 
     nodes = {n.name: n for n in graph.nodes}
     norm_bwd = {n.name for i in find_rmsnorm_instances(graph) if i["kind"] == "backward" for n in i["nodes"]}

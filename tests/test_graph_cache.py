@@ -100,7 +100,8 @@ def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graph_trainer.compiler import graph_cache
-    from graph_trainer.compiler.common import hold, placeholder_vals
+    from graph_trainer.compiler.collectives import hold
+    from graph_trainer.compiler.graph_values import placeholder_vals
 
     g = torch.fx.Graph()
     x = g.placeholder("x")

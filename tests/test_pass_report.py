@@ -19,7 +19,7 @@ from passes.conftest import fused_norm_graph, tagged_nodes
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler import report
-from graph_trainer.compiler.common import hold
+from graph_trainer.compiler.collectives import hold
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.pipeline import run_pipeline
 from graph_trainer.compiler.registry import PipelineStep, registry

@@ -5,7 +5,7 @@ and the tests of the memory-policy passes.
 Model: nodes run in graph order; every storage (views share their base's) is allocated by the
 first node producing it and freed after the last node using it, as the FX-generated code does.
 Graph inputs are not counted; returned values live to the end. ``wait_tensor`` and
-:func:`~graph_trainer.compiler.common.hold` return their input's buffer (their fake values are
+:func:`~graph_trainer.compiler.collectives.hold` return their input's buffer (their fake values are
 separate tensors). Not modelled: allocator fragmentation and caching, kernel workspaces,
 Inductor regions' internal buffers. (torch's ``memory_estimator.build_memory_profile`` counts
 no CPU tensors, treats waits as new buffers and frees returned values.)
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import DisjointSet, hold, is_wait, storages
+from graph_trainer.compiler.collectives import hold, is_wait
+from graph_trainer.compiler.graph_values import DisjointSet, storages
 
 
 #: Ops whose output Inductor computes inside the kernel of their users when it compiles the whole

@@ -23,7 +23,8 @@ import logging
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import collective_kind, is_wait, packet_name
+from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.ops import packet_name
 
 logger = logging.getLogger("graph_trainer")
 

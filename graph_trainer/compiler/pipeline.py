@@ -21,8 +21,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer.compiler.common import collective_kind, has_recompute_tags, num_nodes, op_counts, pop_pass_summary
+from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
+from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
+from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
 
 logger = logging.getLogger("graph_trainer")

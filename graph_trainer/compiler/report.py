@@ -25,7 +25,9 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.compiler.common import collective_kind, custom_meta, is_wait, op_namespace, packet_name, target_name
+from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.node_meta import custom_meta
+from graph_trainer.compiler.ops import op_namespace, packet_name, target_name
 
 logger = logging.getLogger("graph_trainer")
 
@@ -84,7 +86,7 @@ def kind_counts(gm: Any) -> dict[str, int] | None:
 
 
 def call_targets(gm: Any) -> Counter:
-    """Counter of the :func:`~graph_trainer.compiler.common.target_name` of ``gm``'s
+    """Counter of the :func:`~graph_trainer.compiler.ops.target_name` of ``gm``'s
     ``call_function`` nodes (empty without an FX graph)."""
     graph = _graph(gm)
     if graph is None:

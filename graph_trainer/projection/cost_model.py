@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
-from graph_trainer.compiler.common import val_bytes
+from graph_trainer.compiler.graph_values import val_bytes
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -191,7 +191,8 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
 def memory_op_bytes(node: torch.fx.Node) -> int:
     """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its
     schema or the passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
-    from graph_trainer.compiler.common import VIEW_OPS, is_collective, returns_view
+    from graph_trainer.compiler.collectives import is_collective
+    from graph_trainer.compiler.ops import VIEW_OPS, returns_view
 
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
@@ -236,7 +237,7 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
     """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with
     ``meta["val"]``); each collective is attributed to a mesh dim by its ``group_name``
     (``group_dims``; unknown: ``"?"``), size = the larger of its input and output bytes."""
-    from graph_trainer.compiler.common import collective_kind
+    from graph_trainer.compiler.collectives import collective_kind
 
     group_dims = group_dims or {}
     mm: dict[tuple, float] = defaultdict(float)

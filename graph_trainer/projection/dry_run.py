@@ -28,8 +28,8 @@ logger = logging.getLogger("graph_trainer")
 
 def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     """``{op name: {"count": n, "bytes": output bytes per rank}}`` of the collectives of ``gm``."""
-    from graph_trainer.compiler.common import collective_kind
-    from graph_trainer.compiler.common import val_bytes
+    from graph_trainer.compiler.collectives import collective_kind
+    from graph_trainer.compiler.graph_values import val_bytes
 
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for n in gm.graph.nodes:

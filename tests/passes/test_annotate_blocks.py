@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import hold, is_collective, is_wait
+from graph_trainer.compiler.collectives import hold, is_collective, is_wait
 from graph_trainer.compiler.passes.annotate_blocks import annotate_blocks_pass, block_of
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, scoop_regions
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline

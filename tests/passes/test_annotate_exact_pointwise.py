@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
-from graph_trainer.compiler.common import tag_for_inductor
+from graph_trainer.compiler.node_meta import tag_for_inductor
 from graph_trainer.compiler.passes.annotate_exact_pointwise import annotate_exact_pointwise_pass
 from graph_trainer.compiler.pipeline import run_pipeline
 

@@ -8,9 +8,12 @@ import torch.fx
 
 from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.config import Compile
+from graph_trainer.compiler.collectives import is_collective
+from graph_trainer.compiler.graph_values import split_acyclic
+from graph_trainer.compiler.matching import find_pointwise_regions
+from graph_trainer.compiler.node_meta import module_fqn_of, phase_of
 from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
-from graph_trainer.compiler.common import find_pointwise_regions, is_collective, module_fqn_of, phase_of, split_acyclic
 
 from .conftest import assert_close, inductor_tag, tagged_nodes, trace_step
 

@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from graph_trainer.config import Compile
-from graph_trainer.compiler.common import find_rmsnorm_instances
+from graph_trainer.compiler.matching import find_rmsnorm_instances
 from graph_trainer.compiler.passes.annotate_rmsnorm import (
     DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
     annotate_rmsnorm_for_regional_inductor_pass as annotate,

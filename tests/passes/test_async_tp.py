@@ -19,8 +19,10 @@ from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers
 
 from _launch import queue, spawn  # tests/ is on sys.path
 from _runs import DEBUG
-from graph_trainer.compiler.common import (
-    RESHAPE_OPS, collective_kind, detect_graph_fake_mode, phase_of, placeholder_vals)
+from graph_trainer.compiler.collectives import collective_kind
+from graph_trainer.compiler.graph_values import detect_graph_fake_mode, placeholder_vals
+from graph_trainer.compiler.node_meta import phase_of
+from graph_trainer.compiler.ops import RESHAPE_OPS
 from graph_trainer.compiler.passes.async_tp import async_tp_pass, find_async_tp_matches
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.registry import PipelineStep

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from graph_trainer.compiler.common import collective_kind, hold, is_wait
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
 from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass

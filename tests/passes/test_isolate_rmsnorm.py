@@ -5,7 +5,8 @@ its FX graph cache tells the two compiles apart, and the step stays close to the
 import pytest
 import torch
 
-from graph_trainer.compiler.common import STATS_KEY, find_rmsnorm_instances, fusion_group_of
+from graph_trainer.compiler.matching import find_rmsnorm_instances
+from graph_trainer.compiler.node_meta import STATS_KEY, fusion_group_of
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.config import Compile
 

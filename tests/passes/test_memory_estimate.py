@@ -5,7 +5,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graph_trainer.compiler.common import hold
+from graph_trainer.compiler.collectives import hold
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
 aten = torch.ops.aten

@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from graph_trainer.compiler.common import collective_kind, hold, is_wait, strip_holds
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, strip_holds
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 
 AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from graph_trainer.compiler.common import is_wait
+from graph_trainer.compiler.collectives import is_wait
 from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.pin_collectives import _is_anchor, collective_pin_deps

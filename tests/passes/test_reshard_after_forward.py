@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from graph_trainer.compiler.common import phase_of
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.node_meta import phase_of
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
 

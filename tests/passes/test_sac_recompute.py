@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
-from graph_trainer.compiler.common import custom_meta, phase_of
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.node_meta import custom_meta, phase_of
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac_recompute_pass, saved_for_backward
 

@@ -25,20 +25,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (
-    accelerator_of,
-    hold,
-    is_collective,
-    is_getitem,
-    is_wait,
-    module_fqn_of,
-    mutated_args,
-    phase_of,
-    set_pass_summary,
-    strip_holds,
-    tag_for_inductor,
-    untag_for_inductor,
+from graph_trainer.compiler.collectives import hold, is_collective, is_wait, strip_holds
+from graph_trainer.compiler.graph_values import accelerator_of
+from graph_trainer.compiler.node_meta import (
+    module_fqn_of, phase_of, set_pass_summary, tag_for_inductor, untag_for_inductor,
 )
+from graph_trainer.compiler.ops import is_getitem, mutated_args
 from graph_trainer.compiler.registry import GraphPass
 
 #: Module FQN prefix of the transformer blocks (Llama3: ``layers.<i>``).

@@ -27,7 +27,7 @@ parameter shards before their all-gather and the cast gradients before their red
 Eager writes each cast out, then copies them all into the bucket; in one region Inductor writes
 each cast into its slice of the bucket. A ``cat`` moves values unchanged, so the bits stay.
 
-Matches: :func:`~graph_trainer.compiler.common.find_pointwise_regions`'s
+Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s
 chains (one phase and module each, cut where a region would form a cycle) of the ops in
 :data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them; and the lone casts.
 
@@ -53,9 +53,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (BARRIER_KEY, RESHAPE_OPS, find_pointwise_regions,
-                                           is_tagged_for_inductor, packet_name, set_pass_summary, tag_regions,
-                                           val_bytes)
+from graph_trainer.compiler.graph_values import val_bytes
+from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
+from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
+from graph_trainer.compiler.ops import RESHAPE_OPS, packet_name
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -97,7 +98,7 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
     """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every
     non-view op: its tensor inputs and its output), and as one fused kernel (the inputs from
     outside the region once, the outputs used outside it). Views move nothing; sizes:
-    :func:`~graph_trainer.compiler.common.val_bytes` of ``meta["val"]``."""
+    :func:`~graph_trainer.compiler.graph_values.val_bytes` of ``meta["val"]``."""
     def nbytes(nodes):
         return sum(val_bytes(n.meta.get("val")) for n in nodes)
 
@@ -184,7 +185,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
     with ``cast_cats`` each :func:`cast_cat_region` outside them, and with ``lone_casts`` each
     :func:`is_lone_cast` outside both, as one eager-numerics region for ``regional_inductor``;
-    ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions`` (compiler/common.py),
+    ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions`` (compiler/matching.py),
     ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` / ``fused_bytes``
     (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
     difference)."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import is_getitem, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.node_meta import set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.ops import is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
 

@@ -1,6 +1,6 @@
 """Tag chains of pointwise ops as Inductor regions: SwiGLU, residual adds, casts, the loss.
 
-Matches: the regions of :func:`graph_trainer.compiler.common.find_pointwise_regions` (chains of
+Matches: the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` (chains of
 pointwise, reduction and cast ops, the loss's included, of one phase and module, acyclic), each
 with at least ``min_ops`` non-view ops. So Inductor fuses each chain while matmuls stay eager and
 no kernel mixes forward and backward.
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch.fx
 
-from graph_trainer.compiler.common import find_pointwise_regions, set_pass_summary, tag_regions
+from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
+from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 
@@ -27,7 +28,7 @@ def annotate_pointwise_for_regional_inductor_pass(
 ) -> torch.fx.GraphModule:
     """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with
     ``inductor_configs`` (default ``{}``); ``ValueError`` for ``min_ops < 1``. Stats: those of
-    :func:`~graph_trainer.compiler.common.tag_regions`."""
+    :func:`~graph_trainer.compiler.matching.tag_regions`."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     st = tag_regions(find_pointwise_regions(gm.graph, min_ops), dict(inductor_configs or {}), "pointwise")

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.compiler.common import custom_meta, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten

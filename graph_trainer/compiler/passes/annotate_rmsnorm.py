@@ -27,13 +27,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (
-    find_rmsnorm_instances,
-    is_getitem,
-    json_object,
-    set_pass_summary,
-    tag_for_inductor,
-)
+from graph_trainer.compiler.matching import find_rmsnorm_instances
+from graph_trainer.compiler.node_meta import json_object, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.ops import is_getitem
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 logger = logging.getLogger("graph_trainer")

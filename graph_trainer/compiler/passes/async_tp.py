@@ -38,10 +38,10 @@ import torch.distributed as dist
 import torch.fx
 
 from graph_trainer import NUMERICS_KEY
-from graph_trainer.compiler.common import (
-    RESHAPE_OPS, collective_kind, custom_meta, detect_graph_fake_mode, is_getitem, is_wait, phase_of, set_pass_summary,
-    shard_chain,
-)
+from graph_trainer.compiler.collectives import collective_kind, is_wait, shard_chain
+from graph_trainer.compiler.graph_values import detect_graph_fake_mode
+from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary
+from graph_trainer.compiler.ops import RESHAPE_OPS, is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import collective_kind, custom_meta, hold, is_wait, set_pass_summary
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
+from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 aten = torch.ops.aten

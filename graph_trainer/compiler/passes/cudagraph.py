@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer.compiler.common import set_pass_summary
+from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 logger = logging.getLogger("graph_trainer")

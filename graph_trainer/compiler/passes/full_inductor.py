@@ -22,17 +22,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graph_trainer.compiler.common import (
-    accelerator_of,
-    collective_kind,
-    detect_graph_fake_mode,
-    fake_inputs_for,
-    fusion_group_of,
-    json_object,
-    set_pass_summary,
-    strip_holds,
-    strip_recompute_tags,
-)
+from graph_trainer.compiler.collectives import collective_kind, strip_holds
+from graph_trainer.compiler.graph_values import accelerator_of, detect_graph_fake_mode, fake_inputs_for
+from graph_trainer.compiler.node_meta import fusion_group_of, json_object, set_pass_summary, strip_recompute_tags
 from graph_trainer.compiler.registry import GraphPass
 
 
@@ -80,7 +72,7 @@ def realize_group_boundaries(graph: torch.fx.Graph) -> int:
 
 @contextlib.contextmanager
 def fusion_group_guard(gm: torch.fx.GraphModule):
-    """Compile under this to keep ``gm``'s fusion groups (``common.FUSION_GROUP_KEY``) apart.
+    """Compile under this to keep ``gm``'s fusion groups (``node_meta.FUSION_GROUP_KEY``) apart.
 
     Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose
     ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups (a ``V.choices``

@@ -1,8 +1,8 @@
 """Keep each RMSNorm (forward, backward) in kernels of its own inside the whole-graph compile.
 
 The ``full_inductor`` counterpart of ``annotate_rmsnorm``: puts the nodes of every
-:func:`~graph_trainer.compiler.common.find_rmsnorm_instances` instance into the fusion group
-``rmsnorm_<kind>_<i>`` (``common.FUSION_GROUP_KEY``); ``full_inductor`` then writes the values
+:func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance into the fusion group
+``rmsnorm_<kind>_<i>`` (``node_meta.FUSION_GROUP_KEY``); ``full_inductor`` then writes the values
 crossing a group's boundary to buffers and fuses a group's nodes only with each other (the norm
 backward's ``dx`` and ``dw`` reductions stay fused together), never with the neighbouring ops
 it fuses them with otherwise (pytorch#179423). Changes numerics against the plain whole-graph
@@ -20,7 +20,8 @@ from collections import Counter
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import find_rmsnorm_instances, set_pass_summary, tag_fusion_group
+from graph_trainer.compiler.matching import find_rmsnorm_instances
+from graph_trainer.compiler.node_meta import set_pass_summary, tag_fusion_group
 from graph_trainer.compiler.registry import GraphPass
 
 

@@ -2,7 +2,7 @@
 
 As traced, every functional collective is followed at once by its ``wait_tensor``, all parameter
 all-gathers are issued at the start and all reduce-scatters after the last backward matmul.
-Changes (positions only, plus a :func:`~graph_trainer.compiler.common.hold` after every wait that
+Changes (positions only, plus a :func:`~graph_trainer.compiler.collectives.hold` after every wait that
 no longer follows its collective; the same values bit for bit):
 
 * a parameter all-gather (input cast from a placeholder) is issued just before the first use of
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import (
-    CAST_OPS, RESHAPE_OPS, SLICE_OPS, collective_kind, hold, is_wait, set_pass_summary, shard_chain,
-)
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.node_meta import set_pass_summary
+from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten

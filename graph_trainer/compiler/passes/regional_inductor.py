@@ -27,15 +27,9 @@ import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, NUMERICS_KEY
 from graph_trainer.numerics import output_key
-from graph_trainer.compiler.common import (
-    custom_meta,
-    detect_graph_fake_mode,
-    is_getitem,
-    is_tagged_for_inductor,
-    packet_name,
-    set_pass_summary,
-    split_acyclic,
-)
+from graph_trainer.compiler.graph_values import detect_graph_fake_mode, split_acyclic
+from graph_trainer.compiler.node_meta import custom_meta, is_tagged_for_inductor, set_pass_summary
+from graph_trainer.compiler.ops import is_getitem, packet_name
 from graph_trainer.compiler.registry import GraphPass
 
 logger = logging.getLogger("graph_trainer")

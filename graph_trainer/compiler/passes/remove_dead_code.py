@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.common import is_collective, mutated_args, num_nodes, set_pass_summary
+from graph_trainer.compiler.collectives import is_collective
+from graph_trainer.compiler.node_meta import set_pass_summary
+from graph_trainer.compiler.ops import mutated_args, num_nodes
 from graph_trainer.compiler.registry import GraphPass
 
 

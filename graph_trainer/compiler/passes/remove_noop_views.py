@@ -28,7 +28,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from graph_trainer.compiler.common import RESHAPE_OPS, DisjointSet, custom_meta, is_collective, set_pass_summary
+from graph_trainer.compiler.collectives import is_collective
+from graph_trainer.compiler.graph_values import DisjointSet
+from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
+from graph_trainer.compiler.ops import RESHAPE_OPS
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten

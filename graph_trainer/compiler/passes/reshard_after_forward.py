@@ -2,7 +2,7 @@
 the forward and all-gather them again for the backward.
 
 Matches: FSDP parameter all-gathers (input computed from a placeholder through casts and views:
-:func:`~graph_trainer.compiler.common.shard_chain`; TP's all-gathers of activations are not
+:func:`~graph_trainer.compiler.collectives.shard_chain`; TP's all-gathers of activations are not
 touched) and their *view closure*: the wait, ``overlap_collectives``' ``hold`` and every view /
 cast of the gathered value.
 
@@ -23,9 +23,9 @@ import torch
 import torch.fx
 
 from graph_trainer import PHASE_KEY
-from graph_trainer.compiler.common import (
-    CAST_OPS, VIEW_OPS, collective_kind, custom_meta, hold, is_wait, phase_of, set_pass_summary, shard_chain,
-)
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary
+from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 _VIEW_OR_CAST = VIEW_OPS | CAST_OPS

@@ -12,7 +12,7 @@ activation all-gathers, below). Each backward use is
 rewired to a copy placed before the first backward node that needs it; the copy's tagged inputs
 of the same block are copied the same way, its other inputs used as saved. Copies are in the
 ``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
-removed (:func:`~graph_trainer.compiler.common.strip_recompute_tags`).
+removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
 
 ``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only what is cheap to recompute
 from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops, casts and RMSNorm
@@ -34,10 +34,10 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
-from graph_trainer.compiler.common import (
-    collective_kind, custom_meta, is_collective, is_getitem, is_wait, phase_of, set_pass_summary, shard_chain,
-    returns_view, storages, strip_recompute_tags,
-)
+from graph_trainer.compiler.collectives import collective_kind, is_collective, is_wait, shard_chain
+from graph_trainer.compiler.graph_values import storages
+from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary, strip_recompute_tags
+from graph_trainer.compiler.ops import is_getitem, returns_view
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"

@@ -1,11 +1,11 @@
-"""graph_trainer.compiler.common: the one way the passes recognise collectives, the one
+"""graph_trainer.compiler.collectives: the one way the passes recognise collectives, the one
 ``hold`` target, and what makes an all-gather an FSDP parameter all-gather."""
 
 import torch
 import torch.fx
 
 from graph_trainer.compiler import memory_estimate
-from graph_trainer.compiler.common import collective_kind, hold, is_collective, is_wait, shard_chain, strip_holds
+from graph_trainer.compiler.collectives import collective_kind, hold, is_collective, is_wait, shard_chain, strip_holds
 from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives, reshard_after_forward
 
 aten = torch.ops.aten

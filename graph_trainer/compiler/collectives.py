@@ -1,0 +1,83 @@
+"""Collectives and their waits: which nodes communicate (:data:`COLLECTIVE_NAMESPACES`, the
+``symm_mem`` fused ops of ``async_tp`` included), the kind of a collective, ``wait_tensor`` nodes,
+the keep-alive :func:`hold` (and :func:`strip_holds`) and the chain from an FSDP parameter to its
+all-gather (:func:`shard_chain`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+import torch
+import torch.fx
+
+from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, op_name, op_namespace
+
+#: Namespaces of collective / communication ops: never removed as dead code, never
+#: recomputed, never put inside an Inductor region. ``symm_mem``: the fused
+#: collective-matmul ops of ``async_tp``, which communicate inside the op.
+COLLECTIVE_NAMESPACES = frozenset(
+    {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
+)
+_FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a collective / communication op (``wait_tensor`` included)."""
+    return node.op == "call_function" and op_namespace(node.target) in COLLECTIVE_NAMESPACES
+
+
+def collective_kind(node: torch.fx.Node) -> str | None:
+    """The op name of a functional collective's issue node (``"all_gather_into_tensor"``, ``"all_reduce"``
+    ...) or of a fused ``symm_mem`` collective-matmul (no wait); None for waits and other nodes."""
+    if not is_collective(node):
+        return None
+    namespace, name = op_namespace(node.target), op_name(node.target)
+    if namespace == "symm_mem":
+        return name if name in _FUSED_COLLECTIVE_KINDS else None
+    return name if namespace == "_c10d_functional" and name != "wait_tensor" else None
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a functional collective's ``wait_tensor`` (input: the issue node)."""
+    return (
+        node.op == "call_function"
+        and op_namespace(node.target) == "_c10d_functional"
+        and op_name(node.target) == "wait_tensor"
+    )
+
+
+def hold(x, *keep_alive):
+    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call.
+    ``overlap_collectives`` inserts it after moved waits; passes test ``node.target is hold``."""
+    return x
+
+
+def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
+    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first
+    argument (before a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how
+    many were removed."""
+    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
+             and (of is None or node.args[0] in of)]
+    for node in holds:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    if holds:
+        gm.recompile()
+    return len(holds)
+
+
+def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The nodes (views, casts, waits) between a placeholder and ``all_gather``'s input, earliest
+    first; None when there is no such chain (an activation all-gather, not an FSDP parameter's)."""
+    chain = []
+    cur = all_gather.args[0] if all_gather.args else None
+    while (
+        isinstance(cur, torch.fx.Node) and cur.op == "call_function"
+        and (cur.target in VIEW_OPS or cur.target in CAST_OPS or is_wait(cur))
+    ):
+        chain.append(cur)
+        cur = cur.args[0] if cur.args else None
+    if not isinstance(cur, torch.fx.Node) or cur.op != "placeholder":
+        return None
+    return chain[::-1]

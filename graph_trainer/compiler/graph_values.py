@@ -1,0 +1,135 @@
+"""The values of graph nodes and the structure helpers of graph analysis: union-find
+(:class:`DisjointSet`), the storages and bytes of (fake) values (:func:`storages`,
+:func:`val_bytes`), acyclic splits of node sets (:func:`split_acyclic`), and the placeholders'
+fake values, device and fake mode (:func:`placeholder_vals`, :func:`accelerator_of`,
+:func:`detect_graph_fake_mode`, :func:`fake_inputs_for`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+
+class DisjointSet:
+    """Union-find over hashable items: each item is its own set until joined."""
+
+    def __init__(self) -> None:
+        self.parent: dict[Any, Any] = {}
+
+    def find(self, item: Any) -> Any:
+        path = []
+        while (up := self.parent.get(item, item)) != item:
+            path.append(item)
+            item = up
+        for p in path:  # path compression
+            self.parent[p] = item
+        return item
+
+    def union(self, a: Any, b: Any) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
+def storages(val: Any) -> list[tuple[Any, int]]:
+    """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
+    views share their base's key; tensor subclasses without a storage are skipped."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = []
+    for t in pytree.tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            try:
+                st = t.untyped_storage()
+            except Exception:
+                continue
+            out.append((StorageWeakRef(st), st.nbytes()))
+    return out
+
+
+def split_acyclic(
+    nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int] | None = None
+) -> list[list[torch.fx.Node]]:
+    """Split ``nodes`` into the fewest parts that can each be fused without a dependency cycle,
+    in graph order (``[nodes]`` if acyclic). ``order``: node -> graph position.
+
+    The nodes reachable from the set through an outside node (an AC-recomputed norm and its
+    backward, the attention backward between them) are split off, and split again."""
+    if not nodes:
+        return []
+    if order is None:
+        order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    remaining = sorted(nodes, key=order.__getitem__)
+    parts: list[list[torch.fx.Node]] = []
+    while remaining:
+        members = set(remaining)
+        last = order[remaining[-1]]
+        late: set[torch.fx.Node] = set()
+        visited: set[torch.fx.Node] = set()
+        stack = [u for n in remaining for u in n.users if u not in members]
+        while stack:
+            cur = stack.pop()
+            if cur in visited or order.get(cur, last + 1) > last:
+                continue
+            visited.add(cur)
+            if cur in members:
+                late.add(cur)
+            stack.extend(cur.users)
+        parts.append([n for n in remaining if n not in late])
+        remaining = [n for n in remaining if n in late]
+    return parts
+
+
+def val_bytes(val: Any) -> int:
+    """Bytes of a tensor (at most its storage's: an expanded view counts what it reads) or of a
+    list / tuple of them; else 0."""
+    if isinstance(val, torch.Tensor):
+        n = val.numel() * val.element_size()
+        try:
+            n = min(n, val.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return n
+    if isinstance(val, (list, tuple)):
+        return sum(val_bytes(v) for v in val)
+    return 0
+
+
+def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
+    """``meta.get("val")`` of every placeholder of ``gm``, in order (None where missing)."""
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.device | None:
+    """The device of the first placeholder value (then ``example_inputs`` leaf) that is neither
+    on the CPU nor on meta, or None (a CPU graph)."""
+    vals = placeholder_vals(gm) + pytree.tree_leaves(example_inputs)
+    return next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
+                None)
+
+
+def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):
+    """The FakeTensorMode of the placeholders' ``meta["val"]``, else of ``example_inputs``, else None."""
+    from torch._guards import detect_fake_mode
+
+    for vals in (placeholder_vals(gm), pytree.tree_leaves(example_inputs)):
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        mode = detect_fake_mode(tensors) if tensors else None
+        if mode is not None:
+            return mode
+    return None
+
+
+def fake_inputs_for(gm: torch.fx.GraphModule, example_inputs: Any = None) -> list[Any]:
+    """Flat fake example inputs: the placeholders' ``meta["val"]`` if all have one, else the
+    leaves of ``example_inputs``; raises ``ValueError`` when neither exists."""
+    vals = placeholder_vals(gm)
+    if vals and all(v is not None for v in vals):
+        return vals
+    if example_inputs is None:
+        raise ValueError("graph placeholders carry no meta['val'] and no example_inputs were given")
+    return list(pytree.tree_leaves(example_inputs))

@@ -1,0 +1,130 @@
+"""Node and graph metadata the passes read and write: pass summaries (:func:`set_pass_summary`), the
+trace-time phase and module FQN of a node, the ``compile_with_inductor`` region tag and the fusion
+group (:func:`tag_for_inductor`, :func:`tag_fusion_group`), selective AC's recompute tags, and
+:func:`json_object` (the Inductor config flags a tag carries).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.fx
+
+from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
+
+SUMMARY_KEY = "graph_trainer_pass_summary"
+#: ``node.meta["custom"]`` key of a fusion group: under ``full_inductor`` a node of a group
+#: shares generated kernels only with nodes of the same group.
+FUSION_GROUP_KEY = "inductor_fusion_group"
+STATS_KEY = "graph_trainer_pass_stats"
+#: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
+BARRIER_KEY = "low_precision_pointwise_barrier"
+
+
+def set_pass_summary(gm: torch.nn.Module, summary: str, **stats: Any) -> None:
+    """Record what a pass did on ``gm.meta``: ``summary`` (one short line) and numeric ``stats``."""
+    if not isinstance(getattr(gm, "meta", None), dict):
+        gm.meta = {}  # type: ignore[attr-defined]
+    gm.meta[SUMMARY_KEY] = summary
+    gm.meta[STATS_KEY] = dict(stats)
+
+
+def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
+    """Return and clear the summary/stats a pass left on ``gm`` ("" / {} if none)."""
+    meta = getattr(gm, "meta", None)
+    if not isinstance(meta, dict):
+        return "", {}
+    return meta.pop(SUMMARY_KEY, ""), meta.pop(STATS_KEY, {})
+
+
+def custom_meta(node: torch.fx.Node) -> dict[str, Any]:
+    """``node.meta["custom"]`` or ``{}`` (never None)."""
+    custom = node.meta.get("custom")
+    return custom if isinstance(custom, dict) else {}
+
+
+def phase_of(node: torch.fx.Node) -> str | None:
+    """The trace-time phase of ``node`` (``"forward"`` / ``"backward"``), or None."""
+    return custom_meta(node).get(PHASE_KEY)
+
+
+def module_fqn_of(node: torch.fx.Node) -> str | None:
+    """The FQN of the innermost module that ran ``node`` (backward nodes: their forward op's), or None."""
+    return custom_meta(node).get(MODULE_FQN_KEY)
+
+
+def is_tagged_for_inductor(node: torch.fx.Node) -> bool:
+    """Whether ``node`` carries a ``compile_with_inductor`` tag (regional_inductor compiles it)."""
+    return COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
+
+
+def fusion_group_of(node: torch.fx.Node) -> str | None:
+    """The fusion group of ``node`` (:data:`FUSION_GROUP_KEY`), or None."""
+    return custom_meta(node).get(FUSION_GROUP_KEY)
+
+
+def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
+    """Put ``node`` into fusion group ``group``, keeping its other ``custom`` entries."""
+    node.meta["custom"] = {**custom_meta(node), FUSION_GROUP_KEY: group}
+
+
+def tag_for_inductor(
+    node: torch.fx.Node,
+    inductor_configs: dict[str, Any],
+    region: str,
+    candidate_configs: list[dict[str, Any]] | None = None,
+) -> None:
+    """Tag ``node`` for regional_inductor as part of region ``region`` (never fused with another
+    region), keeping its other ``custom`` entries (copied: they may be shared between nodes).
+    Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""
+    tag: dict[str, Any] = {"inductor_configs": dict(inductor_configs), "inductor_region": region}
+    if candidate_configs:
+        tag["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
+    node.meta["custom"] = {**custom_meta(node), COMPILE_WITH_INDUCTOR_KEY: tag}
+
+
+def untag_for_inductor(node: torch.fx.Node) -> None:
+    """Remove ``node``'s ``compile_with_inductor`` tag and its eager-rounding mark (:data:`BARRIER_KEY`)."""
+    if is_tagged_for_inductor(node):
+        node.meta["custom"] = {k: v for k, v in custom_meta(node).items() if k != COMPILE_WITH_INDUCTOR_KEY}
+    node.meta.pop(BARRIER_KEY, None)
+
+
+def has_recompute_tags(graph: torch.fx.Graph) -> bool:
+    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+    return any(n.meta.get("recompute") in recompute for n in graph.nodes)
+
+
+def strip_recompute_tags(graph: torch.fx.Graph) -> int:
+    """Delete selective AC's ``meta["recompute"]`` / ``["ac_graph_id"]`` (else torch >= 2.12's
+    ``compile_fx`` recomputes a second time); returns how many nodes had a tag."""
+    n = 0
+    for node in graph.nodes:
+        n += node.meta.pop("recompute", None) is not None
+        node.meta.pop("ac_graph_id", None)
+    return n
+
+
+def json_object(value: Any, flag: str) -> dict[str, Any]:
+    """``value`` (a JSON object as text, a dict, or empty) as a dict; ``{}`` when empty.
+
+    Raises:
+        ValueError: not a JSON object (the message names ``flag``).
+    """
+    if isinstance(value, dict):
+        return dict(value)
+    if not value or not str(value).strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"coordinate_descent_tuning\": true}}'; "
+                         f"got {value!r} ({e})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
+    return parsed

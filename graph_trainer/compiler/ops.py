@@ -1,0 +1,109 @@
+"""Op names, op sets and op counts of FX graphs: what an aten op node writes (:func:`mutated_args`),
+whether a target returns a view, the op / packet / namespace names of a target, stable target names
+and per-target node counts (:func:`op_counts`), and the view / cast op sets the passes follow
+(:data:`RESHAPE_OPS`, :data:`VIEW_OPS`, :data:`CAST_OPS` ...).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def mutated_args(node: torch.fx.Node) -> list[Any]:
+    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional
+    or keyword; ``None`` for such an optional argument not given. ``node.target`` must be an
+    ``OpOverload``."""
+    schema = node.target._schema
+    args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
+    return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``operator.getitem`` (an element of a tuple-returning node)."""
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def returns_view(target: Any) -> bool:
+    """Whether ``target`` is an op whose schema returns an alias of an input that it does not write
+    (``aten.view``, ``t``, ``split``, ``slice``, ...: a view, no kernel); False for non-ops."""
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
+
+
+def op_name(target: Any) -> str | None:
+    """``"mm"`` for ``aten.mm.default`` or ``aten.mm``; None for non-ops."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return None
+
+
+def packet_name(node: torch.fx.Node) -> str | None:
+    """The op packet name of a ``call_function`` OpOverload node (``"mm"`` for ``aten.mm.default``)."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return op_name(node.target)
+    return None
+
+
+def op_namespace(target: Any) -> str | None:
+    """The namespace of an op (``"aten"``, ``"_c10d_functional"`` ...), None for non-ops."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.namespace
+    return None
+
+
+def target_name(node: torch.fx.Node) -> str:
+    """A stable name for a node's target (``"aten.mm.default"``, ``"_operator.getitem"``)."""
+    if node.op in ("placeholder", "output", "get_attr"):
+        return node.op
+    t = node.target
+    if isinstance(t, str):
+        return f"{node.op}:{t}"
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t)
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return f"higher_order.{t.name()}"
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or repr(t)
+    return f"{mod}.{name}" if mod else name
+
+
+def op_counts(gm: Any) -> dict[str, int]:
+    """Counts of nodes per :func:`target_name` (``{}`` if ``gm`` has no FX graph)."""
+    graph = getattr(gm, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return {}
+    return dict(sorted(Counter(target_name(n) for n in graph.nodes).items()))
+
+
+def num_nodes(gm: Any) -> int | None:
+    """Number of nodes of ``gm``'s FX graph (None if it has none, e.g. a compiled callable)."""
+    graph = getattr(gm, "graph", None)
+    return len(graph.nodes) if isinstance(graph, torch.fx.Graph) else None
+
+
+#: Views with the same elements in another shape.
+RESHAPE_OPS: frozenset = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+#: Views onto (part of) a buffer (a gathered FSDP buffer is read through ``slice -> view``).
+SLICE_OPS: frozenset = frozenset({aten.slice.Tensor, aten.alias.default, aten.as_strided.default})
+#: Views that reorder or broadcast dimensions.
+PERMUTE_OPS: frozenset = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default})
+#: Every view op the passes follow.
+VIEW_OPS: frozenset = RESHAPE_OPS | SLICE_OPS | PERMUTE_OPS | {aten.detach.default}
+#: dtype casts: ``aten._to_copy`` (make_fx's ``.to(dtype)``) and ``prims.convert_element_type``.
+CAST_OPS: frozenset = frozenset({aten._to_copy.default, prims.convert_element_type.default})
+
+
+def packet_names(ops: Iterable[Any]) -> frozenset[str]:
+    """The packet names of ``ops`` (``{"view"}`` for ``{aten.view.default}``), to match every overload."""
+    return frozenset(name for op in ops if (name := op_name(op)) is not None)
