@@ -298,8 +298,15 @@ class TraceParallel:
                 grads.append(p.grad)
                 dgrads.append(DTensor.from_local(self.as_fsdp2_local(i, p.grad), self.fsdp2_mesh, lay.placements,
                                                  run_check=False, shape=lay.shape, stride=lay.stride))
-        total = torch.nn.utils.get_total_norm(dgrads, 2.0, error_if_nonfinite=False, foreach=True)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
+        # DTensor warns that the norm's mesh dimensions are reduced one after the other: that order is eager's
+        quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            total = torch.nn.utils.get_total_norm(dgrads, 2.0, error_if_nonfinite=False, foreach=True)
+            total = total.full_tensor() if isinstance(total, DTensor) else total
+        finally:
+            quiet.setLevel(level)
         torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # clip_grads_with_norm_
         return total
 

@@ -124,3 +124,38 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     assert _count(gm, AG) + _count(gm, "all_gather_into_tensor_out") > ag0 // 2 and _count(gm, RS) > rs0 // 2
     ours = bucket_collectives_pass(_overlapped(traced), None, bucket_size=9)
     assert _count(ours, AG) < ag0 // 4 and _count(ours, RS) < rs0 // 4
+
+
+def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
+    """``fsdp2_units`` (``--debug.deterministic``): one reduce-scatter per FSDP2 unit (embedding, each
+    block, norm + output), its inputs in parameter order, whatever ``bucket_size``; bitwise the same step."""
+    from graph_trainer.model import BlockLayout
+
+    traced, inputs, n_params = fsdp_step
+    with torch.no_grad():
+        ref = traced.gm(*inputs)
+    units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
+    assert n_params == 1 + 9 * 2 + 2
+    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=1, fsdp2_units=units)
+    rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
+    # the embedding alone stays one reduce-scatter; each block and the final norm + output merge
+    assert len(rs) == 4 and _count(gm, AG) == 2 * n_params - 1  # all-gathers untouched at bucket_size 1
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
+        if n.args[0].target is torch.ops.aten.cat.default:
+            grads = [outputs.index(user) for user in _bucket_outputs(n, outputs)]
+            assert grads == sorted(grads)
+    _bitwise(gm, inputs, ref)
+
+
+def _bucket_outputs(issue, outputs):
+    """The graph outputs a reduce-scatter bucket's result reaches, in the order its slices are read."""
+    (wait,) = [u for u in issue.users if is_wait(u)]
+    found, stack = [], list(wait.users)
+    while stack:
+        n = stack.pop(0)
+        if n in outputs:
+            found.append(n)
+        else:
+            stack.extend(u for u in n.users if u.op != "output")
+    return found
