@@ -50,8 +50,8 @@ def test_variant_results_ratio_verdict_and_table():
 def test_write_record_never_overwrites(tmp_path):
     rec = {"workload": "llama3_1b fsdp2", "date": "2026-11-27"}
     paths = [write_record(str(tmp_path), rec) for _ in range(3)]
-    assert [os.path.basename(p) for p in paths] == ["2026-11-27_llama3_1b_fsdp2.json", "2026-11-27_llama3_1b_fsdp2_2.json",
-                                                    "2026-11-27_llama3_1b_fsdp2_3.json"]
+    stem = "2026-11-27_llama3_1b_fsdp2"
+    assert [os.path.basename(p) for p in paths] == [f"{stem}.json", f"{stem}_2.json", f"{stem}_3.json"]
     assert json.loads(open(paths[0]).read()) == rec
 
 

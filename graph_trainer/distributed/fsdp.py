@@ -130,8 +130,9 @@ def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_pl
                  replicate: int) -> Fsdp2Layout | None:
     """FSDP2's layout of a parameter of global ``shape`` / ``stride`` whose TP-local tensor is
     ``tp_local`` (TP's ``tp_placements`` on a TP mesh dimension, ``()`` without TP), as
-    ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays it out: ``Replicate()`` on the replicas, dim-0 chunks on the
-    FSDP dimension (``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too), then TP's placement.
+    ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays it out:
+    ``Replicate()`` on the replicas, dim-0 chunks on the FSDP dimension
+    (``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too), then TP's placement.
 
     Returns None where this rank's flat shard (:func:`shard_tensors`) does not hold the same
     elements as FSDP2's dim-0 chunk: ``tp_local``'s dim 0 not a multiple of ``shard``.

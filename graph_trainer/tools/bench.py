@@ -140,8 +140,8 @@ def table(variants: list[dict]) -> str:
     def num(key, x, digits=None):
         return "–" if x is None else (f"{x:.{digits}f}" if digits is not None else fmt_number(key, x))
 
-    lines = ["| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB | compile s |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines = ["| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB "
+             "| compile s |", "|---|---:|---:|---|---:|---:|---:|---:|"]
     for v in variants:
         t = v["tps"]
         tps = "failed" if not t["n"] else f"{num('tps', t['median'])} ({num('tps', t['min'])}–{num('tps', t['max'])})"
