@@ -231,7 +231,8 @@ class TraceParallel:
     gradient sum); ``replicate_group``: HSDP's replicas; ``norm_group``: the ranks of the grad norm
     (None: the world); ``norm_weights``: per param, ``1 / tp`` for TP-replicated ones, else 1;
     ``fsdp2_mesh`` / ``fsdp2_layouts``: the eager baseline's mesh and, per param, where FSDP2 keeps it
-    (:func:`graph_trainer.distributed.fsdp.fsdp2_layout`; None when a shard holds other elements).
+    (:func:`graph_trainer.distributed.fsdp.fsdp2_layout`; None when a shard holds other elements);
+    ``eager_norm``: clip with eager's DTensor norm (``--debug.deterministic``; :meth:`clip_grad_norm_`).
     """
 
     names: list[str] = field(default_factory=list)
@@ -247,6 +248,7 @@ class TraceParallel:
     norm_weights: list[float] | None = None
     fsdp2_mesh: Any = None
     fsdp2_layouts: list | None = None
+    eager_norm: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -276,17 +278,21 @@ class TraceParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
 
-        Sharded, the norm is torch's ``get_total_norm`` (as torchtitan's ``clip_grad_norm_``) over
-        the gradients as DTensors in FSDP2's layout on the eager baseline's mesh: DTensor reduces each
-        gradient's norm by its placements, in eager's order, so the traced step reports (and clips
-        with) eager's norm bitwise whatever the layout. Where a shard is not FSDP2's chunk (a dim 0
-        that the FSDP degree does not divide), :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_`.
+        Sharded, with ``eager_norm`` (``--debug.deterministic``), the norm is torch's
+        ``get_total_norm`` (as torchtitan's ``clip_grad_norm_``) over the gradients as DTensors in
+        FSDP2's layout on the eager baseline's mesh: DTensor reduces each gradient's norm by its
+        placements, in eager's order, so the traced step reports (and clips with) eager's norm
+        bitwise whatever the layout. That costs host time (a DTensor and a dispatch per gradient:
+        docs/design.md, "Eager == traced, bit for bit, with NCCL"), so without it, or where a shard is not FSDP2's
+        chunk (a dim 0 the FSDP degree does not divide), the norm is
+        :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_`: the same norm in one all-reduce,
+        eager's rounding only with FSDP alone.
         """
         if not self.sharded:
             from torchtitan.distributed.utils import clip_grad_norm_
 
             return clip_grad_norm_(self.params, max_norm, foreach=True)
-        if self.fsdp2_layouts is None or None in self.fsdp2_layouts:
+        if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
             from graph_trainer.distributed import fsdp
 
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
@@ -356,6 +362,7 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]
     out.norm_weights = [1.0 / tp if tp > 1 and all(isinstance(pl, Replicate) for pl in p.placements) else 1.0
                         for _, p in named]
+    out.eager_norm = bool(cfg.debug.deterministic)
     out.fsdp2_mesh = mesh[(("dp_replicate",) if rep > 1 else ()) + ("dp_shard",) + (("tp",) if tp > 1 else ())]
     out.fsdp2_layouts = [fsdp.fsdp2_layout(t, p.shape, p.stride(), tuple(p.placements) if tp > 1 else (), shard, rep)
                          for t, (_, p) in zip(local, named)]
