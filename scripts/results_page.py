@@ -264,7 +264,7 @@ def tier_table(record: dict) -> list[str]:
 
 
 def meta_line(record: dict) -> str:
-    """``2026-11-27, torch 2.11.0+cu130, git abc12345`` plus the settings when recorded."""
+    """``<date>, torch <version>, git <sha, 8 characters>`` plus the settings when recorded."""
     sha = record["git_sha"][:8] or MISSING
     line = f"{record['date']}, torch {record['torch']}, git `{sha}`"
     settings = record.get("settings")

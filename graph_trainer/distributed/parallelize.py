@@ -299,10 +299,10 @@ class TraceParallel:
         from torch.distributed.tensor import DTensor
 
         grads, dgrads = [], []
-        for i, (p, lay) in enumerate(zip(self.params, self.fsdp2_layouts)):
+        for p, lay in zip(self.params, self.fsdp2_layouts):
             if p.grad is not None:
                 grads.append(p.grad)
-                dgrads.append(DTensor.from_local(self.as_fsdp2_local(i, p.grad), self.fsdp2_mesh, lay.placements,
+                dgrads.append(DTensor.from_local(p.grad.view(lay.local_shape), self.fsdp2_mesh, lay.placements,
                                                  run_check=False, shape=lay.shape, stride=lay.stride))
         # DTensor warns that the norm's mesh dimensions are reduced one after the other: that order is eager's
         quiet = logging.getLogger("torch.distributed.tensor._redistribute")

@@ -39,7 +39,7 @@ import time
 
 from graph_trainer.tools.runs import Progress, Run, execute, tail
 from graph_trainer.tools.sides import (CompareError, Side, _config_for_side, _git_out, check_owned_flags,
-                                       default_repo, forced_flags, out_folder, resolve_config, run_cli,
+                                       default_repo, forced_flags, out_folder, parse_cli, resolve_config, run_cli,
                                        validate_sides)
 from graph_trainer.tools.stats import delta, fmt_number, side_stats
 
@@ -171,20 +171,8 @@ def write_record(folder: str, record: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The CLI (``scripts/bench.py``); the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = build_parser().parse_args(_join_variant_values(own))
+    args, extra = parse_cli(build_parser(), argv, joined=("--variant",))  # NAME=--flag x: one value
     return run_cli(lambda cleanup: _main(args, extra, argv))
-
-
-def _join_variant_values(own: list[str]) -> list[str]:
-    """``--variant NAME=--flag x`` as one value even when FLAGS starts with ``--``."""
-    out: list[str] = []
-    for a in own:
-        if out and out[-1] == "--variant":
-            out[-1] = "--variant=" + a
-        else:
-            out.append(a)
-    return out
 
 
 def _main(args, extra: list[str], argv: list[str]) -> int:

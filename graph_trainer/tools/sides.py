@@ -229,9 +229,11 @@ def tool_parser(prog: str, description: str, doc: str, tool: str) -> argparse.Ar
     return p
 
 
-def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None,
+              joined: tuple[str, ...] = ("--a-flags", "--b-flags")) -> tuple[argparse.Namespace, list[str]]:
     """(the options before ``--``, parsed by ``parser``; the run_train.sh arguments after it).
-    ``--a-flags X`` / ``--b-flags X`` take ``X`` even when it starts with ``--``."""
+    The options in ``joined`` (default ``--a-flags X`` / ``--b-flags X``) take ``X`` even when it
+    starts with ``--``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -239,7 +241,7 @@ def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[
         argv, extra = argv[:i], argv[i + 1:]
     own: list[str] = []
     for a in argv:
-        if own and own[-1] in ("--a-flags", "--b-flags"):
+        if own and own[-1] in joined:
             own[-1] += "=" + a
         else:
             own.append(a)
