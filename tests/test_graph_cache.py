@@ -116,3 +116,23 @@ def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
     assert [n.target for n in loaded.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
     assert torch.equal(loaded(torch.ones(4)), torch.full((4,), 2.0))
     assert detect_fake_mode(placeholder_vals(loaded)).shape_env is not None
+
+
+def test_process_setup_is_done_again_on_load(tmp_path, caplog):
+    """A pass's process setup (async_tp: symmetric memory for the TP group) is stored with the
+    entry and called on load, before the graph is used; one that raises leaves the entry unused."""
+    import functools
+
+    from graph_trainer.compiler import graph_cache
+    from graph_trainer.compiler.node_meta import add_process_setup
+
+    g = torch.fx.Graph()
+    g.output(g.placeholder("x"))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    add_process_setup(gm, functools.partial(os.makedirs, str(tmp_path / "set_up")))
+    assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {})
+    assert not (tmp_path / "set_up").exists()
+    assert graph_cache.load(tmp_path / "e.pkl") is not None and (tmp_path / "set_up").is_dir()
+    with caplog.at_level("WARNING", logger="graph_trainer"):  # the folder exists now: makedirs raises
+        assert graph_cache.load(tmp_path / "e.pkl") is None
+    assert "not used (FileExistsError" in caplog.text

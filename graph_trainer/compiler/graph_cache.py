@@ -6,7 +6,9 @@ graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the regio
 remaining pipeline steps and the run's statistics, under a key of everything that decides the
 graph (:func:`cache_key`). A later run with the same key loads it and runs only the remaining
 steps, so the first step costs the imports and the compile (with a warm Inductor cache, a
-load). Numerics: the loaded graph is the graph the cold run compiled.
+load). Numerics: the loaded graph is the graph the cold run compiled. What a pass did outside the
+graph (its process setup, :func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``
+enables symmetric memory for the TP group) is stored with the entry and done again on load.
 
 When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
 step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format, the
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from graph_trainer.compiler.node_meta import process_setup
 
 logger = logging.getLogger("graph_trainer")
 
@@ -154,7 +158,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     try:
         entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)),
                  "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats,
-                 "outputs": _output_layout(gm)}
+                 "outputs": _output_layout(gm), "setup": process_setup(gm)}
         data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: not saved ({type(e).__name__}: {e})")
@@ -258,7 +262,9 @@ def load(path: Path) -> dict[str, Any] | None:
     """The entry at ``path``, or None (no file, or an unreadable one: a warning). With a compiled
     step stored (:func:`save_compiled`) ``entry["compiled"]`` is that :class:`CompiledStep` and
     ``gm`` is None; otherwise ``gm`` is unpickled into a new fake mode with a shape env (without
-    one Inductor bypasses its FX graph cache, "No shape env", and a warm restart compiles again)."""
+    one Inductor bypasses its FX graph cache, "No shape env", and a warm restart compiles again).
+    The entry's process setup is called first (every rank loads its entry at the same point: a
+    setup may be a rendezvous); one that raises makes the entry unused, as an unreadable one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -269,6 +275,8 @@ def load(path: Path) -> dict[str, Any] | None:
         entry = pickle.loads(path.read_bytes())
         if entry.get("format") != FORMAT:
             raise ValueError(f"format {entry.get('format')}, expected {FORMAT}")
+        for setup in entry.get("setup", []):
+            setup()
         if (compiled := _load_compiled(path, entry)) is not None:
             entry.update(compiled=compiled, gm=None)
             return entry

@@ -1,4 +1,5 @@
 """Node and graph metadata the passes read and write: pass summaries (:func:`set_pass_summary`), the
+per-process setup a rewritten graph needs (:func:`add_process_setup`), the
 trace-time phase and module FQN of a node, the ``compile_with_inductor`` region tag and the fusion
 group (:func:`tag_for_inductor`, :func:`tag_fusion_group`), selective AC's recompute tags, and
 :func:`json_object` (the Inductor config flags a tag carries).
@@ -7,6 +8,7 @@ group (:func:`tag_for_inductor`, :func:`tag_fusion_group`), selective AC's recom
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ SUMMARY_KEY = "graph_trainer_pass_summary"
 #: shares generated kernels only with nodes of the same group.
 FUSION_GROUP_KEY = "inductor_fusion_group"
 STATS_KEY = "graph_trainer_pass_stats"
+#: ``gm.meta`` key of the per-process setup the graph needs (:func:`add_process_setup`).
+SETUP_KEY = "graph_trainer_process_setup"
 #: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
 BARRIER_KEY = "low_precision_pointwise_barrier"
 
@@ -37,6 +41,23 @@ def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(meta, dict):
         return "", {}
     return meta.pop(SUMMARY_KEY, ""), meta.pop(STATS_KEY, {})
+
+
+def add_process_setup(gm: torch.nn.Module, fn: Callable[[], Any]) -> None:
+    """Record on ``gm.meta`` work outside the graph that every process must do before it runs
+    ``gm`` (``async_tp``: symmetric memory for the TP group). The pass does it when it rewrites; the
+    graph cache stores ``fn`` with its entry and a warm run, which runs no pass, calls it on load
+    (graph_trainer/compiler/graph_cache.py). ``fn`` takes no argument and must pickle: a
+    ``functools.partial`` of a module-level function and plain values."""
+    if not isinstance(getattr(gm, "meta", None), dict):
+        gm.meta = {}  # type: ignore[attr-defined]
+    gm.meta.setdefault(SETUP_KEY, []).append(fn)
+
+
+def process_setup(gm: Any) -> list[Callable[[], Any]]:
+    """The setup functions recorded on ``gm`` by :func:`add_process_setup`, in order ([] if none)."""
+    meta = getattr(gm, "meta", None)
+    return list(meta.get(SETUP_KEY, [])) if isinstance(meta, dict) else []
 
 
 def custom_meta(node: torch.fx.Node) -> dict[str, Any]:

@@ -26,6 +26,7 @@ at batch > 1) are copied to the traced contiguous layout. Runs after ``sac_recom
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import warnings
@@ -40,7 +41,7 @@ import torch.fx
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_wait, shard_chain
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode
-from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary
+from graph_trainer.compiler.node_meta import add_process_setup, custom_meta, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
@@ -453,14 +454,23 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_nam
     _erase_unused(graph, [mm.pre, mm.mm, mm.post, *m.layout, m.rs, m.wait])
 
 
-def _enable_symmetric_memory(group_name: str, ags: list[AllGatherMatch], rss: list[ReduceScatterMatch],
-                             group_size: int) -> tuple[bool, str]:
-    """Enable symmetric memory for the TP group and allocate the workspace the matched ops need
-    (an all-gather's shard, two ``1/g`` chunks of a reduce-scatter's matmul output; a rendezvous:
-    every TP rank calls it). ``(ok, note)``: whether multicast is available, or why unusable."""
+def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], group_size: int) -> int:
+    """Bytes of symmetric-memory workspace the matched ops need: an all-gather's shard, two ``1/g``
+    chunks of a reduce-scatter's matmul output (the largest of them; at least 1)."""
     need = [v.numel() * v.element_size() for m in ags if (v := _val(m.ag.args[0])) is not None]
     need += [2 * (v.numel() // group_size) * v.element_size() for m in rss
              if (v := _val(m.matmul.post or m.matmul.mm)) is not None]
+    return max(need + [1])
+
+
+def enable_symmetric_memory(group_name: str, workspace_bytes: int) -> tuple[bool, str]:
+    """Enable symmetric memory for the TP group ``group_name`` and allocate ``workspace_bytes`` of
+    workspace for its fused ops (a rendezvous: every TP rank calls it). The pass calls it when it
+    rewrites, and records it as the graph's process setup: a run that loads the rewritten graph
+    from the graph cache calls it again (:func:`~graph_trainer.compiler.node_meta.add_process_setup`).
+
+    Returns ``(ok, note)``: whether it is usable, and whether multicast is available or why not.
+    """
     if not dist.is_available() or not dist.is_nccl_available():
         return False, "NCCL is not available"
     try:
@@ -471,7 +481,7 @@ def _enable_symmetric_memory(group_name: str, ags: list[AllGatherMatch], rss: li
         with warnings.catch_warnings():  # deprecated (no longer needed) in newer torch
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group_name)
-        symm_mem.get_symm_mem_workspace(group_name, min_size=max(need + [1]))
+        symm_mem.get_symm_mem_workspace(group_name, min_size=workspace_bytes)
     except Exception as e:  # no P2P access, driver API, allocation ...
         return False, f"symmetric memory unavailable for the TP group ({type(e).__name__}: {str(e)[:200]})"
     try:
@@ -479,6 +489,13 @@ def _enable_symmetric_memory(group_name: str, ags: list[AllGatherMatch], rss: li
     except Exception:
         return True, "multicast support unknown"
     return True, "multicast on" if multicast else "multicast off: P2P copy-engine path"
+
+
+def _setup_symmetric_memory(group_name: str, workspace_bytes: int) -> None:
+    """The pass's process setup: :func:`enable_symmetric_memory`. Raises RuntimeError where it is unusable."""
+    ok, note = enable_symmetric_memory(group_name, workspace_bytes)
+    if not ok:
+        raise RuntimeError(note)
 
 
 def async_tp_pass(
@@ -533,9 +550,12 @@ def async_tp_pass(
             skip = f"skipped: device {device} (the symm_mem fused ops are CUDA-only); would fuse {what}{left}"
         else:
             group_size = _arg(ags[0].ag, 1, "group_size") if ags else _arg(rss[0].rs, 2, "group_size")
-            ok, note = _enable_symmetric_memory(group, fusible_ags, fusible_rss, group_size)
+            workspace = _workspace_bytes(fusible_ags, fusible_rss, group_size)
+            ok, note = enable_symmetric_memory(group, workspace)
             skip = None if ok else f"skipped: {note}; would fuse {what}{left}"
             note = f"; symmetric memory enabled, {note}"
+            if ok:  # a run that loads this graph from the graph cache runs no pass: it calls this
+                add_process_setup(gm, functools.partial(_setup_symmetric_memory, group, workspace))
     elif not rewrite:
         skip = f"counted only: would fuse {what}{left}"
     if skip is not None:
