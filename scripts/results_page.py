@@ -4,9 +4,11 @@
 Every device call leaves one record, ``docs/results/<YYYY-MM-DD>_<slug>.json`` (``"kind": "bench"``:
 a table of variants; ``"kind": "tier"``: a table of test claims). The page is the prose template
 ``docs/results/template.md`` with its one ``{{records}}`` line replaced by one section per
-(kind, workload, device) group: the group's latest record (by date, then file name); older
-records stay in docs/results/ and are only counted. Tier groups come first, then bench groups
-by workload and device. Stdlib only; the output holds no timestamp, so regenerating is idempotent.
+group. A bench group is a (workload, device): its latest record (by date, UTC ``time`` where
+recorded, then file name); older
+records stay in docs/results/ and are only counted. A tier group is a (model, device): each claim's
+latest result over the group's records (tier calls often run a subset, ``TIER_K``), with the call
+it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the output holds no timestamp, so regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
     python3 scripts/results_page.py --check           # exit 1 if docs/perf.md is stale, write nothing
@@ -157,21 +159,44 @@ def load_records(results: Path) -> list[tuple[Path, dict]]:
 
 
 def group_key(record: dict) -> tuple[str, str, str]:
-    """The group a record belongs to: ``(kind, workload, device)``."""
-    return record["kind"], record["workload"], record["device"]
+    """The group a record belongs to: ``(kind, workload, device)``; a tier record's workload is its
+    ``model`` (else its workload)."""
+    what = record.get("model") or record["workload"] if record["kind"] == "tier" else record["workload"]
+    return record["kind"], what, record["device"]
+
+
+def merge_tier(members: list[dict]) -> dict:
+    """One tier record of a group's ``members`` (oldest first): the latest's fields, each claim's
+    latest result with its call's ``git_sha`` (``call``), every contributing call's command and note."""
+    claims: dict[str, dict] = {}
+    for record in members:
+        for c in record["claims"]:
+            claims[c["claim"]] = {**c, "call": record["git_sha"][:8]}
+    used = [r for r in members if any(c["call"] == r["git_sha"][:8] for c in claims.values())]
+    if len(used) == 1:
+        return used[0]
+    model = members[-1].get("model")
+    return {**members[-1], "title": f"GPU tier, {model}" if model else members[-1]["title"],
+            "claims": [claims[k] for k in sorted(claims)], "calls": len(used),
+            "command": "\n".join(dict.fromkeys(r["command"] for r in used)),
+            "note": " ".join(dict.fromkeys(f"`{r['git_sha'][:8]}`: {r['note']}" for r in used if r.get("note")))
+            or None}
 
 
 def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]:
-    """``(latest record, number of older records)`` per group, in page order: tier groups first,
-    then bench groups, each by workload then device. Latest = greatest (date, file name)."""
+    """``(record, number of records not shown)`` per group, in page order: tier groups first, then
+    bench groups, each by workload then device. Bench: the latest, greatest (date, time, file name);
+    tier: :func:`merge_tier` of the group (records none of whose claims is shown are counted)."""
     groups: dict[tuple[str, str, str], list[tuple[Path, dict]]] = {}
     for path, record in records:
         groups.setdefault(group_key(record), []).append((path, record))
     order = sorted(groups, key=lambda k: (k[0] != "tier", k[1], k[2]))
     out = []
     for key in order:
-        members = sorted(groups[key], key=lambda pr: (pr[1]["date"], pr[0].name))
-        out.append((members[-1][1], len(members) - 1))
+        members = [r for _, r in sorted(groups[key], key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")),
+                                                                      pr[0].name))]
+        shown_record = merge_tier(members) if key[0] == "tier" else members[-1]
+        out.append((shown_record, len(members) - shown_record.get("calls", 1)))
     return out
 
 
@@ -254,11 +279,12 @@ def bench_table(record: dict) -> list[str]:
 def tier_table(record: dict) -> list[str]:
     """The claims table of a tier record; the detail column only when some claim has one."""
     claims = record["claims"]
-    detail = any(c.get("detail") for c in claims)
-    header = ["claim", "what", "result"] + (["detail"] if detail else [])
+    detail, calls = any(c.get("detail") for c in claims), record.get("calls", 1) > 1
+    header = ["claim", "what", "result"] + (["call"] if calls else []) + (["detail"] if detail else [])
     lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
     for c in claims:
-        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([c.get("detail") or MISSING] if detail else [])
+        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([f"`{c['call']}`"] if calls else []) \
+            + ([c.get("detail") or MISSING] if detail else [])
         lines.append(row(cells))
     return lines
 
@@ -267,9 +293,11 @@ def meta_line(record: dict) -> str:
     """``<date>, torch <version>, git <sha, 8 characters>`` plus the settings when recorded."""
     sha = record["git_sha"][:8] or MISSING
     line = f"{record['date']}, torch {record['torch']}, git `{sha}`"
+    if record.get("calls", 1) > 1:
+        line += f" (the latest of {record['calls']} calls; each claim's call in its row)"
     settings = record.get("settings")
-    if isinstance(settings, dict) and settings:
-        line += " (" + ", ".join(f"{k} {v}" for k, v in settings.items()) + ")"
+    if isinstance(settings, dict) and settings:  # the layout flags are in the command below
+        line += " (" + ", ".join(f"{k} {v}" for k, v in settings.items() if k != "extra_args") + ")"
     return line
 
 

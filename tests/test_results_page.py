@@ -147,6 +147,30 @@ def test_latest_by_date_then_file_name(repo, capsys):
     assert "_2 earlier records in docs/results/._" in page
 
 
+def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
+    """Tier calls that ran subsets: one section per model and device, each claim's latest result
+    (by date, then time) with its call; a call none of whose claims is shown is counted."""
+    def call(name, time, sha, results, model="llama3_1b"):
+        record = {**tier("2026-11-27"), "model": model, "workload": name, "time": time, "git_sha": sha,
+                  "command": f"TIER_K={name} bash scripts/gpu/tier.sh", "note": None}
+        record["claims"] = [{"claim": c, "what": c, "result": r} for c, r in results.items()]
+        put(repo, f"2026-11-27_{name}.json", record)
+
+    call("a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
+    call("b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})
+    call("c_superseded", "21:00", "cccccccccc", {"tp2-full": "FAILED"})
+    call("d_other_model", "23:00", "dddddddddd", {"tp2-full": "FAILED"}, model="llama3_8b")
+    assert generate(capsys)[0] == 0
+    page = sections((repo / "docs" / "perf.md").read_text())
+    assert list(page) == ["GPU tier, llama3_1b — " + H100, "GPU tier — " + H100]
+    header, rows = table(page["GPU tier, llama3_1b — " + H100])
+    assert header == "| claim | what | result | call |"
+    assert rows == {"`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"],
+                    "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]}
+    assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in page["GPU tier, llama3_1b — " + H100]
+    assert "_1 earlier record in docs/results/._" in page["GPU tier, llama3_1b — " + H100]
+
+
 def test_tier_without_details_has_three_columns(repo, capsys):
     record = tier("2026-11-27")
     record["claims"][1].pop("detail")

@@ -153,12 +153,19 @@ def table(variants: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def utc_date_time() -> dict[str, str]:
+    """A record's ``date`` (YYYY-MM-DD) and ``time`` (HH:MM), UTC: the results page orders a day's records by them."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"date": now.strftime("%Y-%m-%d"), "time": now.strftime("%H:%M")}
+
+
 def write_record(folder: str, record: dict) -> str:
-    """Write ``record`` as ``<folder>/<date>_<workload slug>.json`` (``_2``, ``_3``, ... when taken);
-    returns the path. Never overwrites."""
+    """Write ``record`` as ``<folder>/<date>_<HHMM>_<workload slug>.json`` (``HHMM``: its UTC
+    ``time``, omitted when absent; ``_2``, ``_3``, ... when taken); returns the path. Never overwrites."""
     os.makedirs(folder, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "_", record["workload"]).strip("_").lower() or "bench"
-    stem = os.path.join(folder, f"{record['date']}_{slug}")
+    when = "_".join(filter(None, (record["date"], record.get("time", "").replace(":", ""))))
+    stem = os.path.join(folder, f"{when}_{slug}")
     path, n = stem + ".json", 2
     while os.path.exists(path):
         path, n = f"{stem}_{n}.json", n + 1
@@ -212,7 +219,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "schema": 1, "kind": "bench",
         "workload": args.workload or f"{os.path.splitext(os.path.basename(config))[0]} {layout}".strip(),
         "title": args.title or args.workload or os.path.basename(config),
-        "date": datetime.date.today().isoformat(), "device": device_name(), "torch": _torch_version(),
+        **utc_date_time(), "device": device_name(), "torch": _torch_version(),
         "git_sha": head, "command": _command(argv),
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
         "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],

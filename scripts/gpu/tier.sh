@@ -9,7 +9,9 @@
 #   GPU_TIER_CONFIG=train_configs/llama3_8b.toml TIER_K=eager_equals bash scripts/gpu/tier.sh
 #
 # With 4 or more GPUs the 2-GPU claims run two streams at once (GPUs 0,1 and 2,3), then the
-# 4-GPU claims. GPU_TIER_CONFIG / GPU_TIER_STEPS: see tests/test_gpu_tier.py.
+# 4-GPU claims. GPU_TIER_CONFIG / GPU_TIER_STEPS: see tests/test_gpu_tier.py. TIER_DEADLINE_S:
+# interrupt the claims still running that many seconds after the start (pytest's SIGINT: the
+# finished claims are still summarised and recorded), for a call's time limit.
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -17,7 +19,10 @@ mkdir -p "$OUT/tier"
 n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 k=${TIER_K:+ and (${TIER_K})}
 tier() {  # name, CUDA_VISIBLE_DEVICES, pytest arguments...
-    CUDA_VISIBLE_DEVICES=$2 python3 -m pytest -v -s -rA -p no:cacheprovider "${@:3}" > "$OUT/tier/$1.log" 2>&1
+    local left=$(( ${TIER_DEADLINE_S:-86400} - SECONDS ))
+    (( left > 0 )) || { echo "not started: TIER_DEADLINE_S passed" > "$OUT/tier/$1.log"; return; }
+    CUDA_VISIBLE_DEVICES=$2 timeout -s INT -k 30 "$left" python3 -m pytest -v -s -rA -p no:cacheprovider "${@:3}" \
+        > "$OUT/tier/$1.log" 2>&1
 }
 echo "GPU tier: $n GPU(s), config ${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}, torch $(python3 -c 'import torch; print(torch.__version__)')"
 if (( n == 1 )); then
@@ -36,8 +41,8 @@ fi
 grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
 # the call's record for the results page (docs/results/, scripts/results_page.py): copy it there
 python3 - "$OUT" "${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}" "${GPU_TIER_STEPS:-20}" "${TIER_K:-}" <<'PY'
-import datetime, glob, re, subprocess, sys, torch
-from graph_trainer.tools.bench import device_name, write_record
+import glob, re, shlex, subprocess, sys, torch
+from graph_trainer.tools.bench import device_name, utc_date_time, write_record
 out, config, steps, k = sys.argv[1:]
 what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
         "test_run_to_run_with_numerics_changing_options": "run to run, 6 steps + final state",
@@ -48,9 +53,10 @@ claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    env = " ".join(f"{n}={v}" for n, v in (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
-    rec = {"schema": 1, "kind": "tier", "workload": f"gpu tier {model} {k}".strip(), "title": f"GPU tier, {model}"
-           + (f" ({k})" if k else ""), "date": datetime.date.today().isoformat(), "device": device_name(),
+    env = " ".join(f"{n}={shlex.quote(v)}" for n, v in (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
+    rec = {"schema": 1, "kind": "tier", "model": model, "workload": f"gpu tier {model} {k}".strip(),
+           "title": f"GPU tier, {model}"
+           + (f" ({k})" if k else ""), **utc_date_time(), "device": device_name(),
            "torch": torch.__version__, "git_sha": sha, "command": f"{env} bash scripts/gpu/tier.sh".strip(),
            "claims": sorted(claims, key=lambda c: c["claim"])}
     print("record:", write_record(f"{out}/results", rec))
