@@ -202,7 +202,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "schema": 1, "kind": "bench",
         "workload": args.workload or f"{os.path.splitext(os.path.basename(config))[0]} {layout}".strip(),
         "title": args.title or args.workload or os.path.basename(config),
-        **utc_date_time(), "device": device_name(), "torch": _torch_version(),
+        **utc_date_time(), "device": device_name(), "torch": __import__("torch").__version__,
         "git_sha": head, "command": _command(argv),
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
         "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],
@@ -224,12 +224,6 @@ def _command(argv: list[str]) -> str:
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE")
            if os.environ.get(k)]
     return " ".join([*env, "scripts/bench.py", shlex.join(argv)])
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 if __name__ == "__main__":

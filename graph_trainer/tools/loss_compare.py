@@ -20,7 +20,7 @@ import math
 import os
 import sys
 
-from graph_trainer.tools.runs import Progress, run_side, tail
+from graph_trainer.tools.runs import Progress, execute, side_run, tail
 from graph_trainer.tools.sides import CompareError, pair_sides, parse_cli, run_cli, tool_parser, write_json
 
 HASH_KEYS = ("weights", "grads", "optimizer")
@@ -108,7 +108,8 @@ def _run(args, extra, sides, out) -> int:
     progress = Progress()
     runs = {}
     for name in ("A", "B"):
-        run = run_side(name, sides[name], extra, ["--debug.state_hashes"], args.steps, out, args, progress)
+        run = side_run(name, sides[name], extra, ["--debug.state_hashes"], args.steps, out)
+        execute(run, sides[name], args.steps, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         progress.done(f"[{name}] {run.status} in {run.wall_s:.1f}s")
         runs[name] = run
     failed = [n for n, r in runs.items() if r.status != "ok"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from graph_trainer.numerics import key_text, load
-from graph_trainer.tools.runs import Progress, run_side, tail
+from graph_trainer.tools.runs import Progress, execute, side_run, tail
 from graph_trainer.tools.sides import CompareError, pair_sides, parse_cli, run_cli, tool_parser, write_json
 
 
@@ -177,7 +177,8 @@ def _run(args, extra, sides, out) -> int:
     dirs = {}
     for name in ("A", "B"):
         dirs[name] = os.path.join(out, name.lower(), "numerics")
-        run = run_side(name, sides[name], extra, ["--debug.record_numerics", dirs[name]], 1, out, args, progress)
+        run = side_run(name, sides[name], extra, ["--debug.record_numerics", dirs[name]], 1, out)
+        execute(run, sides[name], 1, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         ok = run.returncode == 0 and "timed out" not in (run.error or "")  # one step: no tps statistics to check
         progress.done(f"[{name}] {'ok' if ok else 'failed'} in {run.wall_s:.1f}s")
         if not ok:

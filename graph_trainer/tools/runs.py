@@ -280,13 +280,10 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
     return False
 
 
-def run_side(name: str, side: Side, extra: list[str], flags: list[str], steps: int, out: str, args,
-             progress: Progress) -> Run:
-    """One run of side ``name`` (loss_compare, numerics_diff): ``./run_train.sh`` with the side's flags,
-    ``extra``, ``flags`` and the forced flags, dump folder ``<out>/<name lower>``; its command printed first."""
+def side_run(name: str, side: Side, extra: list[str], flags: list[str], steps: int, out: str) -> Run:
+    """The one run of side ``name`` (loss_compare, numerics_diff), its command printed: ``./run_train.sh``
+    with the side's flags, ``extra``, ``flags`` and the forced flags; dump folder ``<out>/<name lower>``."""
     dump = os.path.join(out, name.lower())
     cmd = ["./run_train.sh", *side.flags, *extra, *flags, *forced_flags(steps, dump)]
-    run = Run(side=name, repeat=1, index="AB".index(name), dump_folder=dump, log=dump + ".log", cmd=cmd)
     print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
-    execute(run, side, steps, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
-    return run
+    return Run(side=name, repeat=1, index="AB".index(name), dump_folder=dump, log=dump + ".log", cmd=cmd)
