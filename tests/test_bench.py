@@ -3,8 +3,6 @@ table, records that are never overwritten, bad input; one CPU call of the debug 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,7 +11,8 @@ from graph_trainer.tools.runs import Run
 from graph_trainer.tools.sides import CompareError
 from graph_trainer.tools.stats import run_stats
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import run_script  # tests/ is on sys.path
+from _runs import launch_env
 
 
 def test_parse_variants():
@@ -56,12 +55,6 @@ def test_write_record_never_overwrites(tmp_path):
     assert os.path.basename(write_record(str(tmp_path), {**rec, "time": "23:05"})) == "2026-11-27_2305_llama3_1b_fsdp2.json"
 
 
-def _bench(*args, cwd=REPO, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k not in ("NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE")}
-    return subprocess.run([sys.executable, "scripts/bench.py", *args], cwd=cwd, env={**env, "CUDA_VISIBLE_DEVICES": ""},
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
     from graph_trainer.tools.bench import main
 
@@ -74,9 +67,10 @@ def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
     """One variant (eager: no compile), one round on the CPU: the table, a record naming its command."""
-    r = _bench("--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "3",
-               "--warmup", "1", "--workload", "debug one", "--record-dir", str(tmp_path / "results"),
-               "--out", str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2")
+    r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "3",
+                    "--warmup", "1", "--workload", "debug one", "--record-dir", str(tmp_path / "results"), "--out",
+                    str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                   env=launch_env(), timeout=900)  # forked from tests/_launch.py's server, CPU only
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| eager (1 runs) |" in r.stdout
     (path,) = (tmp_path / "results").iterdir()

@@ -35,12 +35,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 
-from graph_trainer.tools.runs import Progress, Run, execute, tail
-from graph_trainer.tools.sides import (CompareError, Side, _config_for_side, _git_out, check_owned_flags,
-                                       default_repo, forced_flags, out_folder, parse_cli, resolve_config, run_cli,
-                                       validate_sides)
+from graph_trainer.tools.runs import Run, plan_runs, run_all
+from graph_trainer.tools.sides import (CompareError, Side, check_owned_flags, check_run_args, config_for_side,
+                                       default_repo, git_out, out_folder, parse_cli, resolve_config, run_cli,
+                                       tool_parser, validate_sides, write_json)
 from graph_trainer.tools.stats import delta, fmt_number, side_stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,9 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's options (the arguments before ``--``)."""
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
-                                epilog="examples:" + __doc__.split("Examples::")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser("bench.py", __doc__.split("\n\n")[0], __doc__, "bench", two_sided=False)
     p.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
                    help='a named variant: run_train.sh flags as one shell-quoted string ("" for none); the first '
                         "is the baseline; repeat the option for each")
@@ -67,9 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the call's JSON record goes (default docs/results)")
     p.add_argument("--no-record", action="store_true", help="write no record")
     p.add_argument("--note", help="one line shown under the table on the results page")
-    p.add_argument("--run-timeout", type=float, default=None, metavar="S", help="kill a run after S seconds")
-    p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
-    p.add_argument("--out", help="output folder of the runs (default ./outputs/bench_<timestamp>)")
     return p
 
 
@@ -183,35 +177,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, extra: list[str], argv: list[str]) -> int:
-    if args.repeats < 1 or args.warmup < 0 or args.steps <= max(args.warmup, 1):
-        raise CompareError(f"need --repeats >= 1, --warmup >= 0 and --steps > max(--warmup, 1); got --repeats "
-                           f"{args.repeats}, --warmup {args.warmup}, --steps {args.steps}.")
-    if args.profile_step is not None and not 2 <= args.profile_step <= args.steps:
-        raise CompareError(f"--profile-step must be in 2..--steps ({args.steps}), got {args.profile_step}.")
+    check_run_args(args)
     check_owned_flags(extra, "the arguments after --")
     variants = parse_variants(args.variant)
     repo, config = default_repo(), resolve_config(None, os.environ)[0]
-    head = _git_out(repo, "rev-parse", "HEAD")
+    head = git_out(repo, "rev-parse", "HEAD")
     sides = {}
     for name, flags in variants:
         sides[name] = Side(name=name, ref=None, flags=flags, label=name, commit=head, root=repo)
-        _config_for_side(config, sides[name])
+        config_for_side(config, sides[name])
     out = out_folder(args.out, "bench")
     if os.path.isdir(out) and os.listdir(out):
         raise CompareError(f"--out {out} exists and is not empty; choose a new folder so runs do not mix.")
     print(f"bench: {len(variants)} variant(s) x {args.repeats} round(s), {args.steps} steps; config {config}"
           + (f"; run_train.sh {shlex.join(extra)}" if extra else ""), flush=True)
     validate_sides(sides, extra, args.steps, os.path.join(out, "check"))
-    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.profile_step),
-               "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if args.profile_step else []
-    runs = []
-    for rnd in range(1, args.repeats + 1):
-        for name, _ in variants:
-            dump = os.path.join(out, "runs", f"{name}{rnd}")
-            cmd = ["bash", os.path.join(repo, "run_train.sh"), *sides[name].flags, *extra,
-                   *forced_flags(args.steps, dump), *profile]
-            runs.append(Run(side=name, repeat=rnd, index=len(runs) + 1, dump_folder=dump, log=dump + ".log", cmd=cmd))
-    interrupted = _run_all(runs, sides, args)
+    order = [(name, rnd) for rnd in range(1, args.repeats + 1) for name, _ in variants]
+    runs = plan_runs(order, sides, extra, args.steps, out, args.profile_step)
+    interrupted = run_all(runs, sides, args, lambda r: f"{r.side} round {r.repeat}")
     results = variant_results([n for n, _ in variants], runs)
     print("\n" + table(results))
     layout = " ".join(a for a in extra if not a.startswith("--") or "parallelism" in a)
@@ -219,7 +202,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "schema": 1, "kind": "bench",
         "workload": args.workload or f"{os.path.splitext(os.path.basename(config))[0]} {layout}".strip(),
         "title": args.title or args.workload or os.path.basename(config),
-        **utc_date_time(), "device": device_name(), "torch": _torch_version(),
+        **utc_date_time(), "device": device_name(), "torch": __import__("torch").__version__,
         "git_sha": head, "command": _command(argv),
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
         "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],
@@ -229,8 +212,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
                   "dump_folder": r.dump_folder} for r in runs],
         "profile_png": None, "note": args.note,
     }
-    with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(os.path.join(out, "bench.json"), record)
     if not args.no_record and not interrupted:
         print(f"record: {write_record(args.record_dir, record)}")
     bad = [r for r in runs if r.status != "ok"]
@@ -242,34 +224,6 @@ def _command(argv: list[str]) -> str:
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE")
            if os.environ.get(k)]
     return " ".join([*env, "scripts/bench.py", shlex.join(argv)])
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
-def _run_all(runs: list[Run], sides: dict, args) -> bool:
-    """Run ``runs`` in order, the deadline and failures permitting; True when interrupted."""
-    progress, start, longest = Progress(), time.monotonic(), {}
-    try:
-        for run in runs:
-            prefix = f"[{run.index}/{len(runs)}] {run.side} round {run.repeat}:"
-            if args.deadline_s and time.monotonic() - start + longest.get(run.side, 0.0) > args.deadline_s:
-                run.status, run.error = "skipped", f"--deadline-s {args.deadline_s:.0f} would be passed"
-                progress.done(f"{prefix} skipped ({run.error})")
-                continue
-            execute(run, sides[run.side], args.steps, args.warmup, prefix, args.verbose, args.run_timeout, progress)
-            longest[run.side] = max(longest.get(run.side, 0.0), run.wall_s or 0.0)
-            if run.status == "ok":
-                progress.done(f"{prefix} ok in {run.wall_s:.0f}s, tps {fmt_number('tps', run.stats['tps'])}")
-            else:
-                progress.done(f"{prefix} FAILED ({run.error}); last lines of {run.log}:\n{tail(run.log)}")
-    except KeyboardInterrupt:
-        progress.done("\ninterrupted; the finished runs are reported")
-        return True
-    return False
 
 
 if __name__ == "__main__":

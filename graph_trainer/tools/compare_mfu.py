@@ -30,13 +30,12 @@ import datetime
 import json
 import os
 import shlex
-import signal
 import sys
 
-from graph_trainer.tools.runs import LOG_TAIL_LINES, Progress, Run, execute, tail
-from graph_trainer.tools.sides import (CompareError, Side, forced_flags, out_folder, parse_cli, resolve_sides, run_cli,
-                                       tool_parser, validate_sides)
-from graph_trainer.tools.stats import build_results, fmt_value, kernel_comparison, profile_json, steady_rows
+from graph_trainer.tools.runs import Run, plan_runs, run_all
+from graph_trainer.tools.sides import (CompareError, Side, check_run_args, out_folder, parse_cli, resolve_sides,
+                                       run_cli, tool_parser, validate_sides, write_json)
+from graph_trainer.tools.stats import build_results, kernel_comparison, profile_json, steady_rows
 
 # Environment variables recorded in comparison.json.
 ENV_RECORDED = ("NGPU", "CONFIG_FILE", "CONFIG", "LOG_RANK", "MODULE", "COMM_MODE", "CUDA_VISIBLE_DEVICES",
@@ -104,13 +103,6 @@ def timeline_plot(path: str, runs: list[Run], labels: dict[str, str], step: int)
     return path
 
 
-def write_json(path: str, payload: dict) -> None:
-    """Write ``payload`` to ``path`` atomically (a temporary file, then a rename)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's options (the arguments before ``--``)."""
     p = tool_parser("compare_mfu.py", "Run run_train.sh for two sides (git refs and/or flag sets), alternating, "
@@ -156,16 +148,7 @@ def _print_plan(ctx: dict, args: argparse.Namespace, extra: list[str]) -> None:
 
 
 def _main(args, extra, argv, cleanup) -> int:
-    first = max(args.warmup, 1)
-    if args.repeats < 1:
-        raise CompareError(f"--repeats must be >= 1, got {args.repeats}.")
-    if args.warmup < 0:
-        raise CompareError(f"--warmup must be >= 0, got {args.warmup}.")
-    if args.steps <= first:
-        raise CompareError(f"--steps {args.steps} leaves no step to measure: steps 1..{first} are excluded "
-                           f"(--warmup {args.warmup}; step 1 always). Use --steps > {first}.")
-    if args.profile_step is not None and not 2 <= args.profile_step <= args.steps:
-        raise CompareError(f"--profile-step must be in 2..--steps ({args.steps}), got {args.profile_step}.")
+    check_run_args(args)
     if all(x is None for x in (args.a, args.b, args.a_flags, args.b_flags)):
         raise CompareError("nothing to compare: give a ref (--a REF / --b REF) and/or flags (--a-flags / --b-flags) "
                            "for at least one side; a side without either is the working tree.")
@@ -178,14 +161,8 @@ def _main(args, extra, argv, cleanup) -> int:
     print("validating both sides' flags with graph_trainer.config ...", flush=True)
     validate_sides(sides, extra, args.steps, os.path.join(out, "runs", "check"))
 
-    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.profile_step),  # exactly step N
-               "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if args.profile_step else []
-    runs: list[Run] = []
-    for i, (rep, s) in enumerate(((rep, s) for rep in range(1, args.repeats + 1) for s in "AB"), 1):
-        dump = os.path.join(out, "runs", f"{s}{rep}")
-        cmd = ["bash", os.path.join(sides[s].root, "run_train.sh"), *sides[s].flags, *extra,
-               *forced_flags(args.steps, dump), *profile]
-        runs.append(Run(side=s, repeat=rep, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd))
+    order = [(s, rep) for rep in range(1, args.repeats + 1) for s in "AB"]
+    runs = plan_runs(order, sides, extra, args.steps, out, args.profile_step)
     if args.dry_run:
         print("dry run; would run:")
         for r in runs:
@@ -207,7 +184,12 @@ def _main(args, extra, argv, cleanup) -> int:
                "sides": {n: s.describe() for n, s in sides.items()}, "runs": [], "table": None, "plot": None,
                "ok": False}
     json_path = os.path.join(out, "comparison.json")
-    interrupted = _run_all(runs, sides, args, payload, json_path)
+
+    def save_runs():
+        payload["runs"] = [dataclasses.asdict(r) for r in runs if r.status != "pending"]
+        write_json(json_path, payload)
+
+    interrupted = run_all(runs, sides, args, lambda r: f"{r.side}{r.repeat} ({sides[r.side].label})", save_runs)
 
     results = build_results(sides, runs, args.repeats)
     payload.update(runs=[dataclasses.asdict(r) for r in runs], table=results)
@@ -244,50 +226,6 @@ def _main(args, extra, argv, cleanup) -> int:
             log = f" (log {r.log})" if r.status == "failed" else ""
             print(f"  {r.side}{r.repeat}: {r.status}: {err}{log}", file=sys.stderr)
     return 130 if interrupted else 1 if failed else 0
-
-
-def _run_all(runs: list[Run], sides: dict, args, payload: dict, json_path: str) -> bool:
-    """Run ``runs`` in order, rewriting ``json_path`` after each; True when interrupted (Ctrl-C
-    or SIGTERM: the current run is stopped and recorded as interrupted, the rest stay pending)."""
-    progress = Progress()
-    current = None
-    # SIGTERM (`timeout`, a job scheduler) raises KeyboardInterrupt: the finished runs are reported as on Ctrl-C
-    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        skip: dict[str, str] = {}
-        for run in runs:
-            prefix = f"[{run.index}/{len(runs)}] {run.side}{run.repeat} ({sides[run.side].label}):"
-            if run.side in skip:
-                run.status, run.error = "skipped", skip[run.side]
-                progress.done(f"{prefix} skipped: {run.error}")
-                continue
-            progress.update(f"{prefix} starting")
-            current = run
-            execute(run, sides[run.side], args.steps, args.warmup, prefix, args.verbose, args.run_timeout, progress)
-            current = None
-            if run.status == "ok":
-                st = run.stats
-                progress.done(
-                    f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
-                    f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
-                    f"{fmt_value('memory_gib', st['memory_gib'])} "
-                    f"(median of steps {st['steady_steps'][0]}..{st['steady_steps'][-1]})")
-            else:
-                progress.done(f"{prefix} FAILED ({run.error}); last {LOG_TAIL_LINES} lines of {run.log}:")
-                print("\n".join("    | " + l for l in tail(run.log).rstrip("\n").splitlines()), flush=True)
-                if run.input_error:  # the trainer rejected its input: every repeat would fail
-                    skip[run.side] = (f"{run.side}{run.repeat} failed on an input error of the trainer, "
-                                      "which would repeat")
-            payload["runs"] = [dataclasses.asdict(r) for r in runs if r.status != "pending"]
-            write_json(json_path, payload)
-    except KeyboardInterrupt:
-        if current is not None:
-            current.status, current.error = "interrupted", "interrupted (Ctrl-C or SIGTERM)"
-        progress.done("\ninterrupted; reporting the finished runs")
-        return True
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
-    return False
 
 
 if __name__ == "__main__":

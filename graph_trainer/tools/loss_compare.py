@@ -16,14 +16,12 @@ Exit codes: 0 ok (and equal, with ``--assert-equal``); 1 a difference under
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shlex
 import sys
 
-from graph_trainer.tools.runs import Progress, Run, execute, tail
-from graph_trainer.tools.sides import CompareError, forced_flags, pair_sides, parse_cli, run_cli, tool_parser
+from graph_trainer.tools.runs import Progress, execute, side_run, tail
+from graph_trainer.tools.sides import CompareError, pair_sides, parse_cli, run_cli, tool_parser, write_json
 
 HASH_KEYS = ("weights", "grads", "optimizer")
 
@@ -109,12 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, extra, sides, out) -> int:
     progress = Progress()
     runs = {}
-    for i, name in enumerate(("A", "B")):
-        side, dump = sides[name], os.path.join(out, name.lower())
-        cmd = ["./run_train.sh", *side.flags, *extra, "--debug.state_hashes", *forced_flags(args.steps, dump)]
-        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd)
-        print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
-        execute(run, side, args.steps, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
+    for name in ("A", "B"):
+        run = side_run(name, sides[name], extra, ["--debug.state_hashes"], args.steps, out)
+        execute(run, sides[name], args.steps, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         progress.done(f"[{name}] {run.status} in {run.wall_s:.1f}s")
         runs[name] = run
     failed = [n for n, r in runs.items() if r.status != "ok"]
@@ -134,8 +129,7 @@ def _run(args, extra, sides, out) -> int:
               "max_rel_loss_diff": max_rel_loss_diff(a_common, b.rows) if common or not failed else None,
               "losses": {n: [r.get("loss") for r in runs[n].rows] for n in runs}}
     path = os.path.join(out, "loss_compare.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(path, result)
     labels = {n: sides[n].label for n in sides}
     rel = result["max_rel_loss_diff"]
     if failed:

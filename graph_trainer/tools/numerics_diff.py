@@ -18,11 +18,9 @@ Exit codes: 0 nothing differs; 1 something differs (or a run failed); 2 bad inpu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import pathlib
-import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +28,8 @@ from typing import Any
 import torch
 
 from graph_trainer.numerics import key_text, load
-from graph_trainer.tools.runs import Progress, Run, execute, tail
-from graph_trainer.tools.sides import CompareError, forced_flags, pair_sides, parse_cli, run_cli, tool_parser
+from graph_trainer.tools.runs import Progress, execute, side_run, tail
+from graph_trainer.tools.sides import CompareError, pair_sides, parse_cli, run_cli, tool_parser, write_json
 
 
 @dataclass
@@ -177,13 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args, extra, sides, out) -> int:
     progress = Progress()
     dirs = {}
-    for i, name in enumerate(("A", "B")):
-        side, dump = sides[name], os.path.join(out, name.lower())
-        dirs[name] = os.path.join(dump, "numerics")
-        cmd = ["./run_train.sh", *side.flags, *extra, "--debug.record_numerics", dirs[name], *forced_flags(1, dump)]
-        run = Run(side=name, repeat=1, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd)
-        print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
-        execute(run, side, 1, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
+    for name in ("A", "B"):
+        dirs[name] = os.path.join(out, name.lower(), "numerics")
+        run = side_run(name, sides[name], extra, ["--debug.record_numerics", dirs[name]], 1, out)
+        execute(run, sides[name], 1, 0, f"[{name}]", args.verbose, args.run_timeout, progress)
         ok = run.returncode == 0 and "timed out" not in (run.error or "")  # one step: no tps statistics to check
         progress.done(f"[{name}] {'ok' if ok else 'failed'} in {run.wall_s:.1f}s")
         if not ok:
@@ -210,8 +205,7 @@ def _print(result: dict, args, out: str | None, labels: dict | None = None) -> i
                             "divergent": [{**vars(d), "key": key_text(d.key)} for d in c.divergent]}
                    for r, c in result.items()}
         path = os.path.join(out, "numerics_diff.json")
-        with open(path, "w") as f:
-            json.dump({"labels": labels, "comparison": mode, "ranks": payload}, f, indent=1)
+        write_json(path, {"labels": labels, "comparison": mode, "ranks": payload})
         print(f"\nresults: {path}")
     return 1 if any(c.divergent for c in result.values()) else 0
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from graph_trainer.metrics import read_metrics
-from graph_trainer.tools.sides import Side, child_env
-from graph_trainer.tools.stats import run_stats
+from graph_trainer.tools.sides import Side, child_env, forced_flags
+from graph_trainer.tools.stats import fmt_value, run_stats
 
 LOG_TAIL_LINES = 40
 
@@ -212,3 +212,78 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps: int, out: str,
+              profile_step: int | None) -> list[Run]:
+    """One :class:`Run` per ``(side, repeat)`` of ``order``: ``run_train.sh`` of the side's tree with its
+    flags, ``extra``, the forced flags and, with ``profile_step``, the profiler on exactly that step;
+    its dump folder ``<out>/runs/<side><repeat>``."""
+    profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(profile_step),
+               "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if profile_step else []
+    runs = []
+    for i, (name, rep) in enumerate(order, 1):
+        dump = os.path.join(out, "runs", f"{name}{rep}")
+        cmd = ["bash", os.path.join(sides[name].root, "run_train.sh"), *sides[name].flags, *extra,
+               *forced_flags(steps, dump), *profile]
+        runs.append(Run(side=name, repeat=rep, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd))
+    return runs
+
+
+def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repeat}", after_each=None) -> bool:
+    """Run ``runs`` in order (``args``: steps, warmup, verbose, run_timeout and, where it has one,
+    deadline_s: no run starts that its side's longest earlier run says would end past it), calling
+    ``after_each()`` after each; the later runs of a side that failed on the trainer's input error are
+    skipped. ``name(run)`` names a run in the progress lines. True when interrupted (Ctrl-C or SIGTERM:
+    the current run is stopped and recorded as interrupted, the rest stay pending)."""
+    progress, start, longest, skip, current = Progress(), time.monotonic(), {}, {}, None
+    deadline = getattr(args, "deadline_s", None)
+    # SIGTERM (`timeout`, a job scheduler) raises KeyboardInterrupt: the finished runs are reported as on Ctrl-C
+    previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        for run in runs:
+            prefix = f"[{run.index}/{len(runs)}] {name(run)}:"
+            reason = skip.get(run.side)
+            if not reason and deadline and time.monotonic() - start + longest.get(run.side, 0.0) > deadline:
+                reason = f"--deadline-s {deadline:.0f} would be passed"
+            if reason:
+                run.status, run.error = "skipped", reason
+                progress.done(f"{prefix} skipped: {run.error}")
+                continue
+            progress.update(f"{prefix} starting")
+            current = run
+            execute(run, sides[run.side], args.steps, args.warmup, prefix, args.verbose, args.run_timeout, progress)
+            current = None
+            longest[run.side] = max(longest.get(run.side, 0.0), run.wall_s or 0.0)
+            if run.status == "ok":
+                st = run.stats
+                progress.done(
+                    f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
+                    f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
+                    f"{fmt_value('memory_gib', st['memory_gib'])} "
+                    f"(median of steps {st['steady_steps'][0]}..{st['steady_steps'][-1]})")
+            else:
+                progress.done(f"{prefix} FAILED ({run.error}); last {LOG_TAIL_LINES} lines of {run.log}:")
+                print("\n".join("    | " + l for l in tail(run.log).rstrip("\n").splitlines()), flush=True)
+                if run.input_error:  # the trainer rejected its input: every repeat would fail
+                    skip[run.side] = (f"{run.side}{run.repeat} failed on an input error of the trainer, "
+                                      "which would repeat")
+            if after_each:
+                after_each()
+    except KeyboardInterrupt:
+        if current is not None:
+            current.status, current.error = "interrupted", "interrupted (Ctrl-C or SIGTERM)"
+        progress.done("\ninterrupted; reporting the finished runs")
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    return False
+
+
+def side_run(name: str, side: Side, extra: list[str], flags: list[str], steps: int, out: str) -> Run:
+    """The one run of side ``name`` (loss_compare, numerics_diff), its command printed: ``./run_train.sh``
+    with the side's flags, ``extra``, ``flags`` and the forced flags; dump folder ``<out>/<name lower>``."""
+    dump = os.path.join(out, name.lower())
+    cmd = ["./run_train.sh", *side.flags, *extra, *flags, *forced_flags(steps, dump)]
+    print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)
+    return Run(side=name, repeat=1, index="AB".index(name), dump_folder=dump, log=dump + ".log", cmd=cmd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import shlex
 import shutil
@@ -51,7 +52,7 @@ def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
 
 
-def _git_out(repo: str, *args: str) -> str | None:
+def git_out(repo: str, *args: str) -> str | None:
     return (r.stdout.strip() or None) if (r := _git(repo, *args)).returncode == 0 else None
 
 
@@ -60,7 +61,7 @@ def default_repo() -> str:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.path.isfile(os.path.join(here, "run_train.sh")):
         return here
-    return _git_out(os.getcwd(), "rev-parse", "--show-toplevel") or os.getcwd()
+    return git_out(os.getcwd(), "rev-parse", "--show-toplevel") or os.getcwd()
 
 
 def check_owned_flags(flags: list[str], where: str) -> None:
@@ -88,7 +89,7 @@ def resolve_config(cli_value: str | None, env: dict) -> tuple[str, str]:
     return f"train_configs/{CONFIG_NAMES[name]}", f"CONFIG={name}"
 
 
-def _config_for_side(config: str, side: Side) -> None:
+def config_for_side(config: str, side: Side) -> None:
     """A relative config is taken from the side's tree when there, else from the cwd."""
     if os.path.isfile(os.path.join(side.root, config)):  # an absolute path as it is
         side.config_file = config
@@ -99,6 +100,21 @@ def _config_for_side(config: str, side: Side) -> None:
     else:
         where = "" if os.path.isabs(config) else f" in side {side.name}'s tree ({side.root}) or the current directory"
         raise CompareError(f"config file '{config}' does not exist{where}.")
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """compare_mfu / bench: raise CompareError unless ``--repeats >= 1``, ``--warmup >= 0``, ``--steps``
+    leaves a step after ``max(--warmup, 1)`` and ``--profile-step`` (if given) is in ``2..--steps``."""
+    first = max(args.warmup, 1)
+    if args.repeats < 1:
+        raise CompareError(f"--repeats must be >= 1, got {args.repeats}.")
+    if args.warmup < 0:
+        raise CompareError(f"--warmup must be >= 0, got {args.warmup}.")
+    if args.steps <= first:
+        raise CompareError(f"--steps {args.steps} leaves no step to measure: steps 1..{first} are excluded "
+                           f"(--warmup {args.warmup}; step 1 always). Use --steps > {first}.")
+    if args.profile_step is not None and not 2 <= args.profile_step <= args.steps:
+        raise CompareError(f"--profile-step must be in 2..--steps ({args.steps}), got {args.profile_step}.")
 
 
 def forced_flags(steps: int, dump: str) -> list[str]:
@@ -134,13 +150,13 @@ def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextli
         check_owned_flags(fl, opt)
         sides[name] = Side(name=name, ref=ref, flags=fl)
 
-    head = _git_out(repo, "rev-parse", "--verify", "--quiet", "HEAD")
+    head = git_out(repo, "rev-parse", "--verify", "--quiet", "HEAD")
     dirty = []
     if head and (r := _git(repo, "status", "--porcelain", "--untracked-files=normal")).returncode == 0:
         dirty = [line[3:] for line in r.stdout.splitlines() if line.strip()]
     refs = [s for s in sides.values() if s.ref is not None]
     for s in refs:
-        s.commit = _git_out(repo, "rev-parse", "--verify", "--quiet", f"{s.ref}^{{commit}}")
+        s.commit = git_out(repo, "rev-parse", "--verify", "--quiet", f"{s.ref}^{{commit}}")
         if s.commit is None:
             if _git(repo, "rev-parse", "--git-dir").returncode != 0:
                 raise CompareError(f"--repo {repo} is not a git repository, so ref '{s.ref}' cannot be checked out.")
@@ -176,7 +192,7 @@ def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextli
         if not os.path.isfile(os.path.join(s.root, "run_train.sh")):
             raise CompareError(f"ref {s.ref} ({s.commit[:8]}) has no run_train.sh; it predates the trainer." if s.ref
                                else f"{repo} has no run_train.sh; pass --repo with the graph_trainer tree.")
-        _config_for_side(config, s)
+        config_for_side(config, s)
         base = f"{s.ref}@{s.commit[:8]}" if s.ref else "working tree"
         s.label = getattr(args, f"{s.name.lower()}_label") or base + (" + " + shlex.join(s.flags) if s.flags else "")
     return {"repo": repo, "head": head, "config": config, "config_source": source, "sides": sides}
@@ -205,11 +221,21 @@ def validate_sides(sides: dict, extra: list[str], steps: int, dump: str) -> None
         raise CompareError("\n\n".join(msgs))
 
 
-def tool_parser(prog: str, description: str, doc: str, tool: str) -> argparse.ArgumentParser:
-    """The parser of a two-sided tool: ``description``, the ``Examples::`` of ``doc`` as epilog,
-    the side options and ``--out`` (default ``./outputs/<tool>_<timestamp>``)."""
+def tool_parser(prog: str, description: str, doc: str, tool: str, two_sided: bool = True) -> argparse.ArgumentParser:
+    """The parser of a tool: ``description``, the ``Examples::`` of ``doc`` as epilog, with ``two_sided``
+    the side options, then ``--run-timeout``, ``-v`` and ``--out`` (default ``./outputs/<tool>_<timestamp>``)."""
     p = argparse.ArgumentParser(prog=prog, description=description, epilog="examples:" + doc.split("Examples::")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if two_sided:
+        _side_options(p)
+    p.add_argument("--run-timeout", type=float, default=None, metavar="S",
+                   help="kill a run after S seconds and record it as failed")
+    p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
+    p.add_argument("--out", help=f"output folder of the runs (default ./outputs/{tool}_<timestamp>)")
+    return p
+
+
+def _side_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
     p.add_argument("--b", metavar="REF", help="git ref of side B")
     p.add_argument("--a-flags", default=None, metavar="FLAGS",
@@ -222,11 +248,6 @@ def tool_parser(prog: str, description: str, doc: str, tool: str) -> argparse.Ar
     p.add_argument("--allow-dirty", action="store_true",
                    help="allow a ref side that is HEAD while the working tree has uncommitted changes "
                    "(runs the committed HEAD, not your changes)")
-    p.add_argument("--run-timeout", type=float, default=None, metavar="S",
-                   help="kill a run after S seconds and record it as failed")
-    p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
-    p.add_argument("--out", help=f"output folder (default ./outputs/{tool}_<timestamp>)")
-    return p
 
 
 def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None,
@@ -265,6 +286,13 @@ def pair_sides(args: argparse.Namespace, extra: list[str], cleanup: contextlib.E
     os.makedirs(out, exist_ok=True)
     validate_sides(sides, extra + check_flags, steps, os.path.join(out, "check"))
     return sides, out
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically (a temporary file, then a rename)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
 
 
 def run_cli(body) -> int:
