@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import is_collective
-from graph_trainer.compiler.graph_values import DisjointSet, split_acyclic
+from graph_trainer.compiler.graph_values import DisjointSet, positions, split_acyclic
 from graph_trainer.compiler.node_meta import is_tagged_for_inductor, module_fqn_of, phase_of, tag_for_inductor
 from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, is_getitem, packet_name, packet_names
 
@@ -171,7 +171,7 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     groups: dict[tuple[str, str], list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op != "call_function":

@@ -81,6 +81,11 @@ def is_tagged_for_inductor(node: torch.fx.Node) -> bool:
     return COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
 
 
+def inductor_tag(node: torch.fx.Node) -> Any:
+    """``node``'s ``compile_with_inductor`` tag (a dict from :func:`tag_for_inductor`), or None."""
+    return custom_meta(node).get(COMPILE_WITH_INDUCTOR_KEY)
+
+
 def fusion_group_of(node: torch.fx.Node) -> str | None:
     """The fusion group of ``node`` (:data:`FUSION_GROUP_KEY`), or None."""
     return custom_meta(node).get(FUSION_GROUP_KEY)

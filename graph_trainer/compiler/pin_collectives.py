@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.ops import packet_name
 
 logger = logging.getLogger("graph_trainer")
@@ -39,7 +40,7 @@ def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch
     """``{dependent: [dependencies]}``: for each collective ``C`` whose wait ``W`` comes after
     anchors ``A1 .. Ak`` (k >= 1), ``A1`` depends on ``C`` and ``W`` on ``Ak`` (module
     docstring). Pure: the graph is not changed."""
-    pos = {n: i for i, n in enumerate(graph.nodes)}
+    pos = positions(graph)
     anchors = [n for n in graph.nodes if _is_anchor(n)]
     anchor_pos = [pos[a] for a in anchors]
     deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_wait
-from graph_trainer.compiler.node_meta import custom_meta
+from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
 from graph_trainer.compiler.ops import op_namespace, packet_name, target_name
 
 logger = logging.getLogger("graph_trainer")
@@ -54,7 +53,7 @@ def node_kind(node: torch.fx.Node) -> str:
     """The kind of ``node``, one of :data:`NODE_KINDS` (rules in the module docstring)."""
     if node.op in ("placeholder", "output", "get_attr"):
         return "other"
-    if COMPILE_WITH_INDUCTOR_KEY in custom_meta(node) or is_region_call(node):
+    if is_tagged_for_inductor(node) or is_region_call(node):
         return "region"
     if node.op != "call_function":
         return "other"
@@ -105,7 +104,7 @@ def count_regions(gm: Any) -> int | None:
         if is_region_call(n):
             regions.add(("call", n.name))
             continue
-        tag = custom_meta(n).get(COMPILE_WITH_INDUCTOR_KEY)
+        tag = inductor_tag(n)
         if tag is None or n.op in ("placeholder", "output"):
             continue
         if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0]):

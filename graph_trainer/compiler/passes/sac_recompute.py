@@ -1,25 +1,20 @@
 """Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Under make_fx, SAC sees a tracing dispatch mode and does not recompute: it saves every op and
-only tags the nodes (``meta["recompute"]``) for a partitioner, which the traced joint graph does
-not have. (Layer-level AC recomputes under make_fx, untagged: nothing to do.) torch >= 2.12
-remats tagged graphs inside ``compile_fx`` only, 2.11 not at all: this pass does it everywhere.
+Under make_fx SAC does not recompute: it saves every op and only tags the nodes
+(``meta["recompute"]``) for a partitioner the traced joint graph does not have (torch >= 2.12
+remats tagged graphs inside ``compile_fx`` only, 2.11 not at all). Layer-level AC recomputes
+under make_fx, untagged: nothing to do.
 
 Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
-block (``custom["ac_region"]``; SAC's tag left set after the block is ignored) that a backward
-node uses; never ops that mutate an input, random ops or collectives (but ``cheap_only``'s
-activation all-gathers, below). Each backward use is
-rewired to a copy placed before the first backward node that needs it; the copy's tagged inputs
-of the same block are copied the same way, its other inputs used as saved. Copies are in the
-``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
-removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
+block (``custom["ac_region"]``) that a backward node uses; never ops that mutate an input, random
+ops or collectives (but ``cheap_only``'s activation all-gathers). Each backward use is rewired to
+a copy placed before the first backward node that needs it, in the ``backward`` phase; the copy's
+tagged inputs of the same block are copied the same way. The same bits as eager op-level SAC. The
+tags are then removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
 
-``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only what is cheap to recompute
-from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops, casts and RMSNorm
-forwards whose inputs the backward keeps anyway (SwiGLU's ``silu`` and ``mul`` from the two saved
-matmul outputs, a norm from its input: nothing new kept), and TP's all-gathers of activations (gathered
-again in the backward from their input, itself recomputed where it is such a norm, as eager SAC
-recomputes them; under real TP one more all-gather per use, placed by ``overlap_collectives``).
+``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only :func:`cheap_to_recompute`'s
+values: tagged pointwise ops, casts and RMSNorm forwards whose inputs the backward keeps anyway,
+and TP's all-gathers of activations (one more all-gather per use under real TP).
 """
 
 from __future__ import annotations
