@@ -94,18 +94,22 @@ def target_name(node: torch.fx.Node) -> str:
     return f"{mod}.{name}" if mod else name
 
 
+def fx_graph(gm: Any) -> torch.fx.Graph | None:
+    """``gm.graph`` if it is an FX graph, else None (e.g. a compiled callable)."""
+    graph = getattr(gm, "graph", None)
+    return graph if isinstance(graph, torch.fx.Graph) else None
+
+
 def op_counts(gm: Any) -> dict[str, int]:
     """Counts of nodes per :func:`target_name` (``{}`` if ``gm`` has no FX graph)."""
-    graph = getattr(gm, "graph", None)
-    if not isinstance(graph, torch.fx.Graph):
-        return {}
-    return dict(sorted(Counter(target_name(n) for n in graph.nodes).items()))
+    graph = fx_graph(gm)
+    return {} if graph is None else dict(sorted(Counter(target_name(n) for n in graph.nodes).items()))
 
 
 def num_nodes(gm: Any) -> int | None:
-    """Number of nodes of ``gm``'s FX graph (None if it has none, e.g. a compiled callable)."""
-    graph = getattr(gm, "graph", None)
-    return len(graph.nodes) if isinstance(graph, torch.fx.Graph) else None
+    """Number of nodes of ``gm``'s FX graph (None if it has none)."""
+    graph = fx_graph(gm)
+    return None if graph is None else len(graph.nodes)
 
 
 #: Views with the same elements in another shape.

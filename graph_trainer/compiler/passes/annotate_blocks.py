@@ -107,19 +107,14 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
 
 def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
                          collectives: bool = False) -> torch.fx.GraphModule:
-    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring).
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring). A region is a
+    run of consecutive matched nodes of one block and phase, cut where a node would read a value
+    computed from the run outside it (so it fuses without a dependency cycle) and after an
+    in-place op left eager.
 
-    A region is a run of consecutive matched nodes of one block and phase; a new one starts
-    where a node would read a value computed from the run outside it (a collective's output,
-    an op left eager), so every region is fused without a dependency cycle and the regions
-    follow each other in graph order, and after an in-place op left eager.
-
-    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the
-    same one (Inductor then issues and waits it inside the region's code, as in the whole-graph
-    compile; the ``hold`` after the wait is removed); a pair that would not is left eager and
-    the tagging runs again. Otherwise every collective stays eager and cuts the block's run.
-
-    Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions),
+    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the same
+    one (the ``hold`` after the wait is removed); a pair that would not is left eager and the
+    tagging runs again. Stats: ``nodes`` tagged, ``regions``, ``blocks`` (with ``rest``),
     ``collectives`` (issues compiled inside a region)."""
     device = accelerator_of(gm)
     pairs = {}
