@@ -157,10 +157,6 @@ def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
     return (name == "pow" and sq.args[1] == 2) or (name == "mul" and sq.args[0] is sq.args[1])
 
 
-def _has_rms_pattern(nodes) -> bool:
-    return any(_is_rms_rsqrt(n) for n in nodes)
-
-
 def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """All RMSNorm instances of ``graph`` in graph order (pure analysis).
 
@@ -192,11 +188,11 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
         fwd = groups.get((fqn, "forward"), [])
         if fqn in fused_fqns or not fwd or any(_is_heavy(n) for n in fwd) or any(_is_heavy(n) for n in nodes):
             continue
-        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or _has_rms_pattern(fwd)):
+        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or any(map(_is_rms_rsqrt, fwd))):
             continue
         tag = [n for n in nodes if not is_collective(n) and _produces_tensors(n)]
         for part in split_acyclic(tag, order):
-            kind = "forward" if phase == "forward" else "recompute" if _has_rms_pattern(part) else "backward"
+            kind = "forward" if phase == "forward" else "recompute" if any(map(_is_rms_rsqrt, part)) else "backward"
             instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
 
     instances.sort(key=lambda inst: order[inst["nodes"][0]])

@@ -118,12 +118,16 @@ def untag_for_inductor(node: torch.fx.Node) -> None:
     node.meta.pop(BARRIER_KEY, None)
 
 
-def has_recompute_tags(graph: torch.fx.Graph) -> bool:
-    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
+def is_tagged_recompute(node: torch.fx.Node) -> bool:
+    """Whether ``node`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (``meta["recompute"]``)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-    return any(n.meta.get("recompute") in recompute for n in graph.nodes)
+    return node.meta.get("recompute") in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def has_recompute_tags(graph: torch.fx.Graph) -> bool:
+    """Whether a node of ``graph`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
+    return any(map(is_tagged_recompute, graph.nodes))
 
 
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:

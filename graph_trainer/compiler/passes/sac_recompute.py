@@ -26,17 +26,17 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_collective, is_wait, shard_chain
 from graph_trainer.compiler.graph_values import storages
-from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary, strip_recompute_tags
+from graph_trainer.compiler.node_meta import (
+    custom_meta, is_tagged_recompute, phase_of, set_pass_summary, strip_recompute_tags,
+)
 from graph_trainer.compiler.ops import is_getitem, returns_view
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
-_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def _region(node: torch.fx.Node):
@@ -44,7 +44,7 @@ def _region(node: torch.fx.Node):
 
 
 def _is_recomputable(node: torch.fx.Node, save_ops=frozenset()) -> bool:
-    if node.op != "call_function" or phase_of(node) != "forward" or node.meta.get("recompute") not in _RECOMPUTE:
+    if node.op != "call_function" or phase_of(node) != "forward" or not is_tagged_recompute(node):
         return False
     if node.target in save_ops or _region(node) is None:  # outside a block: SAC's left-over tag
         return False
@@ -114,11 +114,6 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
     return sum(seen.values())
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    sa, sb = storages(a), storages(b)  # empty for tensor subclasses without storage
-    return bool(sa and sb) and sa[0][0] == sb[0][0]
-
-
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
     """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its
     own storage (memory estimates count it apart), or for a view of an input, that view of the
@@ -127,9 +122,10 @@ def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
     def fresh(v):
         if not isinstance(v, torch.Tensor):
             return v
+        own = storages(v)  # empty for tensor subclasses without storage
         for a in node.all_input_nodes:
             av = a.meta.get("val")
-            if isinstance(av, torch.Tensor) and _same_storage(av, v):
+            if isinstance(av, torch.Tensor) and own and (sa := storages(av)) and sa[0][0] == own[0][0]:
                 base = copies.get(a, a).meta.get("val")
                 mode = getattr(base, "fake_mode", None)
                 with mode if mode is not None else contextlib.nullcontext():
