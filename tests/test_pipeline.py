@@ -126,18 +126,17 @@ def test_resolve_aliases_and_disable():
     assert names == [n for n in resolve_pass_names(_compile()) if n not in disabled]
 
 
-def test_resolve_errors():
-    with pytest.raises(ValueError, match="unknown graph pass 'nope'.*remove_dead_code"):
-        resolve_pass_names(_compile(passes="nope"))
-    with pytest.raises(ValueError, match="unknown graph pass"):
-        resolve_pass_names(_compile(disable_passes="nope"))
-    with pytest.raises(ValueError, match="inductor_compilation must be one of"):
-        resolve_pass_names(_compile(inductor_compilation="max"))
-    with pytest.raises(ValueError, match="only has an effect when regional_inductor runs after it"):
-        resolve_pass_names(_compile(numerics_changing_optim=True, inductor_compilation="none", passes="rmsnorm"))
-    with pytest.raises(ValueError, match="only has an effect when regional_inductor runs after it"):
-        resolve_pass_names(_compile(numerics_changing_optim=True, disable_passes="regional_inductor"))
-    with pytest.raises(ValueError, match="cannot run together"):
-        resolve_pass_names(_compile(passes="regional_inductor,full_inductor"))
-    with pytest.raises(ValueError, match="changes numerics"):
-        resolve_pass_names(_compile(passes="annotate_rmsnorm"))
+@pytest.mark.parametrize("match, cfg", [
+    ("unknown graph pass 'nope'.*remove_dead_code", dict(passes="nope")),
+    ("unknown graph pass", dict(disable_passes="nope")),
+    ("inductor_compilation must be one of", dict(inductor_compilation="max")),
+    ("only has an effect when regional_inductor runs after it",
+     dict(numerics_changing_optim=True, inductor_compilation="none", passes="rmsnorm")),
+    ("only has an effect when regional_inductor runs after it",
+     dict(numerics_changing_optim=True, disable_passes="regional_inductor")),
+    ("cannot run together", dict(passes="regional_inductor,full_inductor")),
+    ("changes numerics", dict(passes="annotate_rmsnorm")),
+])
+def test_resolve_errors(match, cfg):
+    with pytest.raises(ValueError, match=match):
+        resolve_pass_names(_compile(**cfg))

@@ -1,5 +1,5 @@
 """Collectives and their waits: which nodes communicate (:data:`COLLECTIVE_NAMESPACES`, the
-``symm_mem`` fused ops of ``async_tp`` included), the kind of a collective, ``wait_tensor`` nodes,
+``symm_mem`` fused ops of ``async_tp`` included), the kind and group of a collective, ``wait_tensor`` nodes,
 the keep-alive :func:`hold` (and :func:`strip_holds`) and the chain from an FSDP parameter to its
 all-gather (:func:`shard_chain`).
 """
@@ -11,7 +11,7 @@ from collections.abc import Container
 import torch
 import torch.fx
 
-from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, op_name, op_namespace
+from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
 
 #: Namespaces of collective / communication ops: never removed as dead code, never
 #: recomputed, never put inside an Inductor region. ``symm_mem``: the fused
@@ -45,6 +45,18 @@ def is_wait(node: torch.fx.Node) -> bool:
         and op_namespace(node.target) == "_c10d_functional"
         and op_name(node.target) == "wait_tensor"
     )
+
+
+def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
+    """The ``wait_tensor`` of ``issue`` when it is ``issue``'s only user, else None."""
+    user = next(iter(issue.users)) if len(issue.users) == 1 else None
+    return user if user is not None and is_wait(user) else None
+
+
+def group_name_of(node: torch.fx.Node) -> str | None:
+    """The ``group_name`` argument of an all-gather or reduce-scatter issue node, else None."""
+    index = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3}.get(collective_kind(node))
+    return None if index is None else arg_of(node, index, "group_name")
 
 
 def hold(x, *keep_alive):

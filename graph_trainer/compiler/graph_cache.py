@@ -1,20 +1,16 @@
 """The graph cache (``--compile.graph_cache_dir``): the traced step after its passes, before Inductor.
 
 A run traces the step, plans the memory levers and runs the passes up to the first one that
-compiles (``regional_inductor``, ``full_inductor`` or ``cudagraph``); the cache stores that
-graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the region tags) with the
-remaining pipeline steps and the run's statistics, under a key of everything that decides the
-graph (:func:`cache_key`). A later run with the same key loads it and runs only the remaining
-steps, so the first step costs the imports and the compile (with a warm Inductor cache, a
-load). Numerics: the loaded graph is the graph the cold run compiled. What a pass did outside the
-graph (its process setup, :func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``
-enables symmetric memory for the TP group) is stored with the entry and done again on load.
+compiles; the cache stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors
+and the region tags) with the remaining pipeline steps and the run's statistics, under a key of
+everything that decides the graph (:func:`cache_key`). A later run with the same key loads it and
+runs only the remaining steps. A pass's process setup
+(:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is
+stored with the entry and done again on load.
 
 When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
-step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format, the
-AOTAutograd and Inductor cache entries and kernels of that one compile) and a later run calls
-it without unpickling the graph or looking the compile up again: neither the graph (thousands of
-nodes with fake tensors) nor Inductor's cache key (a hash of the whole graph) is rebuilt.
+step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format) and a later
+run calls it without unpickling the graph or rebuilding Inductor's cache key.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The values of graph nodes and the structure helpers of graph analysis: union-find
-(:class:`DisjointSet`), the storages and bytes of (fake) values (:func:`storages`,
-:func:`val_bytes`), acyclic splits of node sets (:func:`split_acyclic`), and the placeholders'
+"""The values of graph nodes and the structure helpers of graph analysis: node positions, tensor
+values and shapes (:func:`tensor_val`, :func:`shape_of`), union-find (:class:`DisjointSet`), the
+storages and bytes of (fake) values (:func:`storages`, :func:`val_bytes`), acyclic splits of node sets (:func:`split_acyclic`), and the placeholders'
 fake values, device and fake mode (:func:`placeholder_vals`, :func:`accelerator_of`,
 :func:`detect_graph_fake_mode`, :func:`fake_inputs_for`).
 """
@@ -35,6 +35,22 @@ class DisjointSet:
             self.parent[ra] = rb
 
 
+def positions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
+    """Node -> its index in ``graph``'s order (recompute after moving nodes)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    """``node.meta["val"]`` when ``node`` is a node whose value is a tensor, else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def shape_of(node: Any) -> tuple[int, ...] | None:
+    """The shape of :func:`tensor_val` as a tuple, or None."""
+    return tuple(v.shape) if (v := tensor_val(node)) is not None else None
+
+
 def storages(val: Any) -> list[tuple[Any, int]]:
     """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
     views share their base's key; tensor subclasses without a storage are skipped."""
@@ -62,7 +78,7 @@ def split_acyclic(
     if not nodes:
         return []
     if order is None:
-        order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+        order = positions(nodes[0].graph)
     remaining = sorted(nodes, key=order.__getitem__)
     parts: list[list[torch.fx.Node]] = []
     while remaining:

@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import is_collective
-from graph_trainer.compiler.graph_values import DisjointSet, split_acyclic
+from graph_trainer.compiler.graph_values import DisjointSet, positions, split_acyclic
 from graph_trainer.compiler.node_meta import is_tagged_for_inductor, module_fqn_of, phase_of, tag_for_inductor
 from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, is_getitem, packet_name, packet_names
 
@@ -157,10 +157,6 @@ def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
     return (name == "pow" and sq.args[1] == 2) or (name == "mul" and sq.args[0] is sq.args[1])
 
 
-def _has_rms_pattern(nodes) -> bool:
-    return any(_is_rms_rsqrt(n) for n in nodes)
-
-
 def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """All RMSNorm instances of ``graph`` in graph order (pure analysis).
 
@@ -171,7 +167,7 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     groups: dict[tuple[str, str], list[torch.fx.Node]] = {}
     for node in graph.nodes:
         if node.op != "call_function":
@@ -192,11 +188,11 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
         fwd = groups.get((fqn, "forward"), [])
         if fqn in fused_fqns or not fwd or any(_is_heavy(n) for n in fwd) or any(_is_heavy(n) for n in nodes):
             continue
-        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or _has_rms_pattern(fwd)):
+        if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or any(map(_is_rms_rsqrt, fwd))):
             continue
         tag = [n for n in nodes if not is_collective(n) and _produces_tensors(n)]
         for part in split_acyclic(tag, order):
-            kind = "forward" if phase == "forward" else "recompute" if _has_rms_pattern(part) else "backward"
+            kind = "forward" if phase == "forward" else "recompute" if any(map(_is_rms_rsqrt, part)) else "backward"
             instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
 
     instances.sort(key=lambda inst: order[inst["nodes"][0]])

@@ -1,29 +1,24 @@
 """The memory policy: from the traced graph and a memory budget, pick what the step keeps.
 
-Not a pipeline pass: it reads the traced graph (and transforms copies of it) to choose the
-options the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``: ``recompute``
-as torchtitan's op-SAC policy, ``matmuls`` kept, or ``all`` kept), ``--compile.fsdp.keep_last_blocks``
-(``reshard_after_forward``: blocks whose gathered weights stay for the backward) and
-``--compile.fsdp.bucket_blocks`` (``bucket_collectives``), and whether the step replays as a CUDA
-graph (``cudagraph``) where nobody chose (neither ``--compile.passes`` nor ``disable_passes`` names
-it). None changes numerics.
+Not a pipeline pass: it reads the traced graph (and transforms copies of it) to choose the options
+the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``),
+``--compile.fsdp.keep_last_blocks`` (``reshard_after_forward``), ``--compile.fsdp.bucket_blocks``
+(``bucket_collectives``), and whether the step replays as a CUDA graph (``cudagraph``) where
+neither ``--compile.passes`` nor ``disable_passes`` names it. None changes numerics.
 
-Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block)
-to the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by
-one; then every activation but those cheap to recompute (``all_but_cheap``), again with kept blocks
-one by one; under full Inductor last the rest (``all``); every rung with buckets of :data:`BUCKET_BLOCKS`. The
-highest rung whose predicted peak fits the budget wins; when even the leanest does not fit, the
-buckets go too and the policy says so. CUDA graphs come before the ladder where they may run
-(``cudagraph=True``: one process on a CUDA device, regional or no Inductor): they remove the host's
-launch gaps for :data:`CUDAGRAPH_GIB`, more per GiB than any rung; the ladder then plans for the
-budget less that, and the graph goes only when even its leanest rung would not fit.
+Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to
+the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by one;
+then ``all_but_cheap``, again with kept blocks one by one; under full Inductor last ``all``; every
+rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak fits wins; when
+even the leanest does not fit, the buckets go too. CUDA graphs (``cudagraph=True``: one process on
+a CUDA device, regional or no Inductor) come before the ladder, for :data:`CUDAGRAPH_GIB`; they go
+only when even the leanest rung would not fit with them.
 
-Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak``:
-``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak`` the static estimate
-of the step's intermediates (:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`;
-under full-graph Inductor without the values it keeps inside its kernels),
-``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks), plus
-:data:`CUDAGRAPH_GIB` with CUDA graphs.
+Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak``
+(+ :data:`CUDAGRAPH_GIB` with CUDA graphs): ``state`` the fp32 parameter shards and AdamW's two
+moments, ``graph peak`` :func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`
+(under full Inductor without the values it keeps inside its kernels), ``scale`` per Inductor mode
+and save level (:data:`CALIBRATION`, fitted to measured peaks).
 """
 
 from __future__ import annotations

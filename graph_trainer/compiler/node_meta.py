@@ -81,6 +81,11 @@ def is_tagged_for_inductor(node: torch.fx.Node) -> bool:
     return COMPILE_WITH_INDUCTOR_KEY in custom_meta(node)
 
 
+def inductor_tag(node: torch.fx.Node) -> Any:
+    """``node``'s ``compile_with_inductor`` tag (a dict from :func:`tag_for_inductor`), or None."""
+    return custom_meta(node).get(COMPILE_WITH_INDUCTOR_KEY)
+
+
 def fusion_group_of(node: torch.fx.Node) -> str | None:
     """The fusion group of ``node`` (:data:`FUSION_GROUP_KEY`), or None."""
     return custom_meta(node).get(FUSION_GROUP_KEY)
@@ -113,12 +118,16 @@ def untag_for_inductor(node: torch.fx.Node) -> None:
     node.meta.pop(BARRIER_KEY, None)
 
 
-def has_recompute_tags(graph: torch.fx.Graph) -> bool:
-    """Whether a node carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
+def is_tagged_recompute(node: torch.fx.Node) -> bool:
+    """Whether ``node`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (``meta["recompute"]``)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    recompute = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-    return any(n.meta.get("recompute") in recompute for n in graph.nodes)
+    return node.meta.get("recompute") in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def has_recompute_tags(graph: torch.fx.Graph) -> bool:
+    """Whether a node of ``graph`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
+    return any(map(is_tagged_recompute, graph.nodes))
 
 
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:

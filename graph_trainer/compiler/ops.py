@@ -1,4 +1,5 @@
-"""Op names, op sets and op counts of FX graphs: what an aten op node writes (:func:`mutated_args`),
+"""Op names, op sets and op counts of FX graphs: a node's arguments and users (:func:`arg_of`,
+:func:`is_call`, :func:`only_user`), what an aten op node writes (:func:`mutated_args`),
 whether a target returns a view, the op / packet / namespace names of a target, stable target names
 and per-target node counts (:func:`op_counts`), and the view / cast op sets the passes follow
 (:data:`RESHAPE_OPS`, :data:`VIEW_OPS`, :data:`CAST_OPS` ...).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
@@ -30,6 +31,21 @@ def mutated_args(node: torch.fx.Node) -> list[Any]:
 def is_getitem(node: torch.fx.Node) -> bool:
     """Whether ``node`` is ``operator.getitem`` (an element of a tuple-returning node)."""
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def arg_of(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of ``node``: positional ``index`` if given so, else the keyword, else ``default``."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def is_call(node: Any, targets: Container[Any]) -> bool:
+    """Whether ``node`` is a ``call_function`` node of one of ``targets``."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one user of ``node``, or None (none or several)."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def returns_view(target: Any) -> bool:
@@ -78,18 +94,22 @@ def target_name(node: torch.fx.Node) -> str:
     return f"{mod}.{name}" if mod else name
 
 
+def fx_graph(gm: Any) -> torch.fx.Graph | None:
+    """``gm.graph`` if it is an FX graph, else None (e.g. a compiled callable)."""
+    graph = getattr(gm, "graph", None)
+    return graph if isinstance(graph, torch.fx.Graph) else None
+
+
 def op_counts(gm: Any) -> dict[str, int]:
     """Counts of nodes per :func:`target_name` (``{}`` if ``gm`` has no FX graph)."""
-    graph = getattr(gm, "graph", None)
-    if not isinstance(graph, torch.fx.Graph):
-        return {}
-    return dict(sorted(Counter(target_name(n) for n in graph.nodes).items()))
+    graph = fx_graph(gm)
+    return {} if graph is None else dict(sorted(Counter(target_name(n) for n in graph.nodes).items()))
 
 
 def num_nodes(gm: Any) -> int | None:
-    """Number of nodes of ``gm``'s FX graph (None if it has none, e.g. a compiled callable)."""
-    graph = getattr(gm, "graph", None)
-    return len(graph.nodes) if isinstance(graph, torch.fx.Graph) else None
+    """Number of nodes of ``gm``'s FX graph (None if it has none)."""
+    graph = fx_graph(gm)
+    return None if graph is None else len(graph.nodes)
 
 
 #: Views with the same elements in another shape.

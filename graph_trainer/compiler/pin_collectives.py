@@ -1,17 +1,12 @@
 """Keep the collective schedule of the traced graph when Inductor compiles all of it.
 
-Not a pipeline pass: an Inductor post-grad hook (:class:`PinCollectivesPass`, installed as
-``post_grad_custom_post_pass``) that ``full_inductor_pass(pin_collectives=True)`` uses
-(``--compile.full_inductor.pin_collectives``). Without it Inductor's ``reorder_for_peak_memory``
-issues each collective just before its wait, so nothing that ``overlap_collectives`` placed
-under compute overlaps any more.
-
-For each collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors ``A1 .. Ak``
-(``mm`` / ``addmm`` / ``bmm`` / ``_scaled_mm``: extern kernels Inductor never fuses), it adds
-two ordering dependencies with Inductor's ``control_deps``: ``A1`` after ``C`` and ``W`` after
-``Ak``, the constraints of Inductor's own overlap scheduler. They point forward in the given
-order, so the graph stays acyclic. No computation changes. (A dependency on a wait would not
-work: Inductor resolves it to the collective's output buffer, i.e. to the issue.)
+Not a pipeline pass: an Inductor ``post_grad_custom_post_pass`` (:class:`PinCollectivesPass`) of
+``full_inductor_pass(pin_collectives=True)`` (``--compile.full_inductor.pin_collectives``). Without
+it Inductor's ``reorder_for_peak_memory`` issues each collective just before its wait, undoing
+``overlap_collectives``. For each collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors
+``A1 .. Ak`` (``mm`` / ``addmm`` / ``bmm`` / ``_scaled_mm``: extern kernels Inductor never fuses),
+Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak`` (forward in the given
+order: the graph stays acyclic; a dependency on a wait would resolve to the issue's buffer).
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.ops import packet_name
 
 logger = logging.getLogger("graph_trainer")
@@ -39,7 +35,7 @@ def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch
     """``{dependent: [dependencies]}``: for each collective ``C`` whose wait ``W`` comes after
     anchors ``A1 .. Ak`` (k >= 1), ``A1`` depends on ``C`` and ``W`` on ``Ak`` (module
     docstring). Pure: the graph is not changed."""
-    pos = {n: i for i, n in enumerate(graph.nodes)}
+    pos = positions(graph)
     anchors = [n for n in graph.nodes if _is_anchor(n)]
     anchor_pos = [pos[a] for a in anchors]
     deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}

@@ -107,19 +107,15 @@ def plan_pipeline(
     estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
-    traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`).
-
-    Each estimate runs the ``in_memory_trial`` passes with the candidate's levers on a copy of
-    ``gm`` and takes its static peak; ``gm`` is not changed.
+    traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate
+    runs the ``in_memory_trial`` passes with the candidate's levers on a copy of ``gm`` and takes
+    its static peak.
 
     ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
     :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
     the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
-    device: a world of 1 or ``fake_collectives``); the policy adds the ``cudagraph`` pass
-    when its memory fits and Inductor does not compile the whole graph (which leaves the host
-    nothing to save); ``device_type``: as :func:`build_pipeline`; ``estimates``: a dict shared by
-    calls that differ in the budget only (same ``compile_cfg``, ``layout``, ``gm`` and options), in
-    which the graph estimates are kept, each computed once. Returns ``(pipeline, policy)``
+    device); ``device_type``: as :func:`build_pipeline`; ``estimates``: a dict shared by calls
+    that differ in the budget only, which keeps each graph estimate. Returns ``(pipeline, policy)``
     (the policy only predicts the peak when the config sets every lever).
     """
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -138,7 +134,7 @@ def plan_pipeline(
     def estimate(save: str) -> int:
         if save in known:
             return known[save]
-        if "clean" not in known:  # lazy: the trials read graphs, never run them, so no pass generates code
+        if "clean" not in known:  # lazy: the trials never run the graphs, so no pass generates code
             known["clean"] = run_pipeline(_LazyGraphModule.from_graphmodule(copy.deepcopy(gm)), None, trial[:first],
                                           quiet=True)
         candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))

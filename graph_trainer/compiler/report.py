@@ -24,10 +24,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_wait
-from graph_trainer.compiler.node_meta import custom_meta
-from graph_trainer.compiler.ops import op_namespace, packet_name, target_name
+from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
+from graph_trainer.compiler.ops import fx_graph, op_namespace, packet_name, target_name
 
 logger = logging.getLogger("graph_trainer")
 
@@ -54,7 +53,7 @@ def node_kind(node: torch.fx.Node) -> str:
     """The kind of ``node``, one of :data:`NODE_KINDS` (rules in the module docstring)."""
     if node.op in ("placeholder", "output", "get_attr"):
         return "other"
-    if COMPILE_WITH_INDUCTOR_KEY in custom_meta(node) or is_region_call(node):
+    if is_tagged_for_inductor(node) or is_region_call(node):
         return "region"
     if node.op != "call_function":
         return "other"
@@ -71,14 +70,9 @@ def node_kind(node: torch.fx.Node) -> str:
     return "other"
 
 
-def _graph(gm: Any) -> torch.fx.Graph | None:
-    graph = getattr(gm, "graph", None)
-    return graph if isinstance(graph, torch.fx.Graph) else None
-
-
 def kind_counts(gm: Any) -> dict[str, int] | None:
     """``{kind: nodes}`` for every kind of :data:`NODE_KINDS` plus ``"total"``; None without an FX graph."""
-    graph = _graph(gm)
+    graph = fx_graph(gm)
     if graph is None:
         return None
     counts = Counter(node_kind(n) for n in graph.nodes)
@@ -88,7 +82,7 @@ def kind_counts(gm: Any) -> dict[str, int] | None:
 def call_targets(gm: Any) -> Counter:
     """Counter of the :func:`~graph_trainer.compiler.ops.target_name` of ``gm``'s
     ``call_function`` nodes (empty without an FX graph)."""
-    graph = _graph(gm)
+    graph = fx_graph(gm)
     if graph is None:
         return Counter()
     return Counter(target_name(n) for n in graph.nodes if n.op == "call_function")
@@ -97,7 +91,7 @@ def call_targets(gm: Any) -> Counter:
 def count_regions(gm: Any) -> int | None:
     """Number of Inductor regions of ``gm``: distinct ``inductor_region`` ids of the tagged nodes
     (those without an id count as one) plus one per region call; None without an FX graph."""
-    graph = _graph(gm)
+    graph = fx_graph(gm)
     if graph is None:
         return None
     regions: set[Any] = set()
@@ -105,7 +99,7 @@ def count_regions(gm: Any) -> int | None:
         if is_region_call(n):
             regions.add(("call", n.name))
             continue
-        tag = custom_meta(n).get(COMPILE_WITH_INDUCTOR_KEY)
+        tag = inductor_tag(n)
         if tag is None or n.op in ("placeholder", "output"):
             continue
         if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0]):
@@ -119,7 +113,7 @@ def peak_memory_bytes(gm: Any) -> int | None:
     when it cannot be estimated (no FX graph, no ``meta["val"]``, or the estimator fails)."""
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
-    graph = _graph(gm)
+    graph = fx_graph(gm)
     if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
         return None
     try:

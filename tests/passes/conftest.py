@@ -10,18 +10,13 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
+from graph_trainer.compiler.node_meta import inductor_tag  # noqa: F401  (re-exported to the pass tests)
 from graph_trainer.model import loss_fn
 from graph_trainer.trace import trace_train_step
 
 aten = torch.ops.aten
 #: Hidden size of the synthetic norm graphs.
 D = 16
-
-
-def inductor_tag(node):
-    """The ``compile_with_inductor`` annotation of ``node``, or None."""
-    return (node.meta.get("custom") or {}).get(COMPILE_WITH_INDUCTOR_KEY)
 
 
 def tagged_nodes(gm):

@@ -5,7 +5,9 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler import memory_estimate
-from graph_trainer.compiler.collectives import collective_kind, hold, is_collective, is_wait, shard_chain, strip_holds
+from graph_trainer.compiler.collectives import (
+    collective_kind, group_name_of, hold, is_collective, is_wait, shard_chain, sole_wait, strip_holds,
+)
 from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives, reshard_after_forward
 
 aten = torch.ops.aten
@@ -40,6 +42,8 @@ def test_collective_kind_is_wait_is_collective_shard_chain():
     }
     assert {k for k, v in n.items() if is_wait(v)} == {"ag_wait", "ar_wait"}
     assert {k for k, v in n.items() if is_collective(v)} == {"ag", "ag_wait", "act_ag", "ar", "ar_wait", "autograd_ag"}
+    assert sole_wait(n["ag"]) is n["ag_wait"] and sole_wait(n["act_ag"]) is None and sole_wait(n["mm"]) is None
+    assert group_name_of(n["ag"]) == "0" and group_name_of(n["ar"]) is None
     # shard_chain tells parameter all-gathers (FSDP) from activation ones (TP)
     assert shard_chain(n["ag"]) == [n["cast"]]
     assert shard_chain(n["act_ag"]) is None

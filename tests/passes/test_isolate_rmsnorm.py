@@ -3,7 +3,6 @@ gets its own group, the whole-graph compile refuses the fusions across groups,
 its FX graph cache tells the two compiles apart, and the step stays close to the traced one."""
 
 import pytest
-import torch
 
 from graph_trainer.compiler.matching import find_rmsnorm_instances
 from graph_trainer.compiler.node_meta import STATS_KEY, fusion_group_of

@@ -1,20 +1,16 @@
 """Tag each transformer block's forward and backward as Inductor regions: whole-block fusion
 like ``full_inductor``, compiled once per distinct region instead of once per block.
 
-Matches: every ``call_function`` node of an aten op except collectives and waits (unless
+Matches: every aten op node (:func:`compilable`) but collectives and waits (unless
 ``collectives``), in-place ops on anything but the region's own intermediates, and ops on
-one-element CPU tensors beside an accelerator. Its region is its block (the ``layers.<i>``
-prefix of its module FQN, else ``rest``) and phase; a node without a module FQN (FSDP's copies,
-mixed-precision casts) joins the run before it in graph order.
+one-element CPU tensors beside an accelerator. Its region is its block (the ``layers.<i>`` prefix
+of its module FQN, else ``rest``) and phase; a node without a module FQN (FSDP's copies,
+mixed-precision casts) joins the run before it.
 
 Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
-"block_<block>_<phase>_<run>"}`` on the matched nodes, replacing the tags of the annotation
-passes before it (and the eager-rounding marks of ``annotate_exact_pointwise``). A block's run
-is cut where a node reads a value computed from the run outside it (a collective left eager),
-so regions fuse without a dependency cycle; ``regional_inductor`` compiles identical regions
-once (``region_signature``). Changes numerics as the whole-graph compile does (fused bf16
-chains computed in fp32): ``--compile.numerics_changing_optim``. Measured against the
-whole-graph compile (speed, cold first step): ``docs/perf_archive.md``, "Regions per transformer block".
+"block_<block>_<phase>_<run>"}`` on the matched nodes, replacing the tags (and eager-rounding
+marks) of the annotation passes before it. Changes numerics as the whole-graph compile does:
+``--compile.numerics_changing_optim``. Measured: ``docs/perf_archive.md``, "Regions per transformer block".
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import hold, is_collective, is_wait, strip_holds
+from graph_trainer.compiler.collectives import hold, is_collective, is_wait, sole_wait, strip_holds
 from graph_trainer.compiler.graph_values import accelerator_of
 from graph_trainer.compiler.node_meta import (
     module_fqn_of, phase_of, set_pass_summary, tag_for_inductor, untag_for_inductor,
@@ -111,27 +107,21 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
 
 def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
                          collectives: bool = False) -> torch.fx.GraphModule:
-    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring).
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring). A region is a
+    run of consecutive matched nodes of one block and phase, cut where a node would read a value
+    computed from the run outside it (so it fuses without a dependency cycle) and after an
+    in-place op left eager.
 
-    A region is a run of consecutive matched nodes of one block and phase; a new one starts
-    where a node would read a value computed from the run outside it (a collective's output,
-    an op left eager), so every region is fused without a dependency cycle and the regions
-    follow each other in graph order, and after an in-place op left eager.
-
-    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the
-    same one (Inductor then issues and waits it inside the region's code, as in the whole-graph
-    compile; the ``hold`` after the wait is removed); a pair that would not is left eager and
-    the tagging runs again. Otherwise every collective stays eager and cuts the block's run.
-
-    Stats: ``nodes`` tagged, ``regions``, ``blocks`` (the blocks and ``rest`` with regions),
+    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the same
+    one (the ``hold`` after the wait is removed); a pair that would not is left eager and the
+    tagging runs again. Stats: ``nodes`` tagged, ``regions``, ``blocks`` (with ``rest``),
     ``collectives`` (issues compiled inside a region)."""
     device = accelerator_of(gm)
     pairs = {}
     if collectives:
         for node in gm.graph.nodes:
-            waits = [u for u in node.users if is_wait(u)]
-            if is_collective(node) and not is_wait(node) and len(waits) == len(node.users) == 1:
-                pairs[node] = waits[0]
+            if is_collective(node) and not is_wait(node) and (wait := sole_wait(node)) is not None:
+                pairs[node] = wait
     while True:
         run_of = _tag_runs(gm, device, {n for pair in pairs.items() for n in pair})
         split = [c for c, w in pairs.items() if c not in run_of or run_of.get(w) != run_of[c]]

@@ -1,47 +1,33 @@
 """Tag chains of exactly rounded pointwise ops as Inductor regions that keep eager's bits.
 
-Eager PyTorch runs ``mul``, ``add``, casts and the like one kernel each: every op reads its
-inputs, computes in fp32 (bf16 / fp16 inputs upcast) and rounds its result to the output
-dtype. Each such op is one correctly rounded IEEE operation, so a fused kernel gives the same
-bits as long as it also rounds after every op and contracts no ``a * b + c`` into an FMA.
-Inductor does both under ``emulate_precision_casts`` (Triton: ``enable_fp_fusion`` off), so
-these regions save the intermediates' trips through memory and keep the numerics: no
-``--compile.numerics_changing_optim``. On CUDA, SiLU joins them too (``activations``): Inductor
-lowers it to eager's own formula, ``x / (1 + exp(-x))`` in fp32 with libdevice's ``exp``, and
-``eager_numerics.division_rounding`` makes the division IEEE round-to-nearest like eager's. SiLU's
-backward joins as well: inside a region the pass writes it as eager's kernel computes it (below,
-:func:`exact_silu_backward`), since Inductor's own decomposition divides approximately. Checked on
-an H100 for every bf16 input and for random fp32 ones (``docs/perf_archive.md``, "Eager-exact pointwise
-regions"). Other transcendental ops, division and
-reductions round differently when fused and are left out.
+Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded IEEE
+operation (computed in fp32, rounded to the output dtype). A fused kernel gives the same bits if
+it also rounds after every op and contracts no ``a * b + c`` into an FMA: Inductor does both
+under :data:`EAGER_NUMERICS`, so these regions save the intermediates' trips through memory
+without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward join too
+(``activations``): Inductor lowers SiLU to eager's formula (IEEE division with
+``eager_numerics.division_rounding``), and the backward is rewritten as eager's kernel computes it
+(:func:`exact_silu_backward`). Other transcendental ops, division and reductions round
+differently when fused and are left out.
 
-A lone widening cast (bf16 / fp16 to fp32) of at least :data:`LONE_CAST_BYTES` is a region of its
-own (``lone_casts``): eager converts with an unvectorized casting kernel, Inductor's runs at
-copy bandwidth on large tensors, and a widening is exact either way. On one GPU these are the
-gradients' casts back to fp32 and RoPE's; under FSDP, also the casts before the reduce-scatter.
-(Eager's fp32 to bf16 kernel is vectorized: no gain there.) Only CUDA casts: a CPU region is a
-C++ compile (``docs/perf_archive.md``, "Eager-exact pointwise regions").
+Also (CUDA only; a CPU region is a C++ compile): a lone widening cast (bf16 / fp16 to fp32) of at
+least :data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized, a widening
+is exact), and a ``cat`` of casts (``cast_cats``, :func:`cast_cat_region`: FSDP's buckets; each
+cast writes into its slice of the bucket).
 
-A ``cat`` of casts (``cast_cats``, :func:`cast_cat_region`): FSDP's buckets concatenate the cast
-parameter shards before their all-gather and the cast gradients before their reduce-scatter.
-Eager writes each cast out, then copies them all into the bucket; in one region Inductor writes
-each cast into its slice of the bucket. A ``cat`` moves values unchanged, so the bits stay.
-
-Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s
-chains (one phase and module each, cut where a region would form a cycle) of the ops in
-:data:`EXACT_OPS` (rules of :func:`is_exact`), at least ``min_ops`` of them; and the lone casts.
+Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of
+:func:`is_exact` ops, at least ``min_ops`` of them; the cats of casts; the lone casts.
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
-"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (read
-by Inductor's lowering: round after this op, as eager does) on the chosen nodes; each tagged
-``silu_backward`` becomes the ops of eager's formula (:func:`exact_silu_backward`).
+"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's
+lowering rounds after this op, as eager does) on the chosen nodes; each tagged ``silu_backward``
+becomes the ops of eager's formula.
 
 Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise``
-turns it off); elsewhere with ``--compile.passes exact_pointwise``. Not by default on the CPU:
-torch 2.11's C++ backend folds the bf16 round trip away (not eager's bits there), and every
-region is a C++ compile. Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
-with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); the GPU runs and the
-speed are in ``docs/perf_archive.md``, "Eager-exact pointwise regions".
+turns it off); elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds
+the bf16 round trip away). Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
+with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed:
+``docs/perf_archive.md``, "Eager-exact pointwise regions".
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.graph_values import val_bytes
+from graph_trainer.compiler.graph_values import positions, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, packet_name
@@ -193,7 +179,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pos = positions(gm.graph)
     cats = [sorted(r, key=pos.__getitem__) for n in gm.graph.nodes if cast_cats and (r := cast_cat_region(n, taken))]
     taken.update(n for region in cats for n in region)
     casts = [[n] for n in gm.graph.nodes if lone_casts and n not in taken and is_lone_cast(n)]

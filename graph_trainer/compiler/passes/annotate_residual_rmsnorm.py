@@ -1,30 +1,22 @@
 """Grow every RMSNorm region by its residual add: one fused add + RMSNorm kernel.
 
-The fused residual-add + RMSNorm kernel of TransformerEngine and Megatron: Llama3's blocks
-compute ``h = x + attention(attention_norm(x))`` and ``out = h + feed_forward(ffn_norm(h))``,
-so every norm but the first reads the output of a residual add. Compiled with the norm, the
-add's output is written once and read by the norm's reduction in the same kernel instead
-of going through memory twice. In the backward, the gradient of ``h`` is the norm
-backward's input gradient plus the gradient of the residual path; that add joins the norm
-backward's region.
-
-Runs after ``annotate_rmsnorm_for_regional_inductor`` and reads only its annotations
-(``meta["custom"]["compile_with_inductor"]["inductor_region"]`` = ``rmsnorm_<kind>_<i>``).
+TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x +
+attention(attention_norm(x))`` and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the
+first reads a residual add's output, which the fused kernel writes once and reduces in place. In
+the backward the gradient of ``h`` (norm backward's input gradient plus the residual path's) joins
+the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor`` and reads only
+its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
 
 Matches, per RMSNorm region:
 
-* **forward** (``rmsnorm_forward_*``): the region's input when exactly one input is produced
-  by ``aten.add.Tensor`` of two tensors, untagged (the weight, gathered or not, is no add).
-  The first block's attention norm reads the embedding: no add, the region stays as it is.
-* **backward** (``rmsnorm_backward_*``): each untagged ``aten.add.Tensor`` user of a region
-  node whose value has the shape of one of the region's activation inputs (2-D or more):
-  the residual-gradient sum.
+* **forward** (``rmsnorm_forward_*``): the region's input when exactly one input is an untagged
+  ``aten.add.Tensor`` of two tensors (the first norm reads the embedding: left as it is).
+* **backward** (``rmsnorm_backward_*``): each untagged ``aten.add.Tensor`` user of a region node
+  with the shape of one of the region's activation inputs (2-D or more).
 
-Changes: the matched add gets the region's ``compile_with_inductor`` annotation (same
-region id and Inductor configs), so ``regional_inductor`` compiles add and norm as one
-region; no node is added, removed or rewired. Numerics change like the RMSNorm pass's
-(the add's bf16 result is computed in the fused kernel), so it needs
-``--compile.numerics_changing_optim``; opt-in with ``--compile.passes residual_rmsnorm``.
+Changes: the add gets the region's ``compile_with_inductor`` annotation; no node is added,
+removed or rewired. Numerics change like the RMSNorm pass's (``--compile.numerics_changing_optim``);
+opt-in with ``--compile.passes residual_rmsnorm``.
 """
 
 from __future__ import annotations
@@ -32,30 +24,21 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
-from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.graph_values import shape_of
+from graph_trainer.compiler.node_meta import inductor_tag, set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
 
-def _annotation(node: torch.fx.Node) -> dict:
-    return custom_meta(node).get(COMPILE_WITH_INDUCTOR_KEY) or {}
-
-
 def _region(node: torch.fx.Node) -> str | None:
-    return _annotation(node).get("inductor_region")
+    return (inductor_tag(node) or {}).get("inductor_region")
 
 
 def _is_residual_add(node: torch.fx.Node) -> bool:
     """``aten.add.Tensor`` of two tensors, not tagged for any region."""
     return (node.op == "call_function" and node.target is aten.add.Tensor and _region(node) is None
             and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2)
-
-
-def _shape(node: torch.fx.Node) -> tuple | None:
-    val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def annotate_residual_rmsnorm_for_regional_inductor_pass(
@@ -76,7 +59,7 @@ def annotate_residual_rmsnorm_for_regional_inductor_pass(
     joined = {"forward": 0, "backward": 0}
     for region, nodes in regions.items():
         members = set(nodes)
-        tag = _annotation(nodes[0])
+        tag = inductor_tag(nodes[0])
         if region.startswith("rmsnorm_forward_"):
             adds = {a for n in nodes for a in n.all_input_nodes if a not in members and _is_residual_add(a)}
             if len(adds) == 1:
@@ -84,9 +67,9 @@ def annotate_residual_rmsnorm_for_regional_inductor_pass(
                 _tag(add, tag)
                 joined["forward"] += 1
         elif region.startswith("rmsnorm_backward_"):
-            grad_shapes = {_shape(a) for n in nodes for a in n.all_input_nodes if a not in members}
+            grad_shapes = {shape_of(a) for n in nodes for a in n.all_input_nodes if a not in members}
             for user in {u for n in nodes for u in n.users if u not in members}:
-                if _is_residual_add(user) and _shape(user) in grad_shapes and len(_shape(user)) >= 2:
+                if _is_residual_add(user) and shape_of(user) in grad_shapes and len(shape_of(user)) >= 2:
                     _tag(user, tag)
                     joined["backward"] += 1
     set_pass_summary(gm, f"joined {joined['forward']} forward and {joined['backward']} backward residual adds "

@@ -3,13 +3,10 @@
 Eager RMSNorm is memory bound; Inductor compiles each norm into one or two fused kernels. This
 changes numerics slightly (reduction order), so it runs only with ``--compile.numerics_changing_optim``.
 
-Matches: **fused** norms (CUDA traces): each ``aten._fused_rms_norm`` / ``_fused_rms_norm_backward``
-node with its ``getitem`` users. **Decomposed** norms (CPU traces): the tensor-producing nodes of one
-``(custom["module_fqn"], custom["phase"])`` group whose module is named ``*norm`` or computes
-``rsqrt([add(] mean(pow(x, 2) | mul(x, x)) [, eps)])`` (casts / views between the steps), without a
-heavy op (matmul, attention, embedding, higher-order op, collective) or a fused norm. A group that
-would form a dependency cycle is split (with activation checkpointing the backward group holds the
-recomputed forward norm and the norm backward); a module called twice in one phase is one instance.
+Matches: :func:`~graph_trainer.compiler.matching.find_rmsnorm_instances`: **fused** norms (CUDA
+traces: ``aten._fused_rms_norm`` / ``_fused_rms_norm_backward`` with their ``getitem`` s) and
+**decomposed** ones (CPU traces: one module's nodes of one phase computing
+``rsqrt(mean(x ** 2) + eps)`` or of a module named ``*norm``, split where they would form a cycle).
 
 Changes: ``compile_with_inductor = {"inductor_configs": {...}, "inductor_region":
 "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when tuning) on every node of a

@@ -1,27 +1,24 @@
 """Async TP: fuse TP's all-gather -> matmul and matmul -> reduce-scatter pairs into torch's
 micro-pipelined symmetric-memory ops, on the TP process group only.
 
-* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the
-  gathered ``A`` on dim ``d`` (``split`` / ``slice`` s -> ``cat``, or funcol's one ``view`` when
-  the dims before ``d`` are 1), then no-op ops; SAC's copies of the layout read the fused op's
-  ``A``. Every ``aten.mm`` of the same phase reading ``A`` as left operand (directly, or through
-  ``view(A, [M, K])`` and back) joins one ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: as Inductor's ``find_reduce_scatter_patterns`` finds them
-  (chunks in rank order), of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads; also
-  through the ``view`` into ``[g, S / g, ...]`` that ``remove_noop_views`` leaves of DTensor's
-  ``cat(chunk(t, g, dim=d), dim=0)`` when ``t``'s dims before ``d`` are 1 (:func:`_chunks_view`).
+* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered
+  ``A`` on dim ``d`` (``split`` / ``slice`` s -> ``cat``, or funcol's one ``view`` when the dims
+  before ``d`` are 1), then no-op ops; SAC's copies of the layout read the fused op's ``A``. Every
+  ``aten.mm`` of the same phase reading ``A`` as left operand (directly, or through ``view(A, [M,
+  K])`` and back) joins one ``fused_all_gather_matmul``.
+* **matmul -> reduce-scatter**: as Inductor's ``find_reduce_scatter_patterns`` finds them (chunks
+  in rank order), of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads; also through the
+  ``view`` that ``remove_noop_views`` leaves of DTensor's ``cat(chunk(t, g, dim=d), dim=0)``
+  (:func:`_chunks_view`).
 
 Left, with the reason in the summary: last-dim gathers / scatters, reduce-scatters of a sum of
 matmuls, matmuls of another phase (SAC's recomputed projections) or whose right operand depends
 on ``A``. Not Inductor's ``micro_pipeline_tp_pass``: it matches ``aten.reshape`` (make_fx records
-``view``), misses the one-``view`` layout and SAC's copies, fuses across phases and leaves no
-fake values (tests/passes/test_async_tp.py).
-
-Rewrites on a fake process group (the dry run; the ops' Meta kernels give the fake values) or on
-CUDA with NCCL once symmetric memory is set up for the TP group; else skips. Numerics: the same
-products in ``M / g``-row chunks, not guaranteed bitwise; permuted outputs (gather on ``d > 0``
-at batch > 1) are copied to the traced contiguous layout. Runs after ``sac_recompute`` /
-``reshard_after_forward``, before the collective scheduling and Inductor passes.
+``view``), misses the one-``view`` layout and SAC's copies, fuses across phases and leaves no fake
+values (tests/passes/test_async_tp.py). Rewrites on a fake process group (the dry run) or on CUDA
+with NCCL once symmetric memory is set up for the TP group; else skips. Numerics: the same
+products in ``M / g``-row chunks, not guaranteed bitwise; permuted outputs are copied to the
+traced contiguous layout.
 """
 
 from __future__ import annotations
@@ -39,10 +36,10 @@ import torch.distributed as dist
 import torch.fx
 
 from graph_trainer import NUMERICS_KEY
-from graph_trainer.compiler.collectives import collective_kind, is_wait, shard_chain
-from graph_trainer.compiler.graph_values import detect_graph_fake_mode
+from graph_trainer.compiler.collectives import collective_kind, group_name_of, shard_chain, sole_wait
+from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, shape_of, tensor_val
 from graph_trainer.compiler.node_meta import add_process_setup, custom_meta, phase_of, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, is_getitem
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -104,34 +101,6 @@ class AsyncTPPlan:
     reduce_scatters: list[ReduceScatterMatch]
 
 
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    return tuple(v.shape) if (v := _val(node)) is not None else None
-
-
-def _is(node: Any, targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _group_name(node: torch.fx.Node) -> str | None:
-    kind = collective_kind(node)
-    if kind == "all_gather_into_tensor":
-        return _arg(node, 2, "group_name")
-    return _arg(node, 3, "group_name") if kind == "reduce_scatter_tensor" else None
-
-
 def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, ...], g: int):
     """``(gathered tensor, gather dim, nodes)`` when ``user`` of ``wait`` starts a layout that
     rebuilds the gathered tensor from the rank-major buffer, then the no-op ops read only there
@@ -139,25 +108,25 @@ def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, 
     found = None
     if user.op != "call_function":
         return None
-    if user.target in _SPLITS and _arg(user, 2, "dim", 0) == 0:  # split -> getitem 0..g-1 -> cat on d
+    if user.target in _SPLITS and arg_of(user, 2, "dim", 0) == 0:  # split -> getitem 0..g-1 -> cat on d
         items = sorted(user.users, key=lambda u: u.args[1] if is_getitem(u) else -1)
-        if len(items) == g and all(is_getitem(u) and u.args[1] == i and _shape(u) == shard
+        if len(items) == g and all(is_getitem(u) and u.args[1] == i and shape_of(u) == shard
                                    for i, u in enumerate(items)):
-            cats = {_only_user(u) for u in items}
+            cats = {only_user(u) for u in items}
             cat = cats.pop() if len(cats) == 1 else None
             if cat is not None and cat.target is aten.cat.default and list(cat.args[0]) == items:
-                found = cat, _arg(cat, 1, "dim", 0) % len(shard), [user, *items, cat]
+                found = cat, arg_of(cat, 1, "dim", 0) % len(shard), [user, *items, cat]
     elif user.target is aten.slice.Tensor:  # slices of dim 0 (the narrow form) -> cat on d
-        cat = _only_user(user)
+        cat = only_user(user)
         parts = list(cat.args[0]) if cat is not None and cat.target is aten.cat.default else []
         if len(parts) == g and all(
             isinstance(p, torch.fx.Node) and p.target is aten.slice.Tensor and p.args[0] is wait
-            and len(p.users) == 1 and _arg(p, 1, "dim", 0) == 0 and _arg(p, 2, "start") == i * shard[0]
+            and len(p.users) == 1 and arg_of(p, 1, "dim", 0) == 0 and arg_of(p, 2, "start") == i * shard[0]
             for i, p in enumerate(parts)
         ):
-            found = cat, _arg(cat, 1, "dim", 0) % len(shard), [*parts, cat]
-    elif _is(user, RESHAPE_OPS):  # one view moving the rank dimension into d (dimensions before d of size 1)
-        out = _shape(user)
+            found = cat, arg_of(cat, 1, "dim", 0) % len(shard), [*parts, cat]
+    elif is_call(user, RESHAPE_OPS):  # one view moving the rank dimension into d (dimensions before d of size 1)
+        out = shape_of(user)
         for d in range(1, len(shard)):
             if out == shard[:d] + (shard[d] * g,) + shard[d + 1:] and math.prod(shard[:d]) == 1:
                 found = user, d, [user]
@@ -165,34 +134,34 @@ def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, 
     if found is None:
         return None
     res, d, nodes = found
-    while (nxt := _only_user(res)) is not None and _is_noop_of(nxt, res):
+    while (nxt := only_user(res)) is not None and _is_noop_of(nxt, res):
         res, nodes = nxt, [*nodes, nxt]
     return res, d, nodes
 
 
 def _is_noop_of(node: torch.fx.Node, src: torch.fx.Node) -> bool:
     """``node`` returns ``src`` unchanged: a same-shape view / alias, or a full-range slice."""
-    if not _is(node, _NOOPS) or node.args[0] is not src or _shape(node) != _shape(src):
+    if not is_call(node, _NOOPS) or node.args[0] is not src or shape_of(node) != shape_of(src):
         return False
-    full = _arg(node, 2, "start") in (0, None) and _arg(node, 4, "step", 1) == 1
+    full = arg_of(node, 2, "start") in (0, None) and arg_of(node, 4, "step", 1) == 1
     return node.target is not aten.slice.Tensor or full
 
 
 def _consumer_matmuls(res: torch.fx.Node, user: torch.fx.Node) -> list[Matmul]:
     """The matmuls reading ``res`` as left operand through ``user`` (the mm, or a 2-D reshape)."""
-    shape = _shape(res)
+    shape = shape_of(res)
     if shape is None:
         return []
-    if _is(user, _MM) and user.args[0] is res and len(shape) == 2:
+    if is_call(user, _MM) and user.args[0] is res and len(shape) == 2:
         return [Matmul(user, res, user.args[1])]
-    if not _is(user, RESHAPE_OPS) or len(shape) < 2 or _shape(user) != (math.prod(shape[:-1]), shape[-1]):
+    if not is_call(user, RESHAPE_OPS) or len(shape) < 2 or shape_of(user) != (math.prod(shape[:-1]), shape[-1]):
         return []
     out = []
     for mm in user.users:
-        if not _is(mm, _MM) or mm.args[0] is not user or mm.args[1] is user:
+        if not is_call(mm, _MM) or mm.args[0] is not user or mm.args[1] is user:
             continue
-        n = (_shape(mm) or (0, 0))[1]
-        posts = [p for p in mm.users if _is(p, RESHAPE_OPS) and _shape(p) == (*shape[:-1], n)]
+        n = (shape_of(mm) or (0, 0))[1]
+        posts = [p for p in mm.users if is_call(p, RESHAPE_OPS) and shape_of(p) == (*shape[:-1], n)]
         out.append(Matmul(mm, res, mm.args[1], pre=user, post=posts[0] if posts else None))
     return out
 
@@ -214,12 +183,11 @@ def _match_all_gather(ag: torch.fx.Node, order: dict[torch.fx.Node, int]) -> All
     rebuilds the gathered tensor (the layout of the all-gather's phase is ``res``, SAC's copies
     are ``copies``) or the first reader does not (gather on dim 0: ``res`` is the wait)."""
     m = AllGatherMatch(ag)
-    waits = [u for u in ag.users if is_wait(u)]
-    if len(waits) != 1 or len(ag.users) != 1:
+    wait = m.wait = sole_wait(ag)
+    if wait is None:
         m.reason = "all-gather not followed by exactly one wait"
         return m
-    wait = m.wait = waits[0]
-    shard, g = _shape(ag.args[0]), _arg(ag, 1, "group_size")
+    shard, g = shape_of(ag.args[0]), arg_of(ag, 1, "group_size")
     if not shard or not isinstance(g, int):
         m.reason = "no shape metadata"
         return m
@@ -245,7 +213,7 @@ def _match_all_gather(ag: torch.fx.Node, order: dict[torch.fx.Node, int]) -> All
         m.copies = [(res, nodes) for res, _, nodes in rest]
     if m.gather_dim == len(shard) - 1:
         m.reason = "gather on the last dimension"
-    elif _val(m.res) is None or not _val(m.res).is_contiguous():
+    elif tensor_val(m.res) is None or not tensor_val(m.res).is_contiguous():
         m.reason = "gathered tensor without a contiguous fake value"
     if m.reason is not None:
         return m
@@ -254,7 +222,7 @@ def _match_all_gather(ag: torch.fx.Node, order: dict[torch.fx.Node, int]) -> All
         for mm in _consumer_matmuls(m.res, user):
             if phase_of(mm.mm) != phase_of(ag):
                 m.other_phase += 1
-            elif getattr(_val(mm.b), "ndim", 0) == 2 and m.res not in _ancestors_after([mm.b], lo, order):
+            elif getattr(tensor_val(mm.b), "ndim", 0) == 2 and m.res not in _ancestors_after([mm.b], lo, order):
                 m.matmuls.append(mm)
     if not m.matmuls:
         m.reason = ("only matmuls of another phase (SAC recompute) read the gathered tensor" if m.other_phase
@@ -266,9 +234,9 @@ def _chunk_index(part: torch.fx.Node) -> int | None:
     """Which chunk ``part`` is: ``getitem`` i of the split, or the slice of chunk i."""
     if is_getitem(part):
         return part.args[1]
-    if part.target is not aten.slice.Tensor or _shape(part) is None:
+    if part.target is not aten.slice.Tensor or shape_of(part) is None:
         return None
-    return (_arg(part, 2, "start") or 0) // max(1, _shape(part)[_arg(part, 1, "dim", 0)])
+    return (arg_of(part, 2, "start") or 0) // max(1, shape_of(part)[arg_of(part, 1, "dim", 0)])
 
 
 def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | None:
@@ -276,9 +244,9 @@ def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | N
     ``[1, .., 1, S, *rest]``, scattered on dim 0 into ``g = group_size`` chunks: the same chunks as
     scattering ``t`` on the dimension of ``S`` (``remove_noop_views``' view in place of DTensor's
     ``cat(chunk(t, g, dim=d), dim=0)``). Else None."""
-    if scatter_dim != 0 or not _is(x, RESHAPE_OPS) or len(x.users) != 1 or len(x.args[0].users) != 1:
+    if scatter_dim != 0 or not is_call(x, RESHAPE_OPS) or len(x.users) != 1 or len(x.args[0].users) != 1:
         return None
-    inner, outer = _shape(x.args[0]), _shape(x)
+    inner, outer = shape_of(x.args[0]), shape_of(x)
     if inner is None or outer is None or len(outer) < 2 or outer[0] != group_size:
         return None
     d = next((i for i, size in enumerate(inner) if size != 1), None)
@@ -298,10 +266,10 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
     nodes = t.match.nodes if hasattr(t.match, "nodes") else t.match  # newer torch: a list for the slice form
     m.wait, m.reduce_op, m.scatter_dim, x = t.wait_tensor_node, str(t.reduce_op), t.scatter_dim, t.input_node
     m.layout = sorted((n for n in nodes if n is not rs and n is not m.wait), key=order.__getitem__)
-    shape = _shape(x)
+    shape = shape_of(x)
     if shape is not None:
         m.scatter_dim %= len(shape)
-    if m.layout and [_chunk_index(p) for p in m.layout[-1].args[0]] != list(range(_arg(rs, 2, "group_size"))):
+    if m.layout and [_chunk_index(p) for p in m.layout[-1].args[0]] != list(range(arg_of(rs, 2, "group_size"))):
         m.reason = "reduce-scatter input not recognised (chunks out of rank order)"
     elif m.reduce_op not in ("sum", "avg"):
         m.reason = f"reduce op {m.reduce_op!r}"
@@ -313,16 +281,16 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
         m.reason = "scatter on the last dimension"
     if m.reason is not None:
         return m
-    if (outer := _chunks_view(x, m.scatter_dim, _arg(rs, 2, "group_size"))) is not None:
+    if (outer := _chunks_view(x, m.scatter_dim, arg_of(rs, 2, "group_size"))) is not None:
         m.layout, x, m.scatter_dim = [x], x.args[0], outer  # the view remove_noop_views left of DTensor's cat
-        shape = _shape(x)
-    if _is(x, _MM):  # the producer: mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
+        shape = shape_of(x)
+    if is_call(x, _MM):  # the producer: mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
         m.matmul = Matmul(x, x.args[0], x.args[1])
-    elif _is(x, RESHAPE_OPS) and _is(x.args[0], _MM) and len(x.args[0].users) == 1:
+    elif is_call(x, RESHAPE_OPS) and is_call(x.args[0], _MM) and len(x.args[0].users) == 1:
         mm, pre = x.args[0], x.args[0].args[0]
-        a_shape = _shape(pre.args[0]) if _is(pre, RESHAPE_OPS) else None
-        if a_shape is not None and len(a_shape) >= 2 and _shape(pre) == (math.prod(a_shape[:-1]), a_shape[-1]) \
-                and shape == (*a_shape[:-1], _shape(mm)[1]):
+        a_shape = shape_of(pre.args[0]) if is_call(pre, RESHAPE_OPS) else None
+        if a_shape is not None and len(a_shape) >= 2 and shape_of(pre) == (math.prod(a_shape[:-1]), a_shape[-1]) \
+                and shape == (*a_shape[:-1], shape_of(mm)[1]):
             m.matmul = Matmul(mm, pre.args[0], mm.args[1], pre=pre, post=x)
     if m.matmul is None:
         m.reason = ("the reduce-scatter input is a sum of matmul outputs" if x.target is aten.add.Tensor
@@ -334,7 +302,7 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
     """Every all-gather and reduce-scatter of ``gm`` on the TP group (``tp_group_name``, or
     inferred) with its match (module docstring). Reads only."""
     if tp_group_name is None:  # the one group of the all-gathers of activations
-        groups = sorted({str(_group_name(n)) for n in gm.graph.nodes
+        groups = sorted({str(group_name_of(n)) for n in gm.graph.nodes
                          if collective_kind(n) == "all_gather_into_tensor" and shard_chain(n) is None})
         if len(groups) != 1:
             return AsyncTPPlan(None, f"all-gathers of activations on several groups {groups}: pass tp_group_name"
@@ -342,11 +310,11 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
         tp_group_name = groups[0]
     from torch._inductor.fx_passes.micro_pipeline_tp import find_reduce_scatter_patterns
 
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     found = {t.reduce_scatter_node: t for t in find_reduce_scatter_patterns(gm.graph)}
     plan = AsyncTPPlan(tp_group_name, None, [], [])
     for n in gm.graph.nodes:
-        if collective_kind(n) not in _KINDS or str(_group_name(n)) != tp_group_name:
+        if collective_kind(n) not in _KINDS or str(group_name_of(n)) != tp_group_name:
             continue
         if collective_kind(n) == "all_gather_into_tensor":
             plan.all_gathers.append(_match_all_gather(n, order))
@@ -379,7 +347,7 @@ def _fake_call(fake_mode, op, args, kwargs=None) -> Any:
 
 def _contiguous(graph: torch.fx.Graph, node: torch.fx.Node, like: torch.fx.Node):
     """``(node, 0)``, or ``(contiguous clone, 1)`` when ``node`` is not contiguous (``like`` was)."""
-    val = _val(node)
+    val = tensor_val(node)
     if val is None or val.is_contiguous():
         return node, 0
     contiguous = {"memory_format": torch.contiguous_format}
@@ -400,7 +368,7 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
     operands need moved before it); returns the contiguous copies added."""
     op = torch.ops.symm_mem.fused_all_gather_matmul.default
     ag = m.ag
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     for node in sorted(_ancestors_after([mm.b for mm in m.matmuls], order[ag], order), key=order.__getitem__):
         ag.prepend(node)
     args = (ag.args[0], [mm.b for mm in m.matmuls], m.gather_dim, group_name)
@@ -422,7 +390,7 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
             (mm.post or mm.mm).replace_all_uses_with(out)
             _erase_unused(graph, [mm.post])
         if mm.pre is not None and mm.mm.users:  # the 2-D product of a 3-D A: a view of it
-            view = (out, list(_shape(mm.mm)))
+            view = (out, list(shape_of(mm.mm)))
             with graph.inserting_after(out):
                 flat = _call(graph, aten.view.default, view, mm.mm, _fake_call(fake_mode, aten.view.default, view),
                              mm.mm)
@@ -457,9 +425,9 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_nam
 def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], group_size: int) -> int:
     """Bytes of symmetric-memory workspace the matched ops need: an all-gather's shard, two ``1/g``
     chunks of a reduce-scatter's matmul output (the largest of them; at least 1)."""
-    need = [v.numel() * v.element_size() for m in ags if (v := _val(m.ag.args[0])) is not None]
+    need = [v.numel() * v.element_size() for m in ags if (v := tensor_val(m.ag.args[0])) is not None]
     need += [2 * (v.numel() // group_size) * v.element_size() for m in rss
-             if (v := _val(m.matmul.post or m.matmul.mm)) is not None]
+             if (v := tensor_val(m.matmul.post or m.matmul.mm)) is not None]
     return max(need + [1])
 
 
@@ -538,7 +506,7 @@ def async_tp_pass(
     if not ags and not rss:
         skip = f"nothing to fuse on TP group {group!r}{left}"
     elif rewrite is None:
-        device = _val(ags[0].ag.args[0] if ags else rss[0].matmul.mm)
+        device = tensor_val(ags[0].ag.args[0] if ags else rss[0].matmul.mm)
         device = device.device.type if device is not None else "unknown"
         try:
             backend = str(dist.get_backend(dist.distributed_c10d._resolve_process_group(group)))
@@ -549,7 +517,7 @@ def async_tp_pass(
         elif device != "cuda":
             skip = f"skipped: device {device} (the symm_mem fused ops are CUDA-only); would fuse {what}{left}"
         else:
-            group_size = _arg(ags[0].ag, 1, "group_size") if ags else _arg(rss[0].rs, 2, "group_size")
+            group_size = arg_of(ags[0].ag, 1, "group_size") if ags else arg_of(rss[0].rs, 2, "group_size")
             workspace = _workspace_bytes(fusible_ags, fusible_rss, group_size)
             ok, note = enable_symmetric_memory(group, workspace)
             skip = None if ok else f"skipped: {note}; would fuse {what}{left}"

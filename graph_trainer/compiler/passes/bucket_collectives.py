@@ -9,16 +9,13 @@ the bucket's wait form a bucket. **All-gather**: at the first member's issue (la
 move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
 :func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after
 the last member's issue, waited at the last member wait, its buffer held until then. The same
-bits, except that with more than 2 ranks NCCL's summation order of an element depends on where it
-lies in the message: under ``--debug.deterministic`` the reduce-scatter buckets are therefore
-FSDP2's units (the embedding, each block, the final norm and output: torchtitan's ``apply_fsdp``),
-members in parameter order, so the message is eager FSDP2's and so is every sum (docs/design.md).
+bits, except that with more than 2 ranks NCCL's summation order depends on an element's place in
+the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units
+(torchtitan's ``apply_fsdp``), members in parameter order, so every sum is eager FSDP2's.
 
 Not torch's bucketing (tests/passes/test_bucket_collectives.py): ``bucket_all_gather`` /
-``bucket_reduce_scatter`` put each bucket's wait right behind its last member, which breaks (or
-un-overlaps) the placed graph; ``OverlapPreservingBucketer`` merges almost nothing with our
-prefetch windows; their caps are in MB, not collectives; their all-gather merge emits
-``all_gather_into_tensor_out``, which the memory policy and cost model do not count.
+``bucket_reduce_scatter`` put each bucket's wait right behind its last member (un-overlapping the
+placed graph); ``OverlapPreservingBucketer`` merges almost nothing with our prefetch windows.
 """
 
 from __future__ import annotations
@@ -30,7 +27,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, sole_wait
+from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
@@ -68,14 +66,9 @@ def _(gathered, world, sizes):
 
 def _member(issue: torch.fx.Node):
     """``(issue, wait, hold_or_None)`` for a bucketable collective, else ``None``."""
-    waits = [u for u in issue.users if is_wait(u)]
-    if len(waits) != 1 or len(issue.users) != 1:
+    wait, val = sole_wait(issue), tensor_val(issue.args[0])
+    if wait is None or val is None or val.dim() != 1:
         return None
-    x = issue.args[0]
-    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() != 1:
-        return None
-    wait = waits[0]
     holds = [u for u in wait.users if u.target is hold]
     if len(holds) > 1 or (holds and len(wait.users) != 1):
         return None
@@ -101,10 +94,6 @@ def _call(graph, target, args, meta_from):
     return node
 
 
-def _pos(graph):
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
 def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | None:
     """``x`` and its inputs at or after position ``before`` (the shard cast chain), to move up,
     when they are call_functions with one user besides ``hold`` s; else None."""
@@ -124,7 +113,7 @@ def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | 
 def _bucket_all_gather(graph, members) -> None:
     """Replace the all-gathers ``members`` (``(issue, wait, hold)`` s) by one."""
     first_issue = members[0][0]
-    pos = _pos(graph)
+    pos = positions(graph)
     for issue, _, _ in members[1:]:  # shard casts defined later move up to the bucket's issue
         for n in _movable_chain(issue.args[0], pos[first_issue], pos) or []:
             first_issue.prepend(n)
@@ -133,7 +122,7 @@ def _bucket_all_gather(graph, members) -> None:
     with graph.inserting_before(first_issue):
         flat = _call(graph, aten.cat.default, ([m[0].args[0] for m in members],), first_issue)
         ag = _call(graph, _c10d.all_gather_into_tensor.default, (flat, w, group), first_issue)
-    pos = _pos(graph)
+    pos = positions(graph)
     first_wait = min((m[1] for m in members), key=pos.__getitem__)
     with graph.inserting_before(first_wait):
         out = _call(graph, _c10d.wait_tensor.default, (ag,), first_wait)
@@ -159,7 +148,7 @@ def _bucket_reduce_scatter(graph, members) -> None:
         if hld is not None:
             hld.replace_all_uses_with(wait)
             graph.erase_node(hld)
-    pos = _pos(graph)
+    pos = positions(graph)
     last_issue = max((m[0] for m in members), key=pos.__getitem__)
     last_wait = max((m[1] for m in members), key=pos.__getitem__)
     new_nodes, _ = merge_reduce_scatter_bucket(
@@ -175,7 +164,7 @@ def _bucket_reduce_scatter(graph, members) -> None:
 
 def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple]]:
     """Buckets (of >= 2) of consecutive bucketable issues of ``kind`` with one key."""
-    pos = _pos(graph)
+    pos = positions(graph)
     issues = [m for n in graph.nodes if collective_kind(n) == kind and (m := _member(n)) is not None]
     runs: list[list[tuple]] = []
     for m in issues:
@@ -206,7 +195,7 @@ def _unit_runs(graph: torch.fx.Graph, units) -> list[list[tuple]]:
     """Reduce-scatter buckets (of >= 2) of FSDP2's units of the ``BlockLayout`` ``units``: the
     parameters before the first block, each block, the rest; members in parameter order. A unit
     whose gradients cannot form one bucket (another key, a result read early) is left unbucketed."""
-    pos = _pos(graph)
+    pos = positions(graph)
     first = units.params_before
 
     def unit(i: int) -> int:

@@ -1,19 +1,15 @@
 """Replay the (compiled) training step as a CUDA graph. CUDA only. The memory policy adds it where
 the step runs in one process on a CUDA device, Inductor does not compile the whole graph and its
-memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes cudagraph`` /
+memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes`` /
 ``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
 
-``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, then
-one capture, then replays. ``nn.Parameter`` s and inputs whose storage did not change between
-the last warmup call and the capture (parameters, optimizer-updated buffers) are used in place;
-other tensor inputs (tokens, labels) are copied into static buffers on each call (a static input
-on a new storage too, logged once). The outputs are static tensors overwritten by the next call;
-the input structure must not change. The graph's own memory pool raises the peak; it pays where
-the GPU waits on the host between kernels. Raises ``RuntimeError`` without CUDA inputs.
-
-Built on ``torch.cuda.CUDAGraph``. Not ``torch.cuda.make_graphed_callables``: it wraps a callable's
-forward and backward as an autograd Function, while this graph is the whole step, already
-differentiated; not Inductor's cudagraph trees, which wrap only graphs ``compile_fx`` compiles whole.
+``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, one
+capture, then replays. ``nn.Parameter`` s and inputs whose storage did not change between the last
+warmup call and the capture are used in place; other tensor inputs (tokens, labels) are copied
+into static buffers on each call. The outputs are static tensors overwritten by the next call;
+the input structure must not change. Raises ``RuntimeError`` without CUDA inputs. Not
+``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this
+graph is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
 """
 
 from __future__ import annotations

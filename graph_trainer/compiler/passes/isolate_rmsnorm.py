@@ -1,16 +1,12 @@
 """Keep each RMSNorm (forward, backward) in kernels of its own inside the whole-graph compile.
 
-The ``full_inductor`` counterpart of ``annotate_rmsnorm``: puts the nodes of every
-:func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance into the fusion group
-``rmsnorm_<kind>_<i>`` (``node_meta.FUSION_GROUP_KEY``); ``full_inductor`` then writes the values
-crossing a group's boundary to buffers and fuses a group's nodes only with each other (the norm
-backward's ``dx`` and ``dw`` reductions stay fused together), never with the neighbouring ops
-it fuses them with otherwise (pytorch#179423). Changes numerics against the plain whole-graph
-compile (the norm's output is rounded to its dtype at the kernel boundary), so it needs
-``--compile.numerics_changing_optim``.
-Opt-in (``--compile.passes isolate_rmsnorm``): it did not pay on the 1B or the seed rank
-(docs/perf_archive.md, "The norms isolated inside the whole-graph compile"). Nothing is added,
-removed or rewired.
+The ``full_inductor`` counterpart of ``annotate_rmsnorm``: the nodes of every
+:func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance form the fusion group
+``rmsnorm_<kind>_<i>`` (``node_meta.FUSION_GROUP_KEY``), which ``full_inductor`` fuses only among
+itself. Changes numerics (the norm's output is rounded at the kernel boundary):
+``--compile.numerics_changing_optim``. Opt-in (``--compile.passes isolate_rmsnorm``): it did not
+pay on the 1B or the seed rank (docs/perf_archive.md, "The norms isolated inside the whole-graph
+compile"). Nothing is added, removed or rewired.
 """
 
 from __future__ import annotations

@@ -2,24 +2,19 @@
 
 As traced, every functional collective is followed at once by its ``wait_tensor``, all parameter
 all-gathers are issued at the start and all reduce-scatters after the last backward matmul.
-Changes (positions only, plus a :func:`~graph_trainer.compiler.collectives.hold` after every wait that
-no longer follows its collective; the same values bit for bit):
+Changes (positions only, plus a :func:`~graph_trainer.compiler.collectives.hold` of the input
+after every wait that no longer follows its collective; the same values bit for bit):
 
-* a parameter all-gather (input cast from a placeholder) is issued just before the first use of
-  the parameter ``ag_window`` places earlier in use order; its wait moves, with its slice / view
-  chain, to just before its first real use;
+* a parameter all-gather is issued just before the first use of the parameter ``ag_window``
+  places earlier in use order; its wait moves, with its slice / view chain, to its first real use;
 * every other collective is issued, with its single-use cast / view / pad chain, just after its
   input is produced; its wait moves towards its first user, but no later than the issue of the
   ``max_in_flight``-th next collective of its kind.
 
-Functional collectives run asynchronously and ``wait_tensor`` makes the stream wait, so this
-overlaps uncompiled and under regional Inductor. ``hold`` keeps the collective's input alive
-until the wait (``full_inductor_pass`` strips it). On CPU (gloo), collectives left in flight
-intermittently corrupted the heap: by default a CPU collective is never left in flight.
-
-Not torch's ``overlap_scheduling.schedule_overlap_bucketing``: it estimates compute from the GPU
-(it raises without one) and with one leaves every reduce-scatter in flight to the end of the
-backward (tests/passes/test_overlap_collectives.py).
+On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU
+collective is never left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without
+a GPU and with one leaves every reduce-scatter in flight to the end of the backward
+(tests/passes/test_overlap_collectives.py).
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS
 from graph_trainer.compiler.registry import GraphPass
@@ -62,7 +58,7 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
         chain.append(cur)
         cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
     moved = False
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     for node in reversed(chain):  # earliest first
         inputs = node.all_input_nodes
         if not inputs:
@@ -72,7 +68,7 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
             continue
         latest.append(node)
         moved = True
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        order = positions(graph)
     return moved
 
 
@@ -84,7 +80,7 @@ def _on_cpu(issue: torch.fx.Node) -> bool:
 def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     """Move each parameter all-gather (with its shard cast, wait and views) to just before the
     first real use of the parameter ``window`` places earlier in use order; returns how many."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     groups = []
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
         chain = shard_chain(ag)
@@ -104,7 +100,7 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     moved = 0
     for i, (first, chain, closure) in enumerate(groups):
         target = groups[max(i - window, 0)][0]
-        order = {n: j for j, n in enumerate(graph.nodes)}
+        order = positions(graph)
         if order[target] <= order[closure[0]] + 1:
             continue
         for node in sorted(chain + closure, key=order.__getitem__):
@@ -148,7 +144,7 @@ def overlap_collectives_pass(
     moved = 0
     counts = {"all_gather": 0, "other": 0}
     for wait in waits:
-        order = {n: i for i, n in enumerate(graph.nodes)}  # positions change as waits move
+        order = positions(graph)  # positions change as waits move
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
         if not cpu_async and _on_cpu(issue):  # never in flight on CPU (see module docstring)
@@ -185,7 +181,7 @@ def overlap_collectives_pass(
         wait.replace_all_uses_with(held, delete_user_cb=lambda u: u is not held)
     graph.lint()
     gm.recompile()
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = positions(graph)
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(

@@ -25,16 +25,16 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, NUMERICS_KEY
+from graph_trainer import NUMERICS_KEY
 from graph_trainer.numerics import output_key
-from graph_trainer.compiler.graph_values import detect_graph_fake_mode, split_acyclic
-from graph_trainer.compiler.node_meta import custom_meta, is_tagged_for_inductor, set_pass_summary
+from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, split_acyclic
+from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import is_getitem, packet_name
 from graph_trainer.compiler.registry import GraphPass
+from graph_trainer.compiler.report import REGION_SUBMOD_PREFIX
 
 logger = logging.getLogger("graph_trainer")
 
-REGION_PREFIX = "__marked_inductor_submod"
 _DEFAULT_REGION = object()
 
 #: A candidate Inductor config is kept only when it is more than this fraction faster than the
@@ -47,7 +47,7 @@ def _needs_inductor_compile(node: torch.fx.Node) -> bool:
 
 
 def _region_id(node: torch.fx.Node) -> Any:
-    value = custom_meta(node)[COMPILE_WITH_INDUCTOR_KEY]
+    value = inductor_tag(node)
     return value.get("inductor_region", _DEFAULT_REGION) if isinstance(value, dict) else _DEFAULT_REGION
 
 
@@ -61,7 +61,7 @@ def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.No
     for node in gm.graph.nodes:
         if _needs_inductor_compile(node):
             regions.setdefault(_region_id(node), []).append(node)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    order = positions(gm.graph)
     partitions: list[dict[torch.fx.Node, None]] = []
     for rid, nodes in regions.items():
         part = dict.fromkeys(nodes)
@@ -98,7 +98,7 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
         partitions = propose_region_partitions(gm)
         if not partitions:
             return gm, 0
-        gm = fuse_by_partitions(gm, partitions, prefix=REGION_PREFIX, always_return_tuple=True)
+        gm = fuse_by_partitions(gm, partitions, prefix=REGION_SUBMOD_PREFIX, always_return_tuple=True)
         _carry_output_keys(gm)
         return gm, len(partitions)
 
@@ -107,7 +107,7 @@ def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
     """Give each region output (a getitem of the region call) the ``numerics_key`` of the node
     inside the region whose value it returns."""
     for node in gm.graph.find_nodes(op="call_module"):
-        if not str(node.target).startswith(REGION_PREFIX):
+        if not str(node.target).startswith(REGION_SUBMOD_PREFIX):
             continue
         outs = getattr(gm, node.target).graph.output_node().args[0]
         for user in node.users:
@@ -126,7 +126,7 @@ def _annotation(gm: torch.fx.GraphModule) -> dict:
     """The ``compile_with_inductor`` dict of a region's first annotated op (placeholders may
     carry the metadata of another region's node that produced them)."""
     for n in gm.graph.nodes:
-        cwi = custom_meta(n).get(COMPILE_WITH_INDUCTOR_KEY)
+        cwi = inductor_tag(n)
         if n.op == "call_function" and isinstance(cwi, dict):
             return cwi
     return {}

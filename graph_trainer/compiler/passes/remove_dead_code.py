@@ -1,13 +1,10 @@
 """Dead code elimination for the traced training-step graph: torch.fx's
-``Graph.eliminate_dead_code``, which keeps impure nodes (``Node.is_impure``: mutating, random,
-effectful ops), with every collective kept too (unused or not) so that ranks stay in lock-step.
+``Graph.eliminate_dead_code``, which keeps impure nodes (mutating, random, effectful ops), with
+every collective kept too so that ranks stay in lock-step.
 
 One exception to "mutating = impure" (:func:`mutates_only_dead_temporaries`): an unused in-place
-op whose every mutated argument is a fresh temporary that nothing else reads (``mean(...).add_(eps)``
-with nothing after it) changes nothing observable, so it goes, and with it the chain that fed
-it. Under TP the trace holds ops on empty CPU tensors of the global shape beside the real ones
-(most likely DTensor's sharding propagation); an RMSNorm's decomposition among them ends in
-such an ``add_``.
+op on fresh temporaries nothing else reads (``mean(...).add_(eps)``, the end of an RMSNorm's
+decomposition among the CPU ops of global shape a TP trace holds) goes, with the chain that fed it.
 """
 
 from __future__ import annotations

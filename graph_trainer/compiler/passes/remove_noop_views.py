@@ -1,21 +1,15 @@
 """Remove no-op view / copy / detach nodes from the traced training-step graph.
 
-Matches (on the fake values in ``meta["val"]``; a node or input without one is kept): a
-``view`` / ``reshape`` / ``_unsafe_view`` or ``alias`` with the same shape, strides and dtype
-as its input; such a ``clone`` (not of a lazily conjugated / negated view); a ``detach`` (the
-graph runs without autograd) whose users do not mutate it. Never a graph output, nor a node in
-an alias group that some op mutates (in-place and ``out=`` ops, or ops it cannot analyse;
-collectives alias their inputs). Each match is replaced by its input: same values.
-
-Also a ``cat`` that writes a contiguous tensor's bytes again in their own order: the pieces of
-one ``split`` of ``x``, all of them in order, where the split and the cat dimensions have only
-size-1 dimensions before them (:func:`identity_cat_source`). It becomes ``view(x, shape)``. DTensor
-writes one before every reduce-scatter of a sequence-parallel activation (``Shard(1)``, batch 1:
-``cat(chunk(x, tp, dim=1), dim=0)``, the chunks already in memory order).
+Matches (on the fake values in ``meta["val"]``; a node or input without one is kept): a ``view`` /
+``reshape`` / ``_unsafe_view`` or ``alias`` with its input's shape, strides and dtype; such a
+``clone`` (not of a lazily conjugated / negated view); a ``detach`` whose users do not mutate it.
+Never a graph output, nor a node in an alias group that some op mutates (collectives alias their
+inputs). Each match is replaced by its input. Also a ``cat`` that rewrites a contiguous tensor's
+bytes in their own order (:func:`identity_cat_source`; DTensor's ``cat(chunk(x, tp, dim=1),
+dim=0)`` before a sequence-parallel reduce-scatter at batch 1) becomes ``view(x, shape)``.
 
 Not Inductor's ``post_grad.remove_noop_ops``: it assumes a functional graph (this one keeps its
-in-place ops), so it removes a ``clone`` whose source is later updated in place, and it has no
-rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
+in-place ops) and has no rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
 """
 
 from __future__ import annotations
@@ -29,9 +23,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from graph_trainer.compiler.collectives import is_collective
-from graph_trainer.compiler.graph_values import DisjointSet
+from graph_trainer.compiler.graph_values import DisjointSet, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -50,7 +44,7 @@ class _AliasInfo(DisjointSet):
         for node in graph.nodes:
             if node.op in ("placeholder", "get_attr", "output"):
                 continue
-            if node.op == "call_function" and node.target is operator.getitem:
+            if is_getitem(node):
                 src = node.args[0]
                 if isinstance(src, torch.fx.Node) and _returns_alias(src):
                     self.union(node, src)
@@ -97,11 +91,6 @@ def _bound_args(node: torch.fx.Node, schema) -> list[tuple[torch.fx.Node, Any]]:
     return out
 
 
-def _val(node: Any) -> torch.Tensor | None:
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
         return False
@@ -136,7 +125,7 @@ def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
     contiguous output holds ``x``'s bytes in the same order. Else None."""
     if node.op != "call_function" or node.target is not aten.cat.default or not node.args:
         return None
-    pieces, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    pieces, dim = node.args[0], arg_of(node, 1, "dim", 0)
     if not pieces or not all(isinstance(p, torch.fx.Node) and p.target is operator.getitem for p in pieces):
         return None
     split = pieces[0].args[0]
@@ -145,14 +134,14 @@ def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
         return None
     if [p.args for p in pieces] != [(split, i) for i in range(len(split.meta["val"]))]:
         return None
-    x, out = split.args[0], _val(node)
-    x_val, split_dim = _val(x), split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    x, out = split.args[0], tensor_val(node)
+    x_val, split_dim = tensor_val(x), arg_of(split, 2, "dim", 0)
     if x_val is None or out is None or x_val.dtype != out.dtype or not x_val.is_contiguous():
         return None
     split_dim, dim = split_dim % x_val.dim(), dim % out.dim()
     if not _leading_ones(x_val, split_dim):
         return None
-    return x if all(_val(p) is not None and _leading_ones(_val(p), dim) for p in pieces) else None
+    return x if all(tensor_val(p) is not None and _leading_ones(tensor_val(p), dim) for p in pieces) else None
 
 
 def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch.fx.Node]) -> str | None:
@@ -164,7 +153,7 @@ def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch
     if kind is None or node in outputs or node.kwargs.get("out") is not None:
         return None
     src = node.args[0]
-    src_val, val = _val(src), _val(node)
+    src_val, val = tensor_val(src), tensor_val(node)
     if src_val is None or val is None:
         return None
     if aliases.is_mutated(node) or aliases.is_mutated(src) or not _same_layout(src_val, val):

@@ -1,17 +1,16 @@
 """FSDP2's ``reshard_after_forward=True`` for the traced step: free gathered parameters after
 the forward and all-gather them again for the backward.
 
-Matches: FSDP parameter all-gathers (input computed from a placeholder through casts and views:
-:func:`~graph_trainer.compiler.collectives.shard_chain`; TP's all-gathers of activations are not
-touched) and their *view closure*: the wait, ``overlap_collectives``' ``hold`` and every view /
-cast of the gathered value.
+Matches: FSDP parameter all-gathers (:func:`~graph_trainer.compiler.collectives.shard_chain`; TP's
+all-gathers of activations are not touched) and their *view closure*: the wait,
+``overlap_collectives``' ``hold`` and every view / cast of the gathered value.
 
-Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are
-rewired to a copy of it (the shard's cast, a second all-gather, its wait and the views they
-need), so the forward's gathered parameter dies after its last forward use. The copy's wait and
-views sit before the first backward use; its all-gather is issued ``prefetch`` re-gathers
-earlier in backward order. Same bits (an all-gather of the same shard), one more all-gather per
-parameter and step; saves up to one unsharded copy of the parameters per rank.
+Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired
+to a copy of it (the shard's cast, a second all-gather, its wait and the views they need), so the
+forward's gathered parameter dies after its last forward use. The copy's wait and views sit
+before the first backward use; its all-gather is issued ``prefetch`` re-gathers earlier in
+backward order. Same bits, one more all-gather per parameter and step; saves up to one unsharded
+copy of the parameters per rank.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch.fx
 
 from graph_trainer import PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS
 from graph_trainer.compiler.registry import GraphPass, PassContext
@@ -87,7 +87,7 @@ def reshard_after_forward_pass(
     if first_params is not None and first_params < 0:
         raise ValueError(f"first_params must be >= 0 (or None for all), got {first_params}")
     graph = gm.graph
-    pos = {n: i for i, n in enumerate(graph.nodes)}
+    pos = positions(graph)
     groups, n_fsdp = [], 0
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
         chain = shard_chain(ag)

@@ -1,25 +1,20 @@
 """Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Under make_fx, SAC sees a tracing dispatch mode and does not recompute: it saves every op and
-only tags the nodes (``meta["recompute"]``) for a partitioner, which the traced joint graph does
-not have. (Layer-level AC recomputes under make_fx, untagged: nothing to do.) torch >= 2.12
-remats tagged graphs inside ``compile_fx`` only, 2.11 not at all: this pass does it everywhere.
+Under make_fx SAC does not recompute: it saves every op and only tags the nodes
+(``meta["recompute"]``) for a partitioner the traced joint graph does not have (torch >= 2.12
+remats tagged graphs inside ``compile_fx`` only, 2.11 not at all). Layer-level AC recomputes
+under make_fx, untagged: nothing to do.
 
 Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
-block (``custom["ac_region"]``; SAC's tag left set after the block is ignored) that a backward
-node uses; never ops that mutate an input, random ops or collectives (but ``cheap_only``'s
-activation all-gathers, below). Each backward use is
-rewired to a copy placed before the first backward node that needs it; the copy's tagged inputs
-of the same block are copied the same way, its other inputs used as saved. Copies are in the
-``backward`` phase with the module FQN. The same bits as eager op-level SAC. The tags are then
-removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
+block (``custom["ac_region"]``) that a backward node uses; never ops that mutate an input, random
+ops or collectives (but ``cheap_only``'s activation all-gathers). Each backward use is rewired to
+a copy placed before the first backward node that needs it, in the ``backward`` phase; the copy's
+tagged inputs of the same block are copied the same way. The same bits as eager op-level SAC. The
+tags are then removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
 
-``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only what is cheap to recompute
-from less than it holds (:func:`cheap_to_recompute`): the tagged pointwise ops, casts and RMSNorm
-forwards whose inputs the backward keeps anyway (SwiGLU's ``silu`` and ``mul`` from the two saved
-matmul outputs, a norm from its input: nothing new kept), and TP's all-gathers of activations (gathered
-again in the backward from their input, itself recomputed where it is such a norm, as eager SAC
-recomputes them; under real TP one more all-gather per use, placed by ``overlap_collectives``).
+``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only :func:`cheap_to_recompute`'s
+values: tagged pointwise ops, casts and RMSNorm forwards whose inputs the backward keeps anyway,
+and TP's all-gathers of activations (one more all-gather per use under real TP).
 """
 
 from __future__ import annotations
@@ -31,17 +26,17 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_collective, is_wait, shard_chain
 from graph_trainer.compiler.graph_values import storages
-from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary, strip_recompute_tags
+from graph_trainer.compiler.node_meta import (
+    custom_meta, is_tagged_recompute, phase_of, set_pass_summary, strip_recompute_tags,
+)
 from graph_trainer.compiler.ops import is_getitem, returns_view
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 RECOMPUTED_FROM_KEY = "graph_trainer_recomputed_from"
-_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def _region(node: torch.fx.Node):
@@ -49,7 +44,7 @@ def _region(node: torch.fx.Node):
 
 
 def _is_recomputable(node: torch.fx.Node, save_ops=frozenset()) -> bool:
-    if node.op != "call_function" or phase_of(node) != "forward" or node.meta.get("recompute") not in _RECOMPUTE:
+    if node.op != "call_function" or phase_of(node) != "forward" or not is_tagged_recompute(node):
         return False
     if node.target in save_ops or _region(node) is None:  # outside a block: SAC's left-over tag
         return False
@@ -119,11 +114,6 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
     return sum(seen.values())
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    sa, sb = storages(a), storages(b)  # empty for tensor subclasses without storage
-    return bool(sa and sb) and sa[0][0] == sb[0][0]
-
-
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
     """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its
     own storage (memory estimates count it apart), or for a view of an input, that view of the
@@ -132,9 +122,10 @@ def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
     def fresh(v):
         if not isinstance(v, torch.Tensor):
             return v
+        own = storages(v)  # empty for tensor subclasses without storage
         for a in node.all_input_nodes:
             av = a.meta.get("val")
-            if isinstance(av, torch.Tensor) and _same_storage(av, v):
+            if isinstance(av, torch.Tensor) and own and (sa := storages(av)) and sa[0][0] == own[0][0]:
                 base = copies.get(a, a).meta.get("val")
                 mode = getattr(base, "fake_mode", None)
                 with mode if mode is not None else contextlib.nullcontext():
