@@ -38,7 +38,7 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
 def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
     """Loss and grad norm at every step; global rank 0, which writes ``metrics.jsonl``, is on the
     ``NODE_RANK=0`` host whichever host starts first (static rendezvous: hosts ordered by ``NODE_RANK``)."""
-    _, ref_loss, ref_norm, ref_hashes = fsdp4_run  # NGPU=4 ./run_train.sh with fsdp4_flags(), one host
+    _, ref_loss, ref_norm, ref_hashes = fsdp4_run  # fsdp4_flags() on 4 forked ranks, one host
     assert len(ref_loss) == 2
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it
     procs, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
