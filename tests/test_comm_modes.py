@@ -14,9 +14,7 @@ from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
 from _launch import fork_call
-from _runs import launch_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _runs import REPO, launch_env
 
 
 def _fake_collectives_run(tmp, env):

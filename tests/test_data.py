@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """One cache dir (and HF datasets cache) shared by the tests of this module."""
+    """One cache dir (and HF datasets cache) for this module."""
     root = tmp_path_factory.mktemp("gt_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRAPH_TRAINER_CACHE", str(root))
@@ -143,8 +143,8 @@ def _cfg(dataset="c4_test", path=None, tokenizer="embedded"):
 
 def _lines(n: int = 10, bad_line: int | None = 3, bad: str = "this is not json: true") -> str:
     """``n`` lines of ``{"text": ...}``, line ``bad_line`` (1-based) replaced by ``bad``."""
-    good = (json.dumps({"text": f"Line {i} is about the sea."}) for i in range(1, n + 1))
-    return "".join((bad if i == bad_line else line) + "\n" for i, line in enumerate(good, 1))
+    return "".join((bad if i == bad_line else json.dumps({"text": f"Line {i} is about the sea."})) + "\n"
+                   for i in range(1, n + 1))
 
 
 def _write(root: Path, files: dict) -> None:

@@ -18,9 +18,8 @@ from graph_trainer.tools.loss_compare import first_difference
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
-from _runs import run_debug
+from _runs import REPO, run_debug
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 PASS = "--compile.numerics_changing_optim"
 

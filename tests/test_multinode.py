@@ -11,14 +11,12 @@ from graph_trainer import config
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
-from _runs import LAUNCH_VARS, fixed_port, fsdp4_flags  # tests/ is on sys.path
+from _runs import DEBUG, LAUNCH_VARS, REPO, fixed_port, fsdp4_flags  # tests/ is on sys.path
 from _runs import launch_env as _env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
-    debug = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")]
+    debug = ["--job.config_file", DEBUG]
     assert config.launch_world_size({"NNODES": "2", "NGPU": "8", "NODE_RANK": "1"}) == 16
     assert config.launch_world_size({}) == 1
     for bad, name in (({"NNODES": "0"}, "NNODES=0"), ({"NODE_RANK": "1"}, "NODE_RANK=1"),
