@@ -1,15 +1,13 @@
-"""Runs that tests start early (not a test module). A test module registers a run with :func:`job`
-and marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`.
+"""Runs that tests start early (not a test module). A module registers a run with :func:`job` and
+marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`.
 
 After collection tests/conftest.py queues the runs the selected tests read; one at a time each runs
-in its own process, forked from tests/_launch.py's server, while the tests go on in this one (with
-:data:`BACKGROUND` off, a run starts in the first test that reads it). Nothing here starts a thread:
-processes are started from the main thread, after a test (:func:`advance`) or in :func:`result`.
-
-A run gets its own temporary folder and the environment of the session's start (taken when it is
-registered, at collection), never what a test has monkeypatched meanwhile; its outcome is whatever
-the function returns (picklable; checked by the tests). A run that raised raises in the test that
-reads it, as a RuntimeError with the run's traceback."""
+in a process forked from tests/_launch.py's server while the tests go on here (with :data:`BACKGROUND`
+off, a run starts in the first test reading it). No thread is started: processes start from the main
+thread, after a test (:func:`advance`) or in :func:`result`. A run gets its own tmp folder and the
+environment of the session's start (taken at registration), never a test's monkeypatching; its outcome
+is what the function returns (picklable). A run that raised raises in its reader as a RuntimeError
+with the run's traceback."""
 
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ from typing import Any, Callable
 import pytest
 
 MARK = "early_job"
-
-#: Run the queued runs in background processes. Off: each starts in the first test that reads it.
-BACKGROUND = True
+BACKGROUND = True  #: run the queued runs in background processes
 
 
 class _Run:
@@ -41,9 +37,8 @@ _TMP = None  # the session's tmp_path_factory
 
 
 def job(name: str, fn: Callable[[Path, dict], Any], needs: tuple[str, ...] = ()) -> None:
-    """Register ``fn(tmp folder, environment)`` (a module-level function of the calling module, or
-    a lambda there) as run ``name``, at a test module's import; ``needs``: the runs whose outcome
-    ``fn`` reads with :func:`result` (done before it starts, their outcomes passed to its process)."""
+    """Register ``fn(tmp folder, environment)`` (module-level, or a lambda there) as run ``name``;
+    ``needs``: runs whose outcome ``fn`` reads with :func:`result` (done before it starts)."""
     _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"], tuple(needs)))
 
 
@@ -53,9 +48,8 @@ def uses(name: str):
 
 
 def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) -> Any:
-    """In a process forked from the server: import the module that registered run ``name`` (which
-    registers it here) and run it, with the outcomes ``needed`` of its ``needs``; its own runs fork
-    from this process (one thread, imports done)."""
+    """In a forked process: import the module that registered ``name`` and run it, with the outcomes
+    ``needed`` of its ``needs``; its own runs fork from this process."""
     import multiprocessing as mp
 
     import _launch
@@ -82,17 +76,14 @@ def _start(name: str) -> None:
 
 
 def start(items, tmp_factory) -> None:
-    """Queue the runs that ``items`` (the selected tests, in order) read and start the first
-    (only with :data:`BACKGROUND`)."""
+    """Queue the runs that ``items`` (the selected tests, in order) read; start the first."""
     global _TMP
     _TMP = tmp_factory
-    if not BACKGROUND:
-        return
-    for item in items:
-        for mark in item.iter_markers(MARK):
+    if BACKGROUND:
+        for mark in (m for item in items for m in item.iter_markers(MARK)):
             if mark.args[0] in _RUNS and mark.args[0] not in _QUEUE:
                 _QUEUE.append(mark.args[0])
-    advance()
+        advance()
 
 
 def advance() -> None:
@@ -102,7 +93,7 @@ def advance() -> None:
 
 
 def stop() -> None:
-    """Start no further run and stop those still going (the session ends)."""
+    """Start no further run; stop those still going (the session ends)."""
     _QUEUE.clear()
     for run in _RUNS.values():
         if run.waiter is not None and run.outcome is None:
@@ -129,17 +120,15 @@ def result(name: str, tmp_factory=None) -> Any:
 
 
 def reading(value: Any) -> Any:
-    """``value``, a reading a run took between its steps, or raise it when the run stored the
-    exception that reading met instead."""
+    """``value``, a reading a run took between its steps; raised if it is the exception that reading met."""
     if isinstance(value, Exception):
         raise value
     return value
 
 
 def readings(steps: list, run: Callable[[Any], Any]) -> list:
-    """``(run(args), read())`` for each ``(args, read)`` of ``steps``, in order: each reading is taken
-    right after its run, before the next changes the folder; a reading that raises is stored as
-    its exception (:func:`reading` raises it in the test, after the test's checks of the run)."""
+    """``(run(args), read())`` for each ``(args, read)`` of ``steps``, in order, each reading right after
+    its run; a reading that raises is stored as its exception (:func:`reading` raises it in the test)."""
     out = []
     for args, read in steps:
         r = run(args)

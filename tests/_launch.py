@@ -1,6 +1,6 @@
 """Start ``graph_trainer.train.main`` on N local CPU ranks with torchrun's variables, without
-run_train.sh's pre-check, torchrun and per-rank imports (not a test module). Ranks are forked from
-one server that imported the trainer once (inheriting its string-hash seed and what torch read from
+run_train.sh's pre-check, torchrun and per-rank imports (not a test module). Ranks are forked from one
+server that imported the trainer once (:data:`PRELOAD`; its string-hash seed and what torch read from
 the environment at import), or with ``fresh=True`` new interpreters. The rendezvous store is served
 here on a port the kernel picks, so no port is freed and bound again later."""
 
@@ -16,6 +16,14 @@ from dataclasses import dataclass
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
 _CTX = None
+#: Imported once by the fork server: the trainer and the modules it imports lazily.
+PRELOAD = ["torch", "torch._inductor.compile_fx", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.tensor.parallel", "torchtitan.components.checkpoint",
+           "torchtitan.components.lr_scheduler", "torchtitan.components.optimizer",
+           "torchtitan.hf_datasets.text_datasets", "torchtitan.models.llama3.infra.parallelize",
+           "graph_trainer.checkpoint", "graph_trainer.config", "graph_trainer.data", "graph_trainer.metrics",
+           "graph_trainer.model", "graph_trainer.distributed.parallelize", "graph_trainer.compiler.passes",
+           "graph_trainer.step", "graph_trainer.train"]
 
 
 @dataclass
@@ -39,8 +47,7 @@ def _as_child(env: dict, out: str, err: str) -> None:
 
 
 def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None = None) -> None:
-    """A forked rank: the caller's environment, stdout / stderr into files, the debug flavor at
-    ``n_layers`` blocks if given, then the trainer."""
+    """A forked rank: :func:`_as_child`, the debug flavor at ``n_layers`` blocks if given, the trainer."""
     _as_child(env, out, err)
     import torch
 
@@ -57,13 +64,13 @@ def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None
 
 
 def _forkserver():
-    """The forkserver context, its server started once (finding the preload module through PYTHONPATH)."""
+    """The forkserver context, its server started once (finding the repository through PYTHONPATH)."""
     global _CTX
     if _CTX is None:
         from multiprocessing import forkserver
 
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["_launch_preload"])
+        _CTX.set_forkserver_preload(PRELOAD)
         old = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO] + ([old] if old else []))
         try:
@@ -78,12 +85,10 @@ def _forkserver():
 
 def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None,
                 timeout: float = 600, n_layers: int | None = None, base_env: dict | None = None) -> Ranks:
-    """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on ``nranks`` gloo
-    ranks; ``tmp``: a folder for their logs; ``env``: extra variables (e.g. ``NGPU`` for a dry run);
-    ``n_layers``: the debug flavor's blocks (forked ranks only; default: the flavor's); ``base_env``:
-    the environment to start from (default: this process's).
-    Waits for every rank (a failed rank's peers are stopped 30 s after it; all after ``timeout``);
-    the return code is that of the first rank, in rank order, that failed by itself."""
+    """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on ``nranks`` gloo ranks
+    (logs in folder ``tmp``), ``env`` added to ``base_env`` (default: this process's); ``n_layers``: the
+    debug flavor's blocks (forked ranks only). A failed rank's peers are stopped 30 s after it, all
+    after ``timeout``; the return code is that of the first rank that failed by itself."""
     from torch.distributed import TCPStore
 
     assert n_layers is None or not fresh, "n_layers: forked ranks only"
@@ -128,8 +133,8 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
 
 
 def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
-    """A forked ``python3 <argv>``: the caller's environment and directory, stdout / stderr into
-    files, ``argv[0]`` run as ``__main__`` with its folder first on ``sys.path``, as Python runs a script."""
+    """A forked ``python3 <argv>`` in ``cwd``: :func:`_as_child`, ``argv[0]`` run as ``__main__`` with its
+    folder first on ``sys.path``."""
     import runpy
 
     _as_child(env, out, err)
@@ -141,9 +146,8 @@ def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
 
 def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python3 <argv>`` (a script path and its arguments) forked from the server, which imported
-    the trainer once: ``subprocess.run(..., capture_output=True, text=True)``'s result; past
-    ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
+    """``python3 <argv>`` forked from the server: ``subprocess.run(..., capture_output=True, text=True)``'s
+    result; past ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="run_script") as tmp:
@@ -175,10 +179,9 @@ def _call_into(q, fn, args: tuple) -> None:
 
 
 def fork_call(fn, *args, timeout: float = 900):
-    """Start ``fn(*args)`` (a module-level function, picklable arguments and result) in a process
-    forked from the server; returns a function that waits for its result (or raises RuntimeError
-    with the traceback of what it raised), with ``.done()`` (it has put its result or exited,
-    without waiting) and ``.kill()``."""
+    """Start ``fn(*args)`` (module-level; picklable arguments and result) forked from the server: a
+    function waiting for its result (a RuntimeError with the traceback of what it raised), with
+    ``.done()`` (result put or exited, without waiting) and ``.kill()``."""
     q = queue()
     p = _forkserver().Process(target=_call_into, args=(q, fn, args))
     p.start()

@@ -1,15 +1,14 @@
 """Shared fixtures: the tests' tiny models and the runs several test modules start from.
 
-Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using
-a fixture of :data:`SLOW_FIXTURES`. Single-process runs that tests only read are registered with
-tests/_early.py. Every process runs one OpenMP thread (``OMP_NUM_THREADS=1``
-unless set): several CPU-bound processes on a few cores otherwise slow single ops many times over.
+Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using a
+fixture of :data:`SLOW_FIXTURES`. Runs that tests only read are tests/_early.py's. Every process runs
+one OpenMP thread (``OMP_NUM_THREADS=1`` unless set): several CPU-bound processes on a few cores
+otherwise slow single ops many times over.
 """
 
 import contextlib
 import logging
 import os
-import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: this process too
 
@@ -19,22 +18,22 @@ import torch.distributed as dist  # noqa: E402
 
 import _early  # noqa: E402  tests/ is on sys.path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
-
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
 SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
+#: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
+EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if SLOW_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
-        if "finished_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(_early.uses("finished_run"))
+        for name in sorted(EARLY_FIXTURES & names):
+            item.add_marker(_early.uses(name))
 
 
 def pytest_configure(config):
@@ -60,10 +59,7 @@ def tiny_llama():
     """``tiny_llama(n_layers, seed=0)``: a new seeded, initialised tiny Llama3 (:data:`TINY_LLAMA`) in train mode."""
     from graph_trainer.model import build_model, model_args
 
-    def build(n_layers: int, seed: int = 0):
-        return build_model(model_args("debugmodel", n_layers=n_layers, **TINY_LLAMA), seed=seed)
-
-    return build
+    return lambda n_layers, seed=0: build_model(model_args("debugmodel", n_layers=n_layers, **TINY_LLAMA), seed=seed)
 
 
 @pytest.fixture
@@ -98,16 +94,13 @@ def fsdp_step(fsdp_trace):
     return fsdp_trace()
 
 
-@pytest.fixture(scope="session")
-def fsdp4_run(tmp_path_factory):
-    """``NGPU=4 ./run_train.sh`` on the debug model, FSDP4 (``_runs.fsdp4_flags``, CPU only):
-    ``(stdout, losses, grad norms, final state hashes)``."""
+def _fsdp4_run(tmp, env):
+    from _launch import train_ranks
     from _runs import fsdp4_flags, launch_env
     from graph_trainer.metrics import read_metrics
 
-    dump = tmp_path_factory.mktemp("fsdp4_run") / "out"
-    r = subprocess.run(["bash", "run_train.sh", *fsdp4_flags(), "--job.dump_folder", str(dump)], cwd=REPO,
-                       env=launch_env(NGPU="4"), capture_output=True, text=True, timeout=900)
+    dump = tmp / "out"
+    r = train_ranks(4, [*fsdp4_flags(), "--job.dump_folder", str(dump)], f"{dump}.logs", base_env=launch_env(env))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
     assert summary["final_loss"] > 0
@@ -115,7 +108,6 @@ def fsdp4_run(tmp_path_factory):
 
 
 def _finished_run(tmp, env):
-    """:func:`finished_run`'s run (tests/_early.py's run ``"finished_run"``)."""
     from _runs import FINISHED, run_debug
 
     dump = tmp / "run"
@@ -124,7 +116,15 @@ def _finished_run(tmp, env):
     return dump
 
 
+_early.job("fsdp4_run", _fsdp4_run)
 _early.job("finished_run", _finished_run)
+
+
+@pytest.fixture(scope="session")
+def fsdp4_run():
+    """The debug model's FSDP4 run (``_runs.fsdp4_flags``) on 4 forked gloo ranks, started early
+    (tests/_early.py): ``(rank 0's stdout, losses, grad norms, final state hashes)``."""
+    return _early.result("fsdp4_run")
 
 
 @pytest.fixture(scope="session")
@@ -137,10 +137,8 @@ def finished_run():
 @contextlib.contextmanager
 def graph_trainer_logs():
     """graph_trainer's log messages (INFO and up) while the context is open, in the yielded list."""
-    messages = []
-    handler = logging.Handler()
+    messages, handler, log = [], logging.Handler(), logging.getLogger("graph_trainer")
     handler.emit = lambda record: messages.append(record.getMessage())
-    log = logging.getLogger("graph_trainer")
     old_level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -160,11 +158,10 @@ def log_lines():
 
 @pytest.fixture(scope="session")
 def dry_runs_8b():
-    """The dry runs of Llama3 8B on 8 fake ranks (``_runs.dry_run_8b_8_ranks``), side by side (each uses
-    one core): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp`` and the RMSNorm pass
-    (``--compile.numerics_changing_optim``), in this process:
-    ``(summary, graph_trainer's log messages)``; ``"fsdp8"``, op-level SAC recomputing, no block kept,
-    one memory budget, forked from tests/_launch.py's server: its summary."""
+    """The dry runs of Llama3 8B on 8 fake ranks (``_runs.dry_run_8b_8_ranks``), side by side (one core
+    each): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp`` and the RMSNorm pass, in
+    this process: ``(summary, graph_trainer's log messages)``; ``"fsdp8"``, op-level SAC recomputing,
+    no block kept, one memory budget, forked from tests/_launch.py's server: its summary."""
     from _launch import fork_call
     from _runs import dry_run_8b_8_ranks
 

@@ -13,9 +13,8 @@ import torch
 from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
-from _runs import launch_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import fork_call
+from _runs import REPO, launch_env
 
 
 def _fake_collectives_run(tmp, env):
@@ -51,33 +50,35 @@ def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process():
     assert table and int(table[0].split("|")[6]) > 0, out[-3000:]  # its collectives
 
 
+def _local_copy_semantics():  # forked: its own process group
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graph_trainer.distributed import fake_pg
+
+    fake_pg.init(4)
+    f = torch.ops._c10d_functional
+    x, y = torch.arange(3.0), torch.arange(8.0)
+    world = dist.group.WORLD.group_name
+    assert dist.get_world_size() == 4 and dist.get_rank() == 0
+    assert f.wait_tensor(f.all_gather_into_tensor(x, 4, world)).tolist() == [0, 1, 2] * 4
+    assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 4, world)).tolist() == [0, 1]
+    assert f.wait_tensor(f.all_reduce(y, "sum", world)).tolist() == y.tolist()
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")
+    assert tp.size() == 2 and tp.group_name != world
+    assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 2, tp.group_name)).tolist() == [0, 1, 2, 3]
+    out = torch.full((2,), -1.0)
+    dist.scatter(out, [torch.tensor([5.0, 6.0]), torch.zeros(2), torch.zeros(2), torch.zeros(2)], src=0)
+    assert out.tolist() == [5, 6]
+    dist.barrier()
+    return "ok"
+
+
 def test_local_copy_process_group_semantics():
     """4 ranks, a 2 x 2 mesh: all-gather repeats the input, reduce-scatter keeps this rank's chunk,
-    all-reduce leaves the tensor, on the world and on a mesh dimension; scatter gives this rank's piece."""
-    code = textwrap.dedent("""
-        import torch, torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from graph_trainer.distributed import fake_pg
-        fake_pg.init(4)
-        f = torch.ops._c10d_functional
-        x, y = torch.arange(3.0), torch.arange(8.0)
-        world = dist.group.WORLD.group_name
-        assert dist.get_world_size() == 4 and dist.get_rank() == 0
-        assert f.wait_tensor(f.all_gather_into_tensor(x, 4, world)).tolist() == [0, 1, 2] * 4
-        assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 4, world)).tolist() == [0, 1]
-        assert f.wait_tensor(f.all_reduce(y, "sum", world)).tolist() == y.tolist()
-        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")).get_group("tp")
-        assert tp.size() == 2 and tp.group_name != world
-        assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 2, tp.group_name)).tolist() == [0, 1, 2, 3]
-        out = torch.full((2,), -1.0)
-        dist.scatter(out, [torch.tensor([5.0, 6.0]), torch.zeros(2), torch.zeros(2), torch.zeros(2)], src=0)
-        assert out.tolist() == [5, 6]
-        dist.barrier()
-        print("ok")
-    """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": REPO, "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+    all-reduce leaves the tensor, on the world and on a mesh dimension; scatter gives this rank's piece
+    (forked from tests/_launch.py's server)."""
+    assert fork_call(_local_copy_semantics, timeout=300)() == "ok"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

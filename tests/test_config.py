@@ -11,8 +11,7 @@ import pytest
 from graph_trainer.config import parse_args, validate
 from graph_trainer.errors import UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
+from _runs import DEBUG, REPO  # tests/ is on sys.path
 
 
 @pytest.mark.parametrize(
@@ -54,11 +53,6 @@ def test_bad_config_is_rejected(flags, needle):
     assert needle in str(e.value)
 
 
-def test_options_of_a_pass_on_by_default_on_cuda_pass_the_check_on_any_host():
-    cfg = parse_args(["--job.config_file", DEBUG, "--compile.annotate_exact_pointwise.no-lone_casts"])
-    assert cfg.compile.annotate_exact_pointwise.lone_casts is False
-
-
 def test_aliases_and_config_names(monkeypatch):
     monkeypatch.setenv("CONFIG", "graph_trainer_llama3_8b")
     cfg = parse_args(
@@ -87,6 +81,9 @@ def test_nested_groups_from_toml_and_cli(tmp_path):
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.numerics_changing_optim",
                       "--compile.rmsnorm.inductor_configs", '{"split_reductions": false}'])
     assert json.loads(cfg.compile.rmsnorm.inductor_configs) == {"split_reductions": False}
+    # the options of a pass on by default on CUDA pass the check on any host
+    cfg = parse_args(["--job.config_file", DEBUG, "--compile.annotate_exact_pointwise.no-lone_casts"])
+    assert cfg.compile.annotate_exact_pointwise.lone_casts is False
 
 
 def test_validate_returns_the_pass_list():

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """One cache dir (and HF datasets cache) shared by the tests of this module."""
+    """One cache dir (and HF datasets cache) for this module."""
     root = tmp_path_factory.mktemp("gt_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRAPH_TRAINER_CACHE", str(root))
@@ -136,14 +136,15 @@ def test_local_files_load(cache, tokenizer, tmp_path):
 
 def _cfg(dataset="c4_test", path=None, tokenizer="embedded"):
     """The three fields preflight reads, as a parsed JobConfig holds them."""
-    return SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=None if path is None else str(path)),
-                           model=SimpleNamespace(hf_assets_path=None if tokenizer is None else str(tokenizer)))
+    opt = lambda x: None if x is None else str(x)  # noqa: E731
+    return SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=opt(path)),
+                           model=SimpleNamespace(hf_assets_path=opt(tokenizer)))
 
 
 def _lines(n: int = 10, bad_line: int | None = 3, bad: str = "this is not json: true") -> str:
     """``n`` lines of ``{"text": ...}``, line ``bad_line`` (1-based) replaced by ``bad``."""
-    good = (json.dumps({"text": f"Line {i} is about the sea."}) for i in range(1, n + 1))
-    return "".join((bad if i == bad_line else line) + "\n" for i, line in enumerate(good, 1))
+    return "".join((bad if i == bad_line else json.dumps({"text": f"Line {i} is about the sea."})) + "\n"
+                   for i in range(1, n + 1))
 
 
 def _write(root: Path, files: dict) -> None:
@@ -268,7 +269,7 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
 
 
 def _bad_line_runs(tmp, env):
-    """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [their results])``."""
+    """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [results])``."""
     path = tmp / "docs.jsonl"
     path.write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
     small = ["--training.dataset_path", str(path), "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -282,8 +283,7 @@ _early.job("bad_line_deep_in_file", _bad_line_runs)
 @pytest.mark.slow
 @_early.uses("bad_line_deep_in_file")
 def test_training_stops_at_bad_line_deep_in_file():
-    """A null 'text' on line 2000 (past preflight) stops forked and torchrun ranks: one `error: file:line`, exit 2.
-    (Started early: tests/_early.py.)"""
+    """A null 'text' on line 2000 (past preflight) stops forked and torchrun ranks: one `error: file:line`, exit 2."""
     path, runs = _early.result("bad_line_deep_in_file")
     needle = f"error: {path}:2000: 'text' is null"
     for r in runs:

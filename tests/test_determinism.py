@@ -1,6 +1,5 @@
-"""Bitwise determinism on CPU (debug model, ``--debug.state_hashes``): run-to-run and resume with the RMSNorm
-pass (the interrupted run's processes new interpreters: each its own string-hash seed), pass on vs off;
-bad checkpoints, a diverging run."""
+"""Bitwise determinism on CPU (debug model, ``--debug.state_hashes``): run-to-run and resume with the
+RMSNorm pass (the interrupted run in new interpreters), pass on vs off; bad checkpoints, a diverging run."""
 
 import json
 import os
@@ -19,16 +18,14 @@ from graph_trainer.tools.loss_compare import first_difference
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
-from _runs import run_debug
+from _runs import REPO, run_debug
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 PASS = "--compile.numerics_changing_optim"
 
 
 def _train(dump, *flags, check=True, config=None, **launch):
-    """``_runs.run_debug`` of the debug model at SMALL shapes (or ``config`` as is) with state hashes
-    (``launch``: its launch arguments)."""
+    """``_runs.run_debug`` at SMALL shapes (or ``config`` as is) with state hashes, launched by ``launch``."""
     r = run_debug(dump, [] if config else SMALL, "--debug.state_hashes", *flags, config=config, **launch)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -36,8 +33,7 @@ def _train(dump, *flags, check=True, config=None, **launch):
 
 
 def _bitwise_runs(tmp, ngpu, steps, config, extra, env=None):
-    """Run a (uninterrupted) and run b (stopped at steps/2, then resumed in a new process) of
-    :func:`test_run_to_run_and_resume_bitwise_with_pass`: ``(a's folder, b's, the resumed run's result)``."""
+    """Run a (uninterrupted) and b (stopped at steps/2, resumed in a new process): ``(a, b, b's resume)``."""
     half = steps // 2
     same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
@@ -67,15 +63,12 @@ _early.job("bitwise_1rank", lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], 
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, extra, flavor):
-    """Run b stops at steps/2 and is resumed in a new process: its steps' losses, grad norms and final
-    state equal the uninterrupted run a's bitwise (appending its records: tests/test_records.py).
-    On one CPU rank b reads its batches with a dataloader worker (the GPU default), a without;
-    on several, a's ranks are forked from tests/_launch.py's server (one string-hash seed), b's new."""
+    """Run b stops at steps/2 and is resumed in a new process: its losses, grad norms and final state
+    equal the uninterrupted run a's bitwise. On one CPU rank b reads batches with a dataloader worker
+    (the GPU default), a without; on several, a's ranks are forked (one string-hash seed), b's new."""
     half = steps // 2
-    if (ngpu, steps, config, extra) == (1, 4, None, []):
-        a, b, r = _early.result("bitwise_1rank")  # tests/_early.py
-    else:
-        a, b, r = _bitwise_runs(tmp_path, ngpu, steps, config, extra)
+    one = (ngpu, steps, config, extra) == (1, 4, None, [])
+    a, b, r = _early.result("bitwise_1rank") if one else _bitwise_runs(tmp_path, ngpu, steps, config, extra)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
@@ -99,8 +92,7 @@ _early.job("loss_compare_pass", _loss_compare)
 @pytest.mark.slow
 @_early.uses("loss_compare_pass")
 def test_loss_compare_pass_on_vs_off():
-    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails.
-    (Started early: tests/_early.py.)"""
+    """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails."""
     out, r = _early.result("loss_compare_pass")
     res = json.loads((out / "loss_compare.json").read_text())
     assert r.returncode == 1, r.stdout + r.stderr
@@ -153,7 +145,6 @@ _early.job("nan_run", _nan_run)
 @pytest.mark.slow
 @_early.uses("nan_run")
 def test_nan_stops_run_and_keeps_last_good_checkpoint():
-    """(Started early: tests/_early.py.)"""
     d, r = _early.result("nan_run")
     assert r.returncode != 0
     assert "grad norm is nan at step 2; stopping" in r.stderr.lower()

@@ -2,7 +2,6 @@
 (Traced layouts against eager torchtitan: tests/test_parallel_layouts.py.)"""
 
 import functools
-import os
 import re
 import subprocess
 from collections import Counter
@@ -12,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from _launch import queue, spawn, train_ranks  # tests/ is on sys.path
-from _runs import launch_env
+from _runs import REPO, launch_env
 
 pytestmark = pytest.mark.slow
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_8B = 2 + 32 * 9 + 1  # parameters: embedding, output; 9 per block; final norm
 N_DEBUG = 2 + 6 * 9 + 1
 

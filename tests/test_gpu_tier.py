@@ -1,17 +1,12 @@
 """The GPU tier: the numerics claims of tests/test_parallel_layouts.py and tests/test_determinism.py
-with NCCL on 2 and 4 GPUs (``multigpu``; skipped where the GPUs are missing). ``scripts/gpu/tier.sh``
-runs them, one device call per machine size, one pass / fail line per claim.
-
-Every run: ``--debug.deterministic``, the config ``$GPU_TIER_CONFIG`` (default the 1B; the 8B:
-``train_configs/llama3_8b.toml``) through ``run_train.sh`` (torchrun, NCCL).
-
-* eager == traced, bitwise (``scripts/loss_compare.py --assert-equal``): every loss and grad norm
-  of ``$GPU_TIER_STEPS`` (default 20) steps, then the final weights, gradients and AdamW state.
-* run to run, bitwise, with the numerics-changing options: regional Inductor with the RMSNorm and
-  residual-RMSNorm regions (and async TP in the TP layouts); full Inductor with its RMSNorm
-  isolation (and async TP).
-* a run stopped half way and resumed in new processes equals the uninterrupted run, bitwise.
-"""
+with NCCL on 2 and 4 GPUs (``multigpu``; skipped where the GPUs are missing), run by
+``scripts/gpu/tier.sh`` (one device call per machine size, one pass / fail line per claim). Every run:
+``--debug.deterministic``, ``$GPU_TIER_CONFIG`` (default the 1B) through ``run_train.sh`` (torchrun,
+NCCL). Claims: eager == traced, bitwise (``scripts/loss_compare.py --assert-equal``: every loss and
+grad norm of ``$GPU_TIER_STEPS`` (20) steps, then the final weights, gradients and AdamW state); run to
+run, bitwise, with the numerics-changing options (regional Inductor with the RMSNorm and residual-RMSNorm
+regions, full Inductor with its RMSNorm isolation; async TP in the TP layouts); a run stopped half way
+and resumed in new processes equals the uninterrupted run, bitwise."""
 
 import json
 import os

@@ -11,14 +11,12 @@ from graph_trainer import config
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
-from _runs import LAUNCH_VARS, fixed_port, fsdp4_flags  # tests/ is on sys.path
+from _runs import DEBUG, LAUNCH_VARS, REPO, fixed_port, fsdp4_flags  # tests/ is on sys.path
 from _runs import launch_env as _env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
-    debug = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml")]
+    debug = ["--job.config_file", DEBUG]
     assert config.launch_world_size({"NNODES": "2", "NGPU": "8", "NODE_RANK": "1"}) == 16
     assert config.launch_world_size({}) == 1
     for bad, name in (({"NNODES": "0"}, "NNODES=0"), ({"NODE_RANK": "1"}, "NODE_RANK=1"),
@@ -38,7 +36,7 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
 def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
     """Loss and grad norm at every step; global rank 0, which writes ``metrics.jsonl``, is on the
     ``NODE_RANK=0`` host whichever host starts first (static rendezvous: hosts ordered by ``NODE_RANK``)."""
-    _, ref_loss, ref_norm, ref_hashes = fsdp4_run  # NGPU=4 ./run_train.sh with fsdp4_flags(), one host
+    _, ref_loss, ref_norm, ref_hashes = fsdp4_run  # fsdp4_flags() on 4 forked ranks, one host
     assert len(ref_loss) == 2
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it
     procs, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}

@@ -1,16 +1,12 @@
 """aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against
-eager torchtitan of the same layout and against the layouts that see the same batches. (TP's
-collectives in the graph: tests/passes/test_async_tp.py and the 8B dry run in tests/test_fsdp.py.)
-
-Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run
-per layout and mode per module, the ranks forked as torchrun starts them (tests/_launch.py); the
-traced FSDP4 run is the ``fsdp4_run`` fixture (run_train.sh). FSDP4 and HSDP, compared with it, have
-the debug model's 6 blocks, the other layouts 2 (:data:`BLOCKS`). Traced FSDP4, HSDP, FSDP2 x TP2,
-and TP2 and replicas alone (DDP's layout) with bf16 parameters are bitwise eager torchtitan under
+eager torchtitan of the same layout and against the layouts that see the same batches (TP's
+collectives in the graph: tests/passes/test_async_tp.py, the 8B dry run in tests/test_fsdp.py).
+Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run per
+layout and mode per module on forked ranks (tests/_launch.py); traced FSDP4 is the ``fsdp4_run``
+fixture. FSDP4 and HSDP have the debug model's 6 blocks, the others 2 (:data:`BLOCKS`). Traced FSDP4,
+HSDP, FSDP2 x TP2, and TP2 and replicas alone with bf16 parameters are bitwise eager torchtitan under
 ``--debug.deterministic``: loss and grad norm at every step, then the final weights, gradients and
-AdamW state (``--debug.state_hashes``, the traced shards hashed in FSDP2's local shape). The same
-claims with NCCL: tests/test_gpu_tier.py.
-"""
+AdamW state (``--debug.state_hashes``). The same claims with NCCL: tests/test_gpu_tier.py."""
 
 import os
 
@@ -18,9 +14,10 @@ import pytest
 
 from graph_trainer.metrics import read_metrics
 
-from _launch import train_ranks  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import train_ranks
 
-pytestmark = pytest.mark.slow  # every test starts gloo ranks
+pytestmark = [pytest.mark.slow, _early.uses("fsdp4_run")]  # every test starts gloo ranks; fsdp4_run started early
 
 STEPS = 2  # as the fsdp4_run fixture
 #: name: (ranks, data_parallel_shard_degree, tensor_parallel_degree, data_parallel_replicate_degree)
@@ -84,8 +81,8 @@ def runs(request, tmp_path_factory):
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
     """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every
     step; against eager (rtol 0) also the final weights, gradients and optimizer state."""
+    _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while fsdp4_run runs early
     out, loss, norm, hashes = runs(layout, "aot_fx_trace")
-    _, ref_loss, ref_norm, ref_hashes = runs(*reference)
     assert line in out and len(loss) == len(ref_loss) == len(norm) == len(ref_norm) == STEPS
     for x, y, rtol in [*zip(loss, ref_loss, [loss_rtol] * STEPS), *zip(norm, ref_norm, [norm_rtol] * STEPS)]:
         assert abs(x - y) <= rtol * abs(y), (loss, ref_loss, norm, ref_norm)

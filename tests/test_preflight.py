@@ -1,7 +1,7 @@
-"""Bad input knowable before start is refused before any worker starts: exit 2, one short message
-naming the flag, variable or file, no traceback, nothing written. Each case runs where it is refused:
-run_train.sh's pre-check (``config._check_main``) or the trainer's entry point (what ``COMM_MODE=fake_*``
-starts without it) in this process, or the whole run_train.sh (its own checks)."""
+"""Bad input knowable before start is refused before any worker starts: exit 2, one short message naming
+the flag, variable or file, no traceback, nothing written. Each case runs where it is refused: in this
+process run_train.sh's pre-check (``config._check_main``) or the trainer's entry point (``COMM_MODE=fake_*``
+starts it without the pre-check); or the whole run_train.sh (its own checks, started early)."""
 
 import os
 import subprocess
@@ -9,10 +9,7 @@ import subprocess
 import pytest
 
 import _early  # tests/ is on sys.path
-from _runs import LAUNCH_VARS, launch_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
+from _runs import DEBUG, LAUNCH_VARS, REPO, launch_env
 
 
 def _run_sh(args, env=None, base=None):
@@ -25,8 +22,7 @@ def _files(tmp):
     """The bad files of the cases, written into ``tmp``."""
     files = {k: tmp / k.replace("_", ".") for k in ("bad_toml", "tp3_toml", "bad_jsonl", "nope_toml", "nope_jsonl")}
     files["bad_toml"].write_text('[job]\ndump_folder = "unterminated\n')
-    tp3 = open(DEBUG).read().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3")
-    files["tp3_toml"].write_text(tp3)  # 3-way TP: refused against NGPU=2
+    files["tp3_toml"].write_text(open(DEBUG).read().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
     files["bad_jsonl"].write_text('{"text": "fine"}\n{"text": tru\n')
     files["empty"] = tmp / "empty_tokenizer"
     files["empty"].mkdir()
@@ -69,8 +65,8 @@ CASES = {
 
 
 def _in_process(where, env, args, monkeypatch, capsys):
-    """The pre-check or the trainer's entry point here, with ``env`` and the config file as
-    run_train.sh passes them: ``(exit code, output)``."""
+    """The pre-check or the trainer's entry point here, with ``env`` and the config file as run_train.sh
+    passes them: ``(exit code, output)``."""
     from graph_trainer import config, train
 
     for k in LAUNCH_VARS:
@@ -134,8 +130,7 @@ _early.job("run_train_help", lambda tmp, env: _run_sh(["--help"], base=env))
 
 @_early.uses("run_train_help")
 def test_help_without_torchrun():
-    """``./run_train.sh --help`` (started early: tests/_early.py)."""
-    r = _early.result("run_train_help")
+    r = _early.result("run_train_help")  # ./run_train.sh --help
     assert r.returncode == 0 and "[rank0]" not in r.stdout
     lines = r.stdout.splitlines()
     assert lines.index("[compile]") < lines.index("[job]")  # the project's flags first

@@ -1,15 +1,11 @@
-"""No record is lost: resumes append to metrics.jsonl, fresh runs move it aside, early stops change nothing."""
+"""No record is lost: resumes append to metrics.jsonl, fresh runs move it aside, early stops change nothing.
+(The same with real runs: tests/test_resume.py.)"""
 
 import os
-import shutil
 
-import pytest
 import torch
 
 from graph_trainer.metrics import MetricsLogger, keep_previous, read_metrics
-
-import _early  # tests/ is on sys.path
-from _runs import FINISHED, run_debug
 
 
 def _logger(dump, resume_step=0, **kw):
@@ -76,60 +72,3 @@ def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
         assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / tb)), tb
     kept = [line for line in log_lines if "is kept as" in line]
     assert len(kept) == 4 and f"{tmp_path / 'metrics.jsonl'} is kept as {tmp_path / 'metrics.2.jsonl'}" in kept[-2]
-
-
-def _crash_runs(tmp, env):
-    """A copy of ``finished_run`` (tests/conftest.py) without step-4, then three forked runs into it: a
-    resume from a missing step, a resume, a fresh run into another checkpoint folder. ``(the copy,
-    [(result, reading)])``, each reading taken right after its run, the first before any (an error
-    while reading: the error): metrics.jsonl's bytes, and the folder's files after removing step-4;
-    metrics.jsonl's bytes and files; metrics.jsonl's bytes, its rows and summary, whether step-2 has
-    its metadata; nothing (the test reads the folder as it is left)."""
-    d = tmp / "run"
-    shutil.copytree(_early.result("finished_run"), d)
-    metrics = d / "metrics.jsonl"
-
-    def start():
-        first = metrics.read_bytes()
-        shutil.rmtree(d / "checkpoint" / "step-4")  # as if it crashed before saving step 4
-        return first, sorted(os.listdir(d))
-
-    steps = [(None, start),
-             ((FINISHED, "--checkpoint.load_step", "99"), lambda: (metrics.read_bytes(), sorted(os.listdir(d)))),
-             ((FINISHED,), lambda: (metrics.read_bytes(), read_metrics(str(metrics)),
-                                    (d / "checkpoint" / "step-2" / ".metadata").is_file())),
-             ((FINISHED, "--checkpoint.folder", "checkpoint_b"), lambda: None)]
-    return d, _early.readings(steps, lambda args: None if args is None else run_debug(
-        d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True, env=env))
-
-
-_early.job("crash_runs", _crash_runs, needs=("finished_run",))
-
-
-@pytest.mark.slow
-@_early.uses("finished_run")
-@_early.uses("crash_runs")
-def test_resume_after_a_crash_appends_and_a_fresh_run_rotates():
-    """A failed resume (a missing --checkpoint.load_step: the trainer's own check) changes nothing; resuming
-    a run that logged steps 1-4 from step-2 appends steps 3-4; a fresh run (another --checkpoint.folder)
-    into the same dump folder then moves metrics.jsonl aside, unchanged. (The copy and the runs started
-    early: tests/_early.py; each check reads the folder as it was right after its run.)"""
-    d, ((_, start), (r, after_missing), (r2, after_resume), (r3, _)) = _early.result("crash_runs")
-    first, files = _early.reading(start)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
-    assert "Traceback" not in r.stderr
-    assert _early.reading(after_missing) == (first, files)
-    r = r2
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Resumed from" in r.stdout and "(step 2)" in r.stdout
-    both, (rows, summary), step2_metadata = _early.reading(after_resume)
-    assert both.startswith(first) and len(both.splitlines()) == len(first.splitlines()) + 3  # steps 3, 4, summary
-    # (rows: the newest row per step: tested above)
-    assert [x["step"] for x in rows] == [1, 2, 3, 4] and summary["resumed_from_step"] == 2
-    assert step2_metadata
-    r = r3
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"is kept as {d / 'metrics.1.jsonl'}" in r.stdout
-    assert (d / "metrics.1.jsonl").read_bytes() == both
-    assert [x["step"] for x in read_metrics(str(d / "metrics.jsonl"))[0]] == [1]

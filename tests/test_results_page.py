@@ -17,10 +17,10 @@ TEMPLATE = "# GPU results\n\nProse before the records.\n\n{{records}}\n\nProse a
 COMMAND = "NGPU=2 CONFIG=graph_trainer_llama3_1b scripts/bench.py --variant jit='--compile.mode jit' --variant plain=''"
 
 
-def stat(median, low=None, high=None, n=3):
+def stat(median, low=None, high=None):
     """A statistics object of the record format."""
-    return {"median": median, "min": low if low is not None else median, "max": high if high is not None else median,
-            "n": n, "spread_pct": 0.0}
+    return {"median": median, "min": median if low is None else low, "max": median if high is None else high, "n": 3,
+            "spread_pct": 0.0}
 
 
 def bench(date, tps_jit=41847.0, workload="llama3_1b fsdp2", device=H100, **extra):
@@ -57,7 +57,7 @@ def tier(date):
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
-    """A tmp repository root for the script, its docs/results/ holding the template and no records."""
+    """A tmp repository root for the script: docs/results/ holds the template, no records."""
     root = tmp_path.resolve()
     monkeypatch.setattr(rp, "REPO", root)
     (root / "docs" / "results").mkdir(parents=True)
@@ -171,22 +171,25 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     assert "_1 earlier record in docs/results/._" in page["GPU tier, llama3_1b — " + H100]
 
 
-def test_tier_without_details_has_three_columns(repo, capsys):
+def test_edge_cases_accepted(repo, capsys):
+    """No records; a tier record without details (three columns); a template of 60 lines."""
+    assert generate(capsys)[0] == 0
+    assert "_No records in docs/results/._" in (repo / "docs" / "perf.md").read_text()
     record = tier("2026-11-27")
     record["claims"][1].pop("detail")
     put(repo, "t.json", record)
     assert generate(capsys)[0] == 0
     assert table((repo / "docs" / "perf.md").read_text())[0] == "| claim | what | result |"
-
-
-def test_no_records(repo, capsys):
+    (repo / "docs" / "results" / "template.md").write_text("line\n" * 59 + "{{records}}\n")
     assert generate(capsys)[0] == 0
-    assert "_No records in docs/results/._" in (repo / "docs" / "perf.md").read_text()
 
 
-def test_idempotent(records, capsys):
-    """Two runs give identical bytes; the second does not rewrite the file."""
+def test_idempotent_and_check(records, capsys):
+    """--check: 1 naming the page when missing or stale (writing nothing), 0 when current; two runs give
+    identical bytes, the second does not rewrite the file."""
     out = records / "docs" / "perf.md"
+    code, stdout, _ = generate(capsys, "--check")
+    assert code == 1 and "docs/perf.md" in stdout and not out.exists()
     assert generate(capsys)[0] == 0
     first, mtime = out.read_bytes(), out.stat().st_mtime_ns
     code, stdout, _ = generate(capsys)
@@ -194,14 +197,6 @@ def test_idempotent(records, capsys):
     assert out.read_bytes() == first and out.stat().st_mtime_ns == mtime
     assert rp.render(records / "docs" / "results", out) == first.decode()
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
-
-
-def test_check(records, capsys):
-    """--check: 1 naming the page when missing or stale (writing nothing), 0 when current."""
-    out = records / "docs" / "perf.md"
-    code, stdout, _ = generate(capsys, "--check")
-    assert code == 1 and "docs/perf.md" in stdout and not out.exists()
-    assert generate(capsys)[0] == 0
     assert generate(capsys, "--check")[0] == 0
     out.write_text(out.read_text() + "hand edit\n")
     stale = out.read_bytes()
@@ -235,62 +230,49 @@ def refused(root, capsys, *names):
     return err
 
 
-@pytest.mark.parametrize("text, why", [
-    ("line\n" * 60 + "{{records}}\n", "61 lines"),
-    ("# no placeholder\n", "found 0"),
-    ("{{records}}\n{{records}}\n", "found 2"),
-])
-def test_bad_template(repo, capsys, text, why):
-    (repo / "docs" / "results" / "template.md").write_text(text)
-    refused(repo, capsys, "docs/results/template.md", why)
+def _template(text):
+    return lambda root: (root / "docs" / "results" / "template.md").write_text(text)
 
 
-def test_template_of_60_lines_accepted(repo, capsys):
-    (repo / "docs" / "results" / "template.md").write_text("line\n" * 59 + "{{records}}\n")
-    assert generate(capsys)[0] == 0
+def _record(name, edit, make=bench):
+    def setup(root):
+        record = make("2026-11-28")
+        edit(record)
+        put(root, name, record)
+    return setup
 
 
-def test_missing_template(repo, capsys):
-    (repo / "docs" / "results" / "template.md").unlink()
-    refused(repo, capsys, "docs/results/template.md")
+def _claim_without_result(r):
+    del r["claims"][0]["result"]
 
 
-def test_invalid_json(records, capsys):
-    (records / "docs" / "results" / "2026-11-28_bad.json").write_text('{"schema": 1,,}')
-    refused(records, capsys, "docs/results/2026-11-28_bad.json", "not valid JSON")
+T = "docs/results/template.md"
+#: id: (fixture, setup of the bad input, what the one-line message names)
+REFUSALS = {
+    "template_61_lines": ("repo", _template("line\n" * 60 + "{{records}}\n"), [T, "61 lines"]),
+    "template_no_placeholder": ("repo", _template("# no placeholder\n"), [T, "found 0"]),
+    "template_two_placeholders": ("repo", _template("{{records}}\n{{records}}\n"), [T, "found 2"]),
+    "missing_template": ("repo", lambda root: (root / "docs" / "results" / "template.md").unlink(), [T]),
+    "invalid_json": ("records", lambda root: (root / "docs" / "results" / "2026-11-28_bad.json").write_text(
+        '{"schema": 1,,}'), ["docs/results/2026-11-28_bad.json", "not valid JSON"]),
+    **{f"missing_{field}": ("records", _record("2026-11-28_partial.json", edit), [
+        "docs/results/2026-11-28_partial.json", "missing required field", f"'{field}'"]) for field, edit in [
+        ("device", lambda r: r.pop("device")), ("variants", lambda r: r.pop("variants")),
+        ("variants[1].name", lambda r: r["variants"][1].pop("name")), ("git_sha", lambda r: r.update(git_sha=None))]},
+    "claim_missing_field": ("repo", _record("t.json", _claim_without_result, tier),
+                            ["docs/results/t.json", "'claims[0].result'"]),
+    **{f"bad_{field}": ("repo", _record("r.json", lambda r, kw=kw: r.update(kw)), ["docs/results/r.json", f"'{field}'"])
+       for field, kw in [("schema", {"schema": 2}), ("kind", {"kind": "other"}), ("date", {"date": "27.11.2026"}),
+                         ("variants", {"variants": []})]},
+}
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda r: r.pop("device"), "'device'"),
-    (lambda r: r.pop("variants"), "'variants'"),
-    (lambda r: r["variants"][1].pop("name"), "'variants[1].name'"),
-    (lambda r: r.update(git_sha=None), "'git_sha'"),
-])
-def test_record_missing_field(records, capsys, edit, field):
-    record = bench("2026-11-28")
-    edit(record)
-    put(records, "2026-11-28_partial.json", record)
-    refused(records, capsys, "docs/results/2026-11-28_partial.json", "missing required field", field)
-
-
-def test_tier_claim_missing_field(repo, capsys):
-    record = tier("2026-11-28")
-    del record["claims"][0]["result"]
-    put(repo, "t.json", record)
-    refused(repo, capsys, "docs/results/t.json", "'claims[0].result'")
-
-
-@pytest.mark.parametrize("edit, words", [
-    (lambda r: r.update(schema=2), "'schema'"),
-    (lambda r: r.update(kind="other"), "'kind'"),
-    (lambda r: r.update(date="27.11.2026"), "'date'"),
-    (lambda r: r.update(variants=[]), "'variants'"),
-])
-def test_record_bad_value(repo, capsys, edit, words):
-    record = bench("2026-11-28")
-    edit(record)
-    put(repo, "r.json", record)
-    refused(repo, capsys, "docs/results/r.json", words)
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_bad_template_or_record_refused(request, capsys, case):
+    fixture, setup, names = REFUSALS[case]
+    root = request.getfixturevalue(fixture)
+    setup(root)
+    refused(root, capsys, *names)
 
 
 def test_line_cap(repo, capsys):

@@ -1,5 +1,8 @@
-"""Resume with the README's command again: a finished run is reported complete and nothing is
-written; a model-only last checkpoint is named as such (never "corrupt") and never written over."""
+"""Resume, in one chain of runs on a copy of ``finished_run`` (tests/conftest.py) without step-4, as if
+it crashed before saving it: a failed resume changes nothing; a resume appends to metrics.jsonl; a
+model-only last checkpoint is named as such (never "corrupt") and never written over; the README's
+command again after a finished run is reported complete and writes nothing; a fresh run moves
+metrics.jsonl aside. A DCP load failure names its first real error."""
 
 import os
 import shutil
@@ -9,9 +12,12 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from graph_trainer.checkpoint import is_model_only, latest_step
+from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
 from _runs import FINISHED, run_debug
+
+ONLY = [*FINISHED, "--checkpoint.last_save_model_only"]
 
 
 def _model_only(path) -> bool:
@@ -23,78 +29,105 @@ def _ok(r):
     return r
 
 
-def _rerun(tmp, env):
-    """A copy of ``finished_run`` (tests/conftest.py), then the same command again through run_train.sh:
-    ``(the copy; its latest step, whether step-4 is model-only and metrics.jsonl's bytes before the run;
-    the run's result)``."""
-    a = tmp / "a"
-    shutil.copytree(_early.result("finished_run"), a)
-    before = latest_step(str(a / "checkpoint")), _model_only(a / "checkpoint" / "step-4"), \
-        (a / "metrics.jsonl").read_bytes()
-    return a, before, run_debug(a, FINISHED, env=env)
-
-
-_early.job("rerun_finished_run", _rerun, needs=("finished_run",))
-
-
-@pytest.mark.slow
-@_early.uses("finished_run")
-@_early.uses("rerun_finished_run")
-def test_rerun_after_a_finished_run_is_reported_complete():
-    """(The copy and the run started early: tests/_early.py.)"""
-    a, (step, model_only, before), r = _early.result("rerun_finished_run")
-    assert step == 4 and not model_only
-
-    r = _ok(r)  # the same command again
-    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {a / 'checkpoint' / 'step-4'}" \
-        in r.stdout
-    assert "step:  " not in r.stdout  # no step ran
-    assert (a / "metrics.jsonl").read_bytes() == before  # no new rows, no summary
-    assert sorted(os.listdir(a / "checkpoint")) == ["step-2", "step-4"]
-
-
-def _model_only_runs(tmp, env):
-    """Four forked runs into one dump folder: a run whose last checkpoint is model-only, the same
-    command again, a resume from step 2, the same again. ``(folder, [(result, reading)])``, each
-    reading taken right after its run (an error while reading: the error): step-4 model-only and
-    metrics.jsonl's bytes; metrics.jsonl's bytes; whether step-4.1 and step-4 are model-only."""
+def _chain(tmp, env):
+    """The copy, then in order (forked ranks unless named): a resume from a missing step; a resume
+    whose last checkpoint is model-only; the same command again; a resume from step 2; the plain
+    command through run_train.sh; a fresh 1-step run into another checkpoint folder.
+    ``(the copy, [(result, reading)])``, each reading taken right after its run (the first before
+    any; an error while reading: the error)."""
     d = tmp / "run"
-    only = [*FINISHED, "--checkpoint.last_save_model_only"]
-    step4, metrics = d / "checkpoint" / "step-4", d / "metrics.jsonl"
-    runs = [((only,), lambda: (_model_only(step4), metrics.read_bytes())),
-            ((only,), metrics.read_bytes),
-            ((FINISHED, "--checkpoint.load_step", "2"), lambda: (_model_only(d / "checkpoint" / "step-4.1"),
-                                                                 _model_only(step4))),
-            ((FINISHED,), lambda: None)]
-    return d, _early.readings(runs, lambda args: run_debug(d, *args, forked=True, env=env))
+    shutil.copytree(_early.result("finished_run"), d)
+    ck, metrics = d / "checkpoint", d / "metrics.jsonl"
+
+    def start():
+        first = metrics.read_bytes()
+        shutil.rmtree(ck / "step-4")
+        return first, sorted(os.listdir(d))
+
+    steps = [(None, start),
+             ((FINISHED, "--checkpoint.load_step", "99"), lambda: (metrics.read_bytes(), sorted(os.listdir(d)))),
+             ((ONLY,), lambda: (metrics.read_bytes(), read_metrics(str(metrics)),
+                                (ck / "step-2" / ".metadata").is_file(), _model_only(ck / "step-4"))),
+             ((ONLY,), metrics.read_bytes),
+             ((FINISHED, "--checkpoint.load_step", "2"), lambda: (_model_only(ck / "step-4.1"),
+                                                                  _model_only(ck / "step-4"), latest_step(str(ck)),
+                                                                  metrics.read_bytes(), sorted(os.listdir(ck)))),
+             ("run_train.sh", lambda: (metrics.read_bytes(), sorted(os.listdir(ck)))),
+             ((FINISHED, "--checkpoint.folder", "checkpoint_b"), lambda: None)]
+
+    def run(args):
+        if args is None:
+            return None
+        if args == "run_train.sh":
+            return run_debug(d, FINISHED, env=env)
+        return run_debug(d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True, env=env)
+
+    return d, _early.readings(steps, run)
 
 
-_early.job("model_only_runs", _model_only_runs)
+_early.job("resume_chain", _chain, needs=("finished_run",))
 
 
-@pytest.mark.slow
-@_early.uses("model_only_runs")
+def chain(test):
+    return pytest.mark.slow(_early.uses("finished_run")(_early.uses("resume_chain")(test)))
+
+
+def _results():
+    d, runs = _early.result("resume_chain")
+    return d, [r for r, _ in runs[1:]], [reading for _, reading in runs]
+
+
+@chain
+def test_resume_after_a_crash_appends_and_a_fresh_run_rotates():
+    """A failed resume (a missing --checkpoint.load_step: the trainer's own check) changes nothing;
+    resuming a run that logged steps 1-4 from step-2 appends steps 3-4; a fresh run (another
+    --checkpoint.folder) into the same dump folder then moves metrics.jsonl aside, unchanged."""
+    d, (r, r2, _, _, _, r6), (start, after_missing, after_resume, _, _, before_fresh, _) = _results()
+    first, files = _early.reading(start)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert _early.reading(after_missing) == (first, files)
+    assert "Resumed from" in _ok(r2).stdout and "(step 2)" in r2.stdout
+    both, (rows, summary), step2_metadata, _ = _early.reading(after_resume)
+    assert both.startswith(first) and len(both.splitlines()) == len(first.splitlines()) + 3  # steps 3, 4, summary
+    # (rows: the newest row per step: tests/test_records.py)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4] and summary["resumed_from_step"] == 2
+    assert step2_metadata
+    assert f"is kept as {d / 'metrics.1.jsonl'}" in _ok(r6).stdout
+    assert (d / "metrics.1.jsonl").read_bytes() == _early.reading(before_fresh)[0]
+    assert [x["step"] for x in read_metrics(str(d / "metrics.jsonl"))[0]] == [1]
+
+
+@chain
 def test_model_only_last_checkpoint_is_named_not_corrupt():
-    """(The runs started early: tests/_early.py; each check reads the folder as it was right after its run.)"""
-    d, ((r1, first), (r2, second), (r3, third), (r4, _)) = _early.result("model_only_runs")
-    _ok(r1)
+    d, (_, _, r3, r4, r5, _), (_, _, after_resume, after_again, after_load2, _, _) = _results()
     step4 = d / "checkpoint" / "step-4"
-    model_only, before = _early.reading(first)
+    *_, model_only = _early.reading(after_resume)
     assert model_only
-
-    r = r2  # the same command again (the loader's message)
+    r = r3  # the same command again (the loader's message)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
         "training; resume from step-2 with --checkpoint.load_step 2" in r.stderr
     assert "corrupt" not in r.stderr and "Traceback" not in r.stderr and "FrameSummary" not in r.stderr
-    assert _early.reading(second) == before
-
+    assert _early.reading(after_again) == _early.reading(after_resume)[0]
     # Following the advice: the resumed run saves step 4 again; the model-only one is kept aside.
-    r = _ok(r3)
-    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r.stdout
-    kept_model_only, step4_model_only = _early.reading(third)
+    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in _ok(r4).stdout
+    kept_model_only, step4_model_only, *_ = _early.reading(after_load2)
     assert kept_model_only and not step4_model_only
-    assert "already complete at step 4" in _ok(r4).stdout
+    assert "already complete at step 4" in _ok(r5).stdout
+
+
+@chain
+def test_rerun_after_a_finished_run_is_reported_complete():
+    """The same command again through run_train.sh: no step runs, nothing is written."""
+    d, (_, _, _, _, r, _), (*_, after_load2, after_rerun, _) = _results()
+    _, step4_model_only, step, before, listing = _early.reading(after_load2)
+    assert step == 4 and not step4_model_only and listing == ["step-2", "step-4", "step-4.1"]
+    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {d / 'checkpoint' / 'step-4'}" \
+        in _ok(r).stdout
+    assert "step:  " not in r.stdout  # no step ran
+    assert _early.reading(after_rerun) == (before, listing)  # no new rows, no summary, no checkpoint
 
 
 def test_load_failure_names_the_first_real_error(tmp_path):
@@ -116,7 +149,6 @@ def test_load_failure_names_the_first_real_error(tmp_path):
         raise RuntimeError("Missing key in checkpoint state_dict: dataloader.dp_rank_0.\nsecond line")
     except RuntimeError as e:
         failure = CheckpointException("load failed", {0: _wrap_exception(e)})
-
     ck = object.__new__(Checkpointer)
     ck.enabled, ck.folder, ck.rank, ck.meta = True, str(folder), 0, {}
     ck.train_state, ck.manager = TrainState(), mock.Mock(**{"load.side_effect": failure})

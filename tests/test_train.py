@@ -1,7 +1,6 @@
 """End-to-end trainer tests on CPU, in this process: aot_fx_trace vs eager and metrics.jsonl; and
 run_train.sh's stderr filter."""
 
-import os
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 from graph_trainer.config import parse_args
 from graph_trainer.metrics import read_metrics
 
-DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "debug_model.toml")
+from _runs import DEBUG  # tests/ is on sys.path
 
 
 def _train(tmp_path, name, *flags):
