@@ -308,13 +308,15 @@ def code_block(command: str) -> list[str]:
     return [f"{fence}bash", *command.splitlines(), fence]
 
 
-def profile_link(record: dict, out: Path) -> list[str]:
-    """A markdown link to the record's profile picture (repo-relative path), relative to the page."""
-    png = record.get("profile_png")
-    if not png:
-        return []
-    target = os.path.relpath(resolve(png), out.parent).replace(os.sep, "/")
-    return [f"Profile: [{Path(png).name}]({target})", ""]
+def profile_link(record: dict, out: Path, results: Path) -> list[str]:
+    """Markdown links to the record's profile pictures (``profile_png``: a path or a list; a bare file
+    name lies beside the records in ``results``, a path with a folder is repo-relative), relative to the page."""
+    pngs = record.get("profile_png") or []
+    links = []
+    for png in [pngs] if isinstance(pngs, str) else pngs:
+        where = results / png if Path(png).name == png else resolve(png)
+        links.append(f"[{Path(png).name}]({os.path.relpath(where, out.parent).replace(os.sep, '/')})")
+    return [f"Profile: {', '.join(links)}", ""] if links else []
 
 
 def earlier_line(count: int, results: Path) -> list[str]:
@@ -330,7 +332,7 @@ def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
     lines = [f"### {cell(record['title'])} — {cell(record['device'])}", "", meta_line(record), "", *table, ""]
     lines += [*code_block(record["command"]), ""]
-    lines += profile_link(record, out)
+    lines += profile_link(record, out, results)
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
     return lines + earlier_line(earlier, results)

@@ -66,15 +66,19 @@ def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
-    """One variant (eager: no compile), one round on the CPU: the table, a record naming its command."""
+    """One variant (eager: no compile), one round on the CPU, step 2 profiled: the table, a record naming
+    its command, the run's timeline picture beside it."""
     r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "3",
-                    "--warmup", "1", "--workload", "debug one", "--record-dir", str(tmp_path / "results"), "--out",
+                    "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
+                    str(tmp_path / "results"), "--out",
                     str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
                    env=launch_env(), timeout=900)  # forked from tests/_launch.py's server, CPU only
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| eager (1 runs) |" in r.stdout
-    (path,) = (tmp_path / "results").iterdir()
+    path = next((tmp_path / "results").glob("*.json"))
     rec = json.loads(path.read_text())
+    assert rec["profile_png"] == [f"{path.stem}_eager.png"]
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
     assert rec["command"].startswith("scripts/bench.py --variant 'eager=--compile.mode eager'")
     assert "--training.seq_len 64" in rec["command"]

@@ -147,6 +147,14 @@ def test_latest_by_date_then_file_name(repo, capsys):
     assert "_2 earlier records in docs/results/._" in page
 
 
+def test_profile_pictures_beside_the_record(repo, capsys):
+    """A list of bare file names (the bench command's pictures, one per variant): links into the results folder."""
+    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"]))
+    assert generate(capsys)[0] == 0
+    assert "\nProfile: [r_jit.png](results/r_jit.png), [r_plain.png](results/r_plain.png)\n" in \
+        (repo / "docs" / "perf.md").read_text()
+
+
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     """Tier calls that ran subsets: one section per model and device, each claim's latest result
     (by date, then time) with its call; a call none of whose claims is shown is counted."""

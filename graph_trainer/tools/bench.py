@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=None, metavar="S",
                    help="start no run that would end more than S seconds after the first started")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
-                   help="profile step N of every run (kernel categories and a timeline in its dump folder)")
+                   help="profile step N of every run (kernel categories and a timeline in its dump folder; "
+                        "each variant's first timeline picture goes beside the record)")
     p.add_argument("--record-dir", default=os.path.join(REPO, "docs", "results"),
                    help="where the call's JSON record goes (default docs/results)")
     p.add_argument("--no-record", action="store_true", help="write no record")
@@ -153,16 +156,36 @@ def utc_date_time() -> dict[str, str]:
     return {"date": now.strftime("%Y-%m-%d"), "time": now.strftime("%H:%M")}
 
 
-def write_record(folder: str, record: dict) -> str:
-    """Write ``record`` as ``<folder>/<date>_<HHMM>_<workload slug>.json`` (``HHMM``: its UTC
-    ``time``, omitted when absent; ``_2``, ``_3``, ... when taken); returns the path. Never overwrites."""
-    os.makedirs(folder, exist_ok=True)
+def record_path(folder: str, record: dict) -> str:
+    """Where :func:`write_record` puts ``record``: ``<folder>/<date>_<HHMM>_<workload slug>.json``
+    (``HHMM``: its UTC ``time``, omitted when absent; ``_2``, ``_3``, ... when taken)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", record["workload"]).strip("_").lower() or "bench"
     when = "_".join(filter(None, (record["date"], record.get("time", "").replace(":", ""))))
     stem = os.path.join(folder, f"{when}_{slug}")
     path, n = stem + ".json", 2
     while os.path.exists(path):
         path, n = f"{stem}_{n}.json", n + 1
+    return path
+
+
+def copy_profiles(runs: list, path: str) -> list[str]:
+    """Per variant, the rank-0 timeline picture (``rank0_timeline.png``, tools/profiling.py) of its
+    first profiled run, copied beside the record at ``path`` as ``<record stem>_<variant>.png``;
+    returns the file names (what the record's ``profile_png`` lists, relative to its folder)."""
+    names: dict[str, str] = {}
+    for run in runs:
+        pngs = sorted(glob.glob(os.path.join(run.dump_folder, "**", "rank0_timeline.png"), recursive=True))
+        if run.side not in names and pngs:
+            names[run.side] = f"{os.path.splitext(os.path.basename(path))[0]}_{run.side}.png"
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            shutil.copyfile(pngs[-1], os.path.join(os.path.dirname(path), names[run.side]))
+    return list(names.values())
+
+
+def write_record(folder: str, record: dict, path: str | None = None) -> str:
+    """Write ``record`` to ``path`` (default :func:`record_path`); returns the path. Never overwrites."""
+    os.makedirs(folder, exist_ok=True)
+    path = path or record_path(folder, record)
     with open(path, "x") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
@@ -214,7 +237,9 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     }
     write_json(os.path.join(out, "bench.json"), record)
     if not args.no_record and not interrupted:
-        print(f"record: {write_record(args.record_dir, record)}")
+        path = record_path(args.record_dir, record)
+        record["profile_png"] = copy_profiles(runs, path) or None
+        print(f"record: {write_record(args.record_dir, record, path)}")
     bad = [r for r in runs if r.status != "ok"]
     return 130 if interrupted else 1 if bad else 0
 
