@@ -8,7 +8,8 @@ group. A bench group is a (workload, device): its latest record (by date, UTC ``
 recorded, then file name); older
 records stay in docs/results/ and are only counted. A tier group is a (model, device): each claim's
 latest result over the group's records (tier calls often run a subset, ``TIER_K``), with the call
-it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the output holds no timestamp, so regenerating is idempotent.
+it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the
+output holds no timestamp, so regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
     python3 scripts/results_page.py --check           # exit 1 if docs/perf.md is stale, write nothing
