@@ -169,16 +169,16 @@ def group_key(record: dict) -> tuple[str, str, str]:
 def merge_tier(members: list[dict]) -> dict:
     """One tier record of a group's ``members`` (oldest first): the latest's fields, each claim's
     latest result with its call's ``git_sha`` (``call``), every contributing call's command and note."""
-    claims: dict[str, dict] = {}
-    for record in members:
+    latest: dict[str, tuple[int, dict]] = {}  # claim -> (index of its record in members, the claim)
+    for i, record in enumerate(members):
         for c in record["claims"]:
-            claims[c["claim"]] = {**c, "call": record["git_sha"][:8]}
-    used = [r for r in members if any(c["call"] == r["git_sha"][:8] for c in claims.values())]
+            latest[c["claim"]] = (i, {**c, "call": record["git_sha"][:8]})
+    used = [members[i] for i in sorted({i for i, _ in latest.values()})]
     if len(used) == 1:
         return used[0]
     model = members[-1].get("model")
     return {**members[-1], "title": f"GPU tier, {model}" if model else members[-1]["title"],
-            "claims": [claims[k] for k in sorted(claims)], "calls": len(used),
+            "claims": [latest[k][1] for k in sorted(latest)], "calls": len(used),
             "command": "\n".join(dict.fromkeys(r["command"] for r in used)),
             "note": " ".join(dict.fromkeys(f"`{r['git_sha'][:8]}`: {r['note']}" for r in used if r.get("note")))
             or None}

@@ -166,7 +166,7 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
 
     call("a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
     call("b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})
-    call("c_superseded", "21:00", "cccccccccc", {"tp2-full": "FAILED"})
+    call("c_superseded", "21:00", "aaaaaaaaaa", {"tp2-full": "FAILED"})  # b_first's sha: still not shown
     call("d_other_model", "23:00", "dddddddddd", {"tp2-full": "FAILED"}, model="llama3_8b")
     assert generate(capsys)[0] == 0
     page = sections((repo / "docs" / "perf.md").read_text())
@@ -177,6 +177,7 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
                     "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]}
     assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in page["GPU tier, llama3_1b — " + H100]
     assert "_1 earlier record in docs/results/._" in page["GPU tier, llama3_1b — " + H100]
+    assert "c_superseded" not in page["GPU tier, llama3_1b — " + H100]
 
 
 def test_edge_cases_accepted(repo, capsys):
