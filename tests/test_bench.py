@@ -52,7 +52,8 @@ def test_write_record_never_overwrites(tmp_path):
     stem = "2026-11-27_llama3_1b_fsdp2"
     assert [os.path.basename(p) for p in paths] == [f"{stem}.json", f"{stem}_2.json", f"{stem}_3.json"]
     assert json.loads(open(paths[0]).read()) == rec
-    assert os.path.basename(write_record(str(tmp_path), {**rec, "time": "23:05"})) == "2026-11-27_2305_llama3_1b_fsdp2.json"
+    timed = write_record(str(tmp_path), {**rec, "time": "23:05"})
+    assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"
 
 
 def test_bad_input_exits_2_before_any_run(tmp_path, capsys):

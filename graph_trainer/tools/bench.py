@@ -172,13 +172,15 @@ def copy_profiles(runs: list, path: str) -> list[str]:
     """Per variant, the rank-0 timeline picture (``rank0_timeline.png``, tools/profiling.py) of its
     first profiled run, copied beside the record at ``path`` as ``<record stem>_<variant>.png``;
     returns the file names (what the record's ``profile_png`` lists, relative to its folder)."""
+    folder, stem = os.path.split(os.path.splitext(path)[0])
     names: dict[str, str] = {}
     for run in runs:
-        pngs = sorted(glob.glob(os.path.join(run.dump_folder, "**", "rank0_timeline.png"), recursive=True))
-        if run.side not in names and pngs:
-            names[run.side] = f"{os.path.splitext(os.path.basename(path))[0]}_{run.side}.png"
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            shutil.copyfile(pngs[-1], os.path.join(os.path.dirname(path), names[run.side]))
+        if run.side in names:
+            continue
+        if pngs := sorted(glob.glob(os.path.join(run.dump_folder, "**", "rank0_timeline.png"), recursive=True)):
+            names[run.side] = f"{stem}_{run.side}.png"
+            os.makedirs(folder or ".", exist_ok=True)
+            shutil.copyfile(pngs[-1], os.path.join(folder, names[run.side]))
     return list(names.values())
 
 
