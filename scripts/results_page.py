@@ -277,6 +277,27 @@ def bench_table(record: dict) -> list[str]:
     return lines + [variant_row(v, i, variants[0]) for i, v in enumerate(variants)]
 
 
+def profile_table(record: dict) -> list[str]:
+    """Where a bench record's profiled step went per variant and rank (``profile``, written by
+    ``graph_trainer.tools.bench.profile_summary``): wall = compute + exposed communication + idle,
+    ms, and (when recorded) the most exposed collectives; nothing when the record has none."""
+    prof = record.get("profile")
+    if not isinstance(prof, dict) or not prof.get("variants"):
+        return []
+    ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
+    colls = any(r.get("collectives") for _, r in ranks)
+    header = ["variant", "rank", "wall", "compute", "exposed comm", "idle"] + (["most exposed collectives (ms)"] * colls)
+    lines = [f"Step {prof.get('step', MISSING)} profiled, ms (exposed: communication while no compute kernel runs):",
+             "", row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
+    for name, r in ranks:
+        cells = [name, r["rank"], *(fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"))]
+        if colls:
+            cells.append(", ".join(f"{label} {c['exposed_ms']:.1f}" for label, c in (r.get("collectives") or {}).items())
+                         or MISSING)
+        lines.append(row(cells))
+    return lines + [""]
+
+
 def tier_table(record: dict) -> list[str]:
     """The claims table of a tier record; the detail column only when some claim has one."""
     claims = record["claims"]
@@ -311,12 +332,14 @@ def code_block(command: str) -> list[str]:
 
 def profile_link(record: dict, out: Path, results: Path) -> list[str]:
     """Markdown links to the record's profile pictures (``profile_png``: a path or a list; a bare file
-    name lies beside the records in ``results``, a path with a folder is repo-relative), relative to the page."""
+    name lies beside the records in ``results``, a path with a folder is repo-relative), relative to the page;
+    a picture that is not there is named, not linked."""
     pngs = record.get("profile_png") or []
     links = []
     for png in [pngs] if isinstance(pngs, str) else pngs:
         where = results / png if Path(png).name == png else resolve(png)
-        links.append(f"[{Path(png).name}]({os.path.relpath(where, out.parent).replace(os.sep, '/')})")
+        links.append(f"[{Path(png).name}]({os.path.relpath(where, out.parent).replace(os.sep, '/')})" if where.is_file()
+                     else f"{Path(png).name} (not kept)")
     return [f"Profile: {', '.join(links)}", ""] if links else []
 
 
@@ -333,6 +356,7 @@ def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
     lines = [f"### {cell(record['title'])} — {cell(record['device'])}", "", meta_line(record), "", *table, ""]
     lines += [*code_block(record["command"]), ""]
+    lines += profile_table(record) if record["kind"] == "bench" else []
     lines += profile_link(record, out, results)
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]

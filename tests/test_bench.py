@@ -69,7 +69,7 @@ def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
 def test_bench_debug_model_writes_a_record(tmp_path):
     """One variant (eager: no compile), one round on the CPU, step 2 profiled: the table, a record naming
     its command, the run's timeline picture beside it."""
-    r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "3",
+    r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "4",
                     "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
                     str(tmp_path / "results"), "--out",
                     str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
@@ -79,6 +79,8 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     path = next((tmp_path / "results").glob("*.json"))
     rec = json.loads(path.read_text())
     assert rec["profile_png"] == [f"{path.stem}_eager.png"]
+    (rank0,) = rec["profile"]["variants"]["eager"]  # one rank: rank 0 is also the one with the most compute
+    assert rec["profile"]["step"] == 2 and rank0["rank"] == 0 and 0 < rank0["compute_ms"] <= rank0["wall_ms"]
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
     assert rec["command"].startswith("scripts/bench.py --variant 'eager=--compile.mode eager'")

@@ -291,7 +291,7 @@ def _real_head_ref(tmp, env):
     head = git.stdout.strip() if git.returncode == 0 else None
     out = tmp / "cmp"
     r = _compare(*(["--a", "HEAD", "--allow-dirty"] if head else ["--a-flags", ""]),
-                 "--b-flags", "--training.max_norm 0.5", "--repeats", "1", "--steps", "2", "--warmup", "0",
+                 "--b-flags", "--training.max_norm 0.5", "--repeats", "1", "--steps", "4", "--warmup", "0",
                  "--profile-step", "2", "--out", str(out), "--", *TINY, env=_env(env))
     return head, out, r
 
@@ -313,9 +313,10 @@ def test_real_head_ref_against_working_tree_flags():
         assert data["sides"]["A"]["commit"] == head and data["sides"]["A"]["worktree"]
         assert data["sides"]["A"]["tree"] not in _git(REPO, "worktree", "list", "--porcelain")
     for x in data["runs"]:
-        assert x["status"] == "ok" and [row["step"] for row in x["rows"]] == [1, 2]
+        assert x["status"] == "ok" and [row["step"] for row in x["rows"]] == [1, 2, 3, 4]
+        assert x["stats"]["steady_steps"] == [4]  # steps 1..3: the profiler's on step 2
         assert x["stats"]["tps"] > 0 and x["stats"]["mfu"] is None and x["stats"]["memory_gib"] > 0  # CPU: no MFU
-    assert data["table"]["delta_b_vs_a"]["tps"]["pct"] is not None
+    assert data["table"]["delta_b_vs_a"]["tps"]["pct"] is not None and data["settings"]["excluded_steps"] == [1, 2, 3]
     k = data["kernels"]  # --profile-step 2: kernel time by category and the step timeline, A vs B
     assert k["step"] == 2 and k["unit"] == "CPU" and k["runs"] == {"A": 1, "B": 1}
     assert 0 < k["sides"]["A"]["matmul"] <= k["sides"]["A"]["total"] and k["sides"]["B"]["matmul"] > 0
@@ -340,7 +341,7 @@ def test_real_head_ref_against_working_tree_flags():
 
 
 def test_run_stats_delta_verdicts_and_table():
-    """run_stats excludes step 1 and the warmup; side_stats, delta, the table of two sides."""
+    """run_stats excludes step 1, the warmup and the profiler's steps; side_stats, delta, the table of two sides."""
     rows = [{"step": i + 1, "tps": tps, "mfu": None, "memory_gib": mem}
             for i, (tps, mem) in enumerate([(1.0, 0.5), (50.0, 1.0), (100.0, 2.0), (120.0, 1.0), (110.0, 1.0)])]
     s = stats.run_stats(rows, warmup=0)
@@ -348,6 +349,8 @@ def test_run_stats_delta_verdicts_and_table():
     s = stats.run_stats(rows, warmup=2)
     assert s["steady_steps"] == [3, 4, 5] and s["tps"] == 110.0
     assert s["mfu"] is None and s["memory_gib"] == 2.0  # max over all steps
+    s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export
+    assert s["steady_steps"] == [5] and s["tps"] == 110.0 and stats.profiler_steps(None) == ()
     a = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0},
                           {"tps": 102.0, "tflops": 1.02, "mfu": 10.2, "memory_gib": 30.0}])
     b = stats.side_stats([{"tps": 110.0, "tflops": 1.1, "mfu": 10.0, "memory_gib": 30.0},

@@ -10,10 +10,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from graph_trainer.tools.profiling import (_intervals_of, _json_text, _write_picture, kernel_category,
-                                           summarize_events, summary_markdown)
-from graph_trainer.tools.timeline import (draw_timeline, pack_step, read_step, timeline_a_vs_b, timeline_breakdown,
-                                          unpack_step)
+from graph_trainer.tools.profiling import (_intervals_of, _json_text, _write_picture, collective_label,
+                                           kernel_category, summarize_events, summary_markdown)
+from graph_trainer.tools.timeline import (collective_breakdown, draw_timeline, pack_step, read_step, timeline_a_vs_b,
+                                          timeline_breakdown, unpack_step)
 
 SUM_KEYS = ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")
 # 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped (30-40),
@@ -94,9 +94,9 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     assert "| (of it: after the last matmul) | 0.01 | 10.0 % |" in md
 
 
-def _evt(name, a, b, dev="CPU", ann=False, thread=1):
+def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7):
     return NS(name=name, time_range=NS(start=a, end=b), device_type=getattr(torch.autograd.DeviceType, dev),
-              is_user_annotation=ann, thread=thread)
+              is_user_annotation=ann, thread=thread, device_resource_id=stream)
 
 
 def test_profiler_events_to_intervals_on_cuda_and_cpu():
@@ -106,14 +106,16 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
     cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep*", 100, 900, "CUDA", ann=True),
             _evt("nccl:all_gather", 100, 400, "CUDA", ann=True), _evt("nvjet_gemm", 200, 600, "CUDA"),
             _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
-    t = timeline_breakdown(*_intervals_of(NS(events=lambda: cuda), on_device=True))
+    kernels, steps, collectives = _intervals_of(NS(events=lambda: cuda), on_device=True)
+    t = timeline_breakdown(kernels, steps)
     assert t["wall_ms"] == pytest.approx(1.0)  # one window, the host step
     assert (t["compute_ms"], t["exposed_comm_ms"], t["idle_ms"]) == pytest.approx((0.4, 0.1, 0.5))
+    assert collectives == [(100, 400, "AllGather")]
     cpu = [_evt("ProfilerStep#2", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
            _evt("_c10d_functional::wait_tensor", 300, 700), _evt("gloo:all_gather", 250, 650, ann=True, thread=2),
            _evt("aten::copy_", 600, 650, thread=2), _evt("aten::add", 700, 800)]
-    kernels, steps = _intervals_of(NS(events=lambda: cpu), on_device=False)
-    assert steps == [(0, 1000)]
+    kernels, steps, collectives = _intervals_of(NS(events=lambda: cpu), on_device=False)
+    assert steps == [(0, 1000)] and collectives == [(250, 650, "all_gather")]
     assert sorted(kernels) == [(0, 300, "matmul"), (250, 650, "communication"),
                                (700, 800, "eager pointwise / reduction")]
     t = timeline_breakdown(kernels, steps)
@@ -178,3 +180,30 @@ def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path)
     with pytest.raises(ValueError):
         timeline_a_vs_b(str(tmp_path / "x.png"), str(paths[0]), str(tmp_path / "old.json"))
     assert not (tmp_path / "x.png").exists()
+
+
+def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
+    """NCCL kernel names give the collective and dtype; a label on two streams (two process groups)
+    is split by stream; per label its time and the part of it while no compute kernel runs."""
+    assert [collective_label(n) for n in (
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "ncclKernel_AllReduce_RING_LL_Sum_float(ncclWorkElem)", "gloo:reduce_scatter", "c10d_symm_mem_kernel")] == [
+        "ReduceScatter f32", "AllGather", "AllReduce float", "reduce_scatter", "c10d_symm_mem_kernel"]
+    # 0..100 us: matmuls 0-30 and 50-80; FSDP's fp32 reduce-scatter 20-40 (10 exposed), TP's bf16 one 40-45
+    # (exposed) and 60-70 (hidden); all-gathers on two streams: 85-90 (stream 1), 85-95 (stream 2)
+    events = [_evt("ProfilerStep#4", 0, 100, ann=True), _evt("nvjet_a", 0, 30, "CUDA"), _evt("nvjet_b", 50, 80, "CUDA"),
+              _evt("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 20, 40, "CUDA", stream=1),
+              _evt("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 40, 45, "CUDA", stream=2),
+              _evt("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 60, 70, "CUDA", stream=2),
+              _evt("ncclDevKernel_AllGather_RING_LL", 85, 90, "CUDA", stream=1),
+              _evt("ncclDevKernel_AllGather_RING_LL", 85, 95, "CUDA", stream=2)]
+    kernels, steps, collectives = _intervals_of(NS(events=lambda: events), on_device=True)
+    got = collective_breakdown(kernels, collectives, steps)
+    assert list(got) == ["AllGather (stream 2)", "ReduceScatter f32", "AllGather (stream 1)", "ReduceScatter bf16"]
+    assert {k: (v["ms"], v["exposed_ms"], v["launches"]) for k, v in got.items()} == pytest.approx({
+        "AllGather (stream 2)": (0.01, 0.01, 1), "ReduceScatter f32": (0.02, 0.01, 1),
+        "AllGather (stream 1)": (0.005, 0.005, 1), "ReduceScatter bf16": (0.015, 0.005, 2)})
+    assert timeline_breakdown(kernels, steps)["exposed_comm_ms"] == pytest.approx(0.025)  # 30-45, 85-95: less than the sum
+    md = summary_markdown({**summarize_events([("nvjet_a", 60.0, 2)], steps=1), "collectives": got})
+    assert "| ReduceScatter f32 | 0.02 | 0.01 | 1 |" in md and "exposed: while no compute kernel runs" in md

@@ -80,6 +80,7 @@ def records(repo):
     put(repo, "2026-11-25_llama3_1b_fsdp2_h200.json", bench("2026-11-25", device=H200, tps_jit=50000.0))
     put(repo, "2026-11-26_debug.json", bench("2026-11-26", workload="debug fsdp1"))
     put(repo, "2026-11-27_tier.json", tier("2026-11-27"))
+    (repo / "docs" / "results" / "2026-11-27_llama3_1b_fsdp2.png").write_bytes(b"png")
     return repo
 
 
@@ -150,8 +151,9 @@ def test_latest_by_date_then_file_name(repo, capsys):
 def test_profile_pictures_beside_the_record(repo, capsys):
     """A list of bare file names (the bench command's pictures, one per variant): links into the results folder."""
     put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"]))
+    (repo / "docs" / "results" / "r_jit.png").write_bytes(b"png")  # r_plain.png was not kept: named, not linked
     assert generate(capsys)[0] == 0
-    assert "\nProfile: [r_jit.png](results/r_jit.png), [r_plain.png](results/r_plain.png)\n" in \
+    assert "\nProfile: [r_jit.png](results/r_jit.png), r_plain.png (not kept)\n" in \
         (repo / "docs" / "perf.md").read_text()
 
 
@@ -307,3 +309,24 @@ def test_cli(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "x.json" in proc.stderr and "'workload'" in proc.stderr
     assert not (tmp_path / "perf.md").exists()
+
+
+def test_profiled_step_per_variant_and_rank(repo, capsys):
+    """A bench record's ``profile``: one row per variant and rank, the most exposed collectives in the last cell."""
+    coll = {"ReduceScatter f32": {"ms": 51.1, "exposed_ms": 40.04}, "AllGather": {"ms": 65.2, "exposed_ms": 30.0}}
+    prof = {"step": 10, "variants": {"jit": [{"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5,
+                                              "idle_ms": 18.3}],
+                                     "plain": [{"rank": 0, "wall_ms": 503.8, "compute_ms": 391.7, "exposed_comm_ms": 98.3,
+                                                "idle_ms": 13.8, "collectives": coll},
+                                               {"rank": 3, "wall_ms": 503.9, "compute_ms": 411.8,
+                                                "exposed_comm_ms": 78.1, "idle_ms": 13.9, "collectives": {}}]}}
+    put(repo, "r.json", bench("2026-11-27", profile=prof))
+    assert generate(capsys)[0] == 0
+    page = (repo / "docs" / "perf.md").read_text()
+    assert "\nStep 10 profiled, ms (exposed: communication while no compute kernel runs):\n" in page
+    assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 | – |\n" in page
+    assert "\n| plain | 0 | 503.8 | 391.7 | 98.3 | 13.8 | ReduceScatter f32 40.0, AllGather 30.0 |\n" in page
+    assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 | – |\n" in page
+    put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
+    assert generate(capsys)[0] == 0  # no collectives recorded: no column for them
+    assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in (repo / "docs" / "perf.md").read_text()

@@ -42,7 +42,8 @@ from graph_trainer.tools.runs import Run, plan_runs, run_all
 from graph_trainer.tools.sides import (CompareError, Side, check_owned_flags, check_run_args, config_for_side,
                                        default_repo, git_out, out_folder, parse_cli, resolve_config, run_cli,
                                        tool_parser, validate_sides, write_json)
-from graph_trainer.tools.stats import delta, fmt_number, side_stats
+from graph_trainer.tools.stats import delta, fmt_number, profile_json, side_stats
+from graph_trainer.tools.timeline import TIMELINE_ROWS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no run that would end more than S seconds after the first started")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (kernel categories and a timeline in its dump folder; "
-                        "each variant's first timeline picture goes beside the record)")
+                        "each variant's first timeline picture goes beside the record); steps N-1..N+1 "
+                        "(the profiler's) are left out of the medians")
     p.add_argument("--record-dir", default=os.path.join(REPO, "docs", "results"),
                    help="where the call's JSON record goes (default docs/results)")
     p.add_argument("--no-record", action="store_true", help="write no record")
@@ -184,6 +186,35 @@ def copy_profiles(runs: list, path: str) -> list[str]:
     return list(names.values())
 
 
+def profile_summary(runs: list, step: int, top: int = 4) -> dict:
+    """Per variant, where the profiled ``step`` of its first run with a readable summary went
+    (``rank<r>_kernels.json``, tools/profiling.py): a list of ``{"rank", "wall_ms", "compute_ms",
+    "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms", "exposed_ms"}}}`` (the ``top`` most
+    exposed collectives; ms per step), for rank 0 and, when another, the rank with the most compute
+    time (the one the others wait for). Variants without a profile are left out."""
+    out: dict[str, list[dict]] = {}
+    for run in runs:
+        if run.side in out:
+            continue
+        ranks = []
+        for path in sorted(glob.glob(os.path.join(os.path.dirname(profile_json(run.dump_folder, step)),
+                                                  "rank*_kernels.json"))):
+            try:
+                with open(path) as f:
+                    s = json.load(f)
+                t = s["timeline"]
+                ranks.append({"rank": int(s.get("rank", 0)), **{k: round(t[k], 2) for k, _ in TIMELINE_ROWS},
+                              "collectives": {label: {k: round(c[k], 2) for k in ("ms", "exposed_ms")}
+                                              for label, c in list(s.get("collectives", {}).items())[:top]}})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        if ranks:
+            ranks.sort(key=lambda r: r["rank"])
+            slowest = max(ranks, key=lambda r: r["compute_ms"])
+            out[run.side] = [ranks[0]] + ([slowest] if slowest is not ranks[0] else [])
+    return out
+
+
 def write_record(folder: str, record: dict, path: str | None = None) -> str:
     """Write ``record`` to ``path`` (default :func:`record_path`); returns the path. Never overwrites."""
     os.makedirs(folder, exist_ok=True)
@@ -237,6 +268,8 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
                   "dump_folder": r.dump_folder} for r in runs],
         "profile_png": None, "note": args.note,
     }
+    if args.profile_step:
+        record["profile"] = {"step": args.profile_step, "variants": profile_summary(runs, args.profile_step)}
     write_json(os.path.join(out, "bench.json"), record)
     if not args.no_record and not interrupted:
         path = record_path(args.record_dir, record)

@@ -35,7 +35,7 @@ import sys
 from graph_trainer.tools.runs import Run, plan_runs, run_all
 from graph_trainer.tools.sides import (CompareError, Side, check_run_args, out_folder, parse_cli, resolve_sides,
                                        run_cli, tool_parser, validate_sides, write_json)
-from graph_trainer.tools.stats import build_results, kernel_comparison, profile_json, steady_rows
+from graph_trainer.tools.stats import build_results, kernel_comparison, profile_json, profiler_steps, steady_rows
 
 # Environment variables recorded in comparison.json.
 ENV_RECORDED = ("NGPU", "CONFIG_FILE", "CONFIG", "LOG_RANK", "MODULE", "COMM_MODE", "CUDA_VISIBLE_DEVICES",
@@ -53,13 +53,16 @@ def plot(path: str, runs: list[Run], sides: dict, warmup: int) -> str:
     ax = fig.subplots()
     steady = []
     for r in runs:
-        steady += [row["tps"] for row in steady_rows(r.rows, warmup)]
+        steady += [row["tps"] for row in steady_rows(r.rows, warmup, r.excluded)]
         label = f"{r.side}{r.repeat}: {sides[r.side].label}" + ("" if r.status == "ok" else f" [{r.status}]")
         ax.plot([row["step"] for row in r.rows], [row["tps"] for row in r.rows], STYLES[(r.repeat - 1) % len(STYLES)],
                 color=COLORS[r.side], marker=".", label=label, alpha=0.9)
     first = max(warmup, 1)
     excluded = "step 1" if first == 1 else f"steps 1..{first}"
     ax.axvspan(0.5, first + 0.5, color="grey", alpha=0.15, label=f"excluded from stats ({excluded})")
+    if prof := next((r.excluded for r in runs if r.excluded), ()):
+        ax.axvspan(min(prof) - 0.5, max(prof) + 0.5, color="grey", alpha=0.15, hatch="//",
+                   label=f"excluded: the profiler's steps {min(prof)}..{max(prof)}")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if steady:
         lo, hi = min(steady), max(steady)
@@ -114,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (--profiling.*) and print device time per step by kernel "
                         "category, A vs B (graph_trainer/tools/profiling.py), then the matmul and attention kernels "
-                        "whose time moved most; the profiled step stays in the medians")
+                        "whose time moved most; steps N-1..N+1 (the profiler's) are left out of the medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
     return p
 
@@ -180,7 +183,7 @@ def _main(args, extra, argv, cleanup) -> int:
                "cwd": os.getcwd(), "repo": ctx["repo"], "head": ctx["head"], "config_file": ctx["config"],
                "config_source": ctx["config_source"], "env": env,
                "settings": {"repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-                            "excluded_steps": list(range(1, max(args.warmup, 1) + 1)), "extra_args": extra},
+                            "excluded_steps": sorted({*range(1, max(args.warmup, 1) + 1), *profiler_steps(args.profile_step)}), "extra_args": extra},
                "sides": {n: s.describe() for n, s in sides.items()}, "runs": [], "table": None, "plot": None,
                "ok": False}
     json_path = os.path.join(out, "comparison.json")

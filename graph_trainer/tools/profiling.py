@@ -1,7 +1,8 @@
 """``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here:
 torchtitan's needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md``
-/ ``.json`` (time per step by kernel category, top kernels, the step's timeline and kernels) and
-``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files.
+/ ``.json`` (time per step by kernel category, the step's timeline, each collective's time and exposed time,
+top kernels, the step's kernels) and ``rank<r>_timeline.png`` to
+``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files.
 On CPU the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 
 from graph_trainer.metrics import keep_previous
-from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, draw_timeline, pack_step,
-                                          timeline_breakdown)
+from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, collective_breakdown, draw_timeline,
+                                          pack_step, timeline_breakdown)
 
 logger = logging.getLogger("graph_trainer")
 
@@ -43,6 +44,27 @@ KERNEL_CATEGORIES: list[tuple[str, re.Pattern]] = [
 def kernel_category(name: str) -> str:
     """Category of a kernel (or, on CPU, ATen op) name; ``"other"`` when nothing matches."""
     return next((cat for cat, pattern in KERNEL_CATEGORIES if pattern.search(name)), "other")
+
+
+# dtype tokens of NCCL's kernel names (``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``, ``..._AllReduce_RING_LL_Sum_float``)
+_NCCL_DTYPES = {"f8e4m3", "f8e5m2", "f16", "bf16", "f32", "f64", "i8", "u8", "i32", "u32", "i64", "u64",
+                "half", "float", "double", "bfloat16", "int8", "uint8", "int32", "uint32", "int64", "uint64"}
+
+
+def collective_label(name: str) -> str:
+    """A communication kernel's collective and dtype from its name: ``"ReduceScatter f32"`` for
+    ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``, ``"AllGather"`` (NCCL names no dtype for a
+    copy), ``"all_gather"`` for gloo's ``gloo:all_gather``; another name, its first 40 characters.
+    In this project's layouts FSDP reduces gradients in fp32 and TP in bf16, so the dtype tells
+    FSDP's reduce-scatter from TP's; the stream (see :func:`_intervals_of`) tells the groups apart."""
+    if name.startswith("gloo:"):
+        return name[len("gloo:"):]
+    m = re.search(r"Kernel_(\w+)", name)
+    if not m:
+        return name[:40]
+    kind, *rest = m.group(1).split("_")
+    dtype = next((t for t in rest if t in _NCCL_DTYPES), None)
+    return f"{kind} {dtype}" if dtype else kind
 
 
 def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int = 15) -> dict[str, Any]:
@@ -78,6 +100,12 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
         lines += ["", "| step timeline | ms/step | share of wall |", "|---|---:|---:|"]
         for key, label in TIMELINE_ROWS + [r for r in TIMELINE_EXTRA_ROWS if r[0] in t]:
             lines.append(f"| {label} | {t[key]:.2f} | {100 * t[key] / t['wall_ms']:.1f} % |")
+    if summary.get("collectives"):
+        lines += ["", "| collective (dtype, stream) | ms/step | exposed ms/step | launches/step |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {label} | {c['ms']:.2f} | {c['exposed_ms']:.2f} | {c['launches']:.0f} |"
+                  for label, c in summary["collectives"].items()]
+        lines.append("\n(exposed: while no compute kernel runs; collectives in flight together each count it)")
     lines += ["", "| top kernel | category | ms/step | launches/step |", "|---|---|---:|---:|"]
     for r in summary["top"]:
         name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
@@ -104,14 +132,17 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     return out, ("device" if on_device else "CPU")
 
 
-def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]]]:
-    """``(kernels, steps)`` of the recorded window for :func:`timeline_breakdown`, in
-    microseconds; on CPU the ATen ops on a gloo thread are left out (they belong to its
-    collective). ``on_device``: default ``torch.cuda.is_available()``."""
+def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]], list]:
+    """``(kernels, steps, collectives)`` of the recorded window, in microseconds: ``(start, end,
+    category)`` and the steps for :func:`timeline_breakdown`, and the communication kernels as
+    ``(start, end, label)`` for :func:`collective_breakdown` (:func:`collective_label`, plus
+    ``" (stream <id>)"`` where one label runs on several CUDA streams, i.e. process groups). On CPU
+    the ATen ops on a gloo thread are left out (they belong to its collective). ``on_device``:
+    default ``torch.cuda.is_available()``."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     events = list(prof.events())
     gloo_threads = set() if on_device else {getattr(e, "thread", None) for e in events if e.name.startswith("gloo:")}
-    kernels, steps = [], []
+    kernels, steps, comm = [], [], []
     for evt in events:
         tr = evt.time_range
         if evt.name.startswith("ProfilerStep"):
@@ -120,7 +151,14 @@ def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple
         elif _counted(evt, evt.name, on_device):
             if not (evt.name.startswith("aten::") and getattr(evt, "thread", None) in gloo_threads):
                 kernels.append((tr.start, tr.end, kernel_category(evt.name)))
-    return kernels, sorted(steps)
+                if kernels[-1][2] == "communication":
+                    comm.append((tr.start, tr.end, collective_label(evt.name),
+                                 getattr(evt, "device_resource_id", None) if on_device else None))
+    streams: dict[str, set] = defaultdict(set)
+    for *_, label, stream in comm:
+        streams[label].add(stream)
+    collectives = [(a, b, f"{label} (stream {s})" if len(streams[label]) > 1 else label) for a, b, label, s in comm]
+    return kernels, sorted(steps), collectives
 
 
 def _json_text(summary: dict[str, Any]) -> str:
@@ -169,8 +207,9 @@ class StepProfiler:
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
             return
         folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
-        kernels, steps = _intervals_of(prof)
-        summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=timeline_breakdown(kernels, steps))
+        kernels, steps, collectives = _intervals_of(prof)
+        summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=timeline_breakdown(kernels, steps),
+                       collectives=collective_breakdown(kernels, collectives, steps))
         if steps:  # the window's last step, for the pictures
             summary["step_intervals"] = pack_step(kernels, steps[-1], prof.step_num)
         os.makedirs(folder, exist_ok=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.sides import Side, child_env, forced_flags
-from graph_trainer.tools.stats import fmt_value, run_stats
+from graph_trainer.tools.stats import fmt_value, profiler_steps, run_stats
 
 LOG_TAIL_LINES = 40
 
@@ -42,6 +42,7 @@ class Run:
     rows: list[dict] = field(default_factory=list)
     summary: dict | None = None
     stats: dict | None = None
+    excluded: tuple[int, ...] = ()  # steps left out of the stats besides the warm-up (the profiler's)
 
 
 class Progress:
@@ -93,7 +94,8 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                     sys.stdout.write(line)
                 m = STEP_RE.search(line)
                 if m and "summary" not in line:
-                    note = " (excluded)" if int(m.group("step")) <= max(warmup, 1) else ""
+                    step = int(m.group("step"))
+                    note = " (excluded)" if step <= max(warmup, 1) or step in run.excluded else ""
                     progress.update(f"{prefix} step {m.group('step')}/{steps}{note}  loss {m.group('loss')}  "
                                     f"tps {m.group('tps')}  mfu {m.group('mfu') or 'n/a'}")
             proc.wait()
@@ -120,9 +122,9 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
     elif read_error is not None:
         run.status, run.error = "failed", f"could not read {path}: {read_error}"
     else:
-        run.summary, run.stats = summary, run_stats(run.rows, warmup)
+        run.summary, run.stats = summary, run_stats(run.rows, warmup, run.excluded)
         if not run.stats["steady_steps"]:
-            run.status, run.error = "failed", f"no steps after the warm-up in {path}"
+            run.status, run.error = "failed", f"no steps after the warm-up (and the profiler's) in {path}"
         elif run.stats["tps"] is None:
             run.status, run.error = "failed", f"no tps values in {path}"
         else:
@@ -217,8 +219,9 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
 def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps: int, out: str,
               profile_step: int | None) -> list[Run]:
     """One :class:`Run` per ``(side, repeat)`` of ``order``: ``run_train.sh`` of the side's tree with its
-    flags, ``extra``, the forced flags and, with ``profile_step``, the profiler on exactly that step;
-    its dump folder ``<out>/runs/<side><repeat>``."""
+    flags, ``extra``, the forced flags and, with ``profile_step``, the profiler on exactly that step (the
+    steps it slows, :func:`~graph_trainer.tools.stats.profiler_steps`, left out of the stats); its dump
+    folder ``<out>/runs/<side><repeat>``."""
     profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(profile_step),
                "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if profile_step else []
     runs = []
@@ -226,7 +229,8 @@ def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps
         dump = os.path.join(out, "runs", f"{name}{rep}")
         cmd = ["bash", os.path.join(sides[name].root, "run_train.sh"), *sides[name].flags, *extra,
                *forced_flags(steps, dump), *profile]
-        runs.append(Run(side=name, repeat=rep, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd))
+        runs.append(Run(side=name, repeat=rep, index=i, dump_folder=dump, log=dump + ".log", cmd=cmd,
+                        excluded=profiler_steps(profile_step)))
     return runs
 
 

@@ -13,15 +13,23 @@ METRICS = ("tps", "tflops", "mfu", "memory_gib")
 _UNITS = {"tps": "", "tflops": "", "mfu": "%", "memory_gib": " GiB"}
 
 
-def steady_rows(rows: list[dict], warmup: int) -> list[dict]:
-    """Rows with ``step > max(warmup, 1)``: step 1 (trace + compile) is always excluded."""
-    return [r for r in rows if r.get("step", 0) > max(warmup, 1)]
+def profiler_steps(profile_step: int | None) -> tuple[int, ...]:
+    """The steps a profiler on ``profile_step`` slows (its warm-up step, the recorded step, and the
+    next, which pays for writing the trace and its summaries); ``()`` without one."""
+    return (profile_step - 1, profile_step, profile_step + 1) if profile_step else ()
 
 
-def run_stats(rows: list[dict], warmup: int) -> dict:
-    """One run's medians of tps/tflops/mfu/step time over steady steps, max memory (GiB, %),
-    final loss; ``None`` where a metric is null on every step (MFU on CPU)."""
-    steady = steady_rows(rows, warmup)
+def steady_rows(rows: list[dict], warmup: int, exclude=()) -> list[dict]:
+    """Rows with ``step > max(warmup, 1)`` and not in ``exclude`` (:func:`profiler_steps`): step 1
+    (trace + compile) is always excluded."""
+    return [r for r in rows if r.get("step", 0) > max(warmup, 1) and r.get("step") not in exclude]
+
+
+def run_stats(rows: list[dict], warmup: int, exclude=()) -> dict:
+    """One run's medians of tps/tflops/mfu/step time over steady steps (``exclude``: steps left out,
+    :func:`profiler_steps`), max memory (GiB, %), final loss; ``None`` where a metric is null on
+    every step (MFU on CPU)."""
+    steady = steady_rows(rows, warmup, exclude)
 
     def agg(f, key, rs):
         vals = [r[key] for r in rs if r.get(key) is not None]
