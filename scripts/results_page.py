@@ -286,14 +286,15 @@ def profile_table(record: dict) -> list[str]:
         return []
     ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
     colls = any(r.get("collectives") for _, r in ranks)
-    header = ["variant", "rank", "wall", "compute", "exposed comm", "idle"] + (["most exposed collectives (ms)"] * colls)
+    header = ["variant", "rank", "wall", "compute", "exposed comm", "idle"] + ["most exposed collectives (ms)"] * colls
     lines = [f"Step {prof.get('step', MISSING)} profiled, ms (exposed: communication while no compute kernel runs):",
              "", row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
     for name, r in ranks:
-        cells = [name, r["rank"], *(fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"))]
+        times = (fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"))
+        cells = [name, r["rank"], *times]
         if colls:
-            cells.append(", ".join(f"{label} {c['exposed_ms']:.1f}" for label, c in (r.get("collectives") or {}).items())
-                         or MISSING)
+            worst = (r.get("collectives") or {}).items()
+            cells.append(", ".join(f"{label} {c['exposed_ms']:.1f}" for label, c in worst) or MISSING)
         lines.append(row(cells))
     return lines + [""]
 
@@ -315,6 +316,7 @@ def meta_line(record: dict) -> str:
     """``<date>, torch <version>, git <sha, 8 characters>`` plus the settings when recorded."""
     sha = record["git_sha"][:8] or MISSING
     line = f"{record['date']}, torch {record['torch']}, git `{sha}`"
+    line += " + uncommitted changes" if record.get("git_dirty") else ""
     if record.get("calls", 1) > 1:
         line += f" (the latest of {record['calls']} calls; each claim's call in its row)"
     settings = record.get("settings")

@@ -83,6 +83,7 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert rec["profile"]["step"] == 2 and rank0["rank"] == 0 and 0 < rank0["compute_ms"] <= rank0["wall_ms"]
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
+    assert isinstance(rec["git_dirty"], bool)  # tracked files changed since git_sha
     assert rec["command"].startswith("scripts/bench.py --variant 'eager=--compile.mode eager'")
     assert "--training.seq_len 64" in rec["command"]
     assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [

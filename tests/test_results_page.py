@@ -149,12 +149,14 @@ def test_latest_by_date_then_file_name(repo, capsys):
 
 
 def test_profile_pictures_beside_the_record(repo, capsys):
-    """A list of bare file names (the bench command's pictures, one per variant): links into the results folder."""
-    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"]))
+    """A list of bare file names (the bench command's pictures, one per variant): links into the results folder;
+    a record of a tree with uncommitted changes says so beside its sha."""
+    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"], git_dirty=True))
     (repo / "docs" / "results" / "r_jit.png").write_bytes(b"png")  # r_plain.png was not kept: named, not linked
     assert generate(capsys)[0] == 0
-    assert "\nProfile: [r_jit.png](results/r_jit.png), r_plain.png (not kept)\n" in \
-        (repo / "docs" / "perf.md").read_text()
+    page = (repo / "docs" / "perf.md").read_text()
+    assert "\nProfile: [r_jit.png](results/r_jit.png), r_plain.png (not kept)\n" in page
+    assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
@@ -314,12 +316,12 @@ def test_cli(tmp_path):
 def test_profiled_step_per_variant_and_rank(repo, capsys):
     """A bench record's ``profile``: one row per variant and rank, the most exposed collectives in the last cell."""
     coll = {"ReduceScatter f32": {"ms": 51.1, "exposed_ms": 40.04}, "AllGather": {"ms": 65.2, "exposed_ms": 30.0}}
-    prof = {"step": 10, "variants": {"jit": [{"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5,
-                                              "idle_ms": 18.3}],
-                                     "plain": [{"rank": 0, "wall_ms": 503.8, "compute_ms": 391.7, "exposed_comm_ms": 98.3,
-                                                "idle_ms": 13.8, "collectives": coll},
-                                               {"rank": 3, "wall_ms": 503.9, "compute_ms": 411.8,
-                                                "exposed_comm_ms": 78.1, "idle_ms": 13.9, "collectives": {}}]}}
+    plain0 = {"rank": 0, "wall_ms": 503.8, "compute_ms": 391.7, "exposed_comm_ms": 98.3, "idle_ms": 13.8,
+              "collectives": coll}
+    plain3 = {"rank": 3, "wall_ms": 503.9, "compute_ms": 411.8, "exposed_comm_ms": 78.1, "idle_ms": 13.9,
+              "collectives": {}}
+    jit0 = {"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5, "idle_ms": 18.3}
+    prof = {"step": 10, "variants": {"jit": [jit0], "plain": [plain0, plain3]}}
     put(repo, "r.json", bench("2026-11-27", profile=prof))
     assert generate(capsys)[0] == 0
     page = (repo / "docs" / "perf.md").read_text()

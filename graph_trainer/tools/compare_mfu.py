@@ -183,7 +183,8 @@ def _main(args, extra, argv, cleanup) -> int:
                "cwd": os.getcwd(), "repo": ctx["repo"], "head": ctx["head"], "config_file": ctx["config"],
                "config_source": ctx["config_source"], "env": env,
                "settings": {"repeats": args.repeats, "steps": args.steps, "warmup": args.warmup,
-                            "excluded_steps": sorted({*range(1, max(args.warmup, 1) + 1), *profiler_steps(args.profile_step)}), "extra_args": extra},
+                            "excluded_steps": sorted({*range(1, max(args.warmup, 1) + 1),
+                                                      *profiler_steps(args.profile_step)}), "extra_args": extra},
                "sides": {n: s.describe() for n, s in sides.items()}, "runs": [], "table": None, "plot": None,
                "ok": False}
     json_path = os.path.join(out, "comparison.json")

@@ -46,7 +46,8 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, pattern in KERNEL_CATEGORIES if pattern.search(name)), "other")
 
 
-# dtype tokens of NCCL's kernel names (``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``, ``..._AllReduce_RING_LL_Sum_float``)
+# dtype tokens of NCCL's kernel names (``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL``,
+# ``ncclKernel_AllReduce_RING_LL_Sum_float``)
 _NCCL_DTYPES = {"f8e4m3", "f8e5m2", "f16", "bf16", "f32", "f64", "i8", "u8", "i32", "u32", "i64", "u64",
                 "half", "float", "double", "bfloat16", "int8", "uint8", "int32", "uint32", "int64", "uint64"}
 

@@ -53,11 +53,14 @@ claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
     sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
     env = " ".join(f"{n}={shlex.quote(v)}" for n, v in
                    (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
     rec = {"schema": 1, "kind": "tier", "model": model, "workload": f"gpu tier {model} {k}".strip(),
            "title": f"GPU tier, {model}" + (f" ({k})" if k else ""), **utc_date_time(), "device": device_name(),
-           "torch": torch.__version__, "git_sha": sha, "command": f"{env} bash scripts/gpu/tier.sh".strip(),
+           "torch": torch.__version__, "git_sha": sha, "git_dirty": dirty,
+           "command": f"{env} bash scripts/gpu/tier.sh".strip(),
            "claims": sorted(claims, key=lambda c: c["claim"])}
     print("record:", write_record(f"{out}/results", rec))
 PY
