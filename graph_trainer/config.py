@@ -373,6 +373,9 @@ def validate(cfg) -> list[str]:
     if cfg.training.steps < 1:
         raise UserError(f"--training.steps must be >= 1, got {cfg.training.steps}.")
     n_layers = llama3_args[cfg.model.flavor].n_layers
+    if comp.fsdp.reduce_scatter_in_flight < 0:
+        raise UserError("--compile.fsdp.reduce_scatter_in_flight must be >= 0, "
+                        f"got {comp.fsdp.reduce_scatter_in_flight}.")
     if comp.fsdp.bucket_blocks < -1:
         raise UserError(f"--compile.fsdp.bucket_blocks must be >= 0 (or -1: auto), got {comp.fsdp.bucket_blocks}.")
     if not -1 <= comp.fsdp.keep_last_blocks <= n_layers:

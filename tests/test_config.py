@@ -37,6 +37,7 @@ from _runs import DEBUG, REPO  # tests/ is on sys.path
         (["--compile.passes", "full_inductor"], "cannot run together"),
         (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
         (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
+        (["--compile.fsdp.reduce_scatter_in_flight", "-1"], "reduce_scatter_in_flight must be >= 0"),
         (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
         (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
         (["--compile.sac.save", "some"], "recompute, matmuls, all_but_cheap, all"),

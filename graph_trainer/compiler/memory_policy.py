@@ -81,6 +81,12 @@ class FSDPOptions:
     block is resharded after the forward. -1: the memory policy picks as many as fit.
     Numerics unchanged."""
 
+    reduce_scatter_in_flight: int = 0
+    """With bucketing: > 0 waits each gradient reduce-scatter bucket just before the issue of
+    the N-th next one (or its first reader), so it overlaps up to N buckets of the backward.
+    0: at its last member's wait (overlap_collectives counts its bound in parameters). Later
+    waits keep the buckets' buffers longer. Numerics unchanged."""
+
 
 #: ``scale`` of ``measured peak reserved ~= state + scale * graph estimate`` per
 #: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf_archive.md, "Memory

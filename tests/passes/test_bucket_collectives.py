@@ -159,3 +159,26 @@ def _bucket_outputs(issue, outputs):
         else:
             stack.extend(u for u in n.users if u.op != "output")
     return found
+
+
+def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
+    """reduce_scatter_in_flight=1: each reduce-scatter bucket's wait (with its hold and views) moves
+    towards the next bucket's issue or its first real reader, hiding more matmuls; the same values."""
+    traced, inputs, _ = fsdp_step
+    with torch.no_grad():
+        ref = traced.gm(*inputs)
+    plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
+    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
+    assert plain.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] == 0
+    rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
+    assert gm.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] > 0 and len(rs) > 2
+    hidden = [[_mms_hidden(g, n) for n in g.graph.nodes if collective_kind(n) == RS] for g in (plain, gm)]
+    assert all(b >= a for a, b in zip(*hidden)) and sum(hidden[1]) > sum(hidden[0])  # later, never earlier
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for i, (issue, nxt) in enumerate(zip(rs, rs[1:])):
+        (wait,) = [u for u in issue.users if is_wait(u)]
+        assert hidden[1][i] == hidden[0][i] or pos[wait] < pos[nxt]  # a moved wait: before the next issue
+    for _ in range(2):
+        _bitwise(gm, inputs, ref)
+    with pytest.raises(ValueError, match="reduce_scatter_in_flight must be >= 0"):
+        bucket_collectives_pass(_overlapped(traced), None, reduce_scatter_in_flight=-1)

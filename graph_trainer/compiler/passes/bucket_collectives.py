@@ -8,7 +8,8 @@ consecutive issues of one kind, group, dtype (and reduce op) whose results are f
 the bucket's wait form a bucket. **All-gather**: at the first member's issue (later shard casts
 move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
 :func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after
-the last member's issue, waited at the last member wait, its buffer held until then. The same
+the last member's issue, waited at the last member wait, its buffer held until then (with
+``reduce_scatter_in_flight`` N > 0: later, before the N-th next bucket's issue). The same
 bits, except that with more than 2 ranks NCCL's summation order depends on an element's place in
 the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units
 (torchtitan's ``apply_fsdp``), members in parameter order, so every sum is eager FSDP2's.
@@ -30,6 +31,7 @@ import torch.fx
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
+from graph_trainer.compiler.ops import VIEW_OPS
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 aten = torch.ops.aten
@@ -234,21 +236,65 @@ def _fits(members, kind, pos) -> bool:
     return True
 
 
+# What a bucket's wait is read through before a real reader (torch's merge: split -> getitem -> view).
+_RESULT_VIEWS = VIEW_OPS | {aten.split_with_sizes.default, aten.split.Tensor, operator.getitem}
+
+
+def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async: bool) -> int:
+    """Move each FSDP reduce-scatter's wait (with its ``hold`` and the views its result is read
+    through) later, to just before the issue of the ``in_flight``-th next one, or its first real
+    reader when that comes first (a wait already past that stays); returns how many moved. Positions only: the same values. Collectives
+    on CPU stay put unless ``cpu_async`` (overlap_collectives' module docstring says why)."""
+    issues = [n for n in graph.nodes if collective_kind(n) == "reduce_scatter_tensor"
+              and (v := tensor_val(n.args[0])) is not None and v.dim() == 1]  # FSDP's, not TP's
+    moved = 0
+    for i, issue in enumerate(issues):
+        wait = sole_wait(issue)
+        if wait is None or (not cpu_async and tensor_val(issue.args[0]).device.type == "cpu"):
+            continue
+        chain, stack = [wait], [wait]  # the wait, its hold and views, up to the real readers
+        while stack:
+            for u in stack.pop().users:
+                if u not in chain and (u.target is hold or u.target in _RESULT_VIEWS):
+                    chain.append(u)
+                    stack.append(u)
+        order = positions(graph)
+        chain.sort(key=order.__getitem__)
+        readers = [u for c in chain for u in c.users if u not in chain]
+        bound = [issues[i + in_flight]] if i + in_flight < len(issues) else []
+        target = min(readers + bound, key=order.__getitem__, default=None)
+        if target is None or order[target] <= order[chain[-1]] + 1 or any(
+                order[a] >= order[target] for c in chain for a in c.all_input_nodes if a not in chain):
+            continue
+        for node in chain:
+            target.prepend(node)
+        moved += 1
+    return moved
+
+
 def bucket_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9, fsdp2_units=None
+    gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9, fsdp2_units=None,
+    reduce_scatter_in_flight: int = 0, cpu_async: bool = False,
 ) -> torch.fx.GraphModule:
     """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
     ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes
     ``--compile.fsdp.bucket_blocks`` times the parameters per block). ``fsdp2_units``: a
     ``BlockLayout`` (``--debug.deterministic``): the reduce-scatters bucketed by FSDP2's units
-    instead. Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``.
+    instead. ``reduce_scatter_in_flight`` (>= 0; ``--compile.fsdp.reduce_scatter_in_flight``):
+    when > 0, each reduce-scatter (bucket) is then waited just before the issue of the N-th next
+    one or its first reader, whichever comes first (0: at its last member's wait, which
+    overlap_collectives bounded in parameters, not buckets); ``cpu_async``: that also on CPU.
+    Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``,
+    ``reduce_scatter_waits_deferred``.
 
     Raises:
-        ValueError: ``bucket_size < 1``.
+        ValueError: ``bucket_size < 1`` or ``reduce_scatter_in_flight < 0``.
     """
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    if reduce_scatter_in_flight < 0:
+        raise ValueError(f"reduce_scatter_in_flight must be >= 0, got {reduce_scatter_in_flight}")
     graph = gm.graph
     ag, rs = _KINDS
     before = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
@@ -257,15 +303,18 @@ def bucket_collectives_pass(
             _bucket_all_gather(graph, run)
         for run in _unit_runs(graph, fsdp2_units) if fsdp2_units is not None else _runs(graph, rs, bucket_size):
             _bucket_reduce_scatter(graph, run)
-        graph.lint()
-        gm.recompile()
+    deferred = _defer_reduce_scatter_waits(graph, reduce_scatter_in_flight, cpu_async) if reduce_scatter_in_flight \
+        else 0
+    later = f"; {deferred} reduce-scatter wait(s) moved to <= {reduce_scatter_in_flight} in flight" if deferred else ""
+    graph.lint()
+    gm.recompile()
     after = {k: sum(1 for n in graph.nodes if collective_kind(n) == k) for k in _KINDS}
     rs_how = "FSDP2's units" if fsdp2_units is not None else f"<= {bucket_size}"
     set_pass_summary(
         gm, f"all-gathers {before[ag]} -> {after[ag]} (buckets of <= {bucket_size}), reduce-scatters {before[rs]} -> "
-            f"{after[rs]} (buckets of {rs_how}, merged by torch's merge_reduce_scatter_bucket)",
+            f"{after[rs]} (buckets of {rs_how}, merged by torch's merge_reduce_scatter_bucket){later}",
         all_gather_before=before[ag], all_gather_after=after[ag],
-        reduce_scatter_before=before[rs], reduce_scatter_after=after[rs],
+        reduce_scatter_before=before[rs], reduce_scatter_after=after[rs], reduce_scatter_waits_deferred=deferred,
     )
     return gm
 
@@ -277,18 +326,21 @@ def _bucket_blocks(ctx: PassContext) -> int:
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each); with
-    ``--debug.deterministic`` the reduce-scatters by FSDP2's units (``fsdp2_units``).
+    ``--debug.deterministic`` the reduce-scatters by FSDP2's units (``fsdp2_units``);
+    ``--compile.fsdp.reduce_scatter_in_flight`` where set.
 
     Raises:
         ValueError: buckets without the model's block layout.
     """
     blocks = _bucket_blocks(ctx)
-    units = {"fsdp2_units": ctx.layout} if ctx.deterministic and ctx.layout is not None else {}
+    extra = {"fsdp2_units": ctx.layout} if ctx.deterministic and ctx.layout is not None else {}
+    if in_flight := ctx.compile_cfg.fsdp.reduce_scatter_in_flight:
+        extra["reduce_scatter_in_flight"] = in_flight
     if blocks <= 0:
-        return {"bucket_size": 1, **units} if blocks == 0 else units
+        return {"bucket_size": 1, **extra} if blocks == 0 else extra
     if ctx.layout is None:
         raise ValueError("--compile.fsdp.bucket_blocks needs the model's block layout")
-    return {"bucket_size": blocks * ctx.layout.params_per_block, **units}
+    return {"bucket_size": blocks * ctx.layout.params_per_block, **extra}
 
 
 PASS = GraphPass(
