@@ -243,8 +243,9 @@ _RESULT_VIEWS = VIEW_OPS | {aten.split_with_sizes.default, aten.split.Tensor, op
 def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async: bool) -> int:
     """Move each FSDP reduce-scatter's wait (with its ``hold`` and the views its result is read
     through) later, to just before the issue of the ``in_flight``-th next one, or its first real
-    reader when that comes first (a wait already past that stays); returns how many moved. Positions only: the same values. Collectives
-    on CPU stay put unless ``cpu_async`` (overlap_collectives' module docstring says why)."""
+    reader when that comes first (a wait already past that stays); returns how many moved.
+    Positions only: the same values. Collectives on CPU stay put unless ``cpu_async``
+    (overlap_collectives' module docstring says why)."""
     issues = [n for n in graph.nodes if collective_kind(n) == "reduce_scatter_tensor"
               and (v := tensor_val(n.args[0])) is not None and v.dim() == 1]  # FSDP's, not TP's
     moved = 0
