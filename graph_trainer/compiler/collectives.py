@@ -93,3 +93,15 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
     if not isinstance(cur, torch.fx.Node) or cur.op != "placeholder":
         return None
     return chain[::-1]
+
+
+def read_through(node: torch.fx.Node, views: Container) -> list[torch.fx.Node]:
+    """``node`` and every node its result is reached through before a real reader: the users,
+    transitively, that are a wait, a :func:`hold` or an op in ``views``; in discovery order."""
+    out, stack = [node], [node]
+    while stack:
+        for u in stack.pop().users:
+            if u not in out and (is_wait(u) or u.target is hold or u.target in views):
+                out.append(u)
+                stack.append(u)
+    return out

@@ -5,7 +5,6 @@ coloured by category on a compute and a communication lane, and bands where only
 
 from __future__ import annotations
 
-import bisect
 import json
 
 Kernel = tuple[float, float, str]  # (start_us, end_us, category)
@@ -92,15 +91,6 @@ def timeline_breakdown(kernels: list[Kernel], steps: list[tuple[float, float]]) 
     return {k: v / len(steps) for k, v in out.items()}
 
 
-def _covered(union: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
-    """How much of ``[a, b]`` the sorted, disjoint ``union`` covers (``starts``: its starts, for bisect)."""
-    i, out = max(bisect.bisect_right(starts, a) - 1, 0), 0.0
-    while i < len(union) and union[i][0] < b:
-        out += max(0.0, min(b, union[i][1]) - max(a, union[i][0]))
-        i += 1
-    return out
-
-
 def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
                          steps: list[tuple[float, float]]) -> dict[str, dict[str, float]]:
     """Per collective label (the third element of ``collectives``, ``(start_us, end_us, label)``,
@@ -108,18 +98,18 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
     step of ``ms`` (the union of its kernels), ``exposed_ms`` (of it, while no kernel of ``kernels``
     other than communication runs) and ``launches``, by descending ``exposed_ms``. Two collectives
     in flight at once both count, so the ``exposed_ms`` may add up to more than the timeline's."""
-    comp = _union([(a, b) for a, b, c in kernels if c != "communication"])
-    starts = [a for a, _ in comp]
+    comp = [(a, b) for a, b, c in kernels if c != "communication"]
     out: dict[str, dict[str, float]] = {}
     for lo, hi in steps:
+        idle_compute = _gaps(comp, lo, hi)  # where no compute kernel runs
         for label in sorted({c for _, _, c in collectives}):
             mine = _clip([(a, b) for a, b, c in collectives if c == label], lo, hi)
             if not mine:
                 continue
             row = out.setdefault(label, {"ms": 0.0, "exposed_ms": 0.0, "launches": 0.0})
-            merged = _union(mine)
-            row["ms"] += _length(merged) / 1e3
-            row["exposed_ms"] += sum(b - a - _covered(comp, starts, a, b) for a, b in merged) / 1e3
+            ms = _length(_union(mine))
+            row["ms"] += ms / 1e3  # exposed: |mine ∩ idle_compute| = |mine| + |idle_compute| - |mine ∪ idle_compute|
+            row["exposed_ms"] += (ms + _length(idle_compute) - _length(_union(mine + idle_compute))) / 1e3
             row["launches"] += len(mine)
     n = max(len(steps), 1)
     rows = {k: {key: v / n for key, v in row.items()} for k, row in out.items()}

@@ -41,8 +41,9 @@ fi
 grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
 # the call's record for the results page (docs/results/, scripts/results_page.py): copy it there
 python3 - "$OUT" "${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}" "${GPU_TIER_STEPS:-20}" "${TIER_K:-}" <<'PY'
-import glob, re, shlex, subprocess, sys, torch
+import glob, re, shlex, sys, torch
 from graph_trainer.tools.bench import device_name, utc_date_time, write_record
+from graph_trainer.tools.sides import git_out
 out, config, steps, k = sys.argv[1:]
 what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
         "test_run_to_run_with_numerics_changing_options": "run to run, 6 steps + final state",
@@ -52,9 +53,8 @@ claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[
                                                                                  open(f).read(), re.M)]
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
+    sha = git_out(".", "rev-parse", "HEAD") or "unknown"
+    dirty = bool(git_out(".", "status", "--porcelain", "--untracked-files=no"))
     env = " ".join(f"{n}={shlex.quote(v)}" for n, v in
                    (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
     rec = {"schema": 1, "kind": "tier", "model": model, "workload": f"gpu tier {model} {k}".strip(),

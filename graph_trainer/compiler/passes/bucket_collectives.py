@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, sole_wait
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, read_through, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
 from graph_trainer.compiler.ops import VIEW_OPS
@@ -253,12 +253,7 @@ def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async
         wait = sole_wait(issue)
         if wait is None or (not cpu_async and tensor_val(issue.args[0]).device.type == "cpu"):
             continue
-        chain, stack = [wait], [wait]  # the wait, its hold and views, up to the real readers
-        while stack:
-            for u in stack.pop().users:
-                if u not in chain and (u.target is hold or u.target in _RESULT_VIEWS):
-                    chain.append(u)
-                    stack.append(u)
+        chain = read_through(wait, _RESULT_VIEWS)  # the wait, its hold and views, up to the real readers
         order = positions(graph)
         chain.sort(key=order.__getitem__)
         readers = [u for c in chain for u in c.users if u not in chain]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, read_through, shard_chain
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS
@@ -86,12 +86,7 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
         chain = shard_chain(ag)
         if chain is None or any(len(c.users) != 1 for c in chain):
             continue
-        closure, stack = [ag], [ag]
-        while stack:  # wait, hold, slice / view ... up to the first real use
-            for u in stack.pop().users:
-                if is_wait(u) or u.target is hold or u.target in _WAIT_VIEWS:
-                    closure.append(u)
-                    stack.append(u)
+        closure = read_through(ag, _WAIT_VIEWS)  # wait, hold, slice / view ... up to the first real use
         users = [u for c in closure for u in c.users if u not in closure]
         if not users:
             continue
