@@ -81,7 +81,7 @@ class FSDPOptions:
     block is resharded after the forward. -1: the memory policy picks as many as fit.
     Numerics unchanged."""
 
-    reduce_scatter_in_flight: int = 0
+    reduce_scatter_in_flight: int = 1
     """With bucketing: > 0 waits each gradient reduce-scatter bucket just before the issue of
     the N-th next one (or its first reader), so it overlaps up to N buckets of the backward.
     0: at its last member's wait (overlap_collectives counts its bound in parameters). Later
