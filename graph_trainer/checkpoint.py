@@ -1,10 +1,8 @@
 """Checkpoints through torchtitan's CheckpointManager (DCP), plus the checks it lacks.
 
-``<dump_folder>/<checkpoint.folder>/step-N/`` holds ``model`` (traced FSDP / TP: each rank's shards
-under rank-specific keys), ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` and
-``rng_rank<r>``, and ``graph_trainer_meta.json`` (flavor, mode, layout; checked before loading).
-DCP writes ``.metadata`` last and only such folders are loaded, so an interrupted save never
-replaces the last good one.
+``<dump_folder>/<checkpoint.folder>/step-N/`` holds the states and ``graph_trainer_meta.json``
+(flavor, mode, layout; checked before loading). DCP writes ``.metadata`` last and only such
+folders are loaded, so an interrupted save never replaces the last good one.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Model building: flavor arguments, tokenizer, the Llama3 model, its loss, its block layout.
-
-The one builder of training, the dry run, the scripts and the tests::
-
-    args = model_args("debugmodel", n_layers=2)       # a copy of a flavor, fields overridden
-    model = build_model(args, device="cpu", seed=0)   # Transformer, weights initialised, train()
-    loss = loss_fn(model(tokens), labels)
-"""
+"""Model building: flavor arguments, tokenizer, the Llama3 model, its loss, its block layout; the one
+builder of training, the dry run, the scripts and the tests."""
 
 from __future__ import annotations
 
@@ -127,8 +121,3 @@ def block_layout(model: torch.nn.Module) -> BlockLayout:
 
     layers = list(model.layers.values()) if hasattr(model.layers, "values") else list(model.layers)
     return BlockLayout(count(model.tok_embeddings), count(layers[0]) if layers else 0, len(layers))
-
-
-def block_layout_of_args(args) -> BlockLayout:
-    """:func:`block_layout` of a model built from ``args`` on the meta device (no memory)."""
-    return block_layout(build_model(args, "meta"))

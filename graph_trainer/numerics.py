@@ -1,13 +1,10 @@
 """Record every op's output of one training step, keyed so two runs can be matched op by op.
 
 ``--debug.record_numerics DIR``: step 1 writes ``DIR/rank<r>.pt``, each executed op's key and a
-:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``
-(:mod:`graph_trainer.tools.numerics_diff` names the first op that differs). A key is ``(phase,
-module FQN, op, occurrence)``: the innermost module that ran the op (backward ops: that of the
-forward op they differentiate, by autograd ``seq_nr``), the ATen overload (``op[i]`` for output
-``i > 0``) and the count of earlier ops with the same first three fields. The traced graph is keyed
-before any pass (:func:`assign_keys`); eager / jit in execution order by :class:`EagerRecorder`, so
-both share keys. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
+:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``. A key is
+``(phase, module FQN, op, occurrence)`` (docs/design.md, "Checkpoints and determinism"): the traced
+graph is keyed before any pass (:func:`assign_keys`), eager in execution order by
+:class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
 """
 
 from __future__ import annotations

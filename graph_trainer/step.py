@@ -1,16 +1,11 @@
 """The training step as an object: what one call of the train loop does to produce gradients.
 
 ``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into
-one FX graph (:mod:`graph_trainer.trace`) and runs the pass pipeline over it; every call replays
-it (``loss, grads = graph(params, buffers, tokens, labels)``, then ``p.grad = g``). ``eager`` /
-``jit`` (:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the
-torchtitan-parallelized model. Every mode computes torchtitan's gradient (token cross-entropy sum
-over the global valid-token count, :func:`graph_trainer.model.loss_fn`, summed over the
-data-parallel ranks), so all report the same loss and gradient norm in every layout.
-
-Both have: ``step(tokens, labels) -> loss``, ``clip_grad_norm_(max_norm)``, ``global_loss(loss)``,
-``params`` (what the optimizer updates), ``opt_module`` (what the optimizer builder and the
-checkpointer see) and ``stats`` (trace / compile times for the run summary).
+one FX graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit``
+(:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized
+model. Every mode computes torchtitan's gradient (:func:`graph_trainer.model.loss_fn`). Both have
+``step(tokens, labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module``
+(what the optimizer builder and the checkpointer see) and ``stats`` (for the run summary).
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -78,7 +74,7 @@ class TracedTrainStep(_Step):
         from graph_trainer.compiler.graph_values import placeholder_vals
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
-        from graph_trainer.trace import TracedStep, ops_by_kind
+        from graph_trainer.trace import TracedStep
 
         t0 = time.perf_counter()
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
@@ -113,7 +109,8 @@ class TracedTrainStep(_Step):
             from graph_trainer.numerics import assign_keys
 
             assign_keys(traced.gm)
-        top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
+        ops = Counter(str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function")
+        top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         logger.info(f"Traced the training step in {traced.trace_time_s:.2f}s: one graph, {n_nodes} nodes "
                     f"({len(traced.param_names)} params -> {len(traced.param_names)} grads); top ops: {top}")
         t0 = time.perf_counter()

@@ -1,20 +1,15 @@
 """aot_fx_trace: capture forward + loss + backward of one training step as ONE FX graph.
 
-:func:`trace_train_step` runs ``make_fx`` (fake tensors, real shapes) over
-``step(*params, *buffers, tokens, labels) -> (loss, *grads)``: placeholders in that order, a flat
-tuple out. The model runs re-parametrized with the placeholders (kept through the backward, where
-layer-level activation checkpointing recomputes) and ``torch.autograd.grad`` traces the backward.
-Op-level selective AC only tags nodes (``node.meta["recompute"]``); the ``sac_recompute`` pass
-recomputes. With ``param_dtype`` floating parameters are cast at the start of the forward (and,
-with ``materialize``, FSDP-gathered / TP-wrapped there); gradients stay in the parameters' dtype.
-Node metadata written here: see :mod:`graph_trainer`.
+:func:`trace_train_step` runs ``make_fx`` (fake tensors) over ``step(*params, *buffers, tokens, labels)
+-> (loss, *grads)`` with the model re-parametrized by the placeholders and ``torch.autograd.grad``
+for the backward (docs/design.md, "aot_fx_trace"). Op-level selective AC only tags nodes; the
+``sac_recompute`` pass recomputes. Node metadata written here: see :mod:`graph_trainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -87,11 +82,6 @@ def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> None:
         if custom and custom.get(PHASE_KEY) == "backward" and MODULE_FQN_KEY not in custom:
             if (fqn := fwd_fqn.get(node.meta.get("seq_nr"))) is not None:
                 node.meta["custom"] = {**custom, MODULE_FQN_KEY: fqn}
-
-
-def ops_by_kind(gm: torch.fx.GraphModule) -> Counter:
-    """Count ``call_function`` nodes by target name (e.g. ``aten.mm.default``)."""
-    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
 @dataclass

@@ -1,15 +1,10 @@
 """Traceable FSDP: per-parameter sharding whose collectives land inside the traced graph.
 
-SimpleFSDP-style: each parameter is flattened, zero-padded to a multiple of the FSDP degree
-``W`` and rank ``r`` keeps chunk ``r`` as a plain fp32 ``nn.Parameter`` (AdamW is elementwise, so
-updating the shards is the unsharded update). :func:`all_gather_param` casts a shard to the
-compute dtype, all-gathers it and views it as the parameter; its backward casts the gradient to
-the reduce dtype and reduce-scatters it with sum (the loss is already divided by the global
-batch's token count). The collectives are ``_c10d_functional`` ops, so make_fx records them as
-nodes of the one graph, where passes bucket and reorder them.
-
-Own code because ``torchtitan.experiments.simple_fsdp`` parametrizes modules with DTensors,
-which make_fx does not trace as plain placeholders; here the placeholders are the local shards.
+SimpleFSDP-style (docs/design.md, "Several ranks"): rank ``r`` keeps chunk ``r`` of each flattened,
+zero-padded parameter as a plain fp32 ``nn.Parameter``; :func:`all_gather_param` gathers it in the
+compute dtype, its backward reduce-scatters the gradient (sum) in the reduce dtype, both as
+``_c10d_functional`` nodes of the one graph. Own code because ``torchtitan.experiments.simple_fsdp``'s
+DTensor parameters are no plain placeholders for make_fx.
 """
 
 from __future__ import annotations

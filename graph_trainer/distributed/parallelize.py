@@ -1,11 +1,6 @@
-"""Device, process group, ParallelDims / DeviceMesh, and model parallelization.
-
-* ``eager`` / ``jit``: torchtitan's ``parallelize_llama`` (:func:`parallelize_eager`).
-* ``aot_fx_trace`` (:func:`distribute_for_trace`): torchtitan's Llama3 TP plan, its activation
-  checkpointing wrappers, then traceable FSDP over ``dp_shard`` (:mod:`graph_trainer.distributed.fsdp`)
-  and, with a replicate dimension, a gradient all-reduce over the replicas: every collective a
-  node of the traced graph. Replicated DP alone sums the gradients after the graph (:func:`all_reduce_grads`).
-"""
+"""Device, process group, ParallelDims / DeviceMesh, and model parallelization: torchtitan's
+``parallelize_llama`` for ``eager`` / ``jit`` (:func:`parallelize_eager`), TP plan, AC wrappers and
+traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
 from __future__ import annotations
 

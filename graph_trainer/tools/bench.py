@@ -1,17 +1,10 @@
 """The bench command: one workload, named variants (run_train.sh flag sets), alternating rounds,
 a table, and a JSON record of the call for the results page.
 
-Round ``r`` runs every variant once, in the order given (drift hits every variant). Per run, as
-:mod:`graph_trainer.tools.compare_mfu`: medians of tps / MFU over the steps after ``max(--warmup,
-1)``, the max memory; per variant the median, min and max over its runs. Each variant is
-compared with the first: the tps ratio, and "real" when the change exceeds the larger spread
-``(max - min) / median`` of the two (:func:`graph_trainer.tools.stats.delta`). Beside them the
-predicted peak and the compile time that traced runs report in their summary. ``--deadline-s``
-starts no run that the variant's longest earlier run says would end past it.
-
-The record (``--record-dir``, default ``docs/results``; ``--no-record`` for none) is what
-``scripts/results_page.py`` renders: date, device, torch, git sha, the exact command, the
-settings, per variant its statistics and every run's figures. A record is never overwritten.
+Round ``r`` runs every variant once, in the order given (drift hits every variant). Statistics as
+:mod:`graph_trainer.tools.compare_mfu`'s, each variant against the first
+(:func:`graph_trainer.tools.stats.delta`), beside the predicted peak and compile time of the runs'
+summaries. The record (``--record-dir``) is what ``scripts/results_page.py`` renders; never overwritten.
 
 Examples::
 
@@ -159,8 +152,8 @@ def utc_date_time() -> dict[str, str]:
 
 
 def record_path(folder: str, record: dict) -> str:
-    """Where :func:`write_record` puts ``record``: ``<folder>/<date>_<HHMM>_<workload slug>.json``
-    (``HHMM``: its UTC ``time``, omitted when absent; ``_2``, ``_3``, ... when taken)."""
+    """``<folder>/<date>_<HHMM>_<workload slug>.json`` (``HHMM``: the record's UTC ``time``, if any;
+    ``_2``, ``_3``, ... when taken)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", record["workload"]).strip("_").lower() or "bench"
     when = "_".join(filter(None, (record["date"], record.get("time", "").replace(":", ""))))
     stem = os.path.join(folder, f"{when}_{slug}")

@@ -1,11 +1,8 @@
 """Compare tps / TFLOPS / MFU / memory of two sides (git refs and/or run_train.sh flag sets).
 
-``--repeats R`` runs per side alternate A B A B (drift hits both sides). Per run: the median over the
-steps after ``max(--warmup, 1)`` of tps, tflops and MFU, and the max memory; per side: the median over
-its runs. B vs A is "real" when ``|delta|`` exceeds the larger relative range ``(max - min) / median``
-of the two sides' repeats. ``--out`` gets ``comparison.json``, ``tps_per_step.png``, each run's dump
-folder and log, and with ``--profile-step N`` ``timeline_a_vs_b.png`` (the median-wall run per side) and
-the kernel tables of :func:`graph_trainer.tools.stats.kernel_comparison`.
+``--repeats R`` runs per side alternate A B A B (drift hits both sides); statistics and verdict:
+:mod:`graph_trainer.tools.stats`. ``--out`` gets ``comparison.json``, ``tps_per_step.png``, the runs'
+folders and logs, and with ``--profile-step N`` ``timeline_a_vs_b.png`` and the kernel tables.
 
 Examples::
 

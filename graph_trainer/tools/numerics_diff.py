@@ -1,9 +1,8 @@
 """Find the first op whose output differs between two training runs (step 1, per rank).
 
-Runs step 1 once per side (sides as in :mod:`graph_trainer.tools.compare_mfu`) with
-``--debug.record_numerics`` (every op's output on every rank, :mod:`graph_trainer.numerics`), matches
-the ops of A and B by key (phase, module FQN, op, occurrence) and prints per rank the first op in A's
-order whose output differs -- bitwise, or beyond ``--rtol`` / ``--atol`` -- then the next few.
+Runs step 1 per side with ``--debug.record_numerics`` (:mod:`graph_trainer.numerics`), matches the ops
+of A and B by key and prints per rank the first op in A's order whose output differs -- bitwise, or
+beyond ``--rtol`` / ``--atol`` -- then the next few.
 
 Examples::
 
