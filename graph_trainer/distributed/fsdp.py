@@ -111,9 +111,8 @@ def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], li
 
 @dataclass
 class Fsdp2Layout:
-    """Where FSDP2 (``fully_shard``, the eager baseline's sharding) keeps one parameter: DTensor
-    ``placements`` on the ``(dp_replicate, fsdp, tp)`` mesh (the dimensions the layout has), the
-    parameter's global ``shape`` and ``stride``, and this rank's ``local_shape``."""
+    """Where the eager baseline's FSDP2 keeps one parameter: ``placements`` on its mesh, the global
+    ``shape`` and ``stride``, and this rank's ``local_shape``."""
 
     placements: tuple
     shape: torch.Size
@@ -123,14 +122,10 @@ class Fsdp2Layout:
 
 def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_placements: tuple, shard: int,
                  replicate: int) -> Fsdp2Layout | None:
-    """FSDP2's layout of a parameter of global ``shape`` / ``stride`` whose TP-local tensor is
-    ``tp_local`` (TP's ``tp_placements`` on a TP mesh dimension, ``()`` without TP), as
-    ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays it out:
-    ``Replicate()`` on the replicas, dim-0 chunks on the FSDP dimension
-    (``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too), then TP's placement.
-
-    Returns None where this rank's flat shard (:func:`shard_tensors`) does not hold the same
-    elements as FSDP2's dim-0 chunk: ``tp_local``'s dim 0 not a multiple of ``shard``.
+    """How ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays out a parameter of
+    global ``shape`` / ``stride`` with TP-local tensor ``tp_local`` (``tp_placements``; ``()`` without TP):
+    ``Replicate()`` on the replicas, dim-0 chunks (``_StridedShard`` under TP on dim 0), TP's placement.
+    None where this rank's flat shard is not FSDP2's chunk (dim 0 not a multiple of ``shard``).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -146,9 +141,8 @@ def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_pl
 
 
 class ShardedParams(torch.nn.Module):
-    """This rank's shards as parameters, for the optimizer builder and checkpointing, under a
-    submodule ``rank<r>of<W>`` (FQNs ``rank0of2.shards.3``): DCP saves every rank's part instead
-    of de-duplicating equal keys, and refuses a checkpoint of another FSDP degree."""
+    """This rank's shards as parameters under a submodule ``rank<r>of<W>`` (``rank0of2.shards.3``): DCP
+    saves every rank's part instead of de-duplicating equal keys and refuses another FSDP degree."""
 
     def __init__(self, shards: list[torch.nn.Parameter], rank: int = 0, world: int = 1):
         super().__init__()
@@ -160,12 +154,9 @@ class ShardedParams(torch.nn.Module):
 def sharded_grad_norm_(
     shards: list[torch.nn.Parameter], max_norm: float, group=None, weights: list[float] | None = None
 ) -> torch.Tensor:
-    """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm.
-
+    """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm (0-d fp32):
     ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights``
-    (default 1): ``1 / tp`` for TP-replicated tensors. The traced step's fallback where a shard is
-    not FSDP2's dim-0 chunk (``TraceParallel.clip_grad_norm_``): the same norm as eager's, not its
-    rounding (that is DTensor's per-placement reduction).
+    (default 1): ``1 / tp`` for TP-replicated tensors. Eager's norm, not its rounding.
     """
     grads = [s.grad for s in shards if s.grad is not None]
     if grads and (weights is None or all(w == 1 for w in weights)):
