@@ -100,8 +100,7 @@ class Debug:
     """Fields added to torchtitan's ``[debug]`` (which has ``seed`` and ``deterministic``)."""
 
     state_hashes: bool = False
-    """Record sha256 of the final parameters, gradients and optimizer state (all ranks) in the
-    metrics.jsonl summary."""
+    """Record sha256 of the final parameters, gradients and optimizer state (all ranks) in the metrics.jsonl summary."""
 
     record_numerics: str = ""
     """A folder: step 1 records every op's output into ``<folder>/rank<r>.pt`` for
@@ -138,11 +137,10 @@ class Comm:
     """``[comm]``: torchtitan's ``mode`` with one more value (``COMM_MODE`` of run_train.sh)."""
 
     mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
-    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the
-    NGPU-rank layout on a fake process group and prints the graph summary and projection.
-    ``fake_collectives``: one process trains as rank 0 of that layout on one device, every collective a
-    local copy: that rank's compute, host time and memory; losses meaningless, no checkpoints.
-    ``local_tensor``: not supported here."""
+    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the NGPU-rank layout
+    on a fake process group and prints the graph summary and projection. ``fake_collectives``: one process trains as
+    rank 0 of that layout on one device, every collective a local copy: that rank's compute, host time and memory;
+    losses meaningless, no checkpoints. ``local_tensor``: not supported here."""
 
 
 @dataclass

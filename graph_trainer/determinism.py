@@ -69,10 +69,9 @@ def tensor_sha256(tensors, threads: int = 8) -> str:
 
 
 def state_hashes(params, optimizers, view=None, group=None) -> dict[str, str]:
-    """``{"weights", "grads", "optimizer"}`` sha256 digests of ``params`` (local shards), their grads and
-    the ``optimizers``' state of them; ``view(i, t)``: ``t`` shaped like param ``i`` as hashed (FSDP2's
-    local shape, so traced and eager hash equal states equally). Several ranks: the sha256 of the
-    per-rank digests in rank order."""
+    """``{"weights", "grads", "optimizer"}`` sha256 digests of ``params`` (local shards), their grads and the
+    ``optimizers``' state of them; ``view(i, t)``: ``t`` shaped like param ``i`` as hashed (FSDP2's local shape, so
+    traced and eager hash equal states equally). Several ranks: the sha256 of the per-rank digests in rank order."""
     import torch.distributed as dist
 
     view = view or (lambda i, t: t)

@@ -6,11 +6,9 @@ since the last log * TP degree); ``tflops`` = ``flops_per_token * tps / 1e12`` (
 * 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None`` on CPU and unknown GPUs);
 ``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
 
-``metrics.jsonl`` (rank 0): one :class:`StepMetrics` object per logged step, then
-``{"summary": {...}}``. No record is lost: a resumed run appends (:func:`read_metrics` takes the
-last row of each step); a fresh run first moves an earlier ``metrics.jsonl`` / TensorBoard folder
-aside (:func:`keep_previous`). Nothing changes on disk before the first logged step. torch is
-imported lazily: the comparison tools read ``metrics.jsonl`` without it.
+``metrics.jsonl`` (rank 0): one :class:`StepMetrics` per logged step, then ``{"summary": {...}}``; a
+resumed run appends, a fresh one first moves earlier records aside (:func:`keep_previous`). torch
+is imported lazily: the comparison tools read ``metrics.jsonl`` without it.
 """
 
 from __future__ import annotations

@@ -17,14 +17,14 @@ EMBEDDED_VOCAB_SIZE = 2048
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, dp_group: Any = None) -> torch.Tensor:
-    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer
-    computes it: the sum over this rank's tokens over the valid tokens of the global batch, so summed
-    gradients over the data-parallel ranks are the global mean's.
+    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer computes it: the sum over
+    this rank's tokens over the valid tokens of the global batch, so summed gradients over the data-parallel ranks are
+    the global mean's.
 
     ``logits``: ``[B, S, V]``, any float dtype (upcast to fp32; a DTensor under TP loss parallel);
-    ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks
-    (ProcessGroup or 1-D DeviceMesh; a functional all-reduce of the count) or None for one rank.
-    Returns a 0-d fp32 tensor (a replicated DTensor under loss parallel).
+    ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks (ProcessGroup or 1-D
+    DeviceMesh; a functional all-reduce of the count) or None for one rank. Returns a 0-d fp32 tensor (a
+    replicated DTensor under loss parallel).
     """
     loss_sum = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum"

@@ -48,11 +48,9 @@ class _Step:
 
 class TracedTrainStep(_Step):
     """``aot_fx_trace``: trace once, run the pass pipeline, replay. ``model`` / ``tpar``: from
-    :func:`graph_trainer.distributed.parallelize.distribute_for_trace`; ``pipeline``: ``PipelineStep`` s,
-    or a function of the traced graph returning them and the memory policy (``plan_pipeline``);
-    ``param_dtype``: the parameters' compute dtype in the graph (None: their own); ``dump_folder``:
-    where ``graphs/`` is written; ``record_dir`` / ``rank``: where step 1 records every op's output;
-    ``cache_path``: the graph cache's entry for this run (:mod:`graph_trainer.compiler.graph_cache`)."""
+    ``distribute_for_trace``; ``pipeline``: ``PipelineStep`` s, or ``plan_pipeline`` of the traced graph;
+    ``param_dtype``: compute dtype (None: the parameters'); ``dump_folder``: where ``graphs/`` goes;
+    ``record_dir``: step 1's op records; ``cache_path``: this run's graph cache entry."""
 
     def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None,
                  record_dir: str | None = None, rank: int = 0, cache_path: str | None = None):
@@ -179,10 +177,8 @@ class TracedTrainStep(_Step):
 
 
 class EagerTrainStep(_Step):
-    """``eager`` / ``jit``: autograd on the model after
-    :func:`graph_trainer.distributed.parallelize.parallelize_eager`; ``dp_group``: torchtitan's
-    ``batch`` mesh or None; ``loss_parallel``: run under TP's ``loss_parallel()``; ``record_dir`` /
-    ``rank`` as :class:`TracedTrainStep` (ops recorded by a dispatch mode)."""
+    """``eager`` / ``jit``: autograd on the model after ``parallelize_eager``; ``dp_group``: torchtitan's
+    ``batch`` mesh or None; ``loss_parallel``: under TP's ``loss_parallel()``; ``record_dir`` as traced."""
 
     def __init__(self, model, dp_group=None, loss_parallel: bool = False, record_dir: str | None = None,
                  rank: int = 0):
@@ -224,9 +220,8 @@ class EagerTrainStep(_Step):
 
 
 def global_loss(loss: torch.Tensor, dp_group=None) -> float:
-    """Sum of the ranks' 0-d ``loss`` (each a token-loss sum over the global token count) over
-    ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global batch's mean token loss, as
-    torchtitan logs it. TP ranks hold the same loss and are not summed."""
+    """Sum of the ranks' 0-d ``loss`` over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global
+    batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss)."""
     loss = loss.detach()
     if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
         loss = loss.full_tensor()
@@ -238,16 +233,14 @@ def global_loss(loss: torch.Tensor, dp_group=None) -> float:
 
 
 def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:
-    """Whether the memory policy may replay the traced step as a CUDA graph: on a CUDA device, in
-    one process (a world of 1, or ``COMM_MODE=fake_collectives``: collectives with real NCCL peers
-    are not captured here), and not while step 1 records every op's output (``--debug.record_numerics``)."""
+    """Whether the memory policy may replay the traced step as a CUDA graph: on CUDA, in one process (no
+    real NCCL peers to capture), not while step 1 records numerics."""
     return device.type == "cuda" and not record_dir and (world_size == 1 or comm_mode == "fake_collectives")
 
 
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
-    """The step of ``cfg.compile.mode`` for ``model`` (built on ``device``, weights initialised):
-    :class:`TracedTrainStep` (traceable TP / AC / FSDP and the ``[compile]`` pipeline) or
-    :class:`EagerTrainStep` (torchtitan's parallelization; per-block torch.compile for ``jit``)."""
+    """The step of ``cfg.compile.mode`` for ``model`` (weights initialised on ``device``):
+    :class:`TracedTrainStep` or :class:`EagerTrainStep`."""
     from graph_trainer.distributed import parallelize
 
     record_dir = cfg.debug.record_numerics or None

@@ -36,9 +36,8 @@ def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def annotate_module_fqns(model: torch.nn.Module):
-    """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (the
-    innermost module wins) and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}`` (read by
-    ``sac_recompute``), through forward hooks removed on exit."""
+    """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (innermost wins)
+    and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}``, through forward hooks removed on exit."""
     handles = []
     stacks: list[contextlib.ExitStack] = []
 
@@ -86,9 +85,8 @@ def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> None:
 
 @dataclass
 class TracedStep:
-    """The traced training step: ``gm`` (the FX graph, or after passes a compiled callable of the
-    same flat inputs), parameter / buffer FQNs in placeholder order, make_fx wall time (s), and
-    the placeholders' fake tensors (``example_inputs``, for passes)."""
+    """The traced step: ``gm`` (the FX graph, or after passes a compiled callable of the same inputs),
+    parameter / buffer FQNs in placeholder order, make_fx time (s), the placeholders' fake tensors."""
 
     gm: Callable
     param_names: list[str]
@@ -103,16 +101,10 @@ class TracedStep:
         return out[0], list(out[1:])
 
 
-def trace_train_step(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokens: torch.Tensor,
-    labels: torch.Tensor,
-    param_dtype: torch.dtype | None = None,
-    params: list[torch.Tensor] | None = None,
-    param_names: list[str] | None = None,
-    materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-) -> TracedStep:
+def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     tokens: torch.Tensor, labels: torch.Tensor, param_dtype: torch.dtype | None = None,
+                     params: list[torch.Tensor] | None = None, param_names: list[str] | None = None,
+                     materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> TracedStep:
     """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` into one graph.
 
     Args:

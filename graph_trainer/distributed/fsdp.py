@@ -1,10 +1,9 @@
 """Traceable FSDP: per-parameter sharding whose collectives land inside the traced graph.
 
-SimpleFSDP-style (docs/design.md, "Several ranks"): rank ``r`` keeps chunk ``r`` of each flattened,
-zero-padded parameter as a plain fp32 ``nn.Parameter``; :func:`all_gather_param` gathers it in the
-compute dtype, its backward reduce-scatters the gradient (sum) in the reduce dtype, both as
-``_c10d_functional`` nodes of the one graph. Own code because ``torchtitan.experiments.simple_fsdp``'s
-DTensor parameters are no plain placeholders for make_fx.
+SimpleFSDP-style (docs/design.md, "Several ranks"): rank ``r`` keeps chunk ``r`` of each flattened, zero-padded
+parameter as a plain fp32 ``nn.Parameter``; :func:`all_gather_param` gathers it in the compute dtype, its backward
+reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_functional`` nodes of the one graph. Own code
+because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
 """
 
 from __future__ import annotations

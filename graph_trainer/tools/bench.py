@@ -107,8 +107,8 @@ def _median(values) -> float | None:
 
 
 def variant_results(names: list[str], runs: list[Run]) -> list[dict]:
-    """Per variant: tps / MFU / memory statistics over its successful runs, the median predicted
-    peak (GiB) and compile time (s) of their summaries, and the tps ratio and verdict against the first."""
+    """Per variant: statistics over its successful runs, their median predicted peak (GiB) and compile
+    time (s), the tps ratio and verdict against the first."""
     out, stats = [], []
     for name in names:
         ok = [r for r in runs if r.side == name and r.status == "ok"]
@@ -164,9 +164,8 @@ def record_path(folder: str, record: dict) -> str:
 
 
 def copy_profiles(runs: list, path: str) -> list[str]:
-    """Per variant, the rank-0 timeline picture (``rank0_timeline.png``, tools/profiling.py) of its
-    first profiled run, copied beside the record at ``path`` as ``<record stem>_<variant>.png``;
-    returns the file names (what the record's ``profile_png`` lists, relative to its folder)."""
+    """Per variant, its first profiled run's ``rank0_timeline.png`` copied beside the record at ``path`` as
+    ``<record stem>_<variant>.png``; returns the file names (the record's ``profile_png``)."""
     folder, stem = os.path.split(os.path.splitext(path)[0])
     names: dict[str, str] = {}
     for run in runs:
@@ -180,11 +179,9 @@ def copy_profiles(runs: list, path: str) -> list[str]:
 
 
 def profile_summary(runs: list, step: int, top: int = 4) -> dict:
-    """Per variant, where the profiled ``step`` of its first run with a readable summary went
-    (``rank<r>_kernels.json``, tools/profiling.py): a list of ``{"rank", "wall_ms", "compute_ms",
-    "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms", "exposed_ms"}}}`` (the ``top`` most
-    exposed collectives; ms per step), for rank 0 and, when another, the rank with the most compute
-    time (the one the others wait for). Variants without a profile are left out."""
+    """Per profiled variant, where the ``step`` of its first run with readable ``rank<r>_kernels.json``
+    went: ``[{"rank", "wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms",
+    "exposed_ms"}}}]`` (the ``top`` most exposed; ms per step) for rank 0 and the rank with most compute."""
     out: dict[str, list[dict]] = {}
     for run in runs:
         if run.side in out:

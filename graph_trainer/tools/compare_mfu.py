@@ -41,8 +41,7 @@ COLORS, STYLES = {"A": "tab:blue", "B": "tab:orange"}, ["-", "--", ":", "-."]  #
 
 
 def plot(path: str, runs: list[Run], sides: dict, warmup: int) -> str:
-    """tps per step of every run (A blue, B orange, one line style per repeat; excluded steps
-    shaded) to ``path`` (PNG). Returns ``path``."""
+    """tps per step of every run (A blue, B orange; excluded steps shaded) to ``path`` (PNG); returns it."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -74,9 +73,8 @@ def plot(path: str, runs: list[Run], sides: dict, warmup: int) -> str:
 
 
 def timeline_plot(path: str, runs: list[Run], labels: dict[str, str], step: int) -> str | None:
-    """Draw the profiled ``step`` of the run per side whose wall time of it is the median (the lower
-    of an even count), A above B, to ``path`` (PNG). Returns ``path``, or ``None`` with one printed
-    line when a side has no such run or matplotlib is missing. Raises OSError from writing."""
+    """Draw the profiled ``step`` of each side's median-wall run (the lower of two), A above B, to
+    ``path`` (PNG); returns it, or None with one printed line (no such run, no matplotlib)."""
     from graph_trainer.tools import timeline
 
     paths, names = [], []

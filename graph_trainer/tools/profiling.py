@@ -1,9 +1,8 @@
-"""``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here:
-torchtitan's needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md``
-/ ``.json`` (time per step by kernel category, the step's timeline, each collective's time and exposed time,
-top kernels, the step's kernels) and ``rank<r>_timeline.png`` to
-``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files.
-On CPU the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
+"""``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here: torchtitan's
+needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md`` / ``.json`` (time per
+step by kernel category, the step's timeline, each collective's time and exposed time, top kernels, the step's kernels)
+and ``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files. On CPU
+the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ _NCCL_DTYPES = {"f8e4m3", "f8e5m2", "f16", "bf16", "f32", "f64", "i8", "u8", "i3
 
 def collective_label(name: str) -> str:
     """A communication kernel's collective and dtype: ``"ReduceScatter f32"`` for
-    ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``, ``"AllGather"`` (no dtype for a copy),
-    ``"all_gather"`` for ``gloo:all_gather``; another name, its first 40 characters. (FSDP reduces in
-    fp32, TP in bf16.)"""
+    ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``, ``"AllGather"`` (no dtype for a copy), ``"all_gather"`` for
+    ``gloo:all_gather``; another name, its first 40 characters. (FSDP reduces in fp32, TP in bf16.)"""
     if name.startswith("gloo:"):
         return name[len("gloo:"):]
     m = re.search(r"Kernel_(\w+)", name)

@@ -214,9 +214,8 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
 
 def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps: int, out: str,
               profile_step: int | None) -> list[Run]:
-    """One :class:`Run` per ``(side, repeat)`` of ``order``: the side's ``run_train.sh`` with its flags,
-    ``extra``, the forced flags and the profiler on ``profile_step`` (if any); dump folder
-    ``<out>/runs/<side><repeat>``."""
+    """One :class:`Run` per ``(side, repeat)`` of ``order``: the side's ``run_train.sh`` with its flags, ``extra``, the
+    forced flags and the profiler on ``profile_step`` (if any); dump folder ``<out>/runs/<side><repeat>``."""
     profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(profile_step),
                "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if profile_step else []
     runs = []
