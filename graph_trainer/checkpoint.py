@@ -1,10 +1,8 @@
 """Checkpoints through torchtitan's CheckpointManager (DCP), plus the checks it lacks.
 
-``<dump_folder>/<checkpoint.folder>/step-N/`` holds ``model`` (traced FSDP / TP: each rank's shards
-under rank-specific keys), ``optimizer``, ``lr_scheduler``, ``dataloader``, ``train_state`` and
-``rng_rank<r>``, and ``graph_trainer_meta.json`` (flavor, mode, layout; checked before loading).
-DCP writes ``.metadata`` last and only such folders are loaded, so an interrupted save never
-replaces the last good one.
+``<dump_folder>/<checkpoint.folder>/step-N/`` holds the states and ``graph_trainer_meta.json``
+(flavor, mode, layout; checked before loading). DCP writes ``.metadata`` last and only such
+folders are loaded, so an interrupted save never replaces the last good one.
 """
 
 from __future__ import annotations
@@ -182,11 +180,8 @@ class Checkpointer:
 
     def load_latest(self, load_step: int = -1) -> int:
         """Load ``step-<load_step>`` (-1: the latest complete one); returns the step loaded (0: none).
-
-        Raises:
-            UserError: ``load_step`` names no complete checkpoint; an incompatible
-                (:func:`check_resume_compatible`), model-only, truncated or corrupt one (names it,
-                the first error DCP raised and the older checkpoint to resume from; nothing is removed).
+        Raises UserError: no such complete checkpoint; an incompatible, model-only, truncated or corrupt
+        one (naming it, DCP's first error and an older one to resume from; nothing is removed).
         """
         step = latest_step(self.folder) if load_step == -1 else load_step
         if not self.enabled or step <= 0:
@@ -221,12 +216,8 @@ class Checkpointer:
         return self.train_state.step
 
     def save(self, step: int, last_step: bool) -> None:
-        """Save at ``step`` if torchtitan's policy says so (interval / last step); a complete
-        ``step-<step>`` of an earlier run is moved aside first (rank 0), never written over.
-
-        Raises:
-            UserError: that earlier checkpoint cannot be moved aside (names it).
-        """
+        """Save at ``step`` if torchtitan's policy says so; an earlier run's complete ``step-<step>`` is
+        moved aside first (rank 0; UserError naming it if it cannot be)."""
         import torch.distributed as dist
 
         from graph_trainer.metrics import keep_previous

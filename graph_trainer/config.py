@@ -47,13 +47,12 @@ class CompileBase:
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
     graph_cache_dir: str = "auto"
-    """Keep the traced step after its passes (before Inductor compiles it), and with full Inductor
-    its compiled step, in this folder, one entry per key (the config less where it writes and how
-    long it runs, rank, world size, device, torch, Inductor's config and graph_trainer's code): a
-    later run with the same key skips the trace, the memory policy and the passes, and loads the
-    compiled step (graph_trainer/compiler/graph_cache.py). auto: on with --compile.inductor_compilation
-    full, in graph_trainer/ of Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, else Inductor's
-    default), off otherwise; off: off. Not used with --compile.dump_graphs or --debug.record_numerics."""
+    """Keep the traced step after its passes, and with full Inductor its compiled step, in this folder, one
+    entry per key (the config less outputs and length, rank, world size, device, torch, Inductor's config,
+    graph_trainer's code): a later run with that key skips the trace, memory policy and passes
+    (graph_trainer/compiler/graph_cache.py). auto: on with --compile.inductor_compilation full, in
+    graph_trainer/ of Inductor's cache folder, else off; off: off. Not with --compile.dump_graphs or
+    --debug.record_numerics."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it
@@ -75,8 +74,7 @@ class CompileBase:
 
 
 def _resolved(cls: type) -> type:
-    """``cls`` with its text annotations (``from __future__ import annotations``) evaluated, so
-    torchtitan's merged copy of the class, made in another module, can read them."""
+    """``cls`` with its text annotations evaluated (torchtitan's merged copy, in another module, reads them)."""
     cls.__annotations__ = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         f.type = cls.__annotations__[f.name]
@@ -102,12 +100,11 @@ class Debug:
     """Fields added to torchtitan's ``[debug]`` (which has ``seed`` and ``deterministic``)."""
 
     state_hashes: bool = False
-    """Record sha256 of the final parameters, gradients and optimizer state (all ranks) in the
-    metrics.jsonl summary."""
+    """Record sha256 of the final parameters, gradients and optimizer state (all ranks) in the metrics.jsonl summary."""
 
     record_numerics: str = ""
-    """A folder: step 1 records the output of every op it runs into ``<folder>/rank<r>.pt`` for
-    ``scripts/numerics_diff.py`` (graph_trainer/numerics.py). Slower step 1; empty: off."""
+    """A folder: step 1 records every op's output into ``<folder>/rank<r>.pt`` for
+    ``scripts/numerics_diff.py``. Slower step 1; empty: off."""
 
 
 @dataclass
@@ -115,10 +112,8 @@ class DataLoader:
     """Defaults this project changes in torchtitan's ``[training.dataloader]``."""
 
     num_workers: int = -1
-    """Worker processes that read and tokenize the next batches while the step runs (one
-    worker yields torchtitan's batches in the same order; 0: read in the training process,
-    between steps, while the GPU waits). -1: one when training on a GPU, 0 on the CPU (where
-    the step itself uses every core)."""
+    """Worker processes that read and tokenize the next batches while the step runs (one yields
+    torchtitan's batches in the same order; 0: read between steps). -1: one on a GPU, 0 on the CPU."""
 
 
 @dataclass
@@ -142,12 +137,10 @@ class Comm:
     """``[comm]``: torchtitan's ``mode`` with one more value (``COMM_MODE`` of run_train.sh)."""
 
     mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
-    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the
-    NGPU-rank layout on a fake process group and prints the graph summary and projection.
-    ``fake_collectives``: one process trains as rank 0 of that layout on one device, every collective a
-    local copy (on a GPU on a side stream, as NCCL's kernels): that rank's compute, host time and memory;
-    losses meaningless, no checkpoints.
-    ``local_tensor``: not supported here."""
+    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the NGPU-rank layout
+    on a fake process group and prints the graph summary and projection. ``fake_collectives``: one process trains as
+    rank 0 of that layout on one device, every collective a local copy: that rank's compute, host time and memory;
+    losses meaningless, no checkpoints. ``local_tensor``: not supported here."""
 
 
 @dataclass
@@ -193,8 +186,7 @@ def rewrite_aliases(argv: list[str]) -> list[str]:
 
 
 def _tables_as_json(values: dict) -> None:
-    """In place: a TOML table given for a text field of a ``[compile.<section>]`` (the Inductor
-    config overrides) becomes the JSON text the dataclass holds."""
+    """In place: a TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) -> JSON text."""
     comp = values.get("compile")
     hints = typing.get_type_hints(Compile)
     for name, table in (comp.items() if isinstance(comp, dict) else ()):
@@ -322,8 +314,7 @@ def _literal_flags(cls, prefix: str) -> dict[str, tuple]:
 
 
 def _check_choices(argv: list[str]) -> None:
-    """Reject a bad value of a ``Literal`` project flag (UserError: the flag, the valid values, the
-    closest one) before tyro reports it in a box."""
+    """UserError for a bad value of a ``Literal`` project flag, before tyro reports it in a box."""
     choices = {**_literal_flags(Compile, "--compile"), **_literal_flags(Projection, "--projection")}
     for i, arg in enumerate(argv):
         key, eq, val = arg.partition("=")
@@ -428,9 +419,8 @@ def _type_name(hint) -> str:
 
 
 def help_text(merged_cls) -> str:
-    """``--help``: every flag of the merged JobConfig by section, this project's sections
-    (:func:`project_sections`, :class:`JobConfig`) and fields first, each with its type or
-    allowed values, default and description."""
+    """``--help``: every flag of the merged JobConfig by section, this project's first, each with its
+    type or allowed values, default and description."""
     import textwrap
 
     sections: dict[str, tuple[list[str], list[str]]] = {}  # section -> (own flags, torchtitan's)
@@ -483,8 +473,7 @@ def _pass_lines() -> list[str]:
 
 
 def preflight(cfg, world_size: int) -> None:
-    """Everything knowable before any process starts, beyond :func:`validate`: data and tokenizer,
-    the parallel degrees against ``world_size``, and the checkpoint a resume would load.
+    """Beyond :func:`validate`: data, tokenizer, parallel degrees and the checkpoint a resume would load.
 
     Raises:
         UserError: naming the flag or file and what to do.
@@ -528,8 +517,7 @@ def launch_world_size(env=None) -> int:
 
 
 def _check_main(argv: list[str]) -> int:
-    """``python -m graph_trainer.config ARGS`` (run_train.sh, before torchrun): :func:`parse_args`
-    and :func:`preflight` for :func:`launch_world_size` ranks; exit 2 with one paragraph on errors."""
+    """``python -m graph_trainer.config ARGS`` (run_train.sh, before torchrun); exit 2 on a UserError."""
     try:
         preflight(parse_args(argv), launch_world_size())
     except UserError as e:

@@ -41,8 +41,7 @@ def cache_dir() -> Path:
 
 
 def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
-    """Create folder ``final`` with ``build(tmp)`` once: flock-serialized, built in a temporary
-    sibling and renamed into place, so no reader sees a half-written folder."""
+    """Create folder ``final`` with ``build(tmp)`` once: flock-serialized, built beside it and renamed."""
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -123,14 +122,9 @@ def ensure_corpus() -> Path:
 
 
 def ensure_tokenizer(vocab_size: int) -> Path:
-    """Train (once, deterministically) a byte-level BPE tokenizer of exactly ``vocab_size`` tokens
-    (BOS and EOS included; padded with reserved special tokens) on the embedded corpus.
-
-    Returns:
-        ``<cache>/tokenizer_<vocab_size>``, loadable by torchtitan's ``HuggingFaceTokenizer``.
-
-    Raises:
-        UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
+    """Train (once, deterministically) a byte-level BPE tokenizer of exactly ``vocab_size`` tokens (BOS,
+    EOS and reserved padding tokens included) on the embedded corpus; returns ``<cache>/tokenizer_<vocab_size>``.
+    Raises UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
     """
     if vocab_size < 258:
         raise UserError(
@@ -159,8 +153,8 @@ def ensure_tokenizer(vocab_size: int) -> Path:
 
 
 def check_tokenizer_folder(hf_assets_path: str) -> Path:
-    """``--model.hf_assets_path``, ``~`` expanded, once checked (cheaply) to hold a tokenizer torchtitan
-    can load. Raises UserError: missing, a file, none of :data:`TOKENIZER_FILES`, bad ``tokenizer_config.json``."""
+    """``--model.hf_assets_path``, ``~`` expanded, checked to hold a tokenizer torchtitan can load. Raises
+    UserError: missing, a file, none of :data:`TOKENIZER_FILES`, bad ``tokenizer_config.json``."""
     flag = f"--model.hf_assets_path {hf_assets_path}"
     embedded = "or set --model.hf_assets_path embedded for the built-in offline tokenizer."
     path = Path(hf_assets_path).expanduser()
@@ -188,12 +182,8 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
 
 
 def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
-    """The tokenizer folder for ``--model.hf_assets_path``: None / "" / "embedded" is the built-in
-    tokenizer of ``vocab_size`` tokens (:func:`ensure_tokenizer`), else the folder, checked.
-
-    Raises:
-        UserError: see :func:`check_tokenizer_folder`.
-    """
+    """The tokenizer folder for ``--model.hf_assets_path``: None / "" / "embedded": the built-in one of
+    ``vocab_size`` tokens, else the folder, checked (UserError: :func:`check_tokenizer_folder`)."""
     if not hf_assets_path or hf_assets_path == "embedded":
         return str(ensure_tokenizer(vocab_size))
     return str(check_tokenizer_folder(hf_assets_path))
@@ -243,12 +233,8 @@ def _text_problem(record: Any) -> str | None:
 
 
 def _first_bad_record(file: str) -> str | None:
-    """``"<file>:<line>: <problem>"`` for the first record of a JSON / JSON Lines file (gzipped or
-    not) that is not a document, or None. Own code: the ``datasets`` JSON loader's errors carry no
-    usable line, and a null ``text`` loads without error.
-
-    Raises:
-        OSError, EOFError: the file (or its gzip stream) cannot be read.
+    """``"<file>:<line>: <problem>"`` for the first record of a JSON (Lines, gzipped or not) file that is
+    no document, or None (``datasets``' errors name no line; a null ``text`` loads). Raises OSError, EOFError.
     """
     with (gzip.open if file.lower().endswith(".gz") else open)(file, "rb") as f:
         lineno = 0
@@ -292,8 +278,8 @@ def _bad_data(builder: str, files: list[str], label: str, error: Exception | Non
 
 def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None,
                   preview: int | None = None):
-    """``datasets.load_dataset(builder, data_files=files)`` (``train`` split), checked for a ``text``
-    string column; with ``preview``, streamed and only the first ``preview`` records' values checked."""
+    """``load_dataset(builder, data_files=files)``, checked for a ``text`` string column; ``preview``:
+    streamed, the first ``preview`` records checked."""
     from datasets import load_dataset
 
     log = logging.getLogger("datasets")  # its builders log a failure before raising it; we report it
@@ -320,11 +306,9 @@ def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | No
 
 
 def load_local_text(path: str | None, hf_cache: str | None = None):
-    """A local JSON / JSONL / Parquet file, or a folder's top-level data files (sorted), as a
-    map-style ``datasets.Dataset`` whose records each hold a ``text`` string.
-
-    Raises:
-        UserError: no path, an unusable path or record (``<file>:<line>: ...``), no ``text`` column.
+    """A local JSON / JSONL / Parquet file, or a folder's top-level data files (sorted), as a map-style
+    ``datasets.Dataset`` with a ``text`` string per record. Raises UserError: no path, an unusable path
+    or record (``<file>:<line>: ...``), no ``text`` column.
     """
     if path is None:
         raise UserError("Dataset 'local' needs a file or folder: set --training.dataset_path to "
@@ -359,9 +343,8 @@ def _text(sample: dict[str, Any]) -> str:  # a module function: dataloader worke
 
 
 def register_datasets() -> None:
-    """Register in torchtitan's ``DATASETS``: ``c4_test`` (the embedded corpus), ``local``
-    (``--training.dataset_path``), and ``c4`` / ``c4_validation`` (torchtitan's streaming
-    ``allenai/c4``); every name loads a local ``--training.dataset_path`` locally. Idempotent."""
+    """Register in torchtitan's ``DATASETS``: ``c4_test`` (the embedded corpus), ``local`` and ``c4`` /
+    ``c4_validation`` (hub); every name loads a local ``--training.dataset_path`` locally. Idempotent."""
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
@@ -374,13 +357,12 @@ def register_datasets() -> None:
 
 
 def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
-    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built;
-    ``preview``: also stream the first records of a local path's first files through ``datasets``
-    (the rest is checked when :func:`load_local_text` loads the data).
+    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built; ``preview``:
+    also stream the first records of a local path's first files through ``datasets``.
 
     Raises:
-        UserError: an unknown name (with the closest valid one), ``local`` without a path, a
-            missing or unusable path; with ``preview``, ``<file>:<line>: ...`` for a bad record.
+        UserError: an unknown name (with the closest valid one), ``local`` without a path, a missing
+            or unusable path; with ``preview``, ``<file>:<line>: ...`` for a bad record.
     """
     key = name.lower()
     if key not in DATASET_NAMES:
@@ -405,12 +387,8 @@ def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
 
 
 def preflight(cfg) -> None:
-    """Check the data and tokenizer flags of a parsed JobConfig fast, importing no torchtitan
-    (:func:`check_dataset` with ``preview``, :func:`check_tokenizer_folder`); hub datasets are not checked.
-
-    Raises:
-        UserError: one or two lines naming the flag and the file (``<file>:<line>`` for a bad record).
-    """
+    """Check the data and tokenizer flags of a parsed JobConfig fast, importing no torchtitan (hub
+    datasets unchecked). Raises UserError naming the flag and the file (``<file>:<line>``)."""
     check_dataset(cfg.training.dataset or "", cfg.training.dataset_path or None, preview=True)
     if cfg.model.hf_assets_path not in (None, "", "embedded"):
         check_tokenizer_folder(cfg.model.hf_assets_path)

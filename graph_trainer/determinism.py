@@ -14,15 +14,9 @@ logger = logging.getLogger("graph_trainer")
 
 
 def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> dict:
-    """Seed Python, NumPy (if installed), torch CPU and CUDA with ``seed`` (None: 0) and set
-    ``PYTHONHASHSEED`` for child processes; the data needs no seed (read in order).
-
-    With ``deterministic``: ``torch.use_deterministic_algorithms(True, warn_only=warn_only)``,
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, cuDNN deterministic without benchmarking, and Inductor's
-    deterministic mode (no timing-dependent autotuning; ``TORCHINDUCTOR_DETERMINISTIC=1`` too).
-
-    Returns:
-        What was set, e.g. ``{"seed": 0, "deterministic": True, "inductor_deterministic": True}``.
+    """Seed Python, NumPy, torch CPU and CUDA with ``seed`` (None: 0) and ``PYTHONHASHSEED``; with
+    ``deterministic`` also deterministic algorithms, cuBLAS workspace, cuDNN and Inductor's deterministic
+    mode. Returns what was set, e.g. ``{"seed": 0, "deterministic": True, "inductor_deterministic": True}``.
     """
     seed = 0 if seed is None else int(seed)
     random.seed(seed)
@@ -75,12 +69,9 @@ def tensor_sha256(tensors, threads: int = 8) -> str:
 
 
 def state_hashes(params, optimizers, view=None, group=None) -> dict[str, str]:
-    """``{"weights", "grads", "optimizer"}`` sha256 digests of this run's final state: ``params``
-    (local shards; DTensors through ``to_local()``), their grads, and the ``optimizers``' state of
-    them (:func:`optimizer_tensors`). ``view(i, t)``: a tensor ``t`` shaped like param ``i`` as it
-    is hashed (the traced step's flat FSDP shards in FSDP2's local shape, so that a traced run and
-    the eager baseline hash equal states equally). With several ranks: the sha256 of the per-rank
-    digests in rank order (same on every rank)."""
+    """``{"weights", "grads", "optimizer"}`` sha256 digests of ``params`` (local shards), their grads and the
+    ``optimizers``' state of them; ``view(i, t)``: ``t`` shaped like param ``i`` as hashed (FSDP2's local shape, so
+    traced and eager hash equal states equally). Several ranks: the sha256 of the per-rank digests in rank order."""
     import torch.distributed as dist
 
     view = view or (lambda i, t: t)

@@ -6,11 +6,9 @@ since the last log * TP degree); ``tflops`` = ``flops_per_token * tps / 1e12`` (
 * 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None`` on CPU and unknown GPUs);
 ``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
 
-``metrics.jsonl`` (rank 0): one :class:`StepMetrics` object per logged step, then
-``{"summary": {...}}``. No record is lost: a resumed run appends (:func:`read_metrics` takes the
-last row of each step); a fresh run first moves an earlier ``metrics.jsonl`` / TensorBoard folder
-aside (:func:`keep_previous`). Nothing changes on disk before the first logged step. torch is
-imported lazily: the comparison tools read ``metrics.jsonl`` without it.
+``metrics.jsonl`` (rank 0): one :class:`StepMetrics` per logged step, then ``{"summary": {...}}``; a
+resumed run appends, a fresh one first moves earlier records aside (:func:`keep_previous`). torch
+is imported lazily: the comparison tools read ``metrics.jsonl`` without it.
 """
 
 from __future__ import annotations
@@ -52,14 +50,8 @@ def peak_bf16_for_name(name: str) -> float | None:
 
 def keep_previous(path: str) -> str | None:
     """Move an existing file or folder ``path`` aside to ``<stem>.<N><suffix>`` (``metrics.jsonl`` ->
-    ``metrics.1.jsonl``, ``graphs`` -> ``graphs.1``), ``N`` one above the highest already used, so
-    nothing is overwritten and a larger ``N`` is a later record.
-
-    Returns:
-        The new path, or ``None`` when nothing exists at ``path``.
-
-    Raises:
-        OSError: the parent folder cannot be listed or the rename fails.
+    ``metrics.1.jsonl``, ``graphs`` -> ``graphs.1``), ``N`` one above the highest used. Returns the
+    new path, or None when nothing exists at ``path``. Raises OSError (listing, rename).
     """
     if not os.path.lexists(path):
         return None
@@ -102,9 +94,8 @@ class StepMetrics:
 
 class MetricsLogger:
     """Turns per-step timings into :class:`StepMetrics`; writes console, TensorBoard, JSONL (rank 0).
-    ``non_dp_size``: TP degree, for ``tps``; ``resume_step``: the checkpoint step this run resumed
-    from (0: fresh). Files open at the first write: appended to when resuming, else earlier records
-    are moved aside; a UserError there names the file that cannot be moved aside or opened."""
+    ``non_dp_size``: TP degree; ``resume_step``: the step resumed from (0: fresh). Files open at the
+    first write (UserError naming a file that cannot be moved aside or opened)."""
 
     def __init__(self, device: torch.device, flops_per_token: int, non_dp_size: int = 1,
                  dump_folder: str = "./outputs", enable_tensorboard: bool = False, tb_folder: str = "tb",
@@ -241,12 +232,8 @@ def _ends_with_newline(path: str) -> bool:
 
 
 def read_metrics(path: str) -> tuple[list[dict], dict | None]:
-    """A ``metrics.jsonl``: (per-step rows in step order, the last row written for each step;
-    then rows without an integer ``step``, as written), the last summary or None).
-
-    Raises:
-        OSError: the file cannot be read; ValueError: a line is not JSON.
-    """
+    """A ``metrics.jsonl``: (per-step rows in step order, the last written per step, then rows without
+    an integer ``step``; the last summary or None). Raises OSError (unreadable), ValueError (not JSON)."""
     by_step: dict = {}
     other, summary = [], None
     with open(path) as f:

@@ -1,11 +1,5 @@
-"""Model building: flavor arguments, tokenizer, the Llama3 model, its loss, its block layout.
-
-The one builder of training, the dry run, the scripts and the tests::
-
-    args = model_args("debugmodel", n_layers=2)       # a copy of a flavor, fields overridden
-    model = build_model(args, device="cpu", seed=0)   # Transformer, weights initialised, train()
-    loss = loss_fn(model(tokens), labels)
-"""
+"""Model building: flavor arguments, tokenizer, the Llama3 model, its loss, its block layout; the one
+builder of training, the dry run, the scripts and the tests."""
 
 from __future__ import annotations
 
@@ -23,14 +17,14 @@ EMBEDDED_VOCAB_SIZE = 2048
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, dp_group: Any = None) -> torch.Tensor:
-    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer
-    computes it: the sum over this rank's tokens over the valid tokens of the global batch, so summed
-    gradients over the data-parallel ranks are the global mean's.
+    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer computes it: the sum over
+    this rank's tokens over the valid tokens of the global batch, so summed gradients over the data-parallel ranks are
+    the global mean's.
 
     ``logits``: ``[B, S, V]``, any float dtype (upcast to fp32; a DTensor under TP loss parallel);
-    ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks
-    (ProcessGroup or 1-D DeviceMesh; a functional all-reduce of the count) or None for one rank.
-    Returns a 0-d fp32 tensor (a replicated DTensor under loss parallel).
+    ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks (ProcessGroup or 1-D
+    DeviceMesh; a functional all-reduce of the count) or None for one rank. Returns a 0-d fp32 tensor (a
+    replicated DTensor under loss parallel).
     """
     loss_sum = torch.nn.functional.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
@@ -127,8 +121,3 @@ def block_layout(model: torch.nn.Module) -> BlockLayout:
 
     layers = list(model.layers.values()) if hasattr(model.layers, "values") else list(model.layers)
     return BlockLayout(count(model.tok_embeddings), count(layers[0]) if layers else 0, len(layers))
-
-
-def block_layout_of_args(args) -> BlockLayout:
-    """:func:`block_layout` of a model built from ``args`` on the meta device (no memory)."""
-    return block_layout(build_model(args, "meta"))

@@ -1,13 +1,10 @@
 """Record every op's output of one training step, keyed so two runs can be matched op by op.
 
 ``--debug.record_numerics DIR``: step 1 writes ``DIR/rank<r>.pt``, each executed op's key and a
-:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``
-(:mod:`graph_trainer.tools.numerics_diff` names the first op that differs). A key is ``(phase,
-module FQN, op, occurrence)``: the innermost module that ran the op (backward ops: that of the
-forward op they differentiate, by autograd ``seq_nr``), the ATen overload (``op[i]`` for output
-``i > 0``) and the count of earlier ops with the same first three fields. The traced graph is keyed
-before any pass (:func:`assign_keys`); eager / jit in execution order by :class:`EagerRecorder`, so
-both share keys. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
+:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``. A key is
+``(phase, module FQN, op, occurrence)`` (docs/design.md, "Checkpoints and determinism"): the traced
+graph is keyed before any pass (:func:`assign_keys`), eager in execution order by
+:class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
 """
 
 from __future__ import annotations
@@ -31,9 +28,8 @@ SAMPLE_NUMEL = 1 << 16
 
 @dataclass
 class Record:
-    """One op output: its shape, dtype, :func:`fingerprint` (bitwise equality), ``values`` (on the
-    CPU: the tensor, or :data:`SAMPLE_NUMEL` strided elements past :data:`FULL_NUMEL`, ``sampled``)
-    and the number of NaN / inf elements (``nonfinite``)."""
+    """One op output: shape, dtype, :func:`fingerprint`, ``values`` on the CPU (a strided sample past
+    :data:`FULL_NUMEL`: ``sampled``) and the number of NaN / inf elements."""
 
     shape: tuple
     dtype: str
@@ -48,9 +44,8 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(t: torch.Tensor) -> int:
-    """A 64-bit hash of ``t``'s values as bits (any dtype, any device; not cryptographic):
-    the wrapping int64 sum of ``bits * (position mixed with a large odd constant)``. Equal
-    tensors give equal fingerprints; unequal ones collide with probability ~2**-64."""
+    """A 64-bit hash of ``t``'s bits (any dtype and device; not cryptographic): the wrapping int64 sum of
+    ``bits * (position mixed with large odd constants)``; unequal tensors collide with p ~2**-64."""
     x = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     if x.dtype == torch.bool:
         x = x.to(torch.uint8)
@@ -80,8 +75,7 @@ def record(t: torch.Tensor) -> Record:
 
 
 def _add(records: dict, key: tuple, out: Any, per_output: bool = True) -> None:
-    """Record the tensor outputs of an op's result (one tensor, or a tuple / list) under ``key``
-    (``per_output``: output ``i`` under :func:`output_key`), each first occurrence only."""
+    """Record an op's tensor outputs under ``key`` (``per_output``: :func:`output_key`), first occurrence only."""
     outs = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
     for i, t in enumerate(outs):
         k = output_key(key, i) if per_output else key
@@ -102,8 +96,7 @@ def op_name(target: Any) -> str:
 
 def assign_keys(gm: torch.fx.GraphModule) -> int:
     """Write each ``call_function`` node's key ``(phase, fqn, op, occurrence)`` into
-    ``node.meta["numerics_key"]``, in graph order (call on the graph as traced, before any
-    pass). Returns the number of keyed nodes."""
+    ``node.meta["numerics_key"]`` (on the graph as traced); returns the number of keyed nodes."""
     seen: dict[tuple, int] = defaultdict(int)
     n = 0
     for node in gm.graph.nodes:
@@ -126,10 +119,8 @@ def key_text(key: Any) -> str:
 
 
 class GraphRecorder(torch.fx.Interpreter):
-    """Run a (passed) traced step graph node by node and record the first output of each
-    keyed node (``node.meta["numerics_key"]``; output ``i`` of a multi-output op under
-    :func:`output_key`); a region's getitem outputs record under the key they carry.
-    ``records``: ``{key: Record}`` in execution order."""
+    """Run a traced step graph node by node, recording the outputs of each keyed node (a region's
+    getitem outputs under the key they carry) into ``records``, in execution order."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
@@ -143,10 +134,8 @@ class GraphRecorder(torch.fx.Interpreter):
 
 
 class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
-    """Record the ATen ops of an eager forward + backward with the keys of
-    :func:`assign_keys`: the module FQN from :func:`graph_trainer.trace.annotate_module_fqns`
-    (forward) and the autograd node's ``seq_nr`` (backward). Set :attr:`phase` to
-    ``"backward"`` before calling ``backward()``."""
+    """Record the ATen ops of an eager forward + backward with the keys of :func:`assign_keys` (backward:
+    the forward op's FQN by ``seq_nr``). Set :attr:`phase` to ``"backward"`` before ``backward()``."""
 
     def __init__(self):
         super().__init__()

@@ -1,9 +1,8 @@
 """``run_train.sh`` pipes torchrun's stderr through this filter.
 
-After a worker's one-paragraph ``error: ...`` (a :class:`graph_trainer.errors.UserError`), the lines
-torchrun adds (its ``ChildFailedError`` traceback and report) are dropped; worker (``[rankN]:``)
-lines and anything before such an error always pass. Exits :data:`SAW_USER_ERROR` when such an
-error was seen (run_train.sh then exits 2), else 0.
+After a worker's one-paragraph ``error: ...`` (a :class:`graph_trainer.errors.UserError`), the lines torchrun adds (its
+``ChildFailedError`` traceback and report) are dropped; worker (``[rankN]:``) lines and anything before such an error
+always pass. Exits :data:`SAW_USER_ERROR` when such an error was seen (run_train.sh then exits 2), else 0.
 """
 
 import re

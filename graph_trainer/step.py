@@ -1,16 +1,11 @@
 """The training step as an object: what one call of the train loop does to produce gradients.
 
 ``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into
-one FX graph (:mod:`graph_trainer.trace`) and runs the pass pipeline over it; every call replays
-it (``loss, grads = graph(params, buffers, tokens, labels)``, then ``p.grad = g``). ``eager`` /
-``jit`` (:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the
-torchtitan-parallelized model. Every mode computes torchtitan's gradient (token cross-entropy sum
-over the global valid-token count, :func:`graph_trainer.model.loss_fn`, summed over the
-data-parallel ranks), so all report the same loss and gradient norm in every layout.
-
-Both have: ``step(tokens, labels) -> loss``, ``clip_grad_norm_(max_norm)``, ``global_loss(loss)``,
-``params`` (what the optimizer updates), ``opt_module`` (what the optimizer builder and the
-checkpointer see) and ``stats`` (trace / compile times for the run summary).
+one FX graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit``
+(:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized
+model. Every mode computes torchtitan's gradient (:func:`graph_trainer.model.loss_fn`). Both have
+``step(tokens, labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module``
+(what the optimizer builder and the checkpointer see) and ``stats`` (for the run summary).
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -52,11 +48,9 @@ class _Step:
 
 class TracedTrainStep(_Step):
     """``aot_fx_trace``: trace once, run the pass pipeline, replay. ``model`` / ``tpar``: from
-    :func:`graph_trainer.distributed.parallelize.distribute_for_trace`; ``pipeline``: ``PipelineStep`` s,
-    or a function of the traced graph returning them and the memory policy (``plan_pipeline``);
-    ``param_dtype``: the parameters' compute dtype in the graph (None: their own); ``dump_folder``:
-    where ``graphs/`` is written; ``record_dir`` / ``rank``: where step 1 records every op's output;
-    ``cache_path``: the graph cache's entry for this run (:mod:`graph_trainer.compiler.graph_cache`)."""
+    ``distribute_for_trace``; ``pipeline``: ``PipelineStep`` s, or ``plan_pipeline`` of the traced graph;
+    ``param_dtype``: compute dtype (None: the parameters'); ``dump_folder``: where ``graphs/`` goes;
+    ``record_dir``: step 1's op records; ``cache_path``: this run's graph cache entry."""
 
     def __init__(self, model, tpar, pipeline, param_dtype: torch.dtype | None, dump_folder: str | None = None,
                  record_dir: str | None = None, rank: int = 0, cache_path: str | None = None):
@@ -78,7 +72,7 @@ class TracedTrainStep(_Step):
         from graph_trainer.compiler.graph_values import placeholder_vals
         from graph_trainer.compiler.pipeline import run_pipeline
         from graph_trainer.compiler.report import format_pass_table
-        from graph_trainer.trace import TracedStep, ops_by_kind
+        from graph_trainer.trace import TracedStep
 
         t0 = time.perf_counter()
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
@@ -113,7 +107,8 @@ class TracedTrainStep(_Step):
             from graph_trainer.numerics import assign_keys
 
             assign_keys(traced.gm)
-        top = ", ".join(f"{k} {v}" for k, v in ops_by_kind(traced.gm).most_common(6))
+        ops = Counter(str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function")
+        top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         logger.info(f"Traced the training step in {traced.trace_time_s:.2f}s: one graph, {n_nodes} nodes "
                     f"({len(traced.param_names)} params -> {len(traced.param_names)} grads); top ops: {top}")
         t0 = time.perf_counter()
@@ -182,10 +177,8 @@ class TracedTrainStep(_Step):
 
 
 class EagerTrainStep(_Step):
-    """``eager`` / ``jit``: autograd on the model after
-    :func:`graph_trainer.distributed.parallelize.parallelize_eager`; ``dp_group``: torchtitan's
-    ``batch`` mesh or None; ``loss_parallel``: run under TP's ``loss_parallel()``; ``record_dir`` /
-    ``rank`` as :class:`TracedTrainStep` (ops recorded by a dispatch mode)."""
+    """``eager`` / ``jit``: autograd on the model after ``parallelize_eager``; ``dp_group``: torchtitan's
+    ``batch`` mesh or None; ``loss_parallel``: under TP's ``loss_parallel()``; ``record_dir`` as traced."""
 
     def __init__(self, model, dp_group=None, loss_parallel: bool = False, record_dir: str | None = None,
                  rank: int = 0):
@@ -227,9 +220,8 @@ class EagerTrainStep(_Step):
 
 
 def global_loss(loss: torch.Tensor, dp_group=None) -> float:
-    """Sum of the ranks' 0-d ``loss`` (each a token-loss sum over the global token count) over
-    ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global batch's mean token loss, as
-    torchtitan logs it. TP ranks hold the same loss and are not summed."""
+    """Sum of the ranks' 0-d ``loss`` over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global
+    batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss)."""
     loss = loss.detach()
     if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
         loss = loss.full_tensor()
@@ -241,16 +233,14 @@ def global_loss(loss: torch.Tensor, dp_group=None) -> float:
 
 
 def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:
-    """Whether the memory policy may replay the traced step as a CUDA graph: on a CUDA device, in
-    one process (a world of 1, or ``COMM_MODE=fake_collectives``: collectives with real NCCL peers
-    are not captured here), and not while step 1 records every op's output (``--debug.record_numerics``)."""
+    """Whether the memory policy may replay the traced step as a CUDA graph: on CUDA, in one process (no
+    real NCCL peers to capture), not while step 1 records numerics."""
     return device.type == "cuda" and not record_dir and (world_size == 1 or comm_mode == "fake_collectives")
 
 
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
-    """The step of ``cfg.compile.mode`` for ``model`` (built on ``device``, weights initialised):
-    :class:`TracedTrainStep` (traceable TP / AC / FSDP and the ``[compile]`` pipeline) or
-    :class:`EagerTrainStep` (torchtitan's parallelization; per-block torch.compile for ``jit``)."""
+    """The step of ``cfg.compile.mode`` for ``model`` (weights initialised on ``device``):
+    :class:`TracedTrainStep` or :class:`EagerTrainStep`."""
     from graph_trainer.distributed import parallelize
 
     record_dir = cfg.debug.record_numerics or None

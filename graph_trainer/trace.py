@@ -1,20 +1,15 @@
 """aot_fx_trace: capture forward + loss + backward of one training step as ONE FX graph.
 
-:func:`trace_train_step` runs ``make_fx`` (fake tensors, real shapes) over
-``step(*params, *buffers, tokens, labels) -> (loss, *grads)``: placeholders in that order, a flat
-tuple out. The model runs re-parametrized with the placeholders (kept through the backward, where
-layer-level activation checkpointing recomputes) and ``torch.autograd.grad`` traces the backward.
-Op-level selective AC only tags nodes (``node.meta["recompute"]``); the ``sac_recompute`` pass
-recomputes. With ``param_dtype`` floating parameters are cast at the start of the forward (and,
-with ``materialize``, FSDP-gathered / TP-wrapped there); gradients stay in the parameters' dtype.
-Node metadata written here: see :mod:`graph_trainer`.
+:func:`trace_train_step` runs ``make_fx`` (fake tensors) over ``step(*params, *buffers, tokens, labels)
+-> (loss, *grads)`` with the model re-parametrized by the placeholders and ``torch.autograd.grad``
+for the backward (docs/design.md, "aot_fx_trace"). Op-level selective AC only tags nodes; the
+``sac_recompute`` pass recomputes. Node metadata written here: see :mod:`graph_trainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,9 +36,8 @@ def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def annotate_module_fqns(model: torch.nn.Module):
-    """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (the
-    innermost module wins) and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}`` (read by
-    ``sac_recompute``), through forward hooks removed on exit."""
+    """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (innermost wins)
+    and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}``, through forward hooks removed on exit."""
     handles = []
     stacks: list[contextlib.ExitStack] = []
 
@@ -89,16 +83,10 @@ def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> None:
                 node.meta["custom"] = {**custom, MODULE_FQN_KEY: fqn}
 
 
-def ops_by_kind(gm: torch.fx.GraphModule) -> Counter:
-    """Count ``call_function`` nodes by target name (e.g. ``aten.mm.default``)."""
-    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-
-
 @dataclass
 class TracedStep:
-    """The traced training step: ``gm`` (the FX graph, or after passes a compiled callable of the
-    same flat inputs), parameter / buffer FQNs in placeholder order, make_fx wall time (s), and
-    the placeholders' fake tensors (``example_inputs``, for passes)."""
+    """The traced step: ``gm`` (the FX graph, or after passes a compiled callable of the same inputs),
+    parameter / buffer FQNs in placeholder order, make_fx time (s), the placeholders' fake tensors."""
 
     gm: Callable
     param_names: list[str]
@@ -113,16 +101,10 @@ class TracedStep:
         return out[0], list(out[1:])
 
 
-def trace_train_step(
-    model: torch.nn.Module,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    tokens: torch.Tensor,
-    labels: torch.Tensor,
-    param_dtype: torch.dtype | None = None,
-    params: list[torch.Tensor] | None = None,
-    param_names: list[str] | None = None,
-    materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-) -> TracedStep:
+def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     tokens: torch.Tensor, labels: torch.Tensor, param_dtype: torch.dtype | None = None,
+                     params: list[torch.Tensor] | None = None, param_names: list[str] | None = None,
+                     materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> TracedStep:
     """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` into one graph.
 
     Args:

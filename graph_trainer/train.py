@@ -1,9 +1,7 @@
 """The training loop: config -> model -> layout + step -> loop -> metrics.
 
-Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --job.config_file
-train_configs/debug_model.toml``. The step (:mod:`graph_trainer.step`) hides the mode; everything
-after the gradients (clipping, AdamW, LR schedule, checkpoints, metrics) is eager and the same
-for every mode.
+Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --job.config_file ...``.
+The step (:mod:`graph_trainer.step`) hides the mode; everything after the gradients is eager.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graph_trainer.config import Compile
-from graph_trainer.model import BlockLayout, block_layout_of_args, model_args
+from graph_trainer.model import BlockLayout, block_layout, build_model, model_args
 from graph_trainer.compiler.memory_policy import Levers
 from graph_trainer.compiler import registry as reg
 from graph_trainer.compiler.passes import ORDER
@@ -35,7 +35,7 @@ def _compile(**groups):
 def test_block_options_become_the_pass_arguments_of_the_8b():
     """keep_last_blocks / bucket_blocks count blocks; the passes count parameters /
     collectives (Llama3: the embedding, then 9 per block)."""
-    layout = block_layout_of_args(model_args("8B"))
+    layout = block_layout(build_model(model_args("8B"), "meta"))
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
     cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
                    fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})

@@ -1,18 +1,12 @@
 """The process group of ``COMM_MODE=fake_collectives``: one process, every collective local.
 
-One process trains as rank 0 of an ``NGPU``-rank layout on one device, each collective replaced
-by the local work of a world in which every rank holds this rank's tensors: all-gather copies
-the input into every chunk, reduce-scatter keeps this rank's chunk of the input (no reduction),
-scatter / gather move this rank's piece, all-to-all copies; all-reduce, broadcast, barrier and
-send / recv change nothing. It measures the rank's compute and host time without communication.
+One process trains as rank 0 of an ``NGPU``-rank layout on one device, each collective replaced by
+the local work of a world in which every rank holds this rank's tensors (all-gather copies the input
+into every chunk, reduce-scatter keeps this rank's chunk, all-reduce changes nothing). On a GPU the
+copies run on a side stream, as NCCL's kernels do (docs/design.md, "Layout").
 
-On a GPU the copies run on a side stream, as NCCL's kernels do: the caller's stream waits for
-them only where it waits for the collective (``Work.wait``, ``wait_tensor``), so they overlap the
-compute before that wait and take memory bandwidth, not a place in the compute stream's order
-(docs/perf_archive.md, "The fake collectives' copies", measures them against copies on the caller's stream).
-
-Own code because torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
-leaves a reduce-scatter's output as allocated: garbage on a GPU, which turned the losses into NaN.
+Own code because torch's fake process group leaves a reduce-scatter's output as allocated: garbage
+on a GPU, which turned the losses into NaN.
 """
 
 from __future__ import annotations

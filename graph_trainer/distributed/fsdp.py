@@ -1,15 +1,9 @@
 """Traceable FSDP: per-parameter sharding whose collectives land inside the traced graph.
 
-SimpleFSDP-style: each parameter is flattened, zero-padded to a multiple of the FSDP degree
-``W`` and rank ``r`` keeps chunk ``r`` as a plain fp32 ``nn.Parameter`` (AdamW is elementwise, so
-updating the shards is the unsharded update). :func:`all_gather_param` casts a shard to the
-compute dtype, all-gathers it and views it as the parameter; its backward casts the gradient to
-the reduce dtype and reduce-scatters it with sum (the loss is already divided by the global
-batch's token count). The collectives are ``_c10d_functional`` ops, so make_fx records them as
-nodes of the one graph, where passes bucket and reorder them.
-
-Own code because ``torchtitan.experiments.simple_fsdp`` parametrizes modules with DTensors,
-which make_fx does not trace as plain placeholders; here the placeholders are the local shards.
+SimpleFSDP-style (docs/design.md, "Several ranks"): rank ``r`` keeps chunk ``r`` of each flattened, zero-padded
+parameter as a plain fp32 ``nn.Parameter``; :func:`all_gather_param` gathers it in the compute dtype, its backward
+reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_functional`` nodes of the one graph. Own code
+because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
 """
 
 from __future__ import annotations
@@ -116,9 +110,8 @@ def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], li
 
 @dataclass
 class Fsdp2Layout:
-    """Where FSDP2 (``fully_shard``, the eager baseline's sharding) keeps one parameter: DTensor
-    ``placements`` on the ``(dp_replicate, fsdp, tp)`` mesh (the dimensions the layout has), the
-    parameter's global ``shape`` and ``stride``, and this rank's ``local_shape``."""
+    """Where the eager baseline's FSDP2 keeps one parameter: ``placements`` on its mesh, the global
+    ``shape`` and ``stride``, and this rank's ``local_shape``."""
 
     placements: tuple
     shape: torch.Size
@@ -128,14 +121,10 @@ class Fsdp2Layout:
 
 def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_placements: tuple, shard: int,
                  replicate: int) -> Fsdp2Layout | None:
-    """FSDP2's layout of a parameter of global ``shape`` / ``stride`` whose TP-local tensor is
-    ``tp_local`` (TP's ``tp_placements`` on a TP mesh dimension, ``()`` without TP), as
-    ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays it out:
-    ``Replicate()`` on the replicas, dim-0 chunks on the FSDP dimension
-    (``_StridedShard(0, split_factor=tp)`` where TP shards dim 0 too), then TP's placement.
-
-    Returns None where this rank's flat shard (:func:`shard_tensors`) does not hold the same
-    elements as FSDP2's dim-0 chunk: ``tp_local``'s dim 0 not a multiple of ``shard``.
+    """How ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays out a parameter of
+    global ``shape`` / ``stride`` with TP-local tensor ``tp_local`` (``tp_placements``; ``()`` without TP):
+    ``Replicate()`` on the replicas, dim-0 chunks (``_StridedShard`` under TP on dim 0), TP's placement.
+    None where this rank's flat shard is not FSDP2's chunk (dim 0 not a multiple of ``shard``).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -151,9 +140,8 @@ def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_pl
 
 
 class ShardedParams(torch.nn.Module):
-    """This rank's shards as parameters, for the optimizer builder and checkpointing, under a
-    submodule ``rank<r>of<W>`` (FQNs ``rank0of2.shards.3``): DCP saves every rank's part instead
-    of de-duplicating equal keys, and refuses a checkpoint of another FSDP degree."""
+    """This rank's shards as parameters under a submodule ``rank<r>of<W>`` (``rank0of2.shards.3``): DCP
+    saves every rank's part instead of de-duplicating equal keys and refuses another FSDP degree."""
 
     def __init__(self, shards: list[torch.nn.Parameter], rank: int = 0, world: int = 1):
         super().__init__()
@@ -165,12 +153,9 @@ class ShardedParams(torch.nn.Module):
 def sharded_grad_norm_(
     shards: list[torch.nn.Parameter], max_norm: float, group=None, weights: list[float] | None = None
 ) -> torch.Tensor:
-    """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm.
-
+    """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm (0-d fp32):
     ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights``
-    (default 1): ``1 / tp`` for TP-replicated tensors. The traced step's fallback where a shard is
-    not FSDP2's dim-0 chunk (``TraceParallel.clip_grad_norm_``): the same norm as eager's, not its
-    rounding (that is DTensor's per-placement reduction).
+    (default 1): ``1 / tp`` for TP-replicated tensors. Eager's norm, not its rounding.
     """
     grads = [s.grad for s in shards if s.grad is not None]
     if grads and (weights is None or all(w == 1 for w in weights)):

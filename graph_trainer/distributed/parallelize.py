@@ -1,11 +1,6 @@
-"""Device, process group, ParallelDims / DeviceMesh, and model parallelization.
-
-* ``eager`` / ``jit``: torchtitan's ``parallelize_llama`` (:func:`parallelize_eager`).
-* ``aot_fx_trace`` (:func:`distribute_for_trace`): torchtitan's Llama3 TP plan, its activation
-  checkpointing wrappers, then traceable FSDP over ``dp_shard`` (:mod:`graph_trainer.distributed.fsdp`)
-  and, with a replicate dimension, a gradient all-reduce over the replicas: every collective a
-  node of the traced graph. Replicated DP alone sums the gradients after the graph (:func:`all_reduce_grads`).
-"""
+"""Device, process group, ParallelDims / DeviceMesh, and model parallelization: torchtitan's
+``parallelize_llama`` for ``eager`` / ``jit`` (:func:`parallelize_eager`), TP plan, AC wrappers and
+traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK``
-    (NCCL), else ``cpu`` (gloo). With ``fake_world > 0`` (``COMM_MODE=fake_collectives``) rank 0 of
-    ``fake_world`` ranks on the first device, every collective a local copy (:mod:`.fake_pg`).
+    (NCCL), else ``cpu`` (gloo); ``fake_world > 0``: rank 0 of that many on :mod:`.fake_pg`.
 
     Raises:
         UserError: more local ranks than visible GPUs.
@@ -130,12 +124,8 @@ def build_parallel_dims(cfg, world_size: int, n_heads: int, n_kv_heads: int | No
 def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
     """torchtitan's Llama3 parallelization (eager / jit baselines). Returns the model.
 
-    With bf16 parameters the baseline trains in bf16 like the traced step in every layout.
-    torchtitan casts only through FSDP2 and leaves TP alone and DDP in fp32 ("Mixed precision
-    training with TP or PP is only supported when FSDP/HSDP/CP is enabled"; DDP gets autocast in
-    torchtitan's trainer, not here). So where the layout has no FSDP, FSDP2 over a 1-rank shard
-    dimension casts the parameters and gathers nothing: on one rank and under TP alone plain FSDP,
-    with replicas (DDP's layout) HSDP, whose all-reduce over the replicas replaces DDP's."""
+    With bf16 parameters the baseline trains in bf16 in every layout: where torchtitan would leave
+    it fp32 (no FSDP), FSDP2 over a 1-rank shard dimension casts (docs/design.md, "Mixed precision")."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
@@ -226,13 +216,11 @@ class TraceParallel:
     """How the traced step sees the parameters under FSDP and / or TP (``aot_fx_trace``).
 
     ``names`` / ``params``: FQNs and placeholders (the parameters, or this rank's fp32 FSDP shards /
-    TP-local tensors), what the optimizer updates; ``materialize``: None or placeholders -> compute
-    parameters inside the graph; ``dp_group``: the ranks sharing the global batch (token count,
-    gradient sum); ``replicate_group``: HSDP's replicas; ``norm_group``: the ranks of the grad norm
-    (None: the world); ``norm_weights``: per param, ``1 / tp`` for TP-replicated ones, else 1;
-    ``fsdp2_mesh`` / ``fsdp2_layouts``: the eager baseline's mesh and, per param, where FSDP2 keeps it
-    (:func:`graph_trainer.distributed.fsdp.fsdp2_layout`; None when a shard holds other elements);
-    ``eager_norm``: clip with eager's DTensor norm (``--debug.deterministic``; :meth:`clip_grad_norm_`).
+    TP-local tensors); ``materialize``: None or placeholders -> compute parameters inside the graph;
+    ``dp_group``: the ranks sharing the global batch; ``norm_group``: the ranks of the grad norm (None:
+    the world); ``norm_weights``: ``1 / tp`` for TP-replicated params, else 1; ``fsdp2_mesh`` /
+    ``fsdp2_layouts``: the eager baseline's mesh and :func:`~graph_trainer.distributed.fsdp.fsdp2_layout`
+    per param; ``eager_norm``: clip with eager's DTensor norm (``--debug.deterministic``).
     """
 
     names: list[str] = field(default_factory=list)
@@ -278,15 +266,10 @@ class TraceParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
 
-        Sharded, with ``eager_norm`` (``--debug.deterministic``), the norm is torch's
-        ``get_total_norm`` (as torchtitan's ``clip_grad_norm_``) over the gradients as DTensors in
-        FSDP2's layout on the eager baseline's mesh: DTensor reduces each gradient's norm by its
-        placements, in eager's order, so the traced step reports (and clips with) eager's norm
-        bitwise whatever the layout. That costs host time (a DTensor and a dispatch per gradient:
-        docs/design.md, "Eager == traced, bit for bit, with NCCL"), so without it, or where a shard is not FSDP2's
-        chunk (a dim 0 the FSDP degree does not divide), the norm is
-        :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_`: the same norm in one all-reduce,
-        eager's rounding only with FSDP alone.
+        Sharded, with ``eager_norm``, torch's ``get_total_norm`` over the gradients as DTensors in
+        FSDP2's layout on the eager baseline's mesh: eager's norm bitwise, at a host cost (docs/design.md,
+        "Eager == traced, bit for bit, with NCCL"); without it, or where a shard is not FSDP2's chunk,
+        :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce).
         """
         if not self.sharded:
             from torchtitan.distributed.utils import clip_grad_norm_
@@ -318,14 +301,11 @@ class TraceParallel:
 
 
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
-    """Prepare ``model`` for ``aot_fx_trace``: TP (torchtitan's Llama3 plan), activation
-    checkpointing, traceable FSDP over ``dp_shard`` and, with ``dp_replicate > 1``, the gradient
-    all-reduce over the replicas. Mesh order ``(dp_replicate, dp_shard, tp)``, as torchtitan's.
-
-    Mixed precision as torchtitan's FSDP2 + TP: the placeholders stay fp32 and are cast to
-    ``mixed_precision_param`` before the all-gather and ``DTensor.from_local``; reduce-scatters run
-    in ``mixed_precision_reduce``, the replicate all-reduce in fp32. Under ``COMM_MODE=fake_collectives``
-    ``model`` is on the meta device and this rank's shards are allocated on ``device``.
+    """Prepare ``model`` for ``aot_fx_trace``: TP (torchtitan's Llama3 plan), activation checkpointing,
+    traceable FSDP over ``dp_shard`` and, with ``dp_replicate > 1``, the gradient all-reduce over the
+    replicas (mesh order as torchtitan's). Mixed precision as FSDP2 + TP: fp32 placeholders cast to
+    ``mixed_precision_param`` before the all-gather, reduce-scatters in ``mixed_precision_reduce``.
+    Under ``COMM_MODE=fake_collectives`` ``model`` is on meta and this rank's shards go on ``device``.
     """
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
@@ -403,9 +383,8 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
 
 def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], device: torch.device,
                             std: float = 0.02) -> list[torch.nn.Parameter]:
-    """This rank's shards of a model built on the meta device, allocated on ``device``: RMSNorm
-    weights (``norm.weight``) ones, the rest ``N(0, std)`` (``COMM_MODE=fake_collectives``, whose
-    numerics are meaningless). Shards off the meta device are returned unchanged."""
+    """This rank's meta shards allocated on ``device`` (``COMM_MODE=fake_collectives``): ``norm.weight``
+    ones, the rest ``N(0, std)``; shards off the meta device unchanged."""
     out = []
     for name, p in zip(names, shards):
         if not p.is_meta:

@@ -66,9 +66,8 @@ def _default_devices() -> dict[str, DeviceConstants]:
 
 
 def device_constants(name: str, path: str = "") -> DeviceConstants:
-    """The constants of device kind ``name`` (``h100`` | ``h200``): datasheet defaults with the
-    fields measured in ``path`` (a JSON of ``scripts/cost_constants.py``; empty:
-    ``cost_constants/<name>.json`` if it exists) replaced.
+    """The constants of device kind ``name`` (``h100`` | ``h200``): datasheet defaults with the fields measured in
+    ``path`` (a JSON of ``scripts/cost_constants.py``; empty: ``cost_constants/<name>.json`` if it exists) replaced.
 
     Raises:
         UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU.

@@ -1,13 +1,9 @@
 """``COMM_MODE=fake_backend``: trace one step of an NGPU-rank layout in one process, execute nothing.
 
-Rank 0 of ``NGPU`` ranks on a fake process group builds the model on the meta device, applies
-TP and traceable FSDP as training does (:func:`graph_trainer.distributed.parallelize.distribute_for_trace`),
-traces forward + loss + backward, and logs: collectives by kind with bytes per rank, state bytes
-per rank, the graph estimate of the step's intermediates before and after the graph-level passes,
-the memory policy's choice and predicted peak per budget (the one prediction), and the projected
-step on ``--projection.device`` (:mod:`graph_trainer.projection.cost_model`). RMSNorm and
-attention are traced as CUDA runs them (:func:`fused_rms_norm_on_meta`, :func:`fused_attention_on_meta`),
-so the graph estimate is the GPU run's.
+Rank 0 of ``NGPU`` ranks on a fake process group builds the model on the meta device, distributes and
+traces it as training does, and logs the collectives, state bytes, graph estimates, the memory
+policy's choice and the projected step (:mod:`graph_trainer.projection.cost_model`). RMSNorm and
+attention are traced as CUDA runs them, so the graph estimate is the GPU run's.
 """
 
 from __future__ import annotations

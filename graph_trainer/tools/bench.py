@@ -1,17 +1,10 @@
 """The bench command: one workload, named variants (run_train.sh flag sets), alternating rounds,
 a table, and a JSON record of the call for the results page.
 
-Round ``r`` runs every variant once, in the order given (drift hits every variant). Per run, as
-:mod:`graph_trainer.tools.compare_mfu`: medians of tps / MFU over the steps after ``max(--warmup,
-1)``, the max memory; per variant the median, min and max over its runs. Each variant is
-compared with the first: the tps ratio, and "real" when the change exceeds the larger spread
-``(max - min) / median`` of the two (:func:`graph_trainer.tools.stats.delta`). Beside them the
-predicted peak and the compile time that traced runs report in their summary. ``--deadline-s``
-starts no run that the variant's longest earlier run says would end past it.
-
-The record (``--record-dir``, default ``docs/results``; ``--no-record`` for none) is what
-``scripts/results_page.py`` renders: date, device, torch, git sha, the exact command, the
-settings, per variant its statistics and every run's figures. A record is never overwritten.
+Round ``r`` runs every variant once, in the order given (drift hits every variant). Statistics as
+:mod:`graph_trainer.tools.compare_mfu`'s, each variant against the first
+(:func:`graph_trainer.tools.stats.delta`), beside the predicted peak and compile time of the runs'
+summaries. The record (``--record-dir``) is what ``scripts/results_page.py`` renders; never overwritten.
 
 Examples::
 
@@ -114,8 +107,8 @@ def _median(values) -> float | None:
 
 
 def variant_results(names: list[str], runs: list[Run]) -> list[dict]:
-    """Per variant: tps / MFU / memory statistics over its successful runs, the median predicted
-    peak (GiB) and compile time (s) of their summaries, and the tps ratio and verdict against the first."""
+    """Per variant: statistics over its successful runs, their median predicted peak (GiB) and compile
+    time (s), the tps ratio and verdict against the first."""
     out, stats = [], []
     for name in names:
         ok = [r for r in runs if r.side == name and r.status == "ok"]
@@ -159,8 +152,8 @@ def utc_date_time() -> dict[str, str]:
 
 
 def record_path(folder: str, record: dict) -> str:
-    """Where :func:`write_record` puts ``record``: ``<folder>/<date>_<HHMM>_<workload slug>.json``
-    (``HHMM``: its UTC ``time``, omitted when absent; ``_2``, ``_3``, ... when taken)."""
+    """``<folder>/<date>_<HHMM>_<workload slug>.json`` (``HHMM``: the record's UTC ``time``, if any;
+    ``_2``, ``_3``, ... when taken)."""
     slug = re.sub(r"[^A-Za-z0-9]+", "_", record["workload"]).strip("_").lower() or "bench"
     when = "_".join(filter(None, (record["date"], record.get("time", "").replace(":", ""))))
     stem = os.path.join(folder, f"{when}_{slug}")
@@ -171,9 +164,8 @@ def record_path(folder: str, record: dict) -> str:
 
 
 def copy_profiles(runs: list, path: str) -> list[str]:
-    """Per variant, the rank-0 timeline picture (``rank0_timeline.png``, tools/profiling.py) of its
-    first profiled run, copied beside the record at ``path`` as ``<record stem>_<variant>.png``;
-    returns the file names (what the record's ``profile_png`` lists, relative to its folder)."""
+    """Per variant, its first profiled run's ``rank0_timeline.png`` copied beside the record at ``path`` as
+    ``<record stem>_<variant>.png``; returns the file names (the record's ``profile_png``)."""
     folder, stem = os.path.split(os.path.splitext(path)[0])
     names: dict[str, str] = {}
     for run in runs:
@@ -187,11 +179,9 @@ def copy_profiles(runs: list, path: str) -> list[str]:
 
 
 def profile_summary(runs: list, step: int, top: int = 4) -> dict:
-    """Per variant, where the profiled ``step`` of its first run with a readable summary went
-    (``rank<r>_kernels.json``, tools/profiling.py): a list of ``{"rank", "wall_ms", "compute_ms",
-    "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms", "exposed_ms"}}}`` (the ``top`` most
-    exposed collectives; ms per step), for rank 0 and, when another, the rank with the most compute
-    time (the one the others wait for). Variants without a profile are left out."""
+    """Per profiled variant, where the ``step`` of its first run with readable ``rank<r>_kernels.json``
+    went: ``[{"rank", "wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms",
+    "exposed_ms"}}}]`` (the ``top`` most exposed; ms per step) for rank 0 and the rank with most compute."""
     out: dict[str, list[dict]] = {}
     for run in runs:
         if run.side in out:

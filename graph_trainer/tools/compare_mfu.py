@@ -1,11 +1,8 @@
 """Compare tps / TFLOPS / MFU / memory of two sides (git refs and/or run_train.sh flag sets).
 
-``--repeats R`` runs per side alternate A B A B (drift hits both sides). Per run: the median over the
-steps after ``max(--warmup, 1)`` of tps, tflops and MFU, and the max memory; per side: the median over
-its runs. B vs A is "real" when ``|delta|`` exceeds the larger relative range ``(max - min) / median``
-of the two sides' repeats. ``--out`` gets ``comparison.json``, ``tps_per_step.png``, each run's dump
-folder and log, and with ``--profile-step N`` ``timeline_a_vs_b.png`` (the median-wall run per side) and
-the kernel tables of :func:`graph_trainer.tools.stats.kernel_comparison`.
+``--repeats R`` runs per side alternate A B A B (drift hits both sides); statistics and verdict:
+:mod:`graph_trainer.tools.stats`. ``--out`` gets ``comparison.json``, ``tps_per_step.png``, the runs'
+folders and logs, and with ``--profile-step N`` ``timeline_a_vs_b.png`` and the kernel tables.
 
 Examples::
 
@@ -44,8 +41,7 @@ COLORS, STYLES = {"A": "tab:blue", "B": "tab:orange"}, ["-", "--", ":", "-."]  #
 
 
 def plot(path: str, runs: list[Run], sides: dict, warmup: int) -> str:
-    """tps per step of every run (A blue, B orange, one line style per repeat; excluded steps
-    shaded) to ``path`` (PNG). Returns ``path``."""
+    """tps per step of every run (A blue, B orange; excluded steps shaded) to ``path`` (PNG); returns it."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -77,9 +73,8 @@ def plot(path: str, runs: list[Run], sides: dict, warmup: int) -> str:
 
 
 def timeline_plot(path: str, runs: list[Run], labels: dict[str, str], step: int) -> str | None:
-    """Draw the profiled ``step`` of the run per side whose wall time of it is the median (the lower
-    of an even count), A above B, to ``path`` (PNG). Returns ``path``, or ``None`` with one printed
-    line when a side has no such run or matplotlib is missing. Raises OSError from writing."""
+    """Draw the profiled ``step`` of each side's median-wall run (the lower of two), A above B, to
+    ``path`` (PNG); returns it, or None with one printed line (no such run, no matplotlib)."""
     from graph_trainer.tools import timeline
 
     paths, names = [], []

@@ -1,6 +1,5 @@
-"""Compare the per-step loss (and the final state) of two training runs, bit for bit: one run per side
-(sides as in :mod:`graph_trainer.tools.compare_mfu`) with ``--debug.state_hashes``; every step's logged
-fp32 loss and grad norm, then the sha256 of the final weights, gradients and optimizer state.
+"""Compare two training runs bit for bit (one per side, ``--debug.state_hashes``): every step's logged
+loss and grad norm, then the sha256 of the final weights, gradients and optimizer state.
 
 Examples::
 

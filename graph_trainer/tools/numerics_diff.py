@@ -1,9 +1,8 @@
 """Find the first op whose output differs between two training runs (step 1, per rank).
 
-Runs step 1 once per side (sides as in :mod:`graph_trainer.tools.compare_mfu`) with
-``--debug.record_numerics`` (every op's output on every rank, :mod:`graph_trainer.numerics`), matches
-the ops of A and B by key (phase, module FQN, op, occurrence) and prints per rank the first op in A's
-order whose output differs -- bitwise, or beyond ``--rtol`` / ``--atol`` -- then the next few.
+Runs step 1 per side with ``--debug.record_numerics`` (:mod:`graph_trainer.numerics`), matches the ops
+of A and B by key and prints per rank the first op in A's order whose output differs -- bitwise, or
+beyond ``--rtol`` / ``--atol`` -- then the next few.
 
 Examples::
 
@@ -34,8 +33,7 @@ from graph_trainer.tools.sides import CompareError, pair_sides, parse_cli, run_c
 
 @dataclass
 class Divergence:
-    """One op whose output differs: max abs / rel difference over the compared elements
-    (``max_rel`` None for integer outputs), ``sampled`` when measured on a strided sample."""
+    """One op whose output differs: max abs / rel difference (``max_rel`` None for integers), ``sampled``."""
 
     key: Any
     shape: tuple
@@ -47,8 +45,8 @@ class Divergence:
 
 @dataclass
 class Comparison:
-    """One rank: ``matched`` ops compared, the ``divergent`` ones in A's execution order, keys on
-    one side only, and ``reshaped`` keys (on both sides with another shape or dtype; not compared)."""
+    """One rank: ``matched`` ops compared, the ``divergent`` ones in A's order, keys on one side only, and
+    ``reshaped`` keys (another shape or dtype; not compared)."""
 
     matched: int
     divergent: list[Divergence] = field(default_factory=list)
@@ -69,12 +67,9 @@ def _diff(ra, rb) -> tuple[float | None, float | None]:
 
 
 def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = None) -> Comparison:
-    """Compare two runs' records (``{key: graph_trainer.numerics.Record}`` in execution order).
-
-    Ops are compared when their key is on both sides with the same shape and dtype. One
-    differs -- bitwise (``rtol`` and ``atol`` None) -- when its fingerprint differs, or --
-    with a tolerance -- when some compared element has ``|a - b| > atol + rtol * |b|``
-    (NaN equal to NaN; a missing tolerance is 0).
+    """Compare two runs' records (``{key: Record}`` in execution order), ops whose key is on both sides
+    with the same shape and dtype: one differs bitwise (``rtol`` and ``atol`` None) when its fingerprint
+    does, else when an element has ``|a - b| > atol + rtol * |b|`` (NaN equals NaN; missing tolerance 0).
     """
     out = Comparison(matched=0, only_a=[k for k in a if k not in b], only_b=[k for k in b if k not in a])
     for key, ra in ((k, v) for k, v in a.items() if k in b):
@@ -118,8 +113,8 @@ def report(cmp: Comparison, rank: int, next_n: int) -> str:
 
 
 def compare_folders(dir_a: str, dir_b: str, rtol: float | None, atol: float | None) -> dict[int, Comparison]:
-    """Compare ``rank<r>.pt`` of two record folders, rank by rank. Raises CompareError for a
-    folder without record files, different rank sets or an unreadable file."""
+    """Compare ``rank<r>.pt`` of two record folders, rank by rank (CompareError: no records, other ranks,
+    an unreadable file)."""
     ranks = {}
     for d in (dir_a, dir_b):
         ranks[d] = {int(p.stem[4:]) for p in pathlib.Path(d).glob("rank*.pt") if p.stem[4:].isdigit()}

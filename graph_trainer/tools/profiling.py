@@ -1,9 +1,8 @@
-"""``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here:
-torchtitan's needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md``
-/ ``.json`` (time per step by kernel category, the step's timeline, each collective's time and exposed time,
-top kernels, the step's kernels) and ``rank<r>_timeline.png`` to
-``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files.
-On CPU the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
+"""``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here: torchtitan's
+needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md`` / ``.json`` (time per
+step by kernel category, the step's timeline, each collective's time and exposed time, top kernels, the step's kernels)
+and ``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files. On CPU
+the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
 from __future__ import annotations
 
@@ -53,11 +52,9 @@ _NCCL_DTYPES = {"f8e4m3", "f8e5m2", "f16", "bf16", "f32", "f64", "i8", "u8", "i3
 
 
 def collective_label(name: str) -> str:
-    """A communication kernel's collective and dtype from its name: ``"ReduceScatter f32"`` for
-    ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``, ``"AllGather"`` (NCCL names no dtype for a
-    copy), ``"all_gather"`` for gloo's ``gloo:all_gather``; another name, its first 40 characters.
-    In this project's layouts FSDP reduces gradients in fp32 and TP in bf16, so the dtype tells
-    FSDP's reduce-scatter from TP's; the stream (see :func:`_intervals_of`) tells the groups apart."""
+    """A communication kernel's collective and dtype: ``"ReduceScatter f32"`` for
+    ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``, ``"AllGather"`` (no dtype for a copy), ``"all_gather"`` for
+    ``gloo:all_gather``; another name, its first 40 characters. (FSDP reduces in fp32, TP in bf16.)"""
     if name.startswith("gloo:"):
         return name[len("gloo:"):]
     m = re.search(r"Kernel_(\w+)", name)
@@ -71,8 +68,7 @@ def collective_label(name: str) -> str:
 def summarize_events(events: list[tuple[str, float, int]], steps: int, top: int = 15) -> dict[str, Any]:
     """Per-step milliseconds from ``(name, self_time_us, calls)`` rows summed over ``steps`` steps:
     ``{"steps", "total_ms", "categories": {cat: {"ms", "share", "calls"}}, "kernels": [{"name", "category",
-    "ms", "calls"}], "top": the first ``top`` of "kernels"}``, by descending ms; ``share`` of ``total_ms``,
-    the summed kernel time."""
+    "ms", "calls"}], "top": the first ``top`` kernels}``, by descending ms."""
     steps = max(1, int(steps))
     cats: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "calls": 0})
     rows = []
@@ -134,12 +130,9 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
 
 
 def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]], list]:
-    """``(kernels, steps, collectives)`` of the recorded window, in microseconds: ``(start, end,
-    category)`` and the steps for :func:`timeline_breakdown`, and the communication kernels as
-    ``(start, end, label)`` for :func:`collective_breakdown` (:func:`collective_label`, plus
-    ``" (stream <id>)"`` where one label runs on several CUDA streams, i.e. process groups). On CPU
-    the ATen ops on a gloo thread are left out (they belong to its collective). ``on_device``:
-    default ``torch.cuda.is_available()``."""
+    """``(kernels, steps, collectives)`` of the recorded window in microseconds, for
+    :func:`timeline_breakdown` and :func:`collective_breakdown` (labels get ``" (stream <id>)"`` where one
+    runs on several streams, i.e. groups). On CPU ATen ops on a gloo thread belong to its collective."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     events = list(prof.events())
     gloo_threads = set() if on_device else {getattr(e, "thread", None) for e in events if e.name.startswith("gloo:")}
@@ -230,6 +223,5 @@ class StepProfiler:
 
 
 def maybe_start_profiler(cfg, dump_folder: str, rank: int, start_step: int = 0) -> StepProfiler | None:
-    """A started :class:`StepProfiler` when ``cfg.enable_profiling`` (torchtitan's ``[profiling]``),
-    else ``None``. Raises ValueError when ``profile_freq < profiler_warmup + profiler_active``."""
+    """A started :class:`StepProfiler` when ``cfg.enable_profiling``, else None (ValueError: a bad schedule)."""
     return StepProfiler(cfg, dump_folder, rank, start_step) if cfg.enable_profiling else None

@@ -66,9 +66,8 @@ class Progress:
 
 def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose: bool,
             timeout: float | None, progress: Progress) -> None:
-    """Run ``run.cmd`` in the side's tree, streaming its output to ``run.log`` and the progress
-    line; then set ``run``'s status, error, rows and stats. A timeout or Ctrl-C stops the
-    run with its process tree (Ctrl-C is re-raised)."""
+    """Run ``run.cmd`` in the side's tree, its output to ``run.log`` and the progress line; then set
+    ``run``'s status, error, rows and stats. A timeout or Ctrl-C (re-raised) stops its process tree."""
     os.makedirs(os.path.dirname(run.log), exist_ok=True)
     t0 = time.perf_counter()
     timed_out = threading.Event()
@@ -133,9 +132,8 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
 
 @contextlib.contextmanager
 def _interrupts_deferred(signums=(signal.SIGINT, signal.SIGTERM)):
-    """Hold ``signums`` back inside the block (around ``Popen``: a Ctrl-C while it forks would
-    otherwise leave the run, in its own session, running), then deliver them to the previous
-    handlers. Main thread only."""
+    """Hold ``signums`` back inside the block (a Ctrl-C while ``Popen`` forks would leave the run, in
+    its own session, running), then deliver them to the previous handlers. Main thread only."""
     pending: list[int] = []
     previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in signums}
     try:
@@ -172,9 +170,8 @@ def _descendants(pid: int) -> list[tuple[int, str]]:
 
 
 def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group (torchrun forwards it to its workers, which sit in
-    their own groups), then after 15 s SIGKILL to whatever of the tree is left (a pid only
-    while its start time is unchanged)."""
+    """SIGTERM to the run's process group (torchrun forwards it to its workers, in their own groups),
+    after 15 s SIGKILL to what is left of the tree (a pid only while its start time is unchanged)."""
     tree = _descendants(proc.pid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -192,9 +189,8 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def failure_cause(path: str) -> tuple[str | None, bool]:
-    """(the reason in a failed run's log, whether it is the trainer's own input error): the
-    first ``error: ...`` line (deterministic: it would fail again), else the last
-    ``SomethingError: ...`` line before torchrun's report."""
+    """(the reason in a failed run's log, whether it is the trainer's input error): the first ``error:
+    ...`` line (it would fail again), else the last ``SomethingError: ...`` before torchrun's report."""
     try:
         with open(path, errors="replace") as f:
             lines = [re.sub(r"^\[rank\d+\]:", "", l).strip() for l in f]
@@ -218,10 +214,8 @@ def tail(path: str, n: int = LOG_TAIL_LINES) -> str:
 
 def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps: int, out: str,
               profile_step: int | None) -> list[Run]:
-    """One :class:`Run` per ``(side, repeat)`` of ``order``: ``run_train.sh`` of the side's tree with its
-    flags, ``extra``, the forced flags and, with ``profile_step``, the profiler on exactly that step (the
-    steps it slows, :func:`~graph_trainer.tools.stats.profiler_steps`, left out of the stats); its dump
-    folder ``<out>/runs/<side><repeat>``."""
+    """One :class:`Run` per ``(side, repeat)`` of ``order``: the side's ``run_train.sh`` with its flags, ``extra``, the
+    forced flags and the profiler on ``profile_step`` (if any); dump folder ``<out>/runs/<side><repeat>``."""
     profile = ["--profiling.enable_profiling", "--profiling.profile_freq", str(profile_step),
                "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"] if profile_step else []
     runs = []
@@ -235,11 +229,9 @@ def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps
 
 
 def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repeat}", after_each=None) -> bool:
-    """Run ``runs`` in order (``args``: steps, warmup, verbose, run_timeout and, where it has one,
-    deadline_s: no run starts that its side's longest earlier run says would end past it), calling
-    ``after_each()`` after each; the later runs of a side that failed on the trainer's input error are
-    skipped. ``name(run)`` names a run in the progress lines. True when interrupted (Ctrl-C or SIGTERM:
-    the current run is stopped and recorded as interrupted, the rest stay pending)."""
+    """Run ``runs`` in order (``args``: steps, warmup, verbose, run_timeout, deadline_s if any), calling
+    ``after_each()`` after each; a side's later runs are skipped after an input error of the trainer, or
+    when its longest run says they would end past the deadline. True when interrupted (Ctrl-C, SIGTERM)."""
     progress, start, longest, skip, current = Progress(), time.monotonic(), {}, {}, None
     deadline = getattr(args, "deadline_s", None)
     # SIGTERM (`timeout`, a job scheduler) raises KeyboardInterrupt: the finished runs are reported as on Ctrl-C
@@ -285,8 +277,8 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
 
 
 def side_run(name: str, side: Side, extra: list[str], flags: list[str], steps: int, out: str) -> Run:
-    """The one run of side ``name`` (loss_compare, numerics_diff), its command printed: ``./run_train.sh``
-    with the side's flags, ``extra``, ``flags`` and the forced flags; dump folder ``<out>/<name lower>``."""
+    """The one run of side ``name`` (loss_compare, numerics_diff), its command printed; dump folder
+    ``<out>/<name lower>``."""
     dump = os.path.join(out, name.lower())
     cmd = ["./run_train.sh", *side.flags, *extra, *flags, *forced_flags(steps, dump)]
     print(f"side {name} ({side.label}): {shlex.join(cmd)}", flush=True)

@@ -73,9 +73,8 @@ def check_owned_flags(flags: list[str], where: str) -> None:
 
 
 def resolve_config(cli_value: str | None, env: dict) -> tuple[str, str]:
-    """(config path, where it came from): ``--config-file``, else ``CONFIG_FILE``, else ``CONFIG``
-    (a name in :data:`graph_trainer.config.CONFIG_NAMES`), else the debug model's.
-    Raises CompareError for an unknown CONFIG name."""
+    """(config path, its source): ``--config-file``, ``CONFIG_FILE``, ``CONFIG`` (a name of
+    :data:`graph_trainer.config.CONFIG_NAMES`; CompareError if unknown) or the debug model's."""
     if cli_value:
         return cli_value, "--config-file"
     if env.get("CONFIG_FILE"):
@@ -103,8 +102,7 @@ def config_for_side(config: str, side: Side) -> None:
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """compare_mfu / bench: raise CompareError unless ``--repeats >= 1``, ``--warmup >= 0``, ``--steps``
-    leaves a step after ``max(--warmup, 1)`` and ``--profile-step`` (if given) is in ``2..--steps``."""
+    """compare_mfu / bench: CompareError for a bad ``--repeats``, ``--warmup``, ``--steps`` or ``--profile-step``."""
     first = max(args.warmup, 1)
     if args.repeats < 1:
         raise CompareError(f"--repeats must be >= 1, got {args.repeats}.")
@@ -130,11 +128,9 @@ def child_env(side: Side) -> dict:
 
 
 def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextlib.ExitStack) -> dict:
-    """Resolve both sides (refs, worktrees, configs, labels) of the parsed CLI arguments.
-
-    ``extra`` are the arguments after ``--``; ``cleanup`` gets the removal of the temporary
-    worktrees. Returns ``{"repo", "head", "config", "config_source", "sides": {"A": Side, "B":
-    Side}}``. Raises CompareError.
+    """Resolve both sides (refs, worktrees, configs, labels) of the parsed CLI arguments; ``extra``: the
+    arguments after ``--``; ``cleanup`` removes the worktrees. Returns ``{"repo", "head", "config",
+    "config_source", "sides": {"A": Side, "B": Side}}``. Raises CompareError.
     """
     repo = os.path.abspath(args.repo) if args.repo else default_repo()
     if not os.path.isdir(repo):
@@ -222,8 +218,8 @@ def validate_sides(sides: dict, extra: list[str], steps: int, dump: str) -> None
 
 
 def tool_parser(prog: str, description: str, doc: str, tool: str, two_sided: bool = True) -> argparse.ArgumentParser:
-    """The parser of a tool: ``description``, the ``Examples::`` of ``doc`` as epilog, with ``two_sided``
-    the side options, then ``--run-timeout``, ``-v`` and ``--out`` (default ``./outputs/<tool>_<timestamp>``)."""
+    """A tool's parser: ``description``, the ``Examples::`` of ``doc`` as epilog, the side options
+    (``two_sided``), ``--run-timeout``, ``-v`` and ``--out``."""
     p = argparse.ArgumentParser(prog=prog, description=description, epilog="examples:" + doc.split("Examples::")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if two_sided:
@@ -252,9 +248,8 @@ def _side_options(p: argparse.ArgumentParser) -> None:
 
 def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None,
               joined: tuple[str, ...] = ("--a-flags", "--b-flags")) -> tuple[argparse.Namespace, list[str]]:
-    """(the options before ``--``, parsed by ``parser``; the run_train.sh arguments after it).
-    The options in ``joined`` (default ``--a-flags X`` / ``--b-flags X``) take ``X`` even when it
-    starts with ``--``."""
+    """(the options before ``--``, parsed; the run_train.sh arguments after it). The options in
+    ``joined`` take their value even when it starts with ``--``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -296,8 +291,8 @@ def write_json(path: str, payload: dict) -> None:
 
 
 def run_cli(body) -> int:
-    """``body(cleanup) -> exit code`` with the shared error handling: CompareError prints one
-    paragraph and gives 2, Ctrl-C gives 130; ``cleanup`` (an ExitStack) is always closed."""
+    """``body(cleanup) -> exit code``: CompareError prints one paragraph and gives 2, Ctrl-C 130;
+    ``cleanup`` (an ExitStack) is always closed."""
     try:
         with contextlib.ExitStack() as cleanup:
             return body(cleanup)

@@ -14,8 +14,8 @@ _UNITS = {"tps": "", "tflops": "", "mfu": "%", "memory_gib": " GiB"}
 
 
 def profiler_steps(profile_step: int | None) -> tuple[int, ...]:
-    """The steps a profiler on ``profile_step`` slows (its warm-up step, the recorded step, and the
-    next, which pays for writing the trace and its summaries); ``()`` without one."""
+    """The steps a profiler on ``profile_step`` slows (its warm-up, the recorded step, the next, which
+    writes the trace); ``()`` without one."""
     return (profile_step - 1, profile_step, profile_step + 1) if profile_step else ()
 
 
@@ -26,9 +26,8 @@ def steady_rows(rows: list[dict], warmup: int, exclude=()) -> list[dict]:
 
 
 def run_stats(rows: list[dict], warmup: int, exclude=()) -> dict:
-    """One run's medians of tps/tflops/mfu/step time over steady steps (``exclude``: steps left out,
-    :func:`profiler_steps`), max memory (GiB, %), final loss; ``None`` where a metric is null on
-    every step (MFU on CPU)."""
+    """One run's medians of tps/tflops/mfu/step time over :func:`steady_rows`, max memory (GiB, %),
+    final loss; ``None`` where a metric is null on every step (MFU on CPU)."""
     steady = steady_rows(rows, warmup, exclude)
 
     def agg(f, key, rs):
@@ -54,9 +53,9 @@ def side_stats(per_run: list[dict]) -> dict:
 
 
 def delta(a: dict, b: dict) -> dict:
-    """B vs A per metric: ``pct`` change of the medians, ``spread_pct`` (the larger of the two
-    sides' spreads) and a ``verdict``: "real" when ``|pct|`` exceeds the spread, else "within
-    noise"; "no change", "n/a", or "spread unknown: ..." with one run on a side."""
+    """B vs A per metric: ``pct`` change of the medians, ``spread_pct`` (the larger side's) and a
+    ``verdict``: "real" when ``|pct|`` exceeds the spread, else "within noise"; "no change", "n/a", or
+    "spread unknown: ..." with one run on a side."""
     out = {}
     for key in METRICS:
         ma, mb = a[key]["median"], b[key]["median"]
@@ -77,8 +76,7 @@ def delta(a: dict, b: dict) -> dict:
 
 
 def fmt_number(key: str, v: float) -> str:
-    """tps with thousands separators (one decimal below 100), tflops with 2 decimals (4
-    significant digits below 1), MFU and GiB with 2 decimals."""
+    """tps with thousands separators (a decimal below 100), tflops 2 decimals (4 digits below 1), else 2 decimals."""
     if key == "tps":
         return f"{v:,.0f}" if abs(v) >= 100 else f"{v:,.1f}"
     if key == "tflops":
@@ -106,8 +104,8 @@ def _delta_cell(d: dict) -> str:
 
 def markdown_table(labels: dict, stats: dict, deltas: dict | None, runs_ok: dict, repeats: int,
                    no_result: dict | None = None) -> str:
-    """One row per side (``median (min–max)``), then the delta row B vs A. ``no_result[side]``
-    fills the cells of a side without a successful run ("failed", "interrupted"; default "not run")."""
+    """One row per side (``median (min–max)``), then B vs A; ``no_result[side]`` fills a side without a
+    successful run (default "not run")."""
     lines = ["| side | tps | tflops | MFU | memory |", "|---|" + "---|" * len(METRICS)]
     for side in ("A", "B"):
         if runs_ok[side] == 0:
@@ -130,9 +128,7 @@ def one_liner(labels: dict, stats: dict, runs_ok: dict) -> str:
 
 
 def build_results(sides: dict, runs: list, repeats: int) -> dict:
-    """The comparison of finished runs of sides A and B: per-side stats over the successful
-    runs, the delta B vs A (when both sides have one), run counts, the markdown table and the
-    one-line summary."""
+    """Sides A and B's stats over their successful runs, B vs A, run counts, the table and the summary."""
     stats, runs_ok, runs_failed, no_result = {}, {}, {}, {}
     for s in ("A", "B"):
         ok = [r.stats for r in runs if r.side == s and r.status == "ok"]
@@ -159,12 +155,10 @@ PER_KERNEL_CATEGORIES = ("matmul", "attention")
 
 
 def kernel_comparison(runs: list, labels: dict, step: int, per_kernel: int = 12) -> dict:
-    """Milliseconds of the profiled ``step`` by kernel category and of its timeline (wall,
-    compute, exposed communication, idle), per side the median over the runs with a readable
-    :func:`profile_json`; then the ``per_kernel`` kernels of :data:`PER_KERNEL_CATEGORIES` whose
-    time differs most between the sides (a kernel absent on a side counts 0 ms there). Returns
-    ``{"step", "unit" (device or CPU), "runs": {side: n}, "sides": {side: {category: ms, "total":
-    ms}}, "timeline": {side: {key: ms}}, "per_kernel": [{"name", "category", "A", "B"}], "markdown"}``."""
+    """Milliseconds of the profiled ``step`` by kernel category and of its timeline, per side the median
+    over the runs with a readable :func:`profile_json`, and the ``per_kernel`` kernels that moved most
+    (:func:`_kernels_moved`). Returns ``{"step", "unit", "runs": {side: n}, "sides": {side: {category: ms,
+    "total": ms}}, "timeline": {side: {key: ms}}, "per_kernel": [{"name", "category", "A", "B"}], "markdown"}``."""
     found: dict[str, list[dict]] = {"A": [], "B": []}
     for r in runs:
         try:

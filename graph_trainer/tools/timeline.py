@@ -65,12 +65,10 @@ def bands(kernels: list[Kernel], step: tuple[float, float]) -> dict[str, list[tu
 
 
 def timeline_breakdown(kernels: list[Kernel], steps: list[tuple[float, float]]) -> dict[str, float]:
-    """Where the wall time of each step (``(start_us, end_us)``; kernels are clipped to it) goes, from
-    ``(start_us, end_us, category)`` kernels (on CPU: ATen ops). Milliseconds, the mean over ``steps``
-    (all zero without): ``wall_ms = compute_ms + exposed_comm_ms + idle_ms`` (the union of other than
-    communication kernels; communication alone; no kernel), ``comm_ms`` (the union of communication
-    kernels) and, of the exposed time, ``exposed_head_ms`` before the first matmul starts and
-    ``exposed_tail_ms`` after the last one ends (all of it is head without matmuls)."""
+    """Where the wall time of each step (``(start_us, end_us)``) goes, from ``(start_us, end_us,
+    category)`` kernels; ms, the mean over ``steps`` (zero without): ``wall_ms = compute_ms +
+    exposed_comm_ms + idle_ms``, ``comm_ms`` (communication, overlapped or not) and, of the exposed
+    time, ``exposed_head_ms`` / ``exposed_tail_ms`` before the first / after the last matmul."""
     out = dict.fromkeys(("wall_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms",
                          "exposed_head_ms", "exposed_tail_ms"), 0.0)
     if not steps:
@@ -93,11 +91,9 @@ def timeline_breakdown(kernels: list[Kernel], steps: list[tuple[float, float]]) 
 
 def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
                          steps: list[tuple[float, float]]) -> dict[str, dict[str, float]]:
-    """Per collective label (the third element of ``collectives``, ``(start_us, end_us, label)``,
-    e.g. ``"ReduceScatter f32"``; :func:`~graph_trainer.tools.profiling.collective_label`) the mean per
-    step of ``ms`` (the union of its kernels), ``exposed_ms`` (of it, while no kernel of ``kernels``
-    other than communication runs) and ``launches``, by descending ``exposed_ms``. Two collectives
-    in flight at once both count, so the ``exposed_ms`` may add up to more than the timeline's."""
+    """Per label of ``collectives`` (``(start_us, end_us, label)``) the mean per step of ``ms``,
+    ``exposed_ms`` (while no compute kernel runs; collectives in flight together each count it) and
+    ``launches``, by descending ``exposed_ms``."""
     comp = [(a, b) for a, b, c in kernels if c != "communication"]
     out: dict[str, dict[str, float]] = {}
     for lo, hi in steps:
@@ -117,9 +113,8 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
 
 
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
-    """One step's kernels in compact JSON form: ``{"step": step_num, "wall_ms", "categories":
-    [name, ...], "kernels": [[start_ms, dur_ms, category index], ...]}``, times from the step's
-    start rounded to 0.1 us, only the parts inside ``step`` (``(start_us, end_us)``), sorted."""
+    """One step's kernels, compact: ``{"step": step_num, "wall_ms", "categories": [name, ...], "kernels":
+    [[start_ms, dur_ms, category index], ...]}``, from the step's start, 0.1 us, clipped, sorted."""
     lo, hi = step
     cats: dict[str, int] = {}
     rows = []
@@ -206,17 +201,15 @@ def _draw(path: str, steps: list[tuple[list[Kernel], tuple[float, float], str]])
 
 
 def draw_timeline(path: str, kernels: list[Kernel], step: tuple[float, float], title: str = "step") -> dict:
-    """Write the picture of one step (``(start_us, end_us)``; the x axis starts there) to ``path``
-    (PNG). Returns :func:`timeline_breakdown` of the step plus ``"exposed_ranges_ms"`` and
-    ``"idle_ranges_ms"`` (the marked ranges, ms from the step's start) and ``"path"``. Raises
-    ImportError without matplotlib, OSError when ``path`` cannot be written."""
+    """Draw one step (``(start_us, end_us)``) to ``path`` (PNG). Returns :func:`timeline_breakdown` plus
+    ``"exposed_ranges_ms"``, ``"idle_ranges_ms"`` (from the step's start) and ``"path"``. Raises
+    ImportError without matplotlib, OSError."""
     return {**_draw(path, [(kernels, step, title)])[0], "path": path}
 
 
 def timeline_a_vs_b(path: str, a: str, b: str, labels: tuple[str, str] = ("A", "B")) -> dict:
-    """Write the steps of two ``rank<r>_kernels.json`` files, A above B on one x scale, to
-    ``path`` (PNG). Returns ``{"path", "A": ..., "B": ...}``, per row what :func:`draw_timeline`
-    returns less the path. Raises as :func:`read_step` (before drawing) and :func:`draw_timeline`."""
+    """Draw the steps of two ``rank<r>_kernels.json`` files, A above B on one x scale, to ``path``. Returns
+    ``{"path", "A", "B"}`` (rows as :func:`draw_timeline`'s). Raises as :func:`read_step`, :func:`draw_timeline`."""
     rows = []
     for side, label, p in zip("AB", labels, (a, b)):
         kernels, step, summary = read_step(p)
