@@ -1,7 +1,6 @@
-"""Collectives and their waits: which nodes communicate (:data:`COLLECTIVE_NAMESPACES`, the
-``symm_mem`` fused ops of ``async_tp`` included), the kind and group of a collective, ``wait_tensor`` nodes,
-the keep-alive :func:`hold` (and :func:`strip_holds`) and the chain from an FSDP parameter to its
-all-gather (:func:`shard_chain`).
+"""Collectives and their waits: which nodes communicate (:data:`COLLECTIVE_NAMESPACES`, the ``symm_mem`` fused ops
+of ``async_tp`` included), the kind and group of a collective, ``wait_tensor`` nodes, the keep-alive :func:`hold`
+(and :func:`strip_holds`) and the chain from an FSDP parameter to its all-gather (:func:`shard_chain`).
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ import torch.fx
 
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
 
-#: Namespaces of collective / communication ops: never removed as dead code, never
-#: recomputed, never put inside an Inductor region. ``symm_mem``: the fused
-#: collective-matmul ops of ``async_tp``, which communicate inside the op.
+#: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
+#: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
 COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
@@ -66,9 +64,8 @@ def hold(x, *keep_alive):
 
 
 def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
-    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first
-    argument (before a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how
-    many were removed."""
+    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first argument (before
+    a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
     holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
              and (of is None or node.args[0] in of)]
     for node in holds:

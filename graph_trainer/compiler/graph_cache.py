@@ -1,12 +1,11 @@
 """The graph cache (``--compile.graph_cache_dir``): the traced step after its passes, before Inductor.
 
-A run traces the step, plans the memory levers and runs the passes up to the first one that
-compiles; the cache stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors
-and the region tags) with the remaining pipeline steps and the run's statistics, under a key of
-everything that decides the graph (:func:`cache_key`). A later run with the same key loads it and
-runs only the remaining steps. A pass's process setup
-(:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is
-stored with the entry and done again on load.
+A run traces the step, plans the memory levers and runs the passes up to the first one that compiles; the cache
+stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the region tags) with the
+remaining pipeline steps and the run's statistics, under a key of everything that decides the graph
+(:func:`cache_key`). A later run with the same key loads it and runs only the remaining steps. A pass's process
+setup (:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is stored with
+the entry and done again on load.
 
 When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
 step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format) and a later
@@ -41,10 +40,9 @@ _NOT_IN_KEY = {"job", "profiling", "metrics", "checkpoint", "validation", "fault
 
 
 def cache_dir(graph_cache_dir: str, inductor_compilation: str) -> str | None:
-    """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or
-    empty; "auto" unless ``inductor_compilation`` is "full"). "auto" with full Inductor:
-    ``graph_trainer/`` in Inductor's cache folder, so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both
-    caches cold."""
+    """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or empty; "auto" unless
+    ``inductor_compilation`` is "full"). "auto" with full Inductor: ``graph_trainer/`` in Inductor's cache folder,
+    so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both caches cold."""
     if graph_cache_dir in ("", "off") or (graph_cache_dir == "auto" and inductor_compilation != "full"):
         return None
     if graph_cache_dir == "auto":
@@ -105,10 +103,9 @@ _TARGET_KEY = "graph_cache_target"
 
 
 def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
-    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each
-    ``call_function`` node whose target is one of the package's own functions (``hold``) the
-    stand-in ``operator.pos`` and its real ``"module:qualname"`` in ``meta``; returns node -> old
-    target (the caller puts them back)."""
+    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each ``call_function``
+    node whose target is one of the package's own functions (``hold``) the stand-in ``operator.pos`` and its real
+    ``"module:qualname"`` in ``meta``; returns node -> old target (the caller puts them back)."""
     import operator
 
     swapped = {}
@@ -145,9 +142,8 @@ def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
-    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a
-    warning when the graph or the steps cannot be pickled or the folder not written (the run
-    goes on uncached)."""
+    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a warning when the graph
+    or the steps cannot be pickled or the folder not written (the run goes on uncached)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     swapped = _own_targets_by_name(gm)
@@ -176,8 +172,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
 
 
 def compiled_path(path: Path) -> Path:
-    """Where the compiled step of the entry at ``path`` is stored (its constants: ``.constants``
-    beside it)."""
+    """Where the compiled step of the entry at ``path`` is stored (its constants: ``.constants`` beside it)."""
     return path.with_suffix(".inductor")
 
 
@@ -192,11 +187,10 @@ def recording():
 
 
 def save_compiled(path: Path, gm: Any, steps: list) -> bool:
-    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are
-    :data:`COMPILED_STEPS` (one Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``),
-    write its artifact to :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the
-    constants beside it (``torch.save``). Returns whether it was written; a failure is a warning
-    (later runs load the graph instead)."""
+    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are :data:`COMPILED_STEPS` (one
+    Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``), write its artifact to
+    :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the constants beside it (``torch.save``).
+    Returns whether it was written; a failure is a warning (later runs load the graph instead)."""
     import importlib
 
     if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):

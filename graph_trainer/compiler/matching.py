@@ -55,14 +55,13 @@ def _chain_kind(node: torch.fx.Node) -> str | None:
 def find_pointwise_regions(
     graph: torch.fx.Graph, min_ops: int = 2, accept: Callable[[torch.fx.Node], bool] | None = None,
 ) -> list[list[torch.fx.Node]]:
-    """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order
-    with at least ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops
-    (``torch.Tag``), ``_to_copy``, ``_log_softmax(_backward_data)`` and ``nll_loss_forward/backward``;
-    not in-place, seeded-random or complex ops, nodes already tagged for Inductor, collectives. A
-    view joins only a chain it continues. Connected ops of one ``(phase, module FQN)`` form a
-    region, cut by :func:`split_acyclic` where it would form a cycle (the residual ``out = h +
-    ffn(norm(h))``). ``accept``: a further test every non-view op must pass (views are joined by
-    the same rule either way)."""
+    """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order with at least
+    ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops (``torch.Tag``), ``_to_copy``,
+    ``_log_softmax(_backward_data)`` and ``nll_loss_forward/backward``; not in-place, seeded-random or complex ops,
+    nodes already tagged for Inductor, collectives. A view joins only a chain it continues. Connected ops of one
+    ``(phase, module FQN)`` form a region, cut by :func:`split_acyclic` where it would form a cycle (the residual
+    ``out = h + ffn(norm(h))``). ``accept``: a further test every non-view op must pass (views are joined by the
+    same rule either way)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = DisjointSet()

@@ -1,8 +1,7 @@
-"""Op names, op sets and op counts of FX graphs: a node's arguments and users (:func:`arg_of`,
-:func:`is_call`, :func:`only_user`), what an aten op node writes (:func:`mutated_args`),
-whether a target returns a view, the op / packet / namespace names of a target, stable target names
-and per-target node counts (:func:`op_counts`), and the view / cast op sets the passes follow
-(:data:`RESHAPE_OPS`, :data:`VIEW_OPS`, :data:`CAST_OPS` ...).
+"""Op names, op sets and op counts of FX graphs: a node's arguments and users (:func:`arg_of`, :func:`is_call`,
+:func:`only_user`), what an aten op node writes (:func:`mutated_args`), whether a target returns a view, the op /
+packet / namespace names of a target, stable target names and per-target node counts (:func:`op_counts`), and the
+view / cast op sets the passes follow (:data:`RESHAPE_OPS`, :data:`VIEW_OPS`, :data:`CAST_OPS` ...).
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ prims = torch.ops.prims
 
 
 def mutated_args(node: torch.fx.Node) -> list[Any]:
-    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional
-    or keyword; ``None`` for such an optional argument not given. ``node.target`` must be an
-    ``OpOverload``."""
+    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional or keyword; ``None``
+    for such an optional argument not given. ``node.target`` must be an ``OpOverload``."""
     schema = node.target._schema
     args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
     return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]

@@ -1,9 +1,8 @@
 """The pipeline: build it from the config and the registry, plan its memory levers, run it.
 
 :func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments
-(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick
-the levers left on ``auto``; :func:`run_pipeline` runs the passes and records what each did
-(:mod:`graph_trainer.compiler.report`).
+(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick the levers left on
+``auto``; :func:`run_pipeline` runs the passes and records what each did (:mod:`graph_trainer.compiler.report`).
 """
 
 from __future__ import annotations
@@ -106,10 +105,9 @@ def plan_pipeline(
     device_type: str | None = None,
     estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
-    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
-    traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate
-    runs the ``in_memory_trial`` passes with the candidate's levers on a copy of ``gm`` and takes
-    its static peak.
+    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the traced graph ``gm``
+    (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate runs the ``in_memory_trial`` passes
+    with the candidate's levers on a copy of ``gm`` and takes its static peak.
 
     ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
     :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards

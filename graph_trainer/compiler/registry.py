@@ -1,10 +1,9 @@
 """The pass registry: what every graph pass declares, and the one place that reads it.
 
 A pass is a module of :mod:`graph_trainer.compiler.passes` with its function
-``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the
-default order is :data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``),
-preflight, the pipeline builder, the dry run and the report ask this module and name no pass.
-Adding a pass: ``docs/passes.md``.
+``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the default order is
+:data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``), preflight, the pipeline builder, the
+dry run and the report ask this module and name no pass. Adding a pass: ``docs/passes.md``.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ class GraphPass:
         section: the ``[compile.<section>]`` name; default: the module name.
         enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass
             (``--compile.passes`` / ``disable_passes`` add and remove on top).
-        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default:
-            the options' fields).
+        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default: the options' fields).
         changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
         compiles: the pass compiles the graph (the dry run and memory trials skip it).
         in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
@@ -112,8 +110,7 @@ def option_sections() -> list[tuple[str, type]]:
 
 
 def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
-    """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a
-    pass without options."""
+    """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a pass without options."""
     if spec.options is None:
         return None
     return getattr(compile_cfg, spec.section, None) or spec.options()

@@ -1,11 +1,10 @@
 """Grow every RMSNorm region by its residual add: one fused add + RMSNorm kernel.
 
-TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x +
-attention(attention_norm(x))`` and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the
-first reads a residual add's output, which the fused kernel writes once and reduces in place. In
-the backward the gradient of ``h`` (norm backward's input gradient plus the residual path's) joins
-the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor`` and reads only
-its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
+TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x + attention(attention_norm(x))``
+and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the first reads a residual add's output, which the
+fused kernel writes once and reduces in place. In the backward the gradient of ``h`` (norm backward's input gradient
+plus the residual path's) joins the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor``
+and reads only its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
 
 Matches, per RMSNorm region:
 

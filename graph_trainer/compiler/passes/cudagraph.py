@@ -3,13 +3,12 @@ the step runs in one process on a CUDA device, Inductor does not compile the who
 memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes`` /
 ``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
 
-``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, one
-capture, then replays. ``nn.Parameter`` s and inputs whose storage did not change between the last
-warmup call and the capture are used in place; other tensor inputs (tokens, labels) are copied
-into static buffers on each call. The outputs are static tensors overwritten by the next call;
-the input structure must not change. Raises ``RuntimeError`` without CUDA inputs. Not
-``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this
-graph is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
+``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, one capture, then
+replays. ``nn.Parameter`` s and inputs whose storage did not change between the last warmup call and the capture are
+used in place; other tensor inputs (tokens, labels) are copied into static buffers on each call. The outputs are
+static tensors overwritten by the next call; the input structure must not change. Raises ``RuntimeError`` without
+CUDA inputs. Not ``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this graph
+is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ after every wait that no longer follows its collective; the same values bit for 
   input is produced; its wait moves towards its first user, but no later than the issue of the
   ``max_in_flight``-th next collective of its kind.
 
-On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU
-collective is never left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without
-a GPU and with one leaves every reduce-scatter in flight to the end of the backward
-(tests/passes/test_overlap_collectives.py).
+On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU collective is never
+left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every
+reduce-scatter in flight to the end of the backward (tests/passes/test_overlap_collectives.py).
 """
 
 from __future__ import annotations

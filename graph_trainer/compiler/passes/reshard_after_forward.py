@@ -5,12 +5,11 @@ Matches: FSDP parameter all-gathers (:func:`~graph_trainer.compiler.collectives.
 all-gathers of activations are not touched) and their *view closure*: the wait,
 ``overlap_collectives``' ``hold`` and every view / cast of the gathered value.
 
-Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired
-to a copy of it (the shard's cast, a second all-gather, its wait and the views they need), so the
-forward's gathered parameter dies after its last forward use. The copy's wait and views sit
-before the first backward use; its all-gather is issued ``prefetch`` re-gathers earlier in
-backward order. Same bits, one more all-gather per parameter and step; saves up to one unsharded
-copy of the parameters per rank.
+Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired to a copy of it
+(the shard's cast, a second all-gather, its wait and the views they need), so the forward's gathered parameter dies
+after its last forward use. The copy's wait and views sit before the first backward use; its all-gather is issued
+``prefetch`` re-gathers earlier in backward order. Same bits, one more all-gather per parameter and step; saves up
+to one unsharded copy of the parameters per rank.
 """
 
 from __future__ import annotations
