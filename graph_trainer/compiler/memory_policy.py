@@ -28,10 +28,8 @@ from typing import Literal
 import torch
 
 GiB = 2**30
-#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor:
-#: elsewhere it stops at ``all_but_cheap``, which holds the plain command at or below torch.compile's
-#: peak for about 1.4 % of speed against ``all`` (docs/perf_archive.md, "The plain command at `jit`'s
-#: memory"); ``--compile.sac.save all`` buys that back with the memory.
+#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor, elsewhere it stops
+#: at ``all_but_cheap`` (docs/perf_archive.md, "The plain command at `jit`'s memory").
 SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2

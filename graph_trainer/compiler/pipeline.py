@@ -47,14 +47,8 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
 
 
 def build_pipeline(
-    compile_cfg: Any,
-    layout: Any = None,
-    *,
-    levers: Levers | None = None,
-    deterministic: bool = False,
-    uses_flex_attention: bool = False,
-    tp_group_name: str | None = None,
-    device_type: str | None = None,
+    compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
+    uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
     """The passes ``compile_cfg`` (``graph_trainer.config.Compile``) runs, in the default order,
     each with the arguments its declaration derives from the config.
@@ -92,18 +86,9 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 def plan_pipeline(
     compile_cfg: Any,
-    layout: Any,
-    gm: torch.fx.GraphModule,
-    *,
-    budget_bytes: int,
-    state_bytes: int,
-    has_fsdp: bool,
-    deterministic: bool = False,
-    uses_flex_attention: bool = False,
-    tp_group_name: str | None = None,
-    cudagraph: bool = False,
-    device_type: str | None = None,
-    estimates: dict | None = None,
+    layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
+    deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
+    cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the traced graph ``gm``
     (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate runs the ``in_memory_trial`` passes
@@ -159,21 +144,15 @@ def plan_pipeline(
 
 
 def run_pipeline(
-    gm: torch.fx.GraphModule,
-    example_inputs: Any,
-    pipeline: Iterable[PipelineStep | str],
-    *,
-    dump_folder: str | None = None,
-    quiet: bool = False,
-    records: list[dict[str, Any]] | None = None,
-    memory_estimates: bool | None = None,
+    gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
+    dump_folder: str | None = None, quiet: bool = False, records: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names, run with their
     defaults) in order and return the final module.
 
     Logs one line per pass (name, wall time, nodes before -> after, the pass's summary) and
-    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
-    ``memory_estimates``: take the static peak of every graph state (default: not ``quiet``).
+    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given (with the
+    static peak of every graph state unless ``quiet``).
 
     ``dump_folder``: writes ``<dump_folder>/graphs/00_input.py``, per pass ``NN_<pass>.py`` (the
     readable graph after it, full ``custom`` annotations) and ``NN_<pass>.diff`` (against the
@@ -189,7 +168,6 @@ def run_pipeline(
     from graph_trainer.compiler import report
 
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
-    memory = not quiet if memory_estimates is None else memory_estimates
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None
     run_records: list[dict[str, Any]] = []
@@ -203,14 +181,14 @@ def run_pipeline(
         report.trace_artifact("graph_before_passes", lambda: text)
 
     pop_pass_summary(gm)
-    before = report.snapshot(gm, memory=memory)
+    before = report.snapshot(gm, memory=not quiet)
     prev_name = "00_input"
     for i, step in enumerate(steps, start=1):
         t0 = time.perf_counter()
         gm = step(gm, example_inputs)
         elapsed = time.perf_counter() - t0
         summary, stats = pop_pass_summary(gm)
-        after = report.snapshot(gm, memory=memory)
+        after = report.snapshot(gm, memory=not quiet)
         record = report.pass_record(i, step.name, elapsed, before, after, summary, stats)
         run_records.append(record)
         if records is not None:

@@ -20,9 +20,7 @@ from graph_trainer.compiler.registry import GraphPass
 
 
 def annotate_pointwise_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs: Any = None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs: Any = None, inductor_configs: dict[str, Any] | None = None,
     min_ops: int = 2,
 ) -> torch.fx.GraphModule:
     """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with

@@ -66,9 +66,7 @@ def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dic
 
 
 def annotate_rmsnorm_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
     candidate_configs: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Tag each RMSNorm instance (:func:`find_rmsnorm_instances`) as its own region ``rmsnorm_<kind>_<i>``.

@@ -116,9 +116,7 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
 
 
 def full_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
     pin_collectives: bool = False,
 ) -> torch.fx.GraphModule:
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``.
@@ -190,14 +188,10 @@ def full_inductor_pass(
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
         + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused, "
-           f"{groups['realized']} boundary values realized)"
-           if groups["groups"] else "")
+           f"{groups['realized']} boundary values realized)" if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
-        compile_s=round(compile_s, 3),
-        nodes_compiled=len(gm.graph.nodes),
-        fusion_groups=groups["groups"],
-        fusions_refused=groups["refused"],
-        boundary_values_realized=groups["realized"],
+        compile_s=round(compile_s, 3), nodes_compiled=len(gm.graph.nodes), fusion_groups=groups["groups"],
+        fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
     )
     return new_gm
 

@@ -274,11 +274,7 @@ def _static_shape_env(fake_mode):
 
 
 def regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    *,
-    select_candidates: bool | None = None,
-    timer=None,
+    gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None, timer=None,
 ) -> torch.fx.GraphModule:
     """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
     calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`.
