@@ -17,14 +17,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
+import operator
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.node_meta import process_setup
 
@@ -106,8 +109,6 @@ def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
     """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each ``call_function``
     node whose target is one of the package's own functions (``hold``) the stand-in ``operator.pos`` and its real
     ``"module:qualname"`` in ``meta``; returns node -> old target (the caller puts them back)."""
-    import operator
-
     swapped = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "").startswith("graph_trainer."):
@@ -119,8 +120,6 @@ def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
 
 def _own_targets_back(gm: torch.fx.GraphModule) -> None:
     """Undo :func:`_own_targets_by_name` on a loaded graph (imports the named functions)."""
-    import importlib
-
     for node in gm.graph.nodes:
         if _TARGET_KEY in node.meta:
             module, _, name = node.meta.pop(_TARGET_KEY).partition(":")
@@ -134,8 +133,6 @@ COMPILED_STEPS = ["full_inductor"]
 def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
     """The graph's output structure: its pytree spec (``treespec_dumps``) and the leaves that are
     not nodes (index -> value); the compiled step returns the node leaves in order."""
-    import torch.utils._pytree as pytree
-
     leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
     return pytree.treespec_dumps(spec), {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
 
@@ -191,8 +188,6 @@ def save_compiled(path: Path, gm: Any, steps: list) -> bool:
     Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``), write its artifact to
     :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the constants beside it (``torch.save``).
     Returns whether it was written; a failure is a warning (later runs load the graph instead)."""
-    import importlib
-
     if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
         return False
     try:
@@ -218,14 +213,10 @@ class CompiledStep:
     the graph's own tensors, which the compiled code takes before the inputs."""
 
     def __init__(self, artifact, constants: list[torch.Tensor], outputs: tuple[str, dict[int, Any]]):
-        import torch.utils._pytree as pytree
-
         self.artifact, self.constants = artifact, constants
         self.spec, self.consts = pytree.treespec_loads(outputs[0]), outputs[1]
 
     def __call__(self, *args):
-        import torch.utils._pytree as pytree
-
         out = iter(self.artifact(*self.constants, *args))
         return pytree.tree_unflatten([self.consts[i] if i in self.consts else next(out)
                                       for i in range(self.spec.num_leaves)], self.spec)

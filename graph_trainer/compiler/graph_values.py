@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class DisjointSet:
@@ -54,8 +55,6 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 def storages(val: Any) -> list[tuple[Any, int]]:
     """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
     views share their base's key; tensor subclasses without a storage are skipped."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     out = []
     for t in pytree.tree_leaves(val):
         if isinstance(t, torch.Tensor):

@@ -94,12 +94,8 @@ def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
     node.meta["custom"] = {**custom_meta(node), FUSION_GROUP_KEY: group}
 
 
-def tag_for_inductor(
-    node: torch.fx.Node,
-    inductor_configs: dict[str, Any],
-    region: str,
-    candidate_configs: list[dict[str, Any]] | None = None,
-) -> None:
+def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], region: str,
+                     candidate_configs: list[dict[str, Any]] | None = None) -> None:
     """Tag ``node`` for regional_inductor as part of region ``region`` (never fused with another
     region), keeping its other ``custom`` entries (copied: they may be shared between nodes).
     Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""

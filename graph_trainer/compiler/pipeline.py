@@ -20,8 +20,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer.compiler import report
 from graph_trainer.compiler.collectives import collective_kind
-from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy, choose_levers
 from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
 from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
@@ -85,8 +87,7 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 
 def plan_pipeline(
-    compile_cfg: Any,
-    layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
+    compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
     deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
     cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
@@ -101,9 +102,6 @@ def plan_pipeline(
     that differ in the budget only, which keeps each graph estimate. Returns ``(pipeline, policy)``
     (the policy only predicts the peak when the config sets every lever).
     """
-    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-    from graph_trainer.compiler.memory_policy import choose_levers
-
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
     names = resolve(ctx)
@@ -165,8 +163,6 @@ def run_pipeline(
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
     """
-    from graph_trainer.compiler import report
-
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +34,6 @@ class PassContext:
     uses_flex_attention: bool = False
     tp_group_name: str | None = None
     device_type: str | None = None
-
-
-def _never(ctx: PassContext) -> bool:
-    return False
 
 
 @dataclass(frozen=True)
@@ -65,7 +61,7 @@ class GraphPass:
     fn: Callable[..., Any]
     options: type | None = None
     section: str | None = None
-    enabled: Callable[[PassContext], bool] = _never
+    enabled: Callable[[PassContext], bool] = lambda ctx: False
     kwargs: Callable[[Any, PassContext], dict[str, Any]] | None = None
     changes_numerics: bool = False
     compiles: bool = False
@@ -73,12 +69,6 @@ class GraphPass:
     requires: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
-
-    def arguments(self, options: Any, ctx: PassContext) -> dict[str, Any]:
-        """The keyword arguments of :attr:`fn` for ``options`` (this pass's section, or None)."""
-        if self.kwargs is not None:
-            return dict(self.kwargs(options, ctx))
-        return dataclasses.asdict(options) if options is not None else {}
 
 
 @functools.cache
@@ -129,20 +119,15 @@ def canonical_name(name: str) -> str:
     raise ValueError(f"unknown graph pass {name!r}; valid passes: {', '.join(registry())}")
 
 
-def split_names(value: str | Iterable[str] | None) -> list[str]:
-    """``"a, b,,c"`` (or a list of names) -> ``["a", "b", "c"]``."""
-    items = value.split(",") if isinstance(value, str) else list(value or ())
-    return [v.strip() for v in items if v.strip()]
-
-
 def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
-    """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list.
+    """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list (each a
+    comma-separated string or a list of names).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
     """
-    return tuple({canonical_name(n) for n in split_names(v)}  # type: ignore[return-value]
-                 for v in (compile_cfg.passes, compile_cfg.disable_passes))
+    return tuple({canonical_name(n) for n in (v.split(",") if isinstance(v, str) else v or ()) if n.strip()}
+                 for v in (compile_cfg.passes, compile_cfg.disable_passes))  # type: ignore[return-value]
 
 
 def resolve(ctx: PassContext) -> list[str]:
@@ -209,4 +194,7 @@ def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
     spec = registry()[canonical_name(name)]
     if ctx is None:
         return PipelineStep(spec.name, spec.fn)
-    return PipelineStep(spec.name, spec.fn, spec.arguments(options_of(spec, ctx.compile_cfg), ctx))
+    options = options_of(spec, ctx.compile_cfg)
+    if spec.kwargs is not None:
+        return PipelineStep(spec.name, spec.fn, dict(spec.kwargs(options, ctx)))
+    return PipelineStep(spec.name, spec.fn, dataclasses.asdict(options) if options is not None else {})

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
 from graph_trainer.compiler.ops import fx_graph, op_namespace, packet_name, target_name
 
@@ -111,8 +112,6 @@ def count_regions(gm: Any) -> int | None:
 def peak_memory_bytes(gm: Any) -> int | None:
     """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes; None
     when it cannot be estimated (no FX graph, no ``meta["val"]``, or the estimator fails)."""
-    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-
     graph = fx_graph(gm)
     if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
         return None

@@ -114,11 +114,8 @@ def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
     after the wait is removed); a pair that would not is left eager and the tagging runs again. Stats: ``nodes``
     tagged, ``regions``, ``blocks`` (with ``rest``), ``collectives`` (issues compiled inside a region)."""
     device = accelerator_of(gm)
-    pairs = {}
-    if collectives:
-        for node in gm.graph.nodes:
-            if is_collective(node) and not is_wait(node) and (wait := sole_wait(node)) is not None:
-                pairs[node] = wait
+    pairs = {node: wait for node in gm.graph.nodes if collectives and is_collective(node) and not is_wait(node)
+             and (wait := sole_wait(node)) is not None}
     while True:
         run_of = _tag_runs(gm, device, {n for pair in pairs.items() for n in pair})
         split = [c for c, w in pairs.items() if c not in run_of or run_of.get(w) != run_of[c]]

@@ -40,16 +40,10 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
             and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2)
 
 
-def annotate_residual_rmsnorm_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs=None
-) -> torch.fx.GraphModule:
-    """Tag each RMSNorm region's residual add into the region (see the module docstring).
-
-    Stats: ``forward`` / ``backward`` (adds joined), ``regions`` (norm regions seen).
-
-    Returns:
-        ``gm``, annotations changed in place.
-    """
+def annotate_residual_rmsnorm_for_regional_inductor_pass(gm: torch.fx.GraphModule,
+                                                         example_inputs=None) -> torch.fx.GraphModule:
+    """Tag each RMSNorm region's residual add into the region (module docstring); returns ``gm``, annotations changed
+    in place. Stats: ``forward`` / ``backward`` (adds joined), ``regions`` (norm regions seen)."""
     regions: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         region = _region(node)
