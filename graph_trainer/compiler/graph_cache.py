@@ -30,6 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.node_meta import process_setup
+from graph_trainer.compiler.registry import registry
 
 logger = logging.getLogger("graph_trainer")
 
@@ -77,28 +78,22 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
         fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else {"": value}
         sections[f.name] = {k: v for k, v in fields.items() if (f.name, k) not in _NOT_IN_KEY}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    try:
-        import torchtitan
-
-        titan = getattr(torchtitan, "__version__", "")
-    except ImportError:
-        titan = ""
+    import torchtitan
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     compilers = {"inductor": inductor_config.save_config_portable(),
                  "functorch": functorch_config.save_config_portable()}
     material = json.dumps({"config": sections, "rank": rank, "world_size": world_size, "device": name,
-                           "torch": torch.__version__, "torchtitan": titan, "source": source_hash(),
-                           "compilers": compilers, "format": FORMAT}, sort_keys=True, default=str)
+                           "torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", ""),
+                           "source": source_hash(), "compilers": compilers, "format": FORMAT},
+                          sort_keys=True, default=str)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
 def compile_index(steps: list) -> int:
     """Index of the first step the cache cannot hold: the first that compiles (``GraphPass.compiles``:
     ``regional_inductor``, ``full_inductor``, ``cudagraph``)."""
-    from graph_trainer.compiler.registry import registry
-
     return next((i for i, s in enumerate(steps) if registry()[s.name].compiles), len(steps))
 
 

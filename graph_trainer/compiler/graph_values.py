@@ -1,8 +1,5 @@
-"""The values of graph nodes and the structure helpers of graph analysis: node positions, tensor
-values and shapes (:func:`tensor_val`, :func:`shape_of`), union-find (:class:`DisjointSet`), the
-storages and bytes of (fake) values (:func:`storages`, :func:`val_bytes`), acyclic splits of node
-sets (:func:`split_acyclic`), and the placeholders' fake values, device and fake mode
-(:func:`placeholder_vals`, :func:`accelerator_of`, :func:`detect_graph_fake_mode`, :func:`fake_inputs_for`).
+"""The values of graph nodes (fake tensors, shapes, storages, bytes, the placeholders' device and fake mode) and
+the structure helpers of graph analysis (node positions, union-find, acyclic splits of node sets).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Pattern matching over the traced graph (pure analysis, plus :func:`tag_regions`): the chains of
-pointwise ops the pointwise annotations tag (:func:`find_pointwise_regions`, :func:`tag_regions`)
-and the RMSNorm instances (:func:`find_rmsnorm_instances`).
+"""Pattern matching over the traced graph (pure analysis, plus :func:`tag_regions`): chains of pointwise ops and
+RMSNorm instances.
 """
 
 from __future__ import annotations

@@ -168,17 +168,14 @@ def choose_levers(
     fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
     cudagraph: bool = False,
 ) -> MemoryPolicy:
-    """Pick the levers (module docstring); a pure function of its arguments. The ladder, leanest first:
-    ``recompute``; ``matmuls`` and ``all_but_cheap`` each with 0 .. ``n_blocks`` kept blocks; under full Inductor
-    ``all`` with all kept (levers named in ``fixed_fields`` keep ``fixed``'s value), searched from the top.
-
-    ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level looked at); a kept
-    block and each block of a bucket add ``block_bytes`` (one block's gathered weights per rank). ``state``:
-    :func:`state_bytes`; ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP collectives
-    keep / bucket stay 0; without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph
-    (tried first, dropped when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields``
-    pins ``fixed.cudagraph`` instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice
-    exceeds the budget).
+    """Pick the levers by the ladder of the module docstring (``all`` with every block kept), searched from the top;
+    a pure function of its arguments. Levers named in ``fixed_fields`` keep ``fixed``'s value. ``estimate(save)``:
+    graph peak bytes with no kept block and no buckets (called once per level looked at); a kept block and each
+    block of a bucket add ``block_bytes`` (one block's gathered weights per rank). ``state``: :func:`state_bytes`;
+    ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP collectives keep / bucket stay 0;
+    without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph (tried first, dropped
+    when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields`` pins ``fixed.cudagraph``
+    instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget).
     """
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)

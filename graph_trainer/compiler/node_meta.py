@@ -1,7 +1,6 @@
-"""Node and graph metadata the passes read and write: pass summaries (:func:`set_pass_summary`), the per-process
-setup a rewritten graph needs (:func:`add_process_setup`), the trace-time phase and module FQN of a node, the
-``compile_with_inductor`` region tag and the fusion group (:func:`tag_for_inductor`, :func:`tag_fusion_group`),
-selective AC's recompute tags, and :func:`json_object` (the Inductor config flags a tag carries).
+"""Node and graph metadata the passes read and write: pass summaries, the per-process setup a rewritten graph
+needs, a node's trace-time phase and module FQN, the ``compile_with_inductor`` region tag, the fusion group and
+selective AC's recompute tags.
 """
 
 from __future__ import annotations

@@ -3,29 +3,25 @@
 Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded IEEE operation (computed
 in fp32, rounded to the output dtype). A fused kernel gives the same bits if it also rounds after every op and
 contracts no ``a * b + c`` into an FMA: Inductor does both under :data:`EAGER_NUMERICS`, so these regions save the
-intermediates' trips through memory without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward
-join too (``activations``): Inductor lowers SiLU to eager's formula (IEEE division with
-``eager_numerics.division_rounding``), and the backward is rewritten as eager's kernel computes it
-(:func:`exact_silu_backward`). Other transcendental ops, division and reductions round differently when fused and
-are left out.
+intermediates' trips through memory without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward join
+too (``activations``: IEEE division with ``eager_numerics.division_rounding``, the backward rewritten as eager's
+kernel computes it, :func:`exact_silu_backward`). Other transcendental ops, division and reductions round
+differently when fused and are left out.
 
-Also (CUDA only; a CPU region is a C++ compile): a lone widening cast (bf16 / fp16 to fp32) of at least
-:data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized, a widening is exact), and a ``cat``
-of casts (``cast_cats``, :func:`cast_cat_region`: FSDP's buckets; each cast writes into its slice of the bucket).
-
-Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of
-:func:`is_exact` ops, at least ``min_ops`` of them; the cats of casts; the lone casts.
+Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of at least ``min_ops``
+:func:`is_exact` ops; on CUDA also (a CPU region is a C++ compile) each ``cat`` of casts (``cast_cats``,
+:func:`cast_cat_region`: FSDP's buckets, each cast writing into its slice) and each lone widening cast (bf16 / fp16
+to fp32) of at least :data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized).
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
-"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's
-lowering rounds after this op, as eager does) on the chosen nodes; each tagged ``silu_backward``
-becomes the ops of eager's formula.
+"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's lowering rounds
+after this op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula.
 
-Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise``
-turns it off); elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds
-the bf16 round trip away). Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
-with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed:
-``docs/perf_archive.md``, "Eager-exact pointwise regions".
+Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise`` turns it off);
+elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds the bf16 round trip away).
+Bitwise equality with eager: tested on the CPU with torch >= 2.13 and with Triton on CUDA
+(``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed: ``docs/perf_archive.md``, "Eager-exact
+pointwise regions".
 """
 
 from __future__ import annotations

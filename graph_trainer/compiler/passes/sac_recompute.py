@@ -155,11 +155,7 @@ def sac_recompute_pass(
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    if cheap_only:
-        recomputable = cheap_to_recompute(graph).__contains__
-    else:
-        def recomputable(n: torch.fx.Node) -> bool:
-            return _is_recomputable(n, save_ops)
+    recomputable = cheap_to_recompute(graph).__contains__ if cheap_only else lambda n: _is_recomputable(n, save_ops)
 
     def copy_of(node: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
         if node in copies:
@@ -177,13 +173,8 @@ def sac_recompute_pass(
         return new
 
     for user in [n for n in graph.nodes if phase_of(n) == "backward" and not save_all]:
-        tagged = [a for a in user.all_input_nodes if recomputable(a)]
-        if not tagged:
-            continue
-        for a in tagged:
-            copy_of(a, user)
-        user.args = torch.fx.node.map_arg(user.args, lambda a: copies.get(a, a))
-        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: copies.get(a, a))
+        for a in [a for a in user.all_input_nodes if recomputable(a)]:
+            user.replace_input_with(a, copy_of(a, user))
     n_tags = strip_recompute_tags(graph)
     if copies:
         graph.lint()
