@@ -26,20 +26,14 @@ _POINTWISE_EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data"
 _CHAIN_VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze"}
 
 
-def _is_real_tensor_node(node: torch.fx.Node) -> bool:
-    """A real tensor result with no complex tensor input (Inductor has no complex codegen)."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.is_complex():
-        return False
-    return not any(isinstance(v := u.meta.get("val"), torch.Tensor) and v.is_complex() for u in node.all_input_nodes)
-
-
 def _chain_kind(node: torch.fx.Node) -> str | None:
-    """"compute", "view" or None (not eligible)."""
-    name = packet_name(node)
+    """"compute", "view" or None (not eligible; also not a real tensor result, or with a complex tensor input:
+    Inductor has no complex codegen)."""
+    name, val = packet_name(node), node.meta.get("val")
     if name is None or node.target.namespace != "aten" or is_tagged_for_inductor(node):
         return None
-    if not _is_real_tensor_node(node):
+    if not isinstance(val, torch.Tensor) or val.is_complex() or any(
+            isinstance(v := u.meta.get("val"), torch.Tensor) and v.is_complex() for u in node.all_input_nodes):
         return None
     tags = set(node.target.tags)
     if node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in tags:

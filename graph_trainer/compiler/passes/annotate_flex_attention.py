@@ -51,8 +51,7 @@ def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
         graph.lint()
         gm.recompile()
     set_pass_summary(
-        gm,
-        f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
+        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
         f"-> {len(calls)} region(s)",
         **counts, regions=len(calls),
     )

@@ -90,8 +90,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     getitems = sum(is_getitem(n) for inst in instances for n in inst["nodes"])
     recompute = f" + {counts['recompute']} recomputed (activation checkpointing)" if counts["recompute"] else ""
     set_pass_summary(
-        gm,
-        f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} "
+        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} "
         f"and their getitems ({counts['fused']} fused, {counts['decomposed']} decomposed; {tagged} nodes, "
         f"{getitems} getitems) -> {len(instances)} regions",
         **counts, regions=len(instances), nodes=tagged, getitems=getitems,

@@ -4,7 +4,7 @@ memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes`` 
 ``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
 
 ``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then
-replays. ``nn.Parameter`` s and inputs whose storage did not change between the last warmup call and the capture are
+replays. ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are
 used in place; other tensor inputs (tokens, labels) are copied into static buffers on each call. The outputs are
 static tensors overwritten by the next call; the input structure must not change. Raises ``RuntimeError`` without
 CUDA inputs. Not ``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this graph

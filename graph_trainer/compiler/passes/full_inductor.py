@@ -183,8 +183,7 @@ def full_inductor_pass(
     new_gm.compiled_constants = [*dict(flat_gm.named_parameters(remove_duplicate=False)).values(),
                                  *dict(flat_gm.named_buffers(remove_duplicate=False)).values()]
     set_pass_summary(
-        new_gm,
-        f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
+        new_gm, f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
         + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused, "

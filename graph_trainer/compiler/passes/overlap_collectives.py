@@ -175,8 +175,7 @@ def overlap_collectives_pass(
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(
-        gm,
-        f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
+        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
         f"{hoisted} reduce-scatter(s)/other collectives earlier; "
         f"moved {moved} of {len(waits)} collective waits towards first use "
         f"({counts['all_gather']} all-gather, {counts['other']} other; "

@@ -311,8 +311,7 @@ def regional_inductor_pass(
     slow_text = (f"; cache {', '.join(f'{k} {v}' for k, v in sorted(cache.items()))}; slowest {slow['s']:.1f}s: "
                  f"{'+'.join(slow['ops'])} ({slow['inputs']})") if slow else ""
     set_pass_summary(
-        gm,
-        f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
+        gm, f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
         f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}{slow_text}",
         regions=n_regions, distinct_compiles=stats["compiled"], selections=sel, tagged_nodes=tagged,
         compile_s=round(compile_s, 3), compiles=compiles,

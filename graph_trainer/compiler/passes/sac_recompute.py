@@ -183,8 +183,7 @@ def sac_recompute_pass(
     n_mm = sum(n.target is torch.ops.aten.mm.default for n in copies)
     gib = 2**30
     set_pass_summary(
-        gm,
-        f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
+        gm, f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
         f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
         if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
                         "nothing tagged for recompute (no op-level selective AC)"),
