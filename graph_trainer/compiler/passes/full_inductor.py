@@ -151,9 +151,8 @@ def full_inductor_pass(
         # for inference graphs (the traced step) reorder_for_locality moves each wait to its first user
         patches.setdefault("reorder_for_locality", False)
     t0 = time.perf_counter()
-    tracing = contextlib.nullcontext()
-    if fake_mode is not None:
-        tracing = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
+    tracing = contextlib.nullcontext() if fake_mode is None else torch._guards.tracing(
+        torch._guards.TracingContext(fake_mode))
     with fusion_group_guard(gm) as (group_patches, groups), tracing, \
             torch._inductor.config.patch({**patches, **group_patches}):
         compiled = compile_fx(flat_gm, fake_inputs)
