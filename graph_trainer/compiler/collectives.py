@@ -1,21 +1,18 @@
-"""Collectives and their waits: which nodes communicate (:data:`COLLECTIVE_NAMESPACES`, the
-``symm_mem`` fused ops of ``async_tp`` included), the kind and group of a collective, ``wait_tensor`` nodes,
-the keep-alive :func:`hold` (and :func:`strip_holds`) and the chain from an FSDP parameter to its
-all-gather (:func:`shard_chain`).
+"""Collectives and their waits: which nodes communicate (``symm_mem``'s fused ops of ``async_tp`` included), their
+kind and group, the keep-alive :func:`hold` and the chain from an FSDP parameter to its all-gather.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import torch
 import torch.fx
 
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
 
-#: Namespaces of collective / communication ops: never removed as dead code, never
-#: recomputed, never put inside an Inductor region. ``symm_mem``: the fused
-#: collective-matmul ops of ``async_tp``, which communicate inside the op.
+#: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
+#: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
 COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
@@ -66,9 +63,8 @@ def hold(x, *keep_alive):
 
 
 def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
-    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first
-    argument (before a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how
-    many were removed."""
+    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first argument (before
+    a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
     holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
              and (of is None or node.args[0] in of)]
     for node in holds:
@@ -95,13 +91,14 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
     return chain[::-1]
 
 
-def read_through(node: torch.fx.Node, views: Container) -> list[torch.fx.Node]:
+def read_through(node: torch.fx.Node, views: Container,
+                 where: Callable[[torch.fx.Node], bool] | None = None) -> list[torch.fx.Node]:
     """``node`` and every node its result is reached through before a real reader: the users,
-    transitively, that are a wait, a :func:`hold` or an op in ``views``; in discovery order."""
+    transitively, that are a wait, a :func:`hold` or an op in ``views`` (and pass ``where``); in discovery order."""
     out, stack = [node], [node]
     while stack:
         for u in stack.pop().users:
-            if u not in out and (is_wait(u) or u.target is hold or u.target in views):
+            if u not in out and (is_wait(u) or u.target is hold or u.target in views) and (where is None or where(u)):
                 out.append(u)
                 stack.append(u)
     return out

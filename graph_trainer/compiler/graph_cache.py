@@ -1,12 +1,11 @@
 """The graph cache (``--compile.graph_cache_dir``): the traced step after its passes, before Inductor.
 
-A run traces the step, plans the memory levers and runs the passes up to the first one that
-compiles; the cache stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors
-and the region tags) with the remaining pipeline steps and the run's statistics, under a key of
-everything that decides the graph (:func:`cache_key`). A later run with the same key loads it and
-runs only the remaining steps. A pass's process setup
-(:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is
-stored with the entry and done again on load.
+A run traces the step, plans the memory levers and runs the passes up to the first one that compiles; the cache
+stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the region tags) with the
+remaining pipeline steps and the run's statistics, under a key of everything that decides the graph
+(:func:`cache_key`). A later run with the same key loads it and runs only the remaining steps. A pass's process
+setup (:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is stored with
+the entry and done again on load.
 
 When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
 step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format) and a later
@@ -18,16 +17,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
+import operator
 import os
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.node_meta import process_setup
+from graph_trainer.compiler.registry import registry
 
 logger = logging.getLogger("graph_trainer")
 
@@ -41,10 +44,9 @@ _NOT_IN_KEY = {"job", "profiling", "metrics", "checkpoint", "validation", "fault
 
 
 def cache_dir(graph_cache_dir: str, inductor_compilation: str) -> str | None:
-    """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or
-    empty; "auto" unless ``inductor_compilation`` is "full"). "auto" with full Inductor:
-    ``graph_trainer/`` in Inductor's cache folder, so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both
-    caches cold."""
+    """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or empty; "auto" unless
+    ``inductor_compilation`` is "full"). "auto" with full Inductor: ``graph_trainer/`` in Inductor's cache folder,
+    so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both caches cold."""
     if graph_cache_dir in ("", "off") or (graph_cache_dir == "auto" and inductor_compilation != "full"):
         return None
     if graph_cache_dir == "auto":
@@ -76,28 +78,22 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
         fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else {"": value}
         sections[f.name] = {k: v for k, v in fields.items() if (f.name, k) not in _NOT_IN_KEY}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    try:
-        import torchtitan
-
-        titan = getattr(torchtitan, "__version__", "")
-    except ImportError:
-        titan = ""
+    import torchtitan
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     compilers = {"inductor": inductor_config.save_config_portable(),
                  "functorch": functorch_config.save_config_portable()}
     material = json.dumps({"config": sections, "rank": rank, "world_size": world_size, "device": name,
-                           "torch": torch.__version__, "torchtitan": titan, "source": source_hash(),
-                           "compilers": compilers, "format": FORMAT}, sort_keys=True, default=str)
+                           "torch": torch.__version__, "torchtitan": getattr(torchtitan, "__version__", ""),
+                           "source": source_hash(), "compilers": compilers, "format": FORMAT},
+                          sort_keys=True, default=str)
     return hashlib.sha256(material.encode()).hexdigest()[:24]
 
 
 def compile_index(steps: list) -> int:
     """Index of the first step the cache cannot hold: the first that compiles (``GraphPass.compiles``:
     ``regional_inductor``, ``full_inductor``, ``cudagraph``)."""
-    from graph_trainer.compiler.registry import registry
-
     return next((i for i, s in enumerate(steps) if registry()[s.name].compiles), len(steps))
 
 
@@ -105,12 +101,9 @@ _TARGET_KEY = "graph_cache_target"
 
 
 def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
-    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each
-    ``call_function`` node whose target is one of the package's own functions (``hold``) the
-    stand-in ``operator.pos`` and its real ``"module:qualname"`` in ``meta``; returns node -> old
-    target (the caller puts them back)."""
-    import operator
-
+    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each ``call_function``
+    node whose target is one of the package's own functions (``hold``) the stand-in ``operator.pos`` and its real
+    ``"module:qualname"`` in ``meta``; returns node -> old target (the caller puts them back)."""
     swapped = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "").startswith("graph_trainer."):
@@ -122,8 +115,6 @@ def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
 
 def _own_targets_back(gm: torch.fx.GraphModule) -> None:
     """Undo :func:`_own_targets_by_name` on a loaded graph (imports the named functions)."""
-    import importlib
-
     for node in gm.graph.nodes:
         if _TARGET_KEY in node.meta:
             module, _, name = node.meta.pop(_TARGET_KEY).partition(":")
@@ -137,17 +128,14 @@ COMPILED_STEPS = ["full_inductor"]
 def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
     """The graph's output structure: its pytree spec (``treespec_dumps``) and the leaves that are
     not nodes (index -> value); the compiled step returns the node leaves in order."""
-    import torch.utils._pytree as pytree
-
     leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
     return pytree.treespec_dumps(spec), {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
 
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
-    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a
-    warning when the graph or the steps cannot be pickled or the folder not written (the run
-    goes on uncached)."""
+    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a warning when the graph
+    or the steps cannot be pickled or the folder not written (the run goes on uncached)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     swapped = _own_targets_by_name(gm)
@@ -176,8 +164,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
 
 
 def compiled_path(path: Path) -> Path:
-    """Where the compiled step of the entry at ``path`` is stored (its constants: ``.constants``
-    beside it)."""
+    """Where the compiled step of the entry at ``path`` is stored (its constants: ``.constants`` beside it)."""
     return path.with_suffix(".inductor")
 
 
@@ -192,13 +179,10 @@ def recording():
 
 
 def save_compiled(path: Path, gm: Any, steps: list) -> bool:
-    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are
-    :data:`COMPILED_STEPS` (one Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``),
-    write its artifact to :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the
-    constants beside it (``torch.save``). Returns whether it was written; a failure is a warning
-    (later runs load the graph instead)."""
-    import importlib
-
+    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are :data:`COMPILED_STEPS` (one
+    Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``), write its artifact to
+    :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the constants beside it (``torch.save``).
+    Returns whether it was written; a failure is a warning (later runs load the graph instead)."""
     if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
         return False
     try:
@@ -224,14 +208,10 @@ class CompiledStep:
     the graph's own tensors, which the compiled code takes before the inputs."""
 
     def __init__(self, artifact, constants: list[torch.Tensor], outputs: tuple[str, dict[int, Any]]):
-        import torch.utils._pytree as pytree
-
         self.artifact, self.constants = artifact, constants
         self.spec, self.consts = pytree.treespec_loads(outputs[0]), outputs[1]
 
     def __call__(self, *args):
-        import torch.utils._pytree as pytree
-
         out = iter(self.artifact(*self.constants, *args))
         return pytree.tree_unflatten([self.consts[i] if i in self.consts else next(out)
                                       for i in range(self.spec.num_leaves)], self.spec)

@@ -1,8 +1,5 @@
-"""The values of graph nodes and the structure helpers of graph analysis: node positions, tensor
-values and shapes (:func:`tensor_val`, :func:`shape_of`), union-find (:class:`DisjointSet`), the
-storages and bytes of (fake) values (:func:`storages`, :func:`val_bytes`), acyclic splits of node
-sets (:func:`split_acyclic`), and the placeholders' fake values, device and fake mode
-(:func:`placeholder_vals`, :func:`accelerator_of`, :func:`detect_graph_fake_mode`, :func:`fake_inputs_for`).
+"""The values of graph nodes (fake tensors, shapes, storages, bytes, the placeholders' device and fake mode) and
+the structure helpers of graph analysis (node positions, union-find, acyclic splits of node sets).
 """
 
 from __future__ import annotations
@@ -12,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 class DisjointSet:
@@ -54,8 +52,6 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 def storages(val: Any) -> list[tuple[Any, int]]:
     """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
     views share their base's key; tensor subclasses without a storage are skipped."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     out = []
     for t in pytree.tree_leaves(val):
         if isinstance(t, torch.Tensor):

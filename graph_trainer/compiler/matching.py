@@ -1,6 +1,5 @@
-"""Pattern matching over the traced graph (pure analysis, plus :func:`tag_regions`): the chains of
-pointwise ops the pointwise annotations tag (:func:`find_pointwise_regions`, :func:`tag_regions`)
-and the RMSNorm instances (:func:`find_rmsnorm_instances`).
+"""Pattern matching over the traced graph (pure analysis, plus :func:`tag_regions`): chains of pointwise ops and
+RMSNorm instances.
 """
 
 from __future__ import annotations
@@ -27,20 +26,14 @@ _POINTWISE_EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data"
 _CHAIN_VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze"}
 
 
-def _is_real_tensor_node(node: torch.fx.Node) -> bool:
-    """A real tensor result with no complex tensor input (Inductor has no complex codegen)."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.is_complex():
-        return False
-    return not any(isinstance(v := u.meta.get("val"), torch.Tensor) and v.is_complex() for u in node.all_input_nodes)
-
-
 def _chain_kind(node: torch.fx.Node) -> str | None:
-    """"compute", "view" or None (not eligible)."""
-    name = packet_name(node)
+    """"compute", "view" or None (not eligible; also not a real tensor result, or with a complex tensor input:
+    Inductor has no complex codegen)."""
+    name, val = packet_name(node), node.meta.get("val")
     if name is None or node.target.namespace != "aten" or is_tagged_for_inductor(node):
         return None
-    if not _is_real_tensor_node(node):
+    if not isinstance(val, torch.Tensor) or val.is_complex() or any(
+            isinstance(v := u.meta.get("val"), torch.Tensor) and v.is_complex() for u in node.all_input_nodes):
         return None
     tags = set(node.target.tags)
     if node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in tags:
@@ -55,14 +48,13 @@ def _chain_kind(node: torch.fx.Node) -> str | None:
 def find_pointwise_regions(
     graph: torch.fx.Graph, min_ops: int = 2, accept: Callable[[torch.fx.Node], bool] | None = None,
 ) -> list[list[torch.fx.Node]]:
-    """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order
-    with at least ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops
-    (``torch.Tag``), ``_to_copy``, ``_log_softmax(_backward_data)`` and ``nll_loss_forward/backward``;
-    not in-place, seeded-random or complex ops, nodes already tagged for Inductor, collectives. A
-    view joins only a chain it continues. Connected ops of one ``(phase, module FQN)`` form a
-    region, cut by :func:`split_acyclic` where it would form a cycle (the residual ``out = h +
-    ffn(norm(h))``). ``accept``: a further test every non-view op must pass (views are joined by
-    the same rule either way)."""
+    """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order with at least
+    ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops (``torch.Tag``), ``_to_copy``,
+    ``_log_softmax(_backward_data)`` and ``nll_loss_forward/backward``; not in-place, seeded-random or complex ops,
+    nodes already tagged for Inductor, collectives. A view joins only a chain it continues. Connected ops of one
+    ``(phase, module FQN)`` form a region, cut by :func:`split_acyclic` where it would form a cycle (the residual
+    ``out = h + ffn(norm(h))``). ``accept``: a further test every non-view op must pass (views are joined by the
+    same rule either way)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = DisjointSet()

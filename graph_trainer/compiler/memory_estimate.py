@@ -1,13 +1,12 @@
 """Static estimate of a graph's peak activation memory, from the fake tensors in
 ``node.meta["val"]``: an analysis used by the dry run, the memory policy and the tests.
 
-Model: nodes run in graph order; every storage (views share their base's) is allocated by the
-first node producing it and freed after the last node using it, as the FX-generated code does.
-Graph inputs are not counted; returned values live to the end. ``wait_tensor`` and
-:func:`~graph_trainer.compiler.collectives.hold` return their input's buffer. Not modelled:
-allocator fragmentation and caching, kernel workspaces, Inductor regions' internal buffers.
-(torch's ``memory_estimator.build_memory_profile`` counts no CPU tensors, treats waits as new
-buffers and frees returned values.)
+Model: nodes run in graph order; every storage (views share their base's) is allocated by the first node producing
+it and freed after the last node using it, as the FX-generated code does. Graph inputs are not counted; returned
+values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
+buffer. Not modelled: allocator fragmentation and caching, kernel workspaces, Inductor regions' internal buffers.
+(torch's ``memory_estimator.build_memory_profile`` counts no CPU tensors, treats waits as new buffers and frees
+returned values.)
 """
 
 from __future__ import annotations

@@ -6,19 +6,17 @@ the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``),
 (``bucket_collectives``), and whether the step replays as a CUDA graph (``cudagraph``) where
 neither ``--compile.passes`` nor ``disable_passes`` names it. None changes numerics.
 
-Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to
-the fattest in the order of the levers' gain per GiB: matmul outputs, then kept blocks one by one;
-then ``all_but_cheap``, again with kept blocks one by one; under full Inductor last ``all``; every
-rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak fits wins; when
-even the leanest does not fit, the buckets go too. CUDA graphs (``cudagraph=True``: one process on
-a CUDA device, regional or no Inductor) come before the ladder, for :data:`CUDAGRAPH_GIB`; they go
-only when even the leanest rung would not fit with them.
+Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to the fattest in the
+order of the levers' gain per GiB: matmul outputs, then kept blocks one by one; then ``all_but_cheap``, again with
+kept blocks one by one; under full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The
+highest rung whose predicted peak fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs
+(``cudagraph=True``: one process on a CUDA device, regional or no Inductor) come before the ladder, for
+:data:`CUDAGRAPH_GIB`; they go only when even the leanest rung would not fit with them.
 
-Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak``
-(+ :data:`CUDAGRAPH_GIB` with CUDA graphs): ``state`` the fp32 parameter shards and AdamW's two
-moments, ``graph peak`` :func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory`
-(under full Inductor without the values it keeps inside its kernels), ``scale`` per Inductor mode
-and save level (:data:`CALIBRATION`, fitted to measured peaks).
+Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak`` (+
+:data:`CUDAGRAPH_GIB` with CUDA graphs): ``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak``
+:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` (under full Inductor without the values it keeps
+inside its kernels), ``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks).
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ from typing import Literal
 import torch
 
 GiB = 2**30
-#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor:
-#: elsewhere it stops at ``all_but_cheap``, which holds the plain command at or below torch.compile's
-#: peak for about 1.4 % of speed against ``all`` (docs/perf_archive.md, "The plain command at `jit`'s
-#: memory"); ``--compile.sac.save all`` buys that back with the memory.
+#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor, elsewhere it stops
+#: at ``all_but_cheap`` (docs/perf_archive.md, "The plain command at `jit`'s memory").
 SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2
@@ -58,11 +54,10 @@ class SACOptions:
     """``[compile.sac]``: what op-level selective AC keeps (``sac_recompute``'s lever)."""
 
     save: Literal["auto", "recompute", "matmuls", "all_but_cheap", "all"] = "auto"
-    """What op-level selective AC keeps from the forward for the backward. recompute:
-    torchtitan's policy (every other matmul and the cheap ops recomputed); matmuls: every
-    matmul output kept, the cheap ops recomputed; all_but_cheap: all kept but the pointwise
-    ops, casts and RMSNorms computable from kept values (SwiGLU's silu and mul) and TP's
-    all-gathered activations (gathered again in the backward); all: nothing recomputed;
+    """What op-level selective AC keeps from the forward for the backward. recompute: torchtitan's policy (every
+    other matmul and the cheap ops recomputed); matmuls: every matmul output kept, the cheap ops recomputed;
+    all_but_cheap: all kept but the pointwise ops, casts and RMSNorms computable from kept values (SwiGLU's silu and
+    mul) and TP's all-gathered activations (gathered again in the backward); all: nothing recomputed;
     auto: the memory policy picks within --compile.memory_budget_gib. Numerics unchanged in every case."""
 
 
@@ -76,10 +71,9 @@ class FSDPOptions:
     parameter. -1: the memory policy picks (2 when it fits). Numerics unchanged."""
 
     keep_last_blocks: int = -1
-    """The last K transformer blocks keep their all-gathered parameters from the forward for
-    the backward instead of gathering them again (more memory, fewer all-gathers). 0: every
-    block is resharded after the forward. -1: the memory policy picks as many as fit.
-    Numerics unchanged."""
+    """The last K transformer blocks keep their all-gathered parameters from the forward for the backward instead of
+    gathering them again (more memory, fewer all-gathers). 0: every block is resharded after the forward. -1: the
+    memory policy picks as many as fit. Numerics unchanged."""
 
     reduce_scatter_in_flight: int = 1
     """With bucketing: > 0 waits each gradient reduce-scatter bucket just before the issue of
@@ -147,10 +141,9 @@ class MemoryPolicy:
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
-    """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (fp32
-    shards + optimizer state per rank), ``graph_peak_bytes`` (the static estimate), ``inductor``
-    (``--compile.inductor_compilation``), ``save`` (the graph's ``sac.save`` level) and
-    ``cudagraph`` (the step replays as a CUDA graph)."""
+    """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (fp32 shards + optimizer state
+    per rank), ``graph_peak_bytes`` (the static estimate), ``inductor`` (``--compile.inductor_compilation``),
+    ``save`` (the graph's ``sac.save`` level) and ``cudagraph`` (the step replays as a CUDA graph)."""
     return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
@@ -175,19 +168,14 @@ def choose_levers(
     fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
     cudagraph: bool = False,
 ) -> MemoryPolicy:
-    """Pick the levers (module docstring); a pure function of its arguments. The ladder,
-    leanest first: ``recompute``; ``matmuls`` and ``all_but_cheap`` each with 0 .. ``n_blocks`` kept
-    blocks; under full Inductor ``all`` with all kept (levers named in ``fixed_fields`` keep
-    ``fixed``'s value), searched from the top.
-
-    ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level
-    looked at); a kept block and each block of a bucket add ``block_bytes`` (one block's gathered
-    weights per rank). ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor``
-    selects the calibration. Without FSDP collectives keep / bucket stay 0; without SAC tags
-    ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph (tried first, dropped
-    when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields`` pins
-    ``fixed.cudagraph`` instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the
-    leanest choice exceeds the budget).
+    """Pick the levers by the ladder of the module docstring (``all`` with every block kept), searched from the top;
+    a pure function of its arguments. Levers named in ``fixed_fields`` keep ``fixed``'s value. ``estimate(save)``:
+    graph peak bytes with no kept block and no buckets (called once per level looked at); a kept block and each
+    block of a bucket add ``block_bytes`` (one block's gathered weights per rank). ``state``: :func:`state_bytes`;
+    ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP collectives keep / bucket stay 0;
+    without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph (tried first, dropped
+    when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields`` pins ``fixed.cudagraph``
+    instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget).
     """
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)

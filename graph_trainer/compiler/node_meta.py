@@ -1,8 +1,6 @@
-"""Node and graph metadata the passes read and write: pass summaries (:func:`set_pass_summary`), the
-per-process setup a rewritten graph needs (:func:`add_process_setup`), the
-trace-time phase and module FQN of a node, the ``compile_with_inductor`` region tag and the fusion
-group (:func:`tag_for_inductor`, :func:`tag_fusion_group`), selective AC's recompute tags, and
-:func:`json_object` (the Inductor config flags a tag carries).
+"""Node and graph metadata the passes read and write: pass summaries, the per-process setup a rewritten graph
+needs, a node's trace-time phase and module FQN, the ``compile_with_inductor`` region tag, the fusion group and
+selective AC's recompute tags.
 """
 
 from __future__ import annotations
@@ -44,11 +42,10 @@ def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
 
 
 def add_process_setup(gm: torch.nn.Module, fn: Callable[[], Any]) -> None:
-    """Record on ``gm.meta`` work outside the graph that every process must do before it runs
-    ``gm`` (``async_tp``: symmetric memory for the TP group). The pass does it when it rewrites; the
-    graph cache stores ``fn`` with its entry and a warm run, which runs no pass, calls it on load
-    (graph_trainer/compiler/graph_cache.py). ``fn`` takes no argument and must pickle: a
-    ``functools.partial`` of a module-level function and plain values."""
+    """Record on ``gm.meta`` work outside the graph that every process must do before it runs ``gm`` (``async_tp``:
+    symmetric memory for the TP group). The pass does it when it rewrites; the graph cache stores ``fn`` with its
+    entry and a warm run, which runs no pass, calls it on load (graph_trainer/compiler/graph_cache.py). ``fn`` takes
+    no argument and must pickle: a ``functools.partial`` of a module-level function and plain values."""
     if not isinstance(getattr(gm, "meta", None), dict):
         gm.meta = {}  # type: ignore[attr-defined]
     gm.meta.setdefault(SETUP_KEY, []).append(fn)
@@ -96,12 +93,8 @@ def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
     node.meta["custom"] = {**custom_meta(node), FUSION_GROUP_KEY: group}
 
 
-def tag_for_inductor(
-    node: torch.fx.Node,
-    inductor_configs: dict[str, Any],
-    region: str,
-    candidate_configs: list[dict[str, Any]] | None = None,
-) -> None:
+def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], region: str,
+                     candidate_configs: list[dict[str, Any]] | None = None) -> None:
     """Tag ``node`` for regional_inductor as part of region ``region`` (never fused with another
     region), keeping its other ``custom`` entries (copied: they may be shared between nodes).
     Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""

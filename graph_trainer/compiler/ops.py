@@ -1,8 +1,5 @@
-"""Op names, op sets and op counts of FX graphs: a node's arguments and users (:func:`arg_of`,
-:func:`is_call`, :func:`only_user`), what an aten op node writes (:func:`mutated_args`),
-whether a target returns a view, the op / packet / namespace names of a target, stable target names
-and per-target node counts (:func:`op_counts`), and the view / cast op sets the passes follow
-(:data:`RESHAPE_OPS`, :data:`VIEW_OPS`, :data:`CAST_OPS` ...).
+"""Op names, op sets and op counts of FX graphs: a node's arguments and users, what an aten op writes or aliases,
+stable target names, and the view / cast op sets the passes follow.
 """
 
 from __future__ import annotations
@@ -16,13 +13,11 @@ import torch
 import torch.fx
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 def mutated_args(node: torch.fx.Node) -> list[Any]:
-    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional
-    or keyword; ``None`` for such an optional argument not given. ``node.target`` must be an
-    ``OpOverload``."""
+    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional or keyword; ``None``
+    for such an optional argument not given. ``node.target`` must be an ``OpOverload``."""
     schema = node.target._schema
     args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
     return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
@@ -121,7 +116,7 @@ PERMUTE_OPS: frozenset = frozenset({aten.t.default, aten.transpose.int, aten.per
 #: Every view op the passes follow.
 VIEW_OPS: frozenset = RESHAPE_OPS | SLICE_OPS | PERMUTE_OPS | {aten.detach.default}
 #: dtype casts: ``aten._to_copy`` (make_fx's ``.to(dtype)``) and ``prims.convert_element_type``.
-CAST_OPS: frozenset = frozenset({aten._to_copy.default, prims.convert_element_type.default})
+CAST_OPS: frozenset = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
 
 
 def packet_names(ops: Iterable[Any]) -> frozenset[str]:

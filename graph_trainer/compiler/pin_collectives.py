@@ -32,9 +32,8 @@ def _is_anchor(n: torch.fx.Node) -> bool:
 
 
 def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """``{dependent: [dependencies]}``: for each collective ``C`` whose wait ``W`` comes after
-    anchors ``A1 .. Ak`` (k >= 1), ``A1`` depends on ``C`` and ``W`` on ``Ak`` (module
-    docstring). Pure: the graph is not changed."""
+    """``{dependent: [dependencies]}``: for each collective ``C`` whose wait ``W`` comes after anchors ``A1 .. Ak``
+    (k >= 1), ``A1`` depends on ``C`` and ``W`` on ``Ak`` (module docstring). Pure: the graph is not changed."""
     pos = positions(graph)
     anchors = [n for n in graph.nodes if _is_anchor(n)]
     anchor_pos = [pos[a] for a in anchors]

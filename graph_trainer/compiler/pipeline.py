@@ -1,9 +1,8 @@
 """The pipeline: build it from the config and the registry, plan its memory levers, run it.
 
 :func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments
-(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick
-the levers left on ``auto``; :func:`run_pipeline` runs the passes and records what each did
-(:mod:`graph_trainer.compiler.report`).
+(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick the levers left on
+``auto``; :func:`run_pipeline` runs the passes and records what each did (:mod:`graph_trainer.compiler.report`).
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer.compiler import report
 from graph_trainer.compiler.collectives import collective_kind
-from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy, choose_levers
 from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
 from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
@@ -48,14 +49,8 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
 
 
 def build_pipeline(
-    compile_cfg: Any,
-    layout: Any = None,
-    *,
-    levers: Levers | None = None,
-    deterministic: bool = False,
-    uses_flex_attention: bool = False,
-    tp_group_name: str | None = None,
-    device_type: str | None = None,
+    compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
+    uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
     """The passes ``compile_cfg`` (``graph_trainer.config.Compile``) runs, in the default order,
     each with the arguments its declaration derives from the config.
@@ -92,24 +87,13 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 
 def plan_pipeline(
-    compile_cfg: Any,
-    layout: Any,
-    gm: torch.fx.GraphModule,
-    *,
-    budget_bytes: int,
-    state_bytes: int,
-    has_fsdp: bool,
-    deterministic: bool = False,
-    uses_flex_attention: bool = False,
-    tp_group_name: str | None = None,
-    cudagraph: bool = False,
-    device_type: str | None = None,
-    estimates: dict | None = None,
+    compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
+    deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
+    cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
-    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the
-    traced graph ``gm`` (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate
-    runs the ``in_memory_trial`` passes with the candidate's levers on a copy of ``gm`` and takes
-    its static peak.
+    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the traced graph ``gm``
+    (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate runs the ``in_memory_trial`` passes
+    with the candidate's levers on a copy of ``gm`` and takes its static peak.
 
     ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
     :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
@@ -118,9 +102,6 @@ def plan_pipeline(
     that differ in the budget only, which keeps each graph estimate. Returns ``(pipeline, policy)``
     (the policy only predicts the peak when the config sets every lever).
     """
-    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-    from graph_trainer.compiler.memory_policy import choose_levers
-
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
     names = resolve(ctx)
@@ -161,21 +142,15 @@ def plan_pipeline(
 
 
 def run_pipeline(
-    gm: torch.fx.GraphModule,
-    example_inputs: Any,
-    pipeline: Iterable[PipelineStep | str],
-    *,
-    dump_folder: str | None = None,
-    quiet: bool = False,
-    records: list[dict[str, Any]] | None = None,
-    memory_estimates: bool | None = None,
+    gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
+    dump_folder: str | None = None, quiet: bool = False, records: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names, run with their
     defaults) in order and return the final module.
 
     Logs one line per pass (name, wall time, nodes before -> after, the pass's summary) and
-    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
-    ``memory_estimates``: take the static peak of every graph state (default: not ``quiet``).
+    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given (with the
+    static peak of every graph state unless ``quiet``).
 
     ``dump_folder``: writes ``<dump_folder>/graphs/00_input.py``, per pass ``NN_<pass>.py`` (the
     readable graph after it, full ``custom`` annotations) and ``NN_<pass>.diff`` (against the
@@ -188,10 +163,7 @@ def run_pipeline(
     Raises:
         ValueError: an unknown pass name; whatever a pass raises.
     """
-    from graph_trainer.compiler import report
-
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
-    memory = not quiet if memory_estimates is None else memory_estimates
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None
     run_records: list[dict[str, Any]] = []
@@ -205,14 +177,14 @@ def run_pipeline(
         report.trace_artifact("graph_before_passes", lambda: text)
 
     pop_pass_summary(gm)
-    before = report.snapshot(gm, memory=memory)
+    before = report.snapshot(gm, memory=not quiet)
     prev_name = "00_input"
     for i, step in enumerate(steps, start=1):
         t0 = time.perf_counter()
         gm = step(gm, example_inputs)
         elapsed = time.perf_counter() - t0
         summary, stats = pop_pass_summary(gm)
-        after = report.snapshot(gm, memory=memory)
+        after = report.snapshot(gm, memory=not quiet)
         record = report.pass_record(i, step.name, elapsed, before, after, summary, stats)
         run_records.append(record)
         if records is not None:

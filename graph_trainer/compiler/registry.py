@@ -1,10 +1,9 @@
 """The pass registry: what every graph pass declares, and the one place that reads it.
 
 A pass is a module of :mod:`graph_trainer.compiler.passes` with its function
-``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the
-default order is :data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``),
-preflight, the pipeline builder, the dry run and the report ask this module and name no pass.
-Adding a pass: ``docs/passes.md``.
+``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the default order is
+:data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``), preflight, the pipeline builder, the
+dry run and the report ask this module and name no pass. Adding a pass: ``docs/passes.md``.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +36,6 @@ class PassContext:
     device_type: str | None = None
 
 
-def _never(ctx: PassContext) -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class GraphPass:
     """One pass's declaration (the module-level ``PASS`` of its file).
@@ -53,8 +48,7 @@ class GraphPass:
         section: the ``[compile.<section>]`` name; default: the module name.
         enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass
             (``--compile.passes`` / ``disable_passes`` add and remove on top).
-        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default:
-            the options' fields).
+        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default: the options' fields).
         changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
         compiles: the pass compiles the graph (the dry run and memory trials skip it).
         in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
@@ -67,7 +61,7 @@ class GraphPass:
     fn: Callable[..., Any]
     options: type | None = None
     section: str | None = None
-    enabled: Callable[[PassContext], bool] = _never
+    enabled: Callable[[PassContext], bool] = lambda ctx: False
     kwargs: Callable[[Any, PassContext], dict[str, Any]] | None = None
     changes_numerics: bool = False
     compiles: bool = False
@@ -75,12 +69,6 @@ class GraphPass:
     requires: tuple[str, ...] = ()
     excludes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
-
-    def arguments(self, options: Any, ctx: PassContext) -> dict[str, Any]:
-        """The keyword arguments of :attr:`fn` for ``options`` (this pass's section, or None)."""
-        if self.kwargs is not None:
-            return dict(self.kwargs(options, ctx))
-        return dataclasses.asdict(options) if options is not None else {}
 
 
 @functools.cache
@@ -112,8 +100,7 @@ def option_sections() -> list[tuple[str, type]]:
 
 
 def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
-    """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a
-    pass without options."""
+    """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a pass without options."""
     if spec.options is None:
         return None
     return getattr(compile_cfg, spec.section, None) or spec.options()
@@ -132,20 +119,15 @@ def canonical_name(name: str) -> str:
     raise ValueError(f"unknown graph pass {name!r}; valid passes: {', '.join(registry())}")
 
 
-def split_names(value: str | Iterable[str] | None) -> list[str]:
-    """``"a, b,,c"`` (or a list of names) -> ``["a", "b", "c"]``."""
-    items = value.split(",") if isinstance(value, str) else list(value or ())
-    return [v.strip() for v in items if v.strip()]
-
-
 def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
-    """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list.
+    """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list (each a
+    comma-separated string or a list of names).
 
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
     """
-    return tuple({canonical_name(n) for n in split_names(v)}  # type: ignore[return-value]
-                 for v in (compile_cfg.passes, compile_cfg.disable_passes))
+    return tuple({canonical_name(n) for n in (v.split(",") if isinstance(v, str) else v or ()) if n.strip()}
+                 for v in (compile_cfg.passes, compile_cfg.disable_passes))  # type: ignore[return-value]
 
 
 def resolve(ctx: PassContext) -> list[str]:
@@ -212,4 +194,7 @@ def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
     spec = registry()[canonical_name(name)]
     if ctx is None:
         return PipelineStep(spec.name, spec.fn)
-    return PipelineStep(spec.name, spec.fn, spec.arguments(options_of(spec, ctx.compile_cfg), ctx))
+    options = options_of(spec, ctx.compile_cfg)
+    if spec.kwargs is not None:
+        return PipelineStep(spec.name, spec.fn, dict(spec.kwargs(options, ctx)))
+    return PipelineStep(spec.name, spec.fn, dataclasses.asdict(options) if options is not None else {})

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, is_wait
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
 from graph_trainer.compiler.ops import fx_graph, op_namespace, packet_name, target_name
 
@@ -111,8 +112,6 @@ def count_regions(gm: Any) -> int | None:
 def peak_memory_bytes(gm: Any) -> int | None:
     """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes; None
     when it cannot be estimated (no FX graph, no ``meta["val"]``, or the estimator fails)."""
-    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-
     graph = fx_graph(gm)
     if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
         return None
@@ -152,35 +151,22 @@ def jsonable(obj: Any) -> Any:
         return repr(obj)
 
 
-def pass_record(
-    index: int,
-    name: str,
-    time_s: float,
-    before: GraphSnapshot,
-    after: GraphSnapshot,
-    summary: str = "",
-    stats: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+def pass_record(index: int, name: str, time_s: float, before: GraphSnapshot, after: GraphSnapshot, summary: str = "",
+                stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON-able record of one pass from the snapshots of its input and output: ``index``
     (1-based), ``pass``, ``time_s``, ``nodes_*``, ``kinds_*`` (:func:`kind_counts`),
     ``ops_added`` / ``ops_removed`` (``{op name: count}``), ``regions_*``, ``memory_*_bytes``
     (static peak), ``summary`` and ``stats``; counts are None for a graph that is not FX."""
     return {
-        "index": index,
-        "pass": name,
-        "time_s": round(time_s, 4),
+        "index": index, "pass": name, "time_s": round(time_s, 4),
         "nodes_before": before.kinds["total"] if before.kinds else None,
         "nodes_after": after.kinds["total"] if after.kinds else None,
-        "kinds_before": before.kinds,
-        "kinds_after": after.kinds,
+        "kinds_before": before.kinds, "kinds_after": after.kinds,
         "ops_added": dict(sorted((after.targets - before.targets).items())),
         "ops_removed": dict(sorted((before.targets - after.targets).items())),
-        "regions_before": before.regions,
-        "regions_after": after.regions,
-        "memory_before_bytes": before.memory_bytes,
-        "memory_after_bytes": after.memory_bytes,
-        "summary": summary,
-        "stats": jsonable(stats or {}),
+        "regions_before": before.regions, "regions_after": after.regions,
+        "memory_before_bytes": before.memory_bytes, "memory_after_bytes": after.memory_bytes,
+        "summary": summary, "stats": jsonable(stats or {}),
     }
 
 

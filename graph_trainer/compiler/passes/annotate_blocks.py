@@ -1,11 +1,10 @@
 """Tag each transformer block's forward and backward as Inductor regions: whole-block fusion
 like ``full_inductor``, compiled once per distinct region instead of once per block.
 
-Matches: every aten op node (:func:`compilable`) but collectives and waits (unless
-``collectives``), in-place ops on anything but the region's own intermediates, and ops on
-one-element CPU tensors beside an accelerator. Its region is its block (the ``layers.<i>`` prefix
-of its module FQN, else ``rest``) and phase; a node without a module FQN (FSDP's copies,
-mixed-precision casts) joins the run before it.
+Matches: every aten op node (:func:`compilable`) but collectives and waits (unless ``collectives``), in-place ops on
+anything but the region's own intermediates, and ops on one-element CPU tensors beside an accelerator. Its region is
+its block (the ``layers.<i>`` prefix of its module FQN, else ``rest``) and phase; a node without a module FQN
+(FSDP's copies, mixed-precision casts) joins the run before it.
 
 Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
 "block_<block>_<phase>_<run>"}`` on the matched nodes, replacing the tags (and eager-rounding
@@ -107,21 +106,16 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
 
 def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
                          collectives: bool = False) -> torch.fx.GraphModule:
-    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring). A region is a
-    run of consecutive matched nodes of one block and phase, cut where a node would read a value
-    computed from the run outside it (so it fuses without a dependency cycle) and after an
-    in-place op left eager.
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring). A region is a run of
+    consecutive matched nodes of one block and phase, cut where a node would read a value computed from the run
+    outside it (so it fuses without a dependency cycle) and after an in-place op left eager.
 
-    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the same
-    one (the ``hold`` after the wait is removed); a pair that would not is left eager and the
-    tagging runs again. Stats: ``nodes`` tagged, ``regions``, ``blocks`` (with ``rest``),
-    ``collectives`` (issues compiled inside a region)."""
+    ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the same one (the ``hold``
+    after the wait is removed); a pair that would not is left eager and the tagging runs again. Stats: ``nodes``
+    tagged, ``regions``, ``blocks`` (with ``rest``), ``collectives`` (issues compiled inside a region)."""
     device = accelerator_of(gm)
-    pairs = {}
-    if collectives:
-        for node in gm.graph.nodes:
-            if is_collective(node) and not is_wait(node) and (wait := sole_wait(node)) is not None:
-                pairs[node] = wait
+    pairs = {node: wait for node in gm.graph.nodes if collectives and is_collective(node) and not is_wait(node)
+             and (wait := sole_wait(node)) is not None}
     while True:
         run_of = _tag_runs(gm, device, {n for pair in pairs.items() for n in pair})
         split = [c for c, w in pairs.items() if c not in run_of or run_of.get(w) != run_of[c]]

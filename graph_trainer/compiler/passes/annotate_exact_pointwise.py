@@ -1,33 +1,27 @@
 """Tag chains of exactly rounded pointwise ops as Inductor regions that keep eager's bits.
 
-Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded IEEE
-operation (computed in fp32, rounded to the output dtype). A fused kernel gives the same bits if
-it also rounds after every op and contracts no ``a * b + c`` into an FMA: Inductor does both
-under :data:`EAGER_NUMERICS`, so these regions save the intermediates' trips through memory
-without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward join too
-(``activations``): Inductor lowers SiLU to eager's formula (IEEE division with
-``eager_numerics.division_rounding``), and the backward is rewritten as eager's kernel computes it
-(:func:`exact_silu_backward`). Other transcendental ops, division and reductions round
+Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded IEEE operation (computed
+in fp32, rounded to the output dtype). A fused kernel gives the same bits if it also rounds after every op and
+contracts no ``a * b + c`` into an FMA: Inductor does both under :data:`EAGER_NUMERICS`, so these regions save the
+intermediates' trips through memory without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward join
+too (``activations``: IEEE division with ``eager_numerics.division_rounding``, the backward rewritten as eager's
+kernel computes it, :func:`exact_silu_backward`). Other transcendental ops, division and reductions round
 differently when fused and are left out.
 
-Also (CUDA only; a CPU region is a C++ compile): a lone widening cast (bf16 / fp16 to fp32) of at
-least :data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized, a widening
-is exact), and a ``cat`` of casts (``cast_cats``, :func:`cast_cat_region`: FSDP's buckets; each
-cast writes into its slice of the bucket).
-
-Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of
-:func:`is_exact` ops, at least ``min_ops`` of them; the cats of casts; the lone casts.
+Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of at least ``min_ops``
+:func:`is_exact` ops; on CUDA also (a CPU region is a C++ compile) each ``cat`` of casts (``cast_cats``,
+:func:`cast_cat_region`: FSDP's buckets, each cast writing into its slice) and each lone widening cast (bf16 / fp16
+to fp32) of at least :data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized).
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
-"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's
-lowering rounds after this op, as eager does) on the chosen nodes; each tagged ``silu_backward``
-becomes the ops of eager's formula.
+"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's lowering rounds
+after this op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula.
 
-Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise``
-turns it off); elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds
-the bf16 round trip away). Bitwise equality with eager: tested on the CPU with torch >= 2.13 and
-with Triton on CUDA (``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed:
-``docs/perf_archive.md``, "Eager-exact pointwise regions".
+Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise`` turns it off);
+elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds the bf16 round trip away).
+Bitwise equality with eager: tested on the CPU with torch >= 2.13 and with Triton on CUDA
+(``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed: ``docs/perf_archive.md``, "Eager-exact
+pointwise regions".
 """
 
 from __future__ import annotations
@@ -116,11 +110,10 @@ def is_lone_cast(node: torch.fx.Node) -> bool:
 
 
 def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
-    """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged
-    ``aten.cat`` on a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in
-    ``taken``) with the views (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on
-    that path. None when no input is such a cast. Nothing else reads a member but ``cat``'s users,
-    so the region forms no cycle."""
+    """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged ``aten.cat`` on
+    a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the views
+    (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on that path. None when no input is such a
+    cast. Nothing else reads a member but ``cat``'s users, so the region forms no cycle."""
     val = cat.meta.get("val")
     if (cat.op != "call_function" or cat.target is not aten.cat.default or is_tagged_for_inductor(cat)
             or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
@@ -138,12 +131,11 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
 
 
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel, which
-    Inductor (``EAGER_NUMERICS``) lowers to the same instructions: in fp32, ``s = 1.0 / (1 +
-    exp(-x))`` (a float numerator: IEEE division, where ``1 / t`` would not be), ``dy * s *
-    fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's ``1 + x * (1 - s)``), cast to the
-    output dtype. Each new node copies ``node``'s meta (phase, module, region tag) with its own
-    fake ``val``. Returns the new nodes; ``node`` is erased."""
+    """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel, which Inductor
+    (``EAGER_NUMERICS``) lowers to the same instructions: in fp32, ``s = 1.0 / (1 + exp(-x))`` (a float numerator:
+    IEEE division, where ``1 / t`` would not be), ``dy * s * fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's
+    ``1 + x * (1 - s)``), cast to the output dtype. Each new node copies ``node``'s meta (phase, module, region tag)
+    with its own fake ``val``. Returns the new nodes; ``node`` is erased."""
     graph, (dy, x) = node.graph, node.args
 
     def op(target, *args, **kwargs):
@@ -168,12 +160,11 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
                                   activations: bool = True, lone_casts: bool = True,
                                   cast_cats: bool = True) -> torch.fx.GraphModule:
-    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``),
-    with ``cast_cats`` each :func:`cast_cat_region` outside them, and with ``lone_casts`` each
-    :func:`is_lone_cast` outside both, as one eager-numerics region for ``regional_inductor``;
-    ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions`` (compiler/matching.py),
-    ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` / ``fused_bytes``
-    (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
+    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``), with ``cast_cats``
+    each :func:`cast_cat_region` outside them, and with ``lone_casts`` each :func:`is_lone_cast` outside both, as
+    one eager-numerics region for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of
+    ``tag_regions`` (compiler/matching.py), ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` /
+    ``fused_bytes`` (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
     difference)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")

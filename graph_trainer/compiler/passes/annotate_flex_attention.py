@@ -19,9 +19,8 @@ from graph_trainer.compiler.ops import is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
 
-def annotate_flex_attention_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs=None
-) -> torch.fx.GraphModule:
+def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
+                                                       example_inputs=None) -> torch.fx.GraphModule:
     """Tag every FlexAttention call with its getitems and sub-graph get_attrs, one region per
     call. Stats: ``forward``, ``backward``, ``regions``."""
     hop = torch.ops.higher_order
@@ -52,8 +51,7 @@ def annotate_flex_attention_for_regional_inductor_pass(
         graph.lint()
         gm.recompile()
     set_pass_summary(
-        gm,
-        f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
+        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
         f"-> {len(calls)} region(s)",
         **counts, regions=len(calls),
     )

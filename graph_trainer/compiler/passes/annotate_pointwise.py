@@ -1,9 +1,8 @@
 """Tag chains of pointwise ops as Inductor regions: SwiGLU, residual adds, casts, the loss.
 
-Matches: the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` (chains of
-pointwise, reduction and cast ops, the loss's included, of one phase and module, acyclic), each
-with at least ``min_ops`` non-view ops. So Inductor fuses each chain while matmuls stay eager and
-no kernel mixes forward and backward.
+Matches: the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` (chains of pointwise,
+reduction and cast ops, the loss's included, of one phase and module, acyclic), each with at least ``min_ops``
+non-view ops. So Inductor fuses each chain while matmuls stay eager and no kernel mixes forward and backward.
 
 Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``
 on the chosen nodes. Changes numerics (fused bf16 chains in fp32): opt-in.
@@ -21,9 +20,7 @@ from graph_trainer.compiler.registry import GraphPass
 
 
 def annotate_pointwise_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs: Any = None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs: Any = None, inductor_configs: dict[str, Any] | None = None,
     min_ops: int = 2,
 ) -> torch.fx.GraphModule:
     """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with

@@ -1,11 +1,10 @@
 """Grow every RMSNorm region by its residual add: one fused add + RMSNorm kernel.
 
-TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x +
-attention(attention_norm(x))`` and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the
-first reads a residual add's output, which the fused kernel writes once and reduces in place. In
-the backward the gradient of ``h`` (norm backward's input gradient plus the residual path's) joins
-the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor`` and reads only
-its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
+TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x + attention(attention_norm(x))``
+and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the first reads a residual add's output, which the
+fused kernel writes once and reduces in place. In the backward the gradient of ``h`` (norm backward's input gradient
+plus the residual path's) joins the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor``
+and reads only its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
 
 Matches, per RMSNorm region:
 
@@ -41,16 +40,10 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
             and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2)
 
 
-def annotate_residual_rmsnorm_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs=None
-) -> torch.fx.GraphModule:
-    """Tag each RMSNorm region's residual add into the region (see the module docstring).
-
-    Stats: ``forward`` / ``backward`` (adds joined), ``regions`` (norm regions seen).
-
-    Returns:
-        ``gm``, annotations changed in place.
-    """
+def annotate_residual_rmsnorm_for_regional_inductor_pass(gm: torch.fx.GraphModule,
+                                                         example_inputs=None) -> torch.fx.GraphModule:
+    """Tag each RMSNorm region's residual add into the region (module docstring); returns ``gm``, annotations changed
+    in place. Stats: ``forward`` / ``backward`` (adds joined), ``regions`` (norm regions seen)."""
     regions: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         region = _region(node)

@@ -8,9 +8,8 @@ traces: ``aten._fused_rms_norm`` / ``_fused_rms_norm_backward`` with their ``get
 **decomposed** ones (CPU traces: one module's nodes of one phase computing
 ``rsqrt(mean(x ** 2) + eps)`` or of a module named ``*norm``, split where they would form a cycle).
 
-Changes: ``compile_with_inductor = {"inductor_configs": {...}, "inductor_region":
-"rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when tuning) on every node of a
-norm; nothing is added, removed or rewired.
+Changes: ``compile_with_inductor = {"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus
+``"candidate_inductor_configs"`` when tuning) on every node of a norm; nothing is added, removed or rewired.
 """
 
 from __future__ import annotations
@@ -67,18 +66,14 @@ def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dic
 
 
 def annotate_rmsnorm_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
     candidate_configs: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
-    """Tag each RMSNorm instance (:func:`find_rmsnorm_instances`) as its own region
-    ``rmsnorm_<kind>_<i>``.
+    """Tag each RMSNorm instance (:func:`find_rmsnorm_instances`) as its own region ``rmsnorm_<kind>_<i>``.
 
-    ``inductor_configs`` (default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) and
-    ``candidate_configs`` (also compiled and timed by ``regional_inductor``, CUDA only) go into
-    every tag; an unknown ``torch._inductor.config`` key raises ``ValueError``. Stats: instances
-    per kind and form, ``regions``, ``nodes``, ``getitems`` and the configs.
+    ``inductor_configs`` (default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) and ``candidate_configs`` (also compiled
+    and timed by ``regional_inductor``, CUDA only) go into every tag; an unknown ``torch._inductor.config`` key
+    raises ``ValueError``. Stats: instances per kind and form, ``regions``, ``nodes``, ``getitems`` and the configs.
     """
     configs = validate_inductor_configs(
         DEFAULT_RMSNORM_INDUCTOR_CONFIGS if inductor_configs is None else inductor_configs
@@ -95,8 +90,7 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     getitems = sum(is_getitem(n) for inst in instances for n in inst["nodes"])
     recompute = f" + {counts['recompute']} recomputed (activation checkpointing)" if counts["recompute"] else ""
     set_pass_summary(
-        gm,
-        f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} "
+        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} "
         f"and their getitems ({counts['fused']} fused, {counts['decomposed']} decomposed; {tagged} nodes, "
         f"{getitems} getitems) -> {len(instances)} regions",
         **counts, regions=len(instances), nodes=tagged, getitems=getitems,
@@ -115,11 +109,10 @@ class RMSNormOptions:
     Empty: DEFAULT_RMSNORM_INDUCTOR_CONFIGS (graph_trainer/compiler/passes/annotate_rmsnorm.py)."""
 
     tune: bool = True
-    """Also compile each distinct RMSNorm region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS
-    (split sizes of the norm backward's reduction, or none), time them on CUDA and keep a candidate
-    only when it beats Inductor's defaults by 2 %. About a second of compile per candidate
-    and distinct region. No effect on CPU; off with --debug.deterministic (the pick depends
-    on timings). Measured: docs/perf_archive.md."""
+    """Also compile each distinct RMSNorm region with each of DEFAULT_RMSNORM_CANDIDATE_CONFIGS (split sizes of the
+    norm backward's reduction, or none), time them on CUDA and keep a candidate only when it beats Inductor's
+    defaults by 2 %. About a second of compile per candidate and distinct region. No effect on CPU; off with
+    --debug.deterministic (the pick depends on timings). Measured: docs/perf_archive.md."""
 
     def check(self) -> None:
         """Raises ValueError: inductor_configs is not a JSON object of known Inductor keys."""

@@ -1,24 +1,21 @@
 """Async TP: fuse TP's all-gather -> matmul and matmul -> reduce-scatter pairs into torch's
 micro-pipelined symmetric-memory ops, on the TP process group only.
 
-* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered
-  ``A`` on dim ``d`` (``split`` / ``slice`` s -> ``cat``, or funcol's one ``view`` when the dims
-  before ``d`` are 1), then no-op ops; SAC's copies of the layout read the fused op's ``A``. Every
-  ``aten.mm`` of the same phase reading ``A`` as left operand (directly, or through ``view(A, [M,
-  K])`` and back) joins one ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: as Inductor's ``find_reduce_scatter_patterns`` finds them (chunks
-  in rank order), of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads; also through the
-  ``view`` that ``remove_noop_views`` leaves of DTensor's ``cat(chunk(t, g, dim=d), dim=0)``
-  (:func:`_chunks_view`).
+* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A`` on dim ``d``
+  (``split`` / ``slice`` s -> ``cat``, or funcol's one ``view`` when the dims before ``d`` are 1), then no-op ops;
+  SAC's copies of the layout read the fused op's ``A``. Every same-phase ``aten.mm`` reading ``A`` as left operand
+  (directly or through ``view(A, [M, K])``) joins one ``fused_all_gather_matmul``.
+* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` (chunks in rank order)
+  of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads, also through the ``view`` that
+  ``remove_noop_views`` leaves of DTensor's ``cat(chunk(t, g, dim=d), dim=0)`` (:func:`_chunks_view`).
 
 Left, with the reason in the summary: last-dim gathers / scatters, reduce-scatters of a sum of
-matmuls, matmuls of another phase (SAC's recomputed projections) or whose right operand depends
-on ``A``. Not Inductor's ``micro_pipeline_tp_pass``: it matches ``aten.reshape`` (make_fx records
-``view``), misses the one-``view`` layout and SAC's copies, fuses across phases and leaves no fake
-values (tests/passes/test_async_tp.py). Rewrites on a fake process group (the dry run) or on CUDA
-with NCCL once symmetric memory is set up for the TP group; else skips. Numerics: the same
-products in ``M / g``-row chunks, not guaranteed bitwise; permuted outputs are copied to the
-traced contiguous layout.
+matmuls, matmuls of another phase or whose right operand depends on ``A``. Not Inductor's
+``micro_pipeline_tp_pass``: it matches ``aten.reshape`` (make_fx records ``view``), misses the
+one-``view`` layout and SAC's copies, fuses across phases and leaves no fake values
+(tests/passes/test_async_tp.py). Rewrites on a fake process group (the dry run) or on CUDA with
+NCCL once symmetric memory is set up for the TP group; else skips. Numerics: the same products in
+``M / g``-row chunks, not guaranteed bitwise; permuted outputs are copied to the traced layout.
 """
 
 from __future__ import annotations

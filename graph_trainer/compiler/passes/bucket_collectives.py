@@ -1,18 +1,15 @@
-"""Bucket the traced FSDP collectives, after ``overlap_collectives`` placed them: one all-gather /
-reduce-scatter per ``bucket_size`` parameters instead of one per parameter (many small NCCL
-kernels slow the overlapped matmuls).
+"""Bucket the traced FSDP collectives, after ``overlap_collectives`` placed them: one all-gather / reduce-scatter
+per ``bucket_size`` parameters instead of one per parameter (many small NCCL kernels slow the overlapped matmuls).
 
-Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP shards and flat
-gradients; TP's are N-D), each with one wait (and its ``hold``). Runs of up to ``bucket_size``
-consecutive issues of one kind, group, dtype (and reduce op) whose results are first read after
-the bucket's wait form a bucket. **All-gather**: at the first member's issue (later shard casts
-move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
-:func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after
-the last member's issue, waited at the last member wait, its buffer held until then (with
-``reduce_scatter_in_flight`` N > 0: later, before the N-th next bucket's issue). The same
-bits, except that with more than 2 ranks NCCL's summation order depends on an element's place in
-the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units
-(torchtitan's ``apply_fsdp``), members in parameter order, so every sum is eager FSDP2's.
+Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP shards and flat gradients; TP's are
+N-D), each with one wait (and its ``hold``). Runs of up to ``bucket_size`` consecutive issues of one kind, group,
+dtype (and reduce op) whose results are first read after the bucket's wait form a bucket. **All-gather**: at the
+first member's issue (later shard casts move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
+:func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after the last member's
+issue, waited at the last member wait, its buffer held until then (with ``reduce_scatter_in_flight`` N > 0: later,
+before the N-th next bucket's issue). The same bits, except that with more than 2 ranks NCCL's summation order
+depends on an element's place in the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's
+units (torchtitan's ``apply_fsdp``), members in parameter order, so every sum is eager FSDP2's.
 
 Not torch's bucketing (tests/passes/test_bucket_collectives.py): ``bucket_all_gather`` /
 ``bucket_reduce_scatter`` put each bucket's wait right behind its last member (un-overlapping the
@@ -241,11 +238,10 @@ _RESULT_VIEWS = VIEW_OPS | {aten.split_with_sizes.default, aten.split.Tensor, op
 
 
 def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async: bool) -> int:
-    """Move each FSDP reduce-scatter's wait (with its ``hold`` and the views its result is read
-    through) later, to just before the issue of the ``in_flight``-th next one, or its first real
-    reader when that comes first (a wait already past that stays); returns how many moved.
-    Positions only: the same values. Collectives on CPU stay put unless ``cpu_async``
-    (overlap_collectives' module docstring says why)."""
+    """Move each FSDP reduce-scatter's wait (with its ``hold`` and the views its result is read through) later, to
+    just before the issue of the ``in_flight``-th next one, or its first real reader when that comes first (a wait
+    already past that stays); returns how many moved. Positions only: the same values. Collectives on CPU stay put
+    unless ``cpu_async`` (overlap_collectives' module docstring says why)."""
     issues = [n for n in graph.nodes if collective_kind(n) == "reduce_scatter_tensor"
               and (v := tensor_val(n.args[0])) is not None and v.dim() == 1]  # FSDP's, not TP's
     moved = 0
@@ -274,12 +270,11 @@ def bucket_collectives_pass(
 ) -> torch.fx.GraphModule:
     """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
-    ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes
-    ``--compile.fsdp.bucket_blocks`` times the parameters per block). ``fsdp2_units``: a
-    ``BlockLayout`` (``--debug.deterministic``): the reduce-scatters bucketed by FSDP2's units
-    instead. ``reduce_scatter_in_flight`` (>= 0; ``--compile.fsdp.reduce_scatter_in_flight``):
-    when > 0, each reduce-scatter (bucket) is then waited just before the issue of the N-th next
-    one or its first reader, whichever comes first (0: at its last member's wait, which
+    ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes ``--compile.fsdp.bucket_blocks`` times
+    the parameters per block). ``fsdp2_units``: a ``BlockLayout`` (``--debug.deterministic``): the reduce-scatters
+    bucketed by FSDP2's units instead. ``reduce_scatter_in_flight`` (>= 0;
+    ``--compile.fsdp.reduce_scatter_in_flight``): when > 0, each reduce-scatter (bucket) is then waited just before
+    the issue of the N-th next one or its first reader, whichever comes first (0: at its last member's wait, which
     overlap_collectives bounded in parameters, not buckets); ``cpu_async``: that also on CPU.
     Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``,
     ``reduce_scatter_waits_deferred``.
@@ -321,9 +316,8 @@ def _bucket_blocks(ctx: PassContext) -> int:
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each); with
-    ``--debug.deterministic`` the reduce-scatters by FSDP2's units (``fsdp2_units``);
-    ``--compile.fsdp.reduce_scatter_in_flight`` where set.
+    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each); with ``--debug.deterministic``
+    the reduce-scatters by FSDP2's units (``fsdp2_units``); ``--compile.fsdp.reduce_scatter_in_flight`` where set.
 
     Raises:
         ValueError: buckets without the model's block layout.

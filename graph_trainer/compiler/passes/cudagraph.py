@@ -3,13 +3,12 @@ the step runs in one process on a CUDA device, Inductor does not compile the who
 memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes`` /
 ``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
 
-``gm.forward`` becomes a :class:`CUDAGraphWrapper`: ``warmup`` eager calls on a side stream, one
-capture, then replays. ``nn.Parameter`` s and inputs whose storage did not change between the last
-warmup call and the capture are used in place; other tensor inputs (tokens, labels) are copied
-into static buffers on each call. The outputs are static tensors overwritten by the next call;
-the input structure must not change. Raises ``RuntimeError`` without CUDA inputs. Not
-``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this
-graph is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
+``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then
+replays. ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are
+used in place; other tensor inputs (tokens, labels) are copied into static buffers on each call. The outputs are
+static tensors overwritten by the next call; the input structure must not change. Raises ``RuntimeError`` without
+CUDA inputs. Not ``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this graph
+is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
 """
 
 from __future__ import annotations
@@ -31,22 +30,15 @@ logger = logging.getLogger("graph_trainer")
 class CUDAGraphWrapper:
     """Warm up, capture once, then replay ``fn`` (module docstring)."""
 
-    def __init__(self, fn: Callable, warmup: int = 1) -> None:
+    def __init__(self, fn: Callable) -> None:
         self.fn = fn
-        self.warmup = warmup
-        self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.spec = None
-        self.static_inputs: list[Any] = []
-        self.static_outputs: Any = None
-        self.static_idx: set[int] = set()
-        self._warmup_ptrs: list[int | None] = []
+        self._warmup_ptrs: list[int | None] | None = None  # set by the one warmup call
         self._warned = False
 
     def __call__(self, *args: Any) -> Any:
         flat, spec = pytree.tree_flatten(args)
-        if self.graph is None and self.calls < self.warmup:
-            self.calls += 1
+        if self._warmup_ptrs is None:
             self._warmup_ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in flat]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -92,15 +84,15 @@ def generated_forward(gm: torch.fx.GraphModule) -> Callable:
     return gm.forward
 
 
-def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None, *, warmup: int = 1) -> torch.fx.GraphModule:
+def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
     """Wrap ``gm.forward`` in a :class:`CUDAGraphWrapper` (CUDA only)."""
     if not torch.cuda.is_available():
         raise RuntimeError("cudagraph_pass needs CUDA (torch.cuda.is_available() is False); "
                            "leave cudagraph out of --compile.passes on CPU")
     if any(x.device.type != "cuda" for x in pytree.tree_leaves(example_inputs) if isinstance(x, torch.Tensor)):
         raise RuntimeError("cudagraph_pass: all example inputs must be CUDA tensors")
-    gm.forward = CUDAGraphWrapper(generated_forward(gm), warmup=warmup)
-    set_pass_summary(gm, f"wrapped forward in a CUDA graph (warmup={warmup}, capture on the next call)")
+    gm.forward = CUDAGraphWrapper(generated_forward(gm))
+    set_pass_summary(gm, "wrapped forward in a CUDA graph (warmup=1, capture on the next call)")
     return gm
 
 

@@ -1,12 +1,11 @@
 """Compile the whole training-step graph with Inductor (no annotation needed).
 
-Removes the ``hold`` nodes of ``overlap_collectives`` and selective AC's recompute tags (Inductor
-owns buffer lifetimes, ``sac_recompute`` recomputation), moves one-element CPU tensors to the
-accelerator (:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` (which also
-decomposes make_fx's aten graph) under the graph's fake mode, the nodes of each fusion group
-(``isolate_rmsnorm``'s) fused only among themselves (:func:`fusion_group_guard`). The result
-has the input's placeholders and codegen, so it is called like it; the compiled callable is
-``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``.
+Removes the ``hold`` nodes of ``overlap_collectives`` and selective AC's recompute tags (Inductor owns buffer
+lifetimes, ``sac_recompute`` recomputation), moves one-element CPU tensors to the accelerator
+(:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` (which also decomposes make_fx's aten graph)
+under the graph's fake mode, the nodes of each fusion group (``isolate_rmsnorm``'s) fused only among themselves
+(:func:`fusion_group_guard`). The result has the input's placeholders and codegen, so it is called like it; the
+compiled callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``.
 """
 
 from __future__ import annotations
@@ -57,10 +56,9 @@ def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> i
 
 def realize_group_boundaries(graph: torch.fx.Graph) -> int:
     """Mark every tensor node whose users lie in another fusion group (or none) with Inductor's
-    ``inductor_realize_to_strides``: lowering then writes it to a buffer instead of inlining it
-    into its users, so no op of one group is computed inside another's kernel (a residual add
-    recomputed inside a norm backward, a norm's scaling inside the next op). Runs on the
-    post-grad graph; returns the number of nodes marked."""
+    ``inductor_realize_to_strides``: lowering then writes it to a buffer instead of inlining it into its users, so
+    no op of one group is computed inside another's kernel (a residual add recomputed inside a norm backward, a
+    norm's scaling inside the next op). Runs on the post-grad graph; returns the number of nodes marked."""
     marked = 0
     for n in graph.nodes:
         if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and any(
@@ -74,15 +72,13 @@ def realize_group_boundaries(graph: torch.fx.Graph) -> int:
 def fusion_group_guard(gm: torch.fx.GraphModule):
     """Compile under this to keep ``gm``'s fusion groups (``node_meta.FUSION_GROUP_KEY``) apart.
 
-    Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose
-    ``meta["custom"]`` AOTAutograd carries over) hold the same set of groups (a ``V.choices``
-    handler), and the values that cross a group's boundary are realized
-    (:func:`realize_group_boundaries`, as Inductor's ``post_grad_custom_pre_pass``, whose
-    ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it).
+    Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose ``meta["custom"]``
+    AOTAutograd carries over) hold the same set of groups (a ``V.choices`` handler), and the values that cross a
+    group's boundary are realized (:func:`realize_group_boundaries`, as Inductor's ``post_grad_custom_pre_pass``,
+    whose ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it).
 
-    Yields ``(config patches, counts)``: ``counts["refused"]`` (fusions refused) and
-    ``["realized"]`` (values realized) are filled while compiling, 0 on a cache hit. No groups:
-    ``({}, counts)``.
+    Yields ``(config patches, counts)``: ``counts["refused"]`` (fusions refused) and ``["realized"]`` (values
+    realized) are filled while compiling, 0 on a cache hit. No groups: ``({}, counts)``.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.virtualized import V
@@ -120,16 +116,13 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
 
 
 def full_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    inductor_configs: dict[str, Any] | None = None,
+    gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
     pin_collectives: bool = False,
 ) -> torch.fx.GraphModule:
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``.
 
     Args:
-        inductor_configs: ``torch._inductor.config`` overrides (dotted keys; unknown keys raise
-            ``AttributeError``).
+        inductor_configs: ``torch._inductor.config`` overrides (dotted keys; unknown keys raise ``AttributeError``).
         pin_collectives: keep each collective's issue / wait between the same two matmuls as in
             ``gm`` (:mod:`graph_trainer.compiler.pin_collectives` as Inductor's post-grad pass).
 
@@ -158,9 +151,8 @@ def full_inductor_pass(
         # for inference graphs (the traced step) reorder_for_locality moves each wait to its first user
         patches.setdefault("reorder_for_locality", False)
     t0 = time.perf_counter()
-    tracing = contextlib.nullcontext()
-    if fake_mode is not None:
-        tracing = torch._guards.tracing(torch._guards.TracingContext(fake_mode))
+    tracing = contextlib.nullcontext() if fake_mode is None else torch._guards.tracing(
+        torch._guards.TracingContext(fake_mode))
     with fusion_group_guard(gm) as (group_patches, groups), tracing, \
             torch._inductor.config.patch({**patches, **group_patches}):
         compiled = compile_fx(flat_gm, fake_inputs)
@@ -190,38 +182,30 @@ def full_inductor_pass(
     new_gm.compiled_constants = [*dict(flat_gm.named_parameters(remove_duplicate=False)).values(),
                                  *dict(flat_gm.named_buffers(remove_duplicate=False)).values()]
     set_pass_summary(
-        new_gm,
-        f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
+        new_gm, f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
         + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused, "
-           f"{groups['realized']} boundary values realized)"
-           if groups["groups"] else "")
+           f"{groups['realized']} boundary values realized)" if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
-        compile_s=round(compile_s, 3),
-        nodes_compiled=len(gm.graph.nodes),
-        fusion_groups=groups["groups"],
-        fusions_refused=groups["refused"],
-        boundary_values_realized=groups["realized"],
+        compile_s=round(compile_s, 3), nodes_compiled=len(gm.graph.nodes), fusion_groups=groups["groups"],
+        fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
     )
     return new_gm
 
 
 @dataclass
 class FullInductorOptions:
-    """``[compile.full_inductor]``: options of ``full_inductor``
-    (``--compile.inductor_compilation full``)."""
+    """``[compile.full_inductor]``: options of ``full_inductor`` (``--compile.inductor_compilation full``)."""
 
     configs: str = ""
-    """``torch._inductor.config`` overrides for the whole-graph compile: JSON on the CLI, a
-    table in TOML, dotted keys, e.g.
-    ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
+    """``torch._inductor.config`` overrides for the whole-graph compile: JSON on the CLI, a table in TOML, dotted
+    keys, e.g. ``{"aten_distributed_optimizations.enable_overlap_scheduling": true}``."""
 
     pin_collectives: bool = True
-    """Keep overlap_collectives' placement of every collective and wait (under the same
-    matmuls) inside Inductor's schedule (graph_trainer/compiler/pin_collectives.py). Without it
-    Inductor's peak-memory reordering waits for each collective right after issuing it,
-    so nothing overlaps."""
+    """Keep overlap_collectives' placement of every collective and wait (under the same matmuls) inside Inductor's
+    schedule (graph_trainer/compiler/pin_collectives.py). Without it Inductor's peak-memory reordering waits for
+    each collective right after issuing it, so nothing overlaps."""
 
     def check(self) -> None:
         """Raises ValueError: configs is not a JSON object."""

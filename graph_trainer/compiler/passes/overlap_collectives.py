@@ -11,10 +11,9 @@ after every wait that no longer follows its collective; the same values bit for 
   input is produced; its wait moves towards its first user, but no later than the issue of the
   ``max_in_flight``-th next collective of its kind.
 
-On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU
-collective is never left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without
-a GPU and with one leaves every reduce-scatter in flight to the end of the backward
-(tests/passes/test_overlap_collectives.py).
+On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU collective is never
+left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every
+reduce-scatter in flight to the end of the backward (tests/passes/test_overlap_collectives.py).
 """
 
 from __future__ import annotations
@@ -23,9 +22,9 @@ import torch
 import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, read_through, shard_chain
-from graph_trainer.compiler.graph_values import positions
+from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import set_pass_summary
-from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS
+from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, only_user
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
@@ -70,11 +69,6 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
         moved = True
         order = positions(graph)
     return moved
-
-
-def _on_cpu(issue: torch.fx.Node) -> bool:
-    val = issue.args[0].meta.get("val") if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.device.type == "cpu"
 
 
 def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
@@ -142,14 +136,15 @@ def overlap_collectives_pass(
         order = positions(graph)  # positions change as waits move
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
-        if not cpu_async and _on_cpu(issue):  # never in flight on CPU (see module docstring)
+        val = tensor_val(issue.args[0]) if issue.args else None
+        if not cpu_async and val is not None and val.device.type == "cpu":  # never in flight on CPU (module docstring)
             if wait.prev is not issue:
                 issue.append(wait)
                 moved += 1
             continue
         chain = [wait]  # with its single-use view chain: it lands before the first real use
-        while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in _WAIT_VIEWS:
-            chain.append(next(iter(chain[-1].users)))
+        while (view := only_user(chain[-1])) is not None and view.target in _WAIT_VIEWS:
+            chain.append(view)
         users = sorted(chain[-1].users, key=order.__getitem__)
         target = users[0] if users else None
         if kind != "all_gather_into_tensor":
@@ -180,8 +175,7 @@ def overlap_collectives_pass(
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(
-        gm,
-        f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
+        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
         f"{hoisted} reduce-scatter(s)/other collectives earlier; "
         f"moved {moved} of {len(waits)} collective waits towards first use "
         f"({counts['all_gather']} all-gather, {counts['other']} other; "

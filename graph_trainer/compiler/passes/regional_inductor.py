@@ -3,13 +3,12 @@
 Matches: every node but placeholders / output tagged ``compile_with_inductor`` (by the annotation
 passes or ``fx.traceback.annotate``).
 
-Changes: each region becomes a sub-GraphModule compiled by torch's regional Inductor
-(``standalone_compile``); the rest stays eager. The tagged nodes of one ``inductor_region`` id
-(with the ``getitem`` s of their tuple outputs) are one region, split only to avoid a dependency
-cycle, never merged across ids (torch 2.11's scooper ignores ids); nodes without an id are
-partitioned by torch's ``CapabilityBasedPartitioner``. Identical regions share one compile;
-candidate configs are timed (:func:`_dedupe_and_select_region_compiles`). The result is called
-like the input (the boxed calling convention of torch's pass is undone).
+Changes: each region becomes a sub-GraphModule compiled by torch's regional Inductor (``standalone_compile``); the
+rest stays eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are
+one region, split only to avoid a dependency cycle, never merged across ids (torch 2.11's scooper ignores ids);
+nodes without an id are partitioned by torch's ``CapabilityBasedPartitioner``. Identical regions share one compile;
+candidate configs are timed (:func:`_dedupe_and_select_region_compiles`). The result is called like the input (the
+boxed calling convention of torch's pass is undone).
 """
 
 from __future__ import annotations
@@ -177,17 +176,16 @@ def _shapes(example_inputs) -> str:
 
 @contextlib.contextmanager
 def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, timer=None):
-    """Patch ``torch._inductor.standalone_compile`` while regions are compiled: memoize by
-    :func:`region_signature`; compile a region with ``candidate_inductor_configs`` once per
-    candidate too, time the variants on random inputs (``timer(fn, inputs) -> ms``, default
-    :func:`time_region_ms`) and keep the fastest, a candidate only when more than
-    :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs).
+    """Patch ``torch._inductor.standalone_compile`` while regions are compiled: memoize by :func:`region_signature`;
+    compile a region with ``candidate_inductor_configs`` once per candidate too, time the variants on random inputs
+    (``timer(fn, inputs) -> ms``, default :func:`time_region_ms`) and keep the fastest, a candidate only when more
+    than :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs).
 
     Yields stats ``{"compiled", "reused", "selections", "compiles"}``; each selection is
-    ``{"region", "inputs", "ms": [per variant], "chosen": index (0: inductor_configs), "configs"}``;
-    each entry of ``compiles`` is one Inductor compile, ``{"region", "inputs", "ops": its
-    call_function nodes, "s": wall seconds, "cache": AOTAutograd's cache (Inductor's FX graph cache
-    behind it) "hit" / "miss" / "bypass", from ``torch._dynamo.utils.counters`` ("" if none counted)}``.
+    ``{"region", "inputs", "ms": [per variant], "chosen": index (0: inductor_configs), "configs"}``; each entry of
+    ``compiles`` is one Inductor compile, ``{"region", "inputs", "ops": its call_function nodes, "s": wall seconds,
+    "cache": AOTAutograd's cache (Inductor's FX graph cache behind it) "hit" / "miss" / "bypass", from
+    ``torch._dynamo.utils.counters`` ("" if none counted)}``.
     """
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
@@ -276,15 +274,10 @@ def _static_shape_env(fake_mode):
 
 
 def regional_inductor_pass(
-    gm: torch.fx.GraphModule,
-    example_inputs=None,
-    *,
-    select_candidates: bool | None = None,
-    timer=None,
+    gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None, timer=None,
 ) -> torch.fx.GraphModule:
-    """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm``
-    with its original calling convention. ``select_candidates`` / ``timer``: see
-    :func:`_dedupe_and_select_region_compiles`.
+    """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
+    calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`.
 
     Stats: ``regions``, ``tagged_nodes``, ``distinct_compiles`` (Inductor compiles run),
     ``selections``, ``compiles`` (each compile's seconds and cache outcome), ``compile_s``."""
@@ -318,8 +311,7 @@ def regional_inductor_pass(
     slow_text = (f"; cache {', '.join(f'{k} {v}' for k, v in sorted(cache.items()))}; slowest {slow['s']:.1f}s: "
                  f"{'+'.join(slow['ops'])} ({slow['inputs']})") if slow else ""
     set_pass_summary(
-        gm,
-        f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
+        gm, f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
         f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}{slow_text}",
         regions=n_regions, distinct_compiles=stats["compiled"], selections=sel, tagged_nodes=tagged,
         compile_s=round(compile_s, 3), compiles=compiles,

@@ -1,6 +1,5 @@
-"""Dead code elimination for the traced training-step graph: torch.fx's
-``Graph.eliminate_dead_code``, which keeps impure nodes (mutating, random, effectful ops), with
-every collective kept too so that ranks stay in lock-step.
+"""Dead code elimination for the traced training-step graph: torch.fx's ``Graph.eliminate_dead_code``, which keeps
+impure nodes (mutating, random, effectful ops), with every collective kept too so that ranks stay in lock-step.
 
 One exception to "mutating = impure" (:func:`mutates_only_dead_temporaries`): an unused in-place
 op on fresh temporaries nothing else reads (``mean(...).add_(eps)``, the end of an RMSNorm's
@@ -27,10 +26,9 @@ def _fresh(node: torch.fx.Node) -> bool:
 
 
 def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an unused, unseeded in-place aten op whose mutated arguments are each a
-    :func:`_fresh` node's output read by ``node`` alone: removing it changes no value the graph
-    returns or mutates. Random in-place ops (``Tag.nondeterministic_seeded``) stay: they advance
-    the generator."""
+    """Whether ``node`` is an unused, unseeded in-place aten op whose mutated arguments are each a :func:`_fresh`
+    node's output read by ``node`` alone: removing it changes no value the graph returns or mutates. Random in-place
+    ops (``Tag.nondeterministic_seeded``) stay: they advance the generator."""
     target = node.target
     if node.users or node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
             or torch.Tag.nondeterministic_seeded in target.tags:

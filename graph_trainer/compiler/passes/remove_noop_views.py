@@ -118,11 +118,10 @@ def _leading_ones(val: torch.Tensor, dim: int) -> bool:
 
 
 def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``x`` when ``node`` is ``aten.cat(pieces, dim)`` whose pieces are every output of one
-    ``split`` / ``split_with_sizes`` of a contiguous ``x`` (``getitem`` 0, 1, ... in order), with
-    only size-1 dimensions before the split dimension of ``x`` and before ``dim`` of each piece:
-    then each piece is one run of ``x``'s memory, the runs follow each other, and the cat's
-    contiguous output holds ``x``'s bytes in the same order. Else None."""
+    """``x`` when ``node`` is ``aten.cat(pieces, dim)`` whose pieces are every output of one ``split`` /
+    ``split_with_sizes`` of a contiguous ``x`` (``getitem`` 0, 1, ... in order), with only size-1 dimensions before
+    the split dimension of ``x`` and before ``dim`` of each piece: then each piece is one run of ``x``'s memory, the
+    runs follow each other, and the cat's contiguous output holds ``x``'s bytes in the same order. Else None."""
     if node.op != "call_function" or node.target is not aten.cat.default or not node.args:
         return None
     pieces, dim = node.args[0], arg_of(node, 1, "dim", 0)

@@ -5,12 +5,11 @@ Matches: FSDP parameter all-gathers (:func:`~graph_trainer.compiler.collectives.
 all-gathers of activations are not touched) and their *view closure*: the wait,
 ``overlap_collectives``' ``hold`` and every view / cast of the gathered value.
 
-Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired
-to a copy of it (the shard's cast, a second all-gather, its wait and the views they need), so the
-forward's gathered parameter dies after its last forward use. The copy's wait and views sit
-before the first backward use; its all-gather is issued ``prefetch`` re-gathers earlier in
-backward order. Same bits, one more all-gather per parameter and step; saves up to one unsharded
-copy of the parameters per rank.
+Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired to a copy of it
+(the shard's cast, a second all-gather, its wait and the views they need), so the forward's gathered parameter dies
+after its last forward use. The copy's wait and views sit before the first backward use; its all-gather is issued
+``prefetch`` re-gathers earlier in backward order. Same bits, one more all-gather per parameter and step; saves up
+to one unsharded copy of the parameters per rank.
 """
 
 from __future__ import annotations
@@ -22,17 +21,13 @@ import torch
 import torch.fx
 
 from graph_trainer import PHASE_KEY
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, shard_chain
+from graph_trainer.compiler.collectives import collective_kind, is_wait, read_through, shard_chain
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import custom_meta, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
 _VIEW_OR_CAST = VIEW_OPS | CAST_OPS
-
-
-def _is_closure_op(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (node.target is hold or is_wait(node) or node.target in _VIEW_OR_CAST)
 
 
 def _fresh_val(new: torch.fx.Node, val):
@@ -96,12 +91,7 @@ def reshard_after_forward_pass(
         n_fsdp += 1
         if first_params is not None and n_fsdp > first_params:
             continue
-        closure, stack = {ag: None}, [ag]
-        while stack:
-            for u in stack.pop().users:
-                if u not in closure and _is_closure_op(u) and phase_of(u) != "backward":
-                    closure[u] = None
-                    stack.append(u)
+        closure = dict.fromkeys(read_through(ag, _VIEW_OR_CAST, lambda u: phase_of(u) != "backward"))
         bwd_users = sorted(
             {u for c in closure for u in c.users if u not in closure and phase_of(u) == "backward"}, key=pos.__getitem__
         )
@@ -152,8 +142,7 @@ def reshard_after_forward_pass(
     graph.lint()
     gm.recompile()
     set_pass_summary(
-        gm,
-        f"re-gather {len(groups)} of {n_fsdp} FSDP parameters for the backward "
+        gm, f"re-gather {len(groups)} of {n_fsdp} FSDP parameters for the backward "
         f"({rewired} backward uses rewired, prefetch {prefetch})" if n_fsdp else "no FSDP all-gathers",
         resharded=len(groups), fsdp_all_gathers=n_fsdp, rewired_uses=rewired,
     )

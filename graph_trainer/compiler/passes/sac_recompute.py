@@ -1,9 +1,8 @@
 """Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Under make_fx SAC does not recompute: it saves every op and only tags the nodes
-(``meta["recompute"]``) for a partitioner the traced joint graph does not have (torch >= 2.12
-remats tagged graphs inside ``compile_fx`` only, 2.11 not at all). Layer-level AC recomputes
-under make_fx, untagged: nothing to do.
+Under make_fx SAC does not recompute: it saves every op and only tags the nodes (``meta["recompute"]``) for a
+partitioner the traced joint graph does not have (torch >= 2.12 remats tagged graphs inside ``compile_fx`` only,
+2.11 not at all). Layer-level AC recomputes under make_fx, untagged: nothing to do.
 
 Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
 block (``custom["ac_region"]``) that a backward node uses; never ops that mutate an input, random
@@ -75,13 +74,12 @@ CHEAP_OPS = frozenset({torch.ops.aten._fused_rms_norm.default})
 
 
 def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The forward values the backward may recompute from less than they hold (it copies those it
-    reads, with their inputs of this set in the same block): an activation's all-gather and its wait
-    (:func:`_gathers_activation`: gathered again from the input, a 1 / group-size share of the
-    output); tagged (:func:`_is_recomputable`) pointwise ops, casts and :data:`CHEAP_OPS` whose every
-    input is a graph input, such a value of the same block or a value whose storage the backward
-    reads anyway (nothing new kept: RMSNorm's forward from its input, SwiGLU's ``silu`` and ``mul``
-    from the two matmul outputs); and the views and ``getitem`` s of such values."""
+    """The forward values the backward may recompute from less than they hold (it copies those it reads, with their
+    inputs of this set in the same block): an activation's all-gather and its wait (:func:`_gathers_activation`:
+    gathered again from the input, a 1 / group-size share of the output); tagged (:func:`_is_recomputable`)
+    pointwise ops, casts and :data:`CHEAP_OPS` whose every input is a graph input, such a value of the same block or
+    a value whose storage the backward reads anyway (nothing new kept: RMSNorm's forward from its input, SwiGLU's
+    ``silu`` and ``mul`` from the two matmul outputs); and the views and ``getitem`` s of such values."""
     read = {ref for n in saved_for_backward(graph) for ref, _ in storages(n.meta.get("val"))}
 
     def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n's storage (n, a view of it, its base)
@@ -115,9 +113,8 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
 
 
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
-    """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its
-    own storage (memory estimates count it apart), or for a view of an input, that view of the
-    input's copy."""
+    """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its own storage (memory
+    estimates count it apart), or for a view of an input, that view of the input's copy."""
 
     def fresh(v):
         if not isinstance(v, torch.Tensor):
@@ -158,11 +155,7 @@ def sac_recompute_pass(
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    if cheap_only:
-        recomputable = cheap_to_recompute(graph).__contains__
-    else:
-        def recomputable(n: torch.fx.Node) -> bool:
-            return _is_recomputable(n, save_ops)
+    recomputable = cheap_to_recompute(graph).__contains__ if cheap_only else lambda n: _is_recomputable(n, save_ops)
 
     def copy_of(node: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node:
         if node in copies:
@@ -180,13 +173,8 @@ def sac_recompute_pass(
         return new
 
     for user in [n for n in graph.nodes if phase_of(n) == "backward" and not save_all]:
-        tagged = [a for a in user.all_input_nodes if recomputable(a)]
-        if not tagged:
-            continue
-        for a in tagged:
-            copy_of(a, user)
-        user.args = torch.fx.node.map_arg(user.args, lambda a: copies.get(a, a))
-        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: copies.get(a, a))
+        for a in [a for a in user.all_input_nodes if recomputable(a)]:
+            user.replace_input_with(a, copy_of(a, user))
     n_tags = strip_recompute_tags(graph)
     if copies:
         graph.lint()
@@ -195,8 +183,7 @@ def sac_recompute_pass(
     n_mm = sum(n.target is torch.ops.aten.mm.default for n in copies)
     gib = 2**30
     set_pass_summary(
-        gm,
-        f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
+        gm, f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
         f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
         if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
                         "nothing tagged for recompute (no op-level selective AC)"),
