@@ -1,5 +1,4 @@
-"""--compile.graph_cache_dir: the key, the split before the compiling passes, and a warm run
-that loads the graph instead of tracing it and trains bitwise like the cold run."""
+"""--compile.graph_cache_dir: the key, the split, and warm runs that load and train bitwise like cold."""
 
 import dataclasses
 import os
@@ -94,8 +93,7 @@ def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_pa
 
 
 def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
-    """``hold`` (a package function GraphPickler cannot name) round-trips; the loaded fake mode has
-    a shape env, without which Inductor bypasses its FX graph cache."""
+    """``hold`` round-trips; the loaded fake mode has a shape env (else Inductor bypasses its cache)."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -119,8 +117,7 @@ def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
 
 
 def test_process_setup_is_done_again_on_load(tmp_path, caplog):
-    """A pass's process setup (async_tp: symmetric memory for the TP group) is stored with the
-    entry and called on load, before the graph is used; one that raises leaves the entry unused."""
+    """A pass's process setup is stored and redone on load; one that raises leaves the entry unused."""
     import functools
 
     from graph_trainer.compiler import graph_cache

@@ -1,12 +1,4 @@
-"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against
-eager torchtitan of the same layout and against the layouts that see the same batches (TP's
-collectives in the graph: tests/passes/test_async_tp.py, the 8B dry run in tests/test_fsdp.py).
-Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run per
-layout and mode per module on forked ranks (tests/_launch.py); traced FSDP4 is the ``fsdp4_run``
-fixture. FSDP4 and HSDP have the debug model's 6 blocks, the others 2 (:data:`BLOCKS`). Traced FSDP4,
-HSDP, FSDP2 x TP2, and TP2 and replicas alone with bf16 parameters are bitwise eager torchtitan under
-``--debug.deterministic``: loss and grad norm at every step, then the final weights, gradients and
-AdamW state (``--debug.state_hashes``). The same claims with NCCL: tests/test_gpu_tier.py."""
+"""aot_fx_trace on gloo in each layout against eager torchtitan and layouts that see the same batches."""
 
 import os
 
@@ -33,8 +25,7 @@ BLOCKS = {"fsdp4": None, "hsdp": None}
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """``runs(layout, mode)``: ``(rank 0's stdout, losses, grad norms, final state hashes)`` of a run of :data:`LAYOUTS`,
-    started on first use, once per module (traced FSDP4: the ``fsdp4_run`` fixture)."""
+    """``runs(layout, mode)``: ``(stdout, losses, grad norms, state hashes)``, each run once per module."""
     done = {}
 
     def run(layout, mode):
@@ -79,8 +70,7 @@ def runs(request, tmp_path_factory):
 ], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one",
         "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
-    """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every
-    step; against eager (rtol 0) also the final weights, gradients and optimizer state."""
+    """Loss and grad norm every step; against eager (rtol 0) also the final state."""
     _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while fsdp4_run runs early
     out, loss, norm, hashes = runs(layout, "aot_fx_trace")
     assert line in out and len(loss) == len(ref_loss) == len(norm) == len(ref_norm) == STEPS

@@ -1,5 +1,4 @@
-"""The compiler layer: the registry and its one order, pass-list resolution from ``[compile]``,
-and ``build_pipeline`` (each pass's declaration turns config into arguments)."""
+"""The compiler layer: the registry and its order, pass-list resolution, ``build_pipeline``'s arguments."""
 
 import dataclasses
 
@@ -33,8 +32,7 @@ def _compile(**groups):
 
 
 def test_block_options_become_the_pass_arguments_of_the_8b():
-    """keep_last_blocks / bucket_blocks count blocks; the passes count parameters /
-    collectives (Llama3: the embedding, then 9 per block)."""
+    """Block counts become parameter / collective counts (Llama3: the embedding, then 9 per block)."""
     layout = block_layout_of_args(model_args("8B"))
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
     cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
@@ -72,8 +70,7 @@ def test_rmsnorm_options_and_deterministic_pick():
 
 
 def test_registry_reads_every_pass_of_the_order():
-    """Every module of ORDER declares a PASS; the registry keeps ORDER; every option field
-    is a ``--compile.<section>.<field>`` flag with help text; nothing else names a pass."""
+    """Every ORDER module declares a PASS; every option field is a ``--compile.<section>.<field>`` flag."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
     from graph_trainer.config import _flag_doc, project_sections
 
@@ -87,8 +84,7 @@ def test_registry_reads_every_pass_of_the_order():
 
 
 def test_registry_and_order():
-    """The order's invariants (not its full list: a new pass adds a line to ORDER only):
-    cleanup first, annotations before the region compile, CUDA graphs last."""
+    """Cleanup first, annotations before the region compile, CUDA graphs last."""
     order = DEFAULT_ORDER
     assert order[0] == "remove_dead_code" and order[-1] == "cudagraph"
     annotations = [i for i, n in enumerate(order) if n.startswith("annotate_")]
@@ -97,8 +93,7 @@ def test_registry_and_order():
 
 
 def test_resolve_defaults_and_additions():
-    """Relative to the passes that run without Inductor (none compiles or changes numerics), so
-    a new default pass needs no edit here."""
+    """Additions relative to the passes that run without Inductor."""
     base = resolve_pass_names(_compile(inductor_compilation="none"))
     assert base == [n for n in DEFAULT_ORDER if n in base]
     assert not any(registry()[n].compiles or registry()[n].changes_numerics for n in base)

@@ -1,8 +1,4 @@
-"""Resume, in one chain of runs on a copy of ``finished_run`` (tests/conftest.py) without step-4, as if
-it crashed before saving it: a failed resume changes nothing; a resume appends to metrics.jsonl; a
-model-only last checkpoint is named as such (never "corrupt") and never written over; the README's
-command again after a finished run is reported complete and writes nothing; a fresh run moves
-metrics.jsonl aside. A DCP load failure names its first real error."""
+"""Resume, in one chain of runs on a copy of ``finished_run`` without step-4; DCP load failures."""
 
 import os
 import shutil
@@ -30,11 +26,7 @@ def _ok(r):
 
 
 def _chain(tmp, env):
-    """The copy, then in order (forked ranks unless named): a resume from a missing step; a resume
-    whose last checkpoint is model-only; the same command again; a resume from step 2; the plain
-    command through run_train.sh; a fresh 1-step run into another checkpoint folder.
-    ``(the copy, [(result, reading)])``, each reading taken right after its run (the first before
-    any; an error while reading: the error)."""
+    """The chain of runs on the copy: ``(copy, [(result, reading)])``, each reading right after its run."""
     d = tmp / "run"
     shutil.copytree(_early.result("finished_run"), d)
     ck, metrics = d / "checkpoint", d / "metrics.jsonl"
@@ -79,9 +71,7 @@ def _results():
 
 @chain
 def test_resume_after_a_crash_appends_and_a_fresh_run_rotates():
-    """A failed resume (a missing --checkpoint.load_step: the trainer's own check) changes nothing;
-    resuming a run that logged steps 1-4 from step-2 appends steps 3-4; a fresh run (another
-    --checkpoint.folder) into the same dump folder then moves metrics.jsonl aside, unchanged."""
+    """A failed resume changes nothing; a resume appends steps 3-4; a fresh run moves metrics.jsonl aside."""
     d, (r, r2, _, _, _, r6), (start, after_missing, after_resume, _, _, before_fresh, _) = _results()
     first, files = _early.reading(start)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
@@ -131,9 +121,7 @@ def test_rerun_after_a_finished_run_is_reported_complete():
 
 
 def test_load_failure_names_the_first_real_error(tmp_path):
-    """DCP wraps a rank's failure as (exception, traceback summary) in a CheckpointException: the
-    message names the exception's type and first line, no reprs of tuples or frames, and the older
-    full checkpoint to resume from."""
+    """A DCP load failure names the first real error and the older checkpoint to resume from."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception

@@ -1,6 +1,4 @@
-"""annotate_blocks: one region per run of a transformer block's forward or backward, nothing of a
-collective or an in-place op on a graph input in a region, regions that fuse without a cycle,
-identical blocks compiled once, and the compiled step close to the traced one."""
+"""annotate_blocks: one region per block phase, no collectives in regions, no cycles, compiled once, close."""
 
 import pytest
 import torch

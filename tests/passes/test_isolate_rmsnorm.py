@@ -1,6 +1,4 @@
-"""isolate_rmsnorm + full_inductor's fusion groups: each RMSNorm of a traced tiny Llama3 step
-gets its own group, the whole-graph compile refuses the fusions across groups,
-its FX graph cache tells the two compiles apart, and the step stays close to the traced one."""
+"""isolate_rmsnorm + full_inductor: one fusion group per norm, cross-group fusions refused, cache keys differ."""
 
 import pytest
 

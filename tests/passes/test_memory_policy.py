@@ -1,6 +1,4 @@
-"""The memory policy (graph_trainer/compiler/memory_policy.py): the choice for hand-built
-estimates and budgets, its calibration against measured peaks, and the dry run's plan for the
-debug model on a fake 2-rank group."""
+"""The memory policy: choices for hand-built estimates, calibration, the dry run's plan."""
 
 import os
 
@@ -146,9 +144,7 @@ def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
 
 
 def test_dry_run_plans_from_the_traced_graph(monkeypatch):
-    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps all but the cheap values (every
-    block), a tiny one recomputes and reshards, and the pipeline that runs is the chosen one. The debug
-    flavor at two blocks: the choice does not depend on the number of blocks, the trace's time does."""
+    """Debug model (2 blocks), op SAC, FSDP2 on fake ranks: a large budget keeps, a tiny one recomputes."""
     import dataclasses
 
     from graph_trainer.config import parse_args

@@ -1,6 +1,4 @@
-"""regional_inductor_pass: one compiled region per region id (never merged, cut where a region
-would form a cycle), the timed choice between candidate Inductor configs, and compiled regions
-computing what the graph computed."""
+"""regional_inductor_pass: one region per id (never merged, cycles cut), timed candidate configs, numerics."""
 
 import operator
 
@@ -43,8 +41,7 @@ def _check_numerics(gm, n_norms):  # gm of fused_norm_graph computes what F.rms_
 
 @pytest.mark.parametrize("fastest", [0, 1])
 def test_candidate_configs_timed_and_fastest_kept(fastest):
-    """Each distinct region is compiled once per config set and the variant the timer calls
-    fastest is kept; identical regions reuse it."""
+    """Each distinct region compiled once per config set, the fastest kept, identical regions reuse it."""
     gm, fakes = _annotated_norms(3, CANDIDATES)
     calls = []
 
@@ -116,8 +113,7 @@ def test_forward_and_backward_each_own_region():
 
 
 def test_independent_norms_not_merged():
-    """Two norms without a path between them: one partitioner over all tagged nodes (torch 2.11's
-    regional_inductor) merges them; with region ids they stay two regions."""
+    """Two independent norms: torch 2.11's partitioner merges them; region ids keep them apart."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import create_op_support
 
