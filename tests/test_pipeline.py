@@ -39,7 +39,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
                    fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})
     steps = {s.name: s.options for s in build_pipeline(cfg, layout)}
     assert steps["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
-    assert steps["bucket_collectives"] == {"bucket_size": 18}
+    assert steps["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
@@ -49,7 +49,8 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default
     chosen = {s.name: s.options for s in build_pipeline(Compile(), layout, levers=Levers("all", 32, 2))}
-    assert chosen["sac_recompute"] == {"save_all": True} and chosen["bucket_collectives"] == {"bucket_size": 18}
+    assert chosen["sac_recompute"] == {"save_all": True}
+    assert chosen["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert chosen["reshard_after_forward"] == {"first_params": 1}
     with pytest.raises(ValueError, match="block layout"):
         build_pipeline(cfg)
