@@ -70,8 +70,8 @@ def test_rmsnorm_options_and_deterministic_pick():
     assert opts["inductor_configs"] == {"max_autotune": False}
 
 
-def test_registry_reads_every_pass_of_the_order():
-    """Every ORDER module declares a PASS; every option field is a ``--compile.<section>.<field>`` flag."""
+def test_registry_and_order():
+    """Every ORDER module declares a PASS; option fields are flags with help; cleanup first, CUDA graphs last."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
     from graph_trainer.config import _flag_doc, project_sections
 
@@ -82,19 +82,31 @@ def test_registry_reads_every_pass_of_the_order():
             assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
     names = {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))}
     assert names >= {RMSNORM, "cudagraph", "async_tp"}
-
-
-def test_registry_and_order():
-    """Cleanup first, annotations before the region compile, CUDA graphs last."""
-    order = DEFAULT_ORDER
+    order = DEFAULT_ORDER  # its invariants, not its full list: a new pass adds a line to ORDER only
     assert order[0] == "remove_dead_code" and order[-1] == "cudagraph"
     annotations = [i for i, n in enumerate(order) if n.startswith("annotate_")]
     assert annotations and max(annotations) < order.index("regional_inductor") < order.index("full_inductor")
     assert order.index("sac_recompute") < order.index("reshard_after_forward") < order.index("bucket_collectives")
 
 
+@pytest.mark.parametrize("name, inductor, before, wrong, match", [
+    ("annotate_blocks", "regional", "regional_inductor", "full", "regional_inductor"),
+    ("isolate_rmsnorm", "full", "full_inductor", "regional", "full_inductor"),
+])
+def test_opt_in_pass_needs_the_flag_and_its_inductor_mode(name, inductor, before, wrong, match):
+    names = [s.name for s in build_pipeline(_compile(inductor_compilation=inductor, numerics_changing_optim=True,
+                                                     passes=name))]
+    assert names.index(name) == names.index(before) - 1
+    assert name not in [s.name for s in build_pipeline(_compile(inductor_compilation=inductor,
+                                                                numerics_changing_optim=True))]
+    with pytest.raises(ValueError, match="numerics_changing_optim"):
+        build_pipeline(_compile(inductor_compilation=inductor, passes=name))
+    with pytest.raises(ValueError, match=match):
+        build_pipeline(_compile(inductor_compilation=wrong, numerics_changing_optim=True, passes=name))
+
+
 def test_resolve_defaults_and_additions():
-    """Additions relative to the passes that run without Inductor."""
+    """Additions relative to the passes that run without Inductor; aliases; disabled passes."""
     base = resolve_pass_names(_compile(inductor_compilation="none"))
     assert base == [n for n in DEFAULT_ORDER if n in base]
     assert not any(registry()[n].compiles or registry()[n].changes_numerics for n in base)
@@ -111,9 +123,6 @@ def test_resolve_defaults_and_additions():
         == [n for n in base if n != "remove_noop_views"] + [RMSNORM, POINTWISE, "regional_inductor"]
     assert "bucket_collectives" not in resolve_pass_names(_compile(fsdp={"bucket_blocks": 0}))
     assert "bucket_collectives" in resolve_pass_names(_compile(fsdp={"bucket_blocks": 1}))
-
-
-def test_resolve_aliases_and_disable():
     names = resolve_pass_names(_compile(numerics_changing_optim=True,
                                         passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass"))
     assert names == resolve_pass_names(_compile(numerics_changing_optim=True))

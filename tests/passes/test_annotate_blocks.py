@@ -15,16 +15,6 @@ from .conftest import assert_close, fake_prop, inductor_tag, region_ids, tagged_
 aten = torch.ops.aten
 
 
-def test_opt_in_numerics_changing_and_regional_only():
-    names = [s.name for s in build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_blocks"))]
-    assert names.index("annotate_blocks") == names.index("regional_inductor") - 1
-    assert "annotate_blocks" not in [s.name for s in build_pipeline(Compile(numerics_changing_optim=True))]
-    with pytest.raises(ValueError, match="numerics_changing_optim"):
-        build_pipeline(Compile(passes="annotate_blocks"))
-    with pytest.raises(ValueError, match="regional_inductor"):
-        build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True, passes="annotate_blocks"))
-
-
 def test_regions_follow_blocks_and_phases(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
     steps = build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_blocks"))

@@ -10,20 +10,6 @@ from graph_trainer.config import Compile
 from .conftest import assert_close, trace_step
 
 
-def _names(**kw):
-    return [s.name for s in build_pipeline(Compile(**kw))]
-
-
-def test_opt_in_under_full_inductor_with_the_flag():
-    names = _names(inductor_compilation="full", numerics_changing_optim=True, passes="isolate_rmsnorm")
-    assert names.index("isolate_rmsnorm") == names.index("full_inductor") - 1
-    assert "isolate_rmsnorm" not in _names(inductor_compilation="full", numerics_changing_optim=True)
-    with pytest.raises(ValueError, match="numerics_changing_optim"):
-        _names(inductor_compilation="full", passes="isolate_rmsnorm")
-    with pytest.raises(ValueError, match="full_inductor"):  # regional: annotate_rmsnorm's regions instead
-        _names(numerics_changing_optim=True, passes="isolate_rmsnorm")
-
-
 def test_each_norm_is_its_own_group(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
     steps = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True, passes="isolate_rmsnorm"))
