@@ -55,14 +55,12 @@ def runs(request, tmp_path_factory):
     ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step, and the final state
     ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""),
     ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
-    # TP alone and replicas alone with bf16 parameters: eager torchtitan would train in fp32 (no
-    # FSDP, no autocast); the baseline's FSDP2 over a 1-rank shard dimension (HSDP for the replicas)
-    # casts the parameters as the traced step does
+    # TP / replicas alone with bf16 parameters: the eager baseline's FSDP2 over a 1-rank shard dimension (HSDP
+    # for the replicas) casts the parameters as the traced step does (plain eager would train in fp32)
     ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""),
     ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
-    # the same batches: TP2 those of one rank, FSDP2 x TP2 and replicate 2 x TP2 (traced only:
-    # torchtitan's eager DDP refuses TP) those of FSDP2, HSDP those of FSDP4; not bitwise
-    # (loss-parallel cross-entropy, row-parallel matmuls and the gradients sum in another order)
+    # the same batches (not bitwise: loss-parallel cross-entropy, row-parallel matmuls, gradient sums reorder);
+    # replicate 2 x TP2 traced only (torchtitan's eager DDP refuses TP)
     ("tp2", ("one", "aot_fx_trace"), 1e-6, 1e-4, "Applied torchtitan's Llama3 TP plan (degree 2, loss parallel True)"),
     ("fsdp2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-4, "reduce-scatter(s)/other collectives earlier"),  # overlap pass
     ("rep2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-6, REPLICAS),

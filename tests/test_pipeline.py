@@ -43,8 +43,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
-    # levers on auto without the policy's choice: the leanest (every block resharded, no
-    # buckets, torchtitan's SAC policy); with it: the choice
+    # levers on auto: without the policy's choice the leanest; with it, the choice
     default = {s.name: s.options for s in build_pipeline(Compile(), layout)}
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default

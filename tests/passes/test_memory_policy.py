@@ -73,10 +73,8 @@ def test_user_levers_stay_and_the_inductor_mode_counts():
 
 
 @pytest.mark.parametrize("inductor, save, cudagraph, state, est, measured", [
-    # measured peaks (GiB, max_memory_reserved) against the graph estimate of the GPU-traced graph
-    # (the dry run's equals it since it traces CUDA's fused RMSNorm and GQA attention: test_projection), one
-    # H100 (docs/perf_archive.md, "Memory prediction"); under full Inductor the fused estimate.
-    # Llama3 1B, op SAC; seq 4096 x 2 and 8192 x 2:
+    # measured peaks (GiB, max_memory_reserved) vs the GPU-traced graph's estimate (full Inductor: the fused one),
+    # one H100 (docs/perf_archive.md, "Memory prediction"). Llama3 1B, op SAC; seq 4096 x 2 and 8192 x 2:
     ("regional", "recompute", False, 16.75, 18.22, 36.99),
     ("regional", "matmuls", False, 16.75, 20.84, 39.73),
     ("regional", "all", False, 16.75, 25.37, 44.14),

@@ -184,9 +184,8 @@ def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=1))
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
              "--training.steps", "2", "--compile.inductor_compilation", "full", "--compile.graph_cache_dir", "off"]
-    # a cached compile of the same graph would skip compile_fx's remat (the tags are not in the key). The
-    # configs' own patch, not monkeypatch: pytest >= 9.2 undoes a module attribute it did not find in the
-    # module's __dict__ with delattr, which leaves a torch config hidden for every later test
+    # no cached compile (it would skip compile_fx's remat); the configs' own patch: pytest >= 9.2's monkeypatch
+    # undoes such a module attribute with delattr, hiding a torch config for every later test
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
         on, _ = _train(tmp_path, "on", *flags)
