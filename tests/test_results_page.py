@@ -192,8 +192,8 @@ def test_edge_cases_accepted(repo, capsys):
     assert generate(capsys)[0] == 0
 
 
-def test_idempotent_and_check(records, capsys):
-    """--check exits 1 when missing or stale, 0 when current; reruns write identical bytes, or nothing."""
+def test_idempotent_check_and_options(records, tmp_path, capsys):
+    """--check: 1 when missing or stale, 0 when current; reruns write identical bytes or nothing; --results, --out."""
     out = records / "docs" / "perf.md"
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md" in stdout and not out.exists()
@@ -210,10 +210,7 @@ def test_idempotent_and_check(records, capsys):
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md is out of date" in stdout
     assert out.read_bytes() == stale
-
-
-def test_results_and_out_options(records, tmp_path, capsys):
-    """--results / --out: relative to the repository root, or absolute."""
+    # --results / --out: relative to the repository root, or absolute
     assert generate(capsys, "--out", "elsewhere/page.md")[0] == 0
     assert (records / "elsewhere" / "page.md").read_text().count("\n### ") == 4
     other = tmp_path / "other_results"

@@ -115,9 +115,11 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     assert not _choose(1000).levers.cudagraph  # not allowed (CPU, several processes): never
 
 
-def test_cuda_graphs_only_for_one_process_on_a_gpu():
+def test_cuda_graphs_only_for_one_process_on_a_gpu_named_by_the_config():
     import torch
 
+    from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
+    from graph_trainer.config import Compile
     from graph_trainer.step import may_replay_as_cuda_graph
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -126,12 +128,6 @@ def test_cuda_graphs_only_for_one_process_on_a_gpu():
     assert not may_replay_as_cuda_graph(cuda, 2, "default", None)  # real NCCL peers
     assert not may_replay_as_cuda_graph(cpu, 1, "default", None)
     assert not may_replay_as_cuda_graph(cuda, 1, "default", "/tmp/numerics")  # step 1 records op outputs
-
-
-def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
-    from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
-    from graph_trainer.config import Compile
-
     assert "cudagraph" not in configured_levers(Compile())[1]
     levers, named = configured_levers(Compile(passes="cudagraph"))
     assert levers.cudagraph and "cudagraph" in named
