@@ -18,7 +18,7 @@ def _tiny_run(tmp, env):
     """``fusion_report.py --tiny``: ``(its JSON file, its result)``."""
     out = tmp / "report.json"
     return out, run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], env=env, cwd=SCRIPTS.parent,
-                           timeout=300)  # forked from tests/_launch.py's server (its imports done)
+                           timeout=900)  # forked from tests/_launch.py's server (its imports done)
 
 
 _early.job("fusion_report_tiny", _tiny_run)
