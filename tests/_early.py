@@ -1,13 +1,4 @@
-"""Runs that tests start early (not a test module). A module registers a run with :func:`job` and
-marks the tests reading it with :func:`uses`; a test takes the outcome with :func:`result`.
-
-After collection tests/conftest.py queues the runs the selected tests read; one at a time each runs
-in a process forked from tests/_launch.py's server while the tests go on here (with :data:`BACKGROUND`
-off, a run starts in the first test reading it). No thread is started: processes start from the main
-thread, after a test (:func:`advance`) or in :func:`result`. A run gets its own tmp folder and the
-environment of the session's start (taken at registration), never a test's monkeypatching; its outcome
-is what the function returns (picklable). A run that raised raises in its reader as a RuntimeError
-with the run's traceback."""
+"""Runs started early in processes forked from tests/_launch.py's server while tests go on (not a test module)."""
 
 from __future__ import annotations
 
@@ -37,8 +28,7 @@ _TMP = None  # the session's tmp_path_factory
 
 
 def job(name: str, fn: Callable[[Path, dict], Any], needs: tuple[str, ...] = ()) -> None:
-    """Register ``fn(tmp folder, environment)`` (module-level, or a lambda there) as run ``name``;
-    ``needs``: runs whose outcome ``fn`` reads with :func:`result` (done before it starts)."""
+    """Register ``fn(tmp folder, environment)`` as run ``name``; ``needs``: runs done before it starts."""
     _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"], tuple(needs)))
 
 
@@ -48,8 +38,7 @@ def uses(name: str):
 
 
 def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) -> Any:
-    """In a forked process: import the module that registered ``name`` and run it, with the outcomes
-    ``needed`` of its ``needs``; its own runs fork from this process."""
+    """In a forked process: import the module that registered ``name`` and run it with the ``needed`` outcomes."""
     import multiprocessing as mp
 
     import _launch
@@ -127,8 +116,7 @@ def reading(value: Any) -> Any:
 
 
 def readings(steps: list, run: Callable[[Any], Any]) -> list:
-    """``(run(args), read())`` for each ``(args, read)`` of ``steps``, in order, each reading right after
-    its run; a reading that raises is stored as its exception (:func:`reading` raises it in the test)."""
+    """``(run(args), read())`` per ``(args, read)`` of ``steps``; a reading that raises is kept as its exception."""
     out = []
     for args, read in steps:
         r = run(args)

@@ -1,8 +1,4 @@
-"""Start ``graph_trainer.train.main`` on N local CPU ranks with torchrun's variables, without
-run_train.sh's pre-check, torchrun and per-rank imports (not a test module). Ranks are forked from one
-server that imported the trainer once (:data:`PRELOAD`; its string-hash seed and what torch read from
-the environment at import), or with ``fresh=True`` new interpreters. The rendezvous store is served
-here on a port the kernel picks, so no port is freed and bound again later."""
+"""Start ``graph_trainer.train.main`` on N local CPU ranks, forked from one preloaded server (not a test module)."""
 
 from __future__ import annotations
 
@@ -85,10 +81,7 @@ def _forkserver():
 
 def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None,
                 timeout: float = 600, n_layers: int | None = None, base_env: dict | None = None) -> Ranks:
-    """``graph_trainer.train.main(["--job.config_file", <debug config>, *argv])`` on ``nranks`` gloo ranks
-    (logs in folder ``tmp``), ``env`` added to ``base_env`` (default: this process's); ``n_layers``: the
-    debug flavor's blocks (forked ranks only). A failed rank's peers are stopped 30 s after it, all
-    after ``timeout``; the return code is that of the first rank that failed by itself."""
+    """The trainer on ``nranks`` gloo ranks (logs in ``tmp``): the first rank that failed by itself decides the code."""
     from torch.distributed import TCPStore
 
     assert n_layers is None or not fresh, "n_layers: forked ranks only"
@@ -133,8 +126,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
 
 
 def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
-    """A forked ``python3 <argv>`` in ``cwd``: :func:`_as_child`, ``argv[0]`` run as ``__main__`` with its
-    folder first on ``sys.path``."""
+    """A forked ``python3 <argv>`` in ``cwd``: ``argv[0]`` run as ``__main__``, its folder first on ``sys.path``."""
     import runpy
 
     _as_child(env, out, err)
@@ -146,8 +138,7 @@ def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
 
 def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
                timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python3 <argv>`` forked from the server: ``subprocess.run(..., capture_output=True, text=True)``'s
-    result; past ``timeout`` seconds it is killed and ``subprocess.TimeoutExpired`` raised."""
+    """``python3 <argv>`` forked from the server, as ``subprocess.run(..., capture_output=True, text=True)``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="run_script") as tmp:
@@ -179,9 +170,7 @@ def _call_into(q, fn, args: tuple) -> None:
 
 
 def fork_call(fn, *args, timeout: float = 900):
-    """Start ``fn(*args)`` (module-level; picklable arguments and result) forked from the server: a
-    function waiting for its result (a RuntimeError with the traceback of what it raised), with
-    ``.done()`` (result put or exited, without waiting) and ``.kill()``."""
+    """Start ``fn(*args)`` forked from the server: a function awaiting its result, with ``.done()``, ``.kill()``."""
     q = queue()
     p = _forkserver().Process(target=_call_into, args=(q, fn, args))
     p.start()

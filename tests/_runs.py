@@ -15,10 +15,7 @@ LAUNCH_VARS = ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "NGPU", "CONFIG", "CONFIG
 
 
 def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=False, ngpu=1, config=None, env=None):
-    """The debug config (or TOML file ``config``) with ``small``, ``steps``, ``dump`` and ``flags`` on
-    ``ngpu`` ranks through run_train.sh; with ``direct``, ``python -m graph_trainer.train`` (one rank);
-    with ``forked`` / ``fresh``, tests/_launch.py's ranks; ``env``: the environment to start from
-    (default: this process's). Has ``returncode``, ``stdout``, ``stderr``."""
+    """The debug config (or ``config``) through run_train.sh, ``direct`` one rank, or ``forked`` / ``fresh`` ranks."""
     args = [*small, "--training.steps", str(steps), "--job.dump_folder", str(dump), *flags]
     if forked or fresh:
         from _launch import train_ranks
@@ -43,8 +40,7 @@ def launch_env(base=None, **launch):
 
 
 def fixed_port() -> int:
-    """A free 127.0.0.1 port below the kernel's ephemeral range (no socket bound to port 0 gets it
-    meanwhile), not 29500, for torchrun's static rendezvous, which a test cannot serve itself."""
+    """A free 127.0.0.1 port below the ephemeral range, not 29500, for torchrun's static rendezvous."""
     import random
     import socket
 
@@ -65,8 +61,7 @@ def fixed_port() -> int:
 
 
 def fsdp4_flags():
-    """The debug model's FSDP4 run: 2 steps, seq 64, batch 2 per rank, deterministic (FSDP2's
-    reduce-scatter buckets), the final state's hashes."""
+    """The debug model's FSDP4 run: 2 steps, seq 64, batch 2 per rank, deterministic, final state hashes."""
     return ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
             "--parallelism.data_parallel_shard_degree", "4", "--debug.deterministic", "--debug.state_hashes"]
 

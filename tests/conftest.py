@@ -1,10 +1,4 @@
-"""Shared fixtures: the tests' tiny models and the runs several test modules start from.
-
-Tests that start training runs, dry-run the 8B or compile long are ``slow``, as is every test using a
-fixture of :data:`SLOW_FIXTURES`. Runs that tests only read are tests/_early.py's. Every process runs
-one OpenMP thread (``OMP_NUM_THREADS=1`` unless set): several CPU-bound processes on a few cores
-otherwise slow single ops many times over.
-"""
+"""Shared fixtures: tiny models, shared runs (slow: :data:`SLOW_FIXTURES`); one OpenMP thread per process."""
 
 import contextlib
 import logging
@@ -64,9 +58,7 @@ def tiny_llama():
 
 @pytest.fixture
 def fsdp_trace():
-    """``fsdp_trace(param_dtype=None)``: a traced FSDP step of a 2-layer debug Llama on a 1-rank gloo
-    group (living until the end of the test), gathering parameters in ``param_dtype`` (None: as
-    stored): ``(TracedStep, flat inputs, number of parameters)``."""
+    """``fsdp_trace(param_dtype=None)``: a traced FSDP step on a 1-rank gloo group: ``(traced, inputs, n_params)``."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
     def trace(param_dtype=None):
@@ -122,15 +114,13 @@ _early.job("finished_run", _finished_run)
 
 @pytest.fixture(scope="session")
 def fsdp4_run():
-    """The debug model's FSDP4 run (``_runs.fsdp4_flags``) on 4 forked gloo ranks, started early
-    (tests/_early.py): ``(rank 0's stdout, losses, grad norms, final state hashes)``."""
+    """The FSDP4 run on 4 forked gloo ranks, started early: ``(stdout, losses, grad norms, state hashes)``."""
     return _early.result("fsdp4_run")
 
 
 @pytest.fixture(scope="session")
 def finished_run():
-    """The dump folder of a finished forked run (``_runs.FINISHED``: full checkpoints at steps 2 and 4),
-    started early (tests/_early.py). Tests copy it (``shutil.copytree``) before they change anything."""
+    """The dump folder of a finished forked run (``_runs.FINISHED``), started early; copy it before changing it."""
     return _early.result("finished_run")
 
 
@@ -158,10 +148,7 @@ def log_lines():
 
 @pytest.fixture(scope="session")
 def dry_runs_8b():
-    """The dry runs of Llama3 8B on 8 fake ranks (``_runs.dry_run_8b_8_ranks``), side by side (one core
-    each): ``"fsdp4_tp2"``, the seed layout with ``--compile.passes async_tp`` and the RMSNorm pass, in
-    this process: ``(summary, graph_trainer's log messages)``; ``"fsdp8"``, op-level SAC recomputing,
-    no block kept, one memory budget, forked from tests/_launch.py's server: its summary."""
+    """Llama3 8B dry runs on 8 fake ranks, side by side: ``"fsdp4_tp2"`` (summary, log lines), ``"fsdp8"``."""
     from _launch import fork_call
     from _runs import dry_run_8b_8_ranks
 

@@ -1,5 +1,4 @@
-"""scripts/bench.py (graph_trainer/tools/bench.py): variants, statistics against the first, the
-table, records that are never overwritten, bad input; one CPU call of the debug model end to end."""
+"""scripts/bench.py: variants, statistics, table, records never overwritten, bad input, one CPU run."""
 
 import json
 import os
@@ -67,8 +66,7 @@ def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
-    """One variant (eager: no compile), one round on the CPU, step 2 profiled: the table, a record naming
-    its command, the run's timeline picture beside it."""
+    """One eager variant on the CPU, step 2 profiled: the table, a record naming its command, its picture."""
     r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "4",
                     "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
                     str(tmp_path / "results"), "--out",

@@ -1,5 +1,4 @@
-"""``COMM_MODE=fake_collectives``: rank 0 of an NGPU-rank layout trains in one process, every
-collective a local copy (graph_trainer/distributed/fake_pg.py). (The dry run: tests/test_fsdp.py.)"""
+"""``COMM_MODE=fake_collectives``: rank 0 of an NGPU-rank layout in one process, collectives local copies."""
 
 import math
 import os
@@ -33,9 +32,7 @@ _early.job("fake_collectives_fsdp32_tp2", _fake_collectives_run)
 @pytest.mark.slow
 @_early.uses("fake_collectives_fsdp32_tp2")
 def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process():
-    """NGPU=64, FSDP32xTP2: one process (no torchrun rank prefix), the model built on the meta
-    device and only rank 0's shards allocated, its step traced with the collectives of 64 ranks
-    (pass table), 3 steps with finite losses; the summary says the mode. (Started early: tests/_early.py.)"""
+    """NGPU=64, FSDP32xTP2 in one process: meta model, rank 0's shards, 64 ranks' collectives, finite losses."""
     dump, r = _early.result("fake_collectives_fsdp32_tp2")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
@@ -75,18 +72,13 @@ def _local_copy_semantics():  # forked: its own process group
 
 
 def test_local_copy_process_group_semantics():
-    """4 ranks, a 2 x 2 mesh: all-gather repeats the input, reduce-scatter keeps this rank's chunk,
-    all-reduce leaves the tensor, on the world and on a mesh dimension; scatter gives this rank's piece
-    (forked from tests/_launch.py's server)."""
+    """4 ranks, a 2 x 2 mesh: all-gather, reduce-scatter, all-reduce and scatter as rank 0 sees them."""
     assert fork_call(_local_copy_semantics, timeout=300)() == "ok"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_local_copy_process_group_copies_on_a_side_stream():
-    """CUDA: the copies wait for the work queued before the collective (a fill behind a 50 ms spin),
-    the caller's stream waits for the copies at ``wait_tensor``, they ran on the group's side
-    stream, and the same holds inside a captured and replayed CUDA graph, whose pool reuses the
-    collectives' freed blocks."""
+    """CUDA: the copies are ordered on the side stream, also inside a replayed CUDA graph reusing freed blocks."""
     code = textwrap.dedent("""
         import torch, torch.distributed as dist
         from graph_trainer.distributed import fake_pg
@@ -128,8 +120,7 @@ def test_local_copy_process_group_copies_on_a_side_stream():
 
 
 def test_materialize_meta_shards_norms_ones_others_normal():
-    """Meta shards become fp32 tensors on the device: RMSNorm weights ones, the rest finite
-    N(0, 0.02); a shard already allocated is kept as it is."""
+    """Meta shards become fp32: norm weights ones, others N(0, 0.02); an allocated shard is kept."""
     from graph_trainer.distributed.parallelize import materialize_meta_shards
 
     names = ["layers.0.attention_norm.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"]

@@ -1,5 +1,4 @@
-"""scripts/compare_mfu.py: A/B runs of run_train.sh, statistics, table, JSON, plot, bad input; mostly on a
-fake trainer tree (a git repo whose run_train.sh prints step lines at once), once on the real debug model."""
+"""scripts/compare_mfu.py on a fake trainer tree (a git repo printing step lines) and on the real debug model."""
 
 import io
 import json
@@ -182,8 +181,7 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
 
 
 def _ctrl_c_as_in_a_terminal():
-    """SIGINT's default action, as under a terminal: a suite started in the background (``cmd &``)
-    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    """SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -302,8 +300,7 @@ _early.job("compare_mfu_real_head_ref", _real_head_ref)
 @pytest.mark.slow
 @_early.uses("compare_mfu_real_head_ref")
 def test_real_head_ref_against_working_tree_flags():
-    """A: HEAD from a worktree (--allow-dirty; outside git: the working tree), B: + max_norm 0.5; profiled.
-    (Started early: tests/_early.py.)"""
+    """A: HEAD from a worktree (outside git: the working tree), B: + max_norm 0.5; profiled."""
     head, out, r = _early.result("compare_mfu_real_head_ref")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"| A: {f'HEAD@{head[:8]}' if head else 'working tree'} (1/1 runs) |" in r.stdout
@@ -404,8 +401,7 @@ def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monke
 
 
 def test_kernel_comparison_names_the_matmul_and_attention_kernels_that_moved(tmp_path):
-    """Per kernel of the matmul and attention categories, the median over a side's runs (0 where a run
-    lacks it), the largest |B - A| first; Triton kernels (named per compile) are left to the categories."""
+    """Per matmul / attention kernel the median over runs, largest |B - A| first; Triton kernels left out."""
     def profile(name, kernels):
         run = runs.Run(side=name[0], repeat=int(name[1]), index=0, dump_folder=str(tmp_path / name), log="")
         os.makedirs(os.path.dirname(path := stats.profile_json(run.dump_folder, 8)))

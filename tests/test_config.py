@@ -1,5 +1,4 @@
-"""The config layer: parsing, validation before start, and every command line the README,
-docs/design.md and scripts/gpu/*.sh show."""
+"""The config layer: parsing, validation, and every command line the docs and GPU scripts show."""
 
 import json
 import os
@@ -66,8 +65,7 @@ def test_aliases_and_config_names(monkeypatch):
 
 
 def test_nested_groups_from_toml_and_cli(tmp_path):
-    """[compile.<group>] tables in TOML, --compile.<group>.<key> on the CLI (CLI wins), Inductor
-    config tables read as JSON text, a JSON text flag."""
+    """[compile.<group>] in TOML and on the CLI (CLI wins); Inductor config tables read as JSON text."""
     toml = tmp_path / "c.toml"
     toml.write_text(
         open(DEBUG).read()

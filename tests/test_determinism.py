@@ -1,5 +1,4 @@
-"""Bitwise determinism on CPU (debug model, ``--debug.state_hashes``): run-to-run and resume with the
-RMSNorm pass (the interrupted run in new interpreters), pass on vs off; bad checkpoints, a diverging run."""
+"""Bitwise determinism on CPU: run-to-run and resume with the RMSNorm pass; bad checkpoints, divergence."""
 
 import json
 import os
@@ -63,9 +62,7 @@ _early.job("bitwise_1rank", lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], 
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, extra, flavor):
-    """Run b stops at steps/2 and is resumed in a new process: its losses, grad norms and final state
-    equal the uninterrupted run a's bitwise. On one CPU rank b reads batches with a dataloader worker
-    (the GPU default), a without; on several, a's ranks are forked (one string-hash seed), b's new."""
+    """Run b stopped at steps/2 and resumed in a new process equals run a bitwise (losses, norms, state)."""
     half = steps // 2
     one = (ngpu, steps, config, extra) == (1, 4, None, [])
     a, b, r = _early.result("bitwise_1rank") if one else _bitwise_runs(tmp_path, ngpu, steps, config, extra)

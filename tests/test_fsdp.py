@@ -1,5 +1,4 @@
-"""Traceable FSDP against the unsharded model on 2 gloo ranks, and fake-backend dry runs (8 ranks).
-(Traced layouts against eager torchtitan: tests/test_parallel_layouts.py.)"""
+"""Traceable FSDP against the unsharded model on 2 gloo ranks, and fake-backend dry runs (8 ranks)."""
 
 import functools
 import re
@@ -82,8 +81,7 @@ def _counts(r) -> dict[str, int]:  # the collective counts a dry run printed
 
 
 def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
-    """FSDP4 x TP2 via run_train.sh (COMM_MODE=fake_backend NGPU=8) vs replicate 2 x shard 2 x TP2 (forked:
-    DTensor caches sharding by mesh): the same collectives plus one all-reduce per parameter."""
+    """FSDP4 x TP2 via run_train.sh vs replicate 2 x shard 2 x TP2: the same collectives + one all-reduce each."""
     tp = ["--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2"]
     p = subprocess.Popen(["bash", "run_train.sh", *tp, "--parallelism.data_parallel_shard_degree", "4"], cwd=REPO,
                          env=launch_env(COMM_MODE="fake_backend", NGPU="8"), stdout=subprocess.PIPE,
@@ -104,9 +102,8 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
     assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > N_DEBUG
 
 
-def test_fake_backend_dry_run_8b_fsdp8(dry_runs_8b):
-    """The session's 8B FSDP8 dry run (tests/conftest.py): op-level SAC recomputing, no block kept,
-    one memory budget (the plans for two device sizes: the FSDP4 x TP2 dry run)."""
+def test_fake_backend_dry_runs_of_the_8b(dry_runs_8b):
+    """The 8B dry runs: FSDP8 with op-level SAC recomputing; FSDP4 x TP2, every norm tagged, plans for two devices."""
     s = dry_runs_8b["fsdp8"]
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     assert s["collectives"]["all_gather_into_tensor"]["count"] == N_8B
@@ -119,23 +116,16 @@ def test_fake_backend_dry_run_8b_fsdp8(dry_runs_8b):
     assert "sac_recompute" in s["graph_passes"]
     assert s["peak_graph_bytes_traced"] / 2**30 < 120
     assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
-
-
-def test_fake_backend_dry_run_8b_fsdp4_tp2(dry_run_8b_fsdp4_tp2):
-    """The seed layout: the session's 8B FSDP4 x TP2 dry run (tests/conftest.py), collectives as traced,
-    and the seed's RMSNorm pass tagging every norm a GPU trace has (the forward ones traced fused too)."""
-    s, messages = dry_run_8b_fsdp4_tp2
+    s, messages = dry_runs_8b["fsdp4_tp2"]  # the seed layout
     assert any("tagged 65 forward + 65 backward RMSNorms + 64 recomputed" in m for m in messages)
     assert s["layout"] == "FSDP4xTP2"
-    # the memory policy's plan for an 80 GB and a 141 GB device: the smaller plans no fatter
-    small, large = s["memory_policies"]
+    small, large = s["memory_policies"]  # the plans for an 80 GB and a 141 GB device: the smaller no fatter
     assert small["budget_gib"] < large["budget_gib"]
     assert small["predicted_peak_gib"] <= large["predicted_peak_gib"] <= large["budget_gib"]
     assert s["peak_graph_bytes"] <= s["peak_graph_bytes_traced"]
     assert "reshard_after_forward" in s["graph_passes"]
     c = s["collectives"]
     # FSDP: one all-gather + reduce-scatter per parameter; sequence-parallel TP: per block >= 2 of each
-    # (exact per-block TP counts: tests/passes/test_async_tp.py)
     assert c["all_gather_into_tensor"]["count"] >= N_8B + 2 * 32
     assert c["reduce_scatter_tensor"]["count"] >= N_8B + 2 * 32
     assert c["all_reduce"]["count"] >= 2 * 32 + 1  # norm-weight gradients (replicated under TP)

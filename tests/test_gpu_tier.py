@@ -1,12 +1,4 @@
-"""The GPU tier: the numerics claims of tests/test_parallel_layouts.py and tests/test_determinism.py
-with NCCL on 2 and 4 GPUs (``multigpu``; skipped where the GPUs are missing), run by
-``scripts/gpu/tier.sh`` (one device call per machine size, one pass / fail line per claim). Every run:
-``--debug.deterministic``, ``$GPU_TIER_CONFIG`` (default the 1B) through ``run_train.sh`` (torchrun,
-NCCL). Claims: eager == traced, bitwise (``scripts/loss_compare.py --assert-equal``: every loss and
-grad norm of ``$GPU_TIER_STEPS`` (20) steps, then the final weights, gradients and AdamW state); run to
-run, bitwise, with the numerics-changing options (regional Inductor with the RMSNorm and residual-RMSNorm
-regions, full Inductor with its RMSNorm isolation; async TP in the TP layouts); a run stopped half way
-and resumed in new processes equals the uninterrupted run, bitwise."""
+"""The GPU tier (``multigpu``, scripts/gpu/tier.sh): bitwise claims with NCCL on 2 and 4 GPUs."""
 
 import json
 import os
@@ -92,8 +84,7 @@ def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):
 
 @pytest.mark.parametrize("layout", ["fsdp2tp2"])
 def test_resume_bitwise(tmp_path, layout):
-    """A run stopped at step 2 (a checkpoint written by every rank) and resumed in new processes
-    equals the uninterrupted 4-step run: losses, grad norms, final state (RMSNorm pass on)."""
+    """A run stopped at step 2 and resumed in new processes equals the uninterrupted 4-step run, bitwise."""
     ngpu = _gpus(layout)
     same = [*LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes", "--compile.numerics_changing_optim",
             "--lr_scheduler.total_steps", "4", "--metrics.log_freq", "1"]

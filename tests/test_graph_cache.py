@@ -1,5 +1,4 @@
-"""--compile.graph_cache_dir: the key, the split before the compiling passes, and a warm run
-that loads the graph instead of tracing it and trains bitwise like the cold run."""
+"""--compile.graph_cache_dir: the key, the split, and warm runs that load and train bitwise like cold."""
 
 import dataclasses
 import os
@@ -93,15 +92,17 @@ def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_pa
     assert "not used" in caplog.text and "Tracing the training step" in caplog.text
 
 
-def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
-    """``hold`` (a package function GraphPickler cannot name) round-trips; the loaded fake mode has
-    a shape env, without which Inductor bypasses its FX graph cache."""
+def test_own_functions_shape_env_and_process_setup_survive_the_cache(tmp_path, caplog):
+    """``hold`` and the shape env survive save / load; the process setup is redone on load (raising: entry unused)."""
+    import functools
+
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from graph_trainer.compiler import graph_cache
     from graph_trainer.compiler.collectives import hold
     from graph_trainer.compiler.graph_values import placeholder_vals
+    from graph_trainer.compiler.node_meta import add_process_setup
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -110,29 +111,15 @@ def test_own_functions_and_the_shape_env_survive_the_cache(tmp_path):
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     with FakeTensorMode():
         x.meta["val"] = torch.empty(4)
+    add_process_setup(gm, functools.partial(os.makedirs, str(tmp_path / "set_up")))  # as async_tp's symm_mem
     assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {})
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
+    assert not (tmp_path / "set_up").exists()
     loaded = graph_cache.load(tmp_path / "e.pkl")["gm"]
+    assert (tmp_path / "set_up").is_dir()
     assert [n.target for n in loaded.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
     assert torch.equal(loaded(torch.ones(4)), torch.full((4,), 2.0))
-    assert detect_fake_mode(placeholder_vals(loaded)).shape_env is not None
-
-
-def test_process_setup_is_done_again_on_load(tmp_path, caplog):
-    """A pass's process setup (async_tp: symmetric memory for the TP group) is stored with the
-    entry and called on load, before the graph is used; one that raises leaves the entry unused."""
-    import functools
-
-    from graph_trainer.compiler import graph_cache
-    from graph_trainer.compiler.node_meta import add_process_setup
-
-    g = torch.fx.Graph()
-    g.output(g.placeholder("x"))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    add_process_setup(gm, functools.partial(os.makedirs, str(tmp_path / "set_up")))
-    assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {})
-    assert not (tmp_path / "set_up").exists()
-    assert graph_cache.load(tmp_path / "e.pkl") is not None and (tmp_path / "set_up").is_dir()
+    assert detect_fake_mode(placeholder_vals(loaded)).shape_env is not None  # else Inductor bypasses its cache
     with caplog.at_level("WARNING", logger="graph_trainer"):  # the folder exists now: makedirs raises
         assert graph_cache.load(tmp_path / "e.pkl") is None
     assert "not used (FileExistsError" in caplog.text

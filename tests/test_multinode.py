@@ -1,5 +1,4 @@
-"""Several hosts through torchrun's rendezvous (``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT``): the
-pre-check counts ``NNODES x NGPU`` ranks; two "hosts" of 2 CPU ranks train bitwise as one of 4."""
+"""Several hosts via torchrun's rendezvous: the pre-check counts NNODES x NGPU; 2 x 2 ranks == 1 x 4."""
 
 import os
 import signal
@@ -34,8 +33,7 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_two_hosts_bitwise_one_host(tmp_path, fsdp4_run):
-    """Loss and grad norm at every step; global rank 0, which writes ``metrics.jsonl``, is on the
-    ``NODE_RANK=0`` host whichever host starts first (static rendezvous: hosts ordered by ``NODE_RANK``)."""
+    """Bitwise every step; global rank 0 (writing metrics.jsonl) is on NODE_RANK=0 whichever starts first."""
     _, ref_loss, ref_norm, ref_hashes = fsdp4_run  # fsdp4_flags() on 4 forked ranks, one host
     assert len(ref_loss) == 2
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it

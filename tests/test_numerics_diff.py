@@ -1,5 +1,4 @@
-"""The first-divergence finder: per-op records of step 1 (graph_trainer.numerics) and their
-comparison (graph_trainer.tools.numerics_diff, scripts/numerics_diff.py)."""
+"""The first-divergence finder: per-op records of step 1 and their comparison."""
 
 import json
 import os
@@ -58,10 +57,7 @@ def test_fingerprint_is_bitwise():
 
 
 def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
-    """fp32 on CPU: two replays of the traced step agree bitwise op by op, and eager autograd
-    agrees on every op both run (keys matched, not only outputs). Then 1 ulp added to one op's
-    output (the second block's FFN w1 matmul in the backward): the finder names exactly that op,
-    no earlier op differs, and a tolerance of 1e-5 accepts it."""
+    """Replays and eager agree op by op; 1 ulp added to one backward matmul is named first, 1e-5 accepts it."""
     model, tokens, labels, traced, flat = _traced_step()
     a = _record_graph(traced.gm, flat)
     cmp = compare(a, _record_graph(traced.gm, flat))
@@ -131,9 +127,7 @@ _early.job("numerics_diff_cli", _numerics_diff_cli)
 @pytest.mark.slow
 @_early.uses("numerics_diff_cli")
 def test_cli_names_the_rmsnorm_node():
-    """The default pipeline against --compile.numerics_changing_optim on the debug model (seq 64,
-    batch 2): the first op that differs is an RMSNorm op (module FQN a norm), and no op before
-    it in A's execution order differs (brute force over the records). (Started early: tests/_early.py.)"""
+    """Default pipeline vs the RMSNorm pass: the first op that differs is an RMSNorm op (brute force agrees)."""
     out, r = _early.result("numerics_diff_cli")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     first = json.loads((out / "numerics_diff.json").read_text())["ranks"]["0"]["divergent"][0]

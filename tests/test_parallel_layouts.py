@@ -1,12 +1,4 @@
-"""aot_fx_trace under TP, FSDP, FSDP x TP, HSDP, replicate and replicate x TP on gloo (CPU), against
-eager torchtitan of the same layout and against the layouts that see the same batches (TP's
-collectives in the graph: tests/passes/test_async_tp.py, the 8B dry run in tests/test_fsdp.py).
-Debug model (fp32, regional Inductor), seq 64, batch 2 per data-parallel rank, 2 steps, one run per
-layout and mode per module on forked ranks (tests/_launch.py); traced FSDP4 is the ``fsdp4_run``
-fixture. FSDP4 and HSDP have the debug model's 6 blocks, the others 2 (:data:`BLOCKS`). Traced FSDP4,
-HSDP, FSDP2 x TP2, and TP2 and replicas alone with bf16 parameters are bitwise eager torchtitan under
-``--debug.deterministic``: loss and grad norm at every step, then the final weights, gradients and
-AdamW state (``--debug.state_hashes``). The same claims with NCCL: tests/test_gpu_tier.py."""
+"""aot_fx_trace on gloo in each layout against eager torchtitan and layouts that see the same batches."""
 
 import os
 
@@ -33,8 +25,7 @@ BLOCKS = {"fsdp4": None, "hsdp": None}
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """``runs(layout, mode)``: ``(rank 0's stdout, losses, grad norms, final state hashes)`` of a run of :data:`LAYOUTS`,
-    started on first use, once per module (traced FSDP4: the ``fsdp4_run`` fixture)."""
+    """``runs(layout, mode)``: ``(stdout, losses, grad norms, state hashes)``, each run once per module."""
     done = {}
 
     def run(layout, mode):
@@ -64,14 +55,12 @@ def runs(request, tmp_path_factory):
     ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step, and the final state
     ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""),
     ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
-    # TP alone and replicas alone with bf16 parameters: eager torchtitan would train in fp32 (no
-    # FSDP, no autocast); the baseline's FSDP2 over a 1-rank shard dimension (HSDP for the replicas)
-    # casts the parameters as the traced step does
+    # TP / replicas alone with bf16 parameters: the eager baseline's FSDP2 over a 1-rank shard dimension (HSDP
+    # for the replicas) casts the parameters as the traced step does (plain eager would train in fp32)
     ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""),
     ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
-    # the same batches: TP2 those of one rank, FSDP2 x TP2 and replicate 2 x TP2 (traced only:
-    # torchtitan's eager DDP refuses TP) those of FSDP2, HSDP those of FSDP4; not bitwise
-    # (loss-parallel cross-entropy, row-parallel matmuls and the gradients sum in another order)
+    # the same batches (not bitwise: loss-parallel cross-entropy, row-parallel matmuls, gradient sums reorder);
+    # replicate 2 x TP2 traced only (torchtitan's eager DDP refuses TP)
     ("tp2", ("one", "aot_fx_trace"), 1e-6, 1e-4, "Applied torchtitan's Llama3 TP plan (degree 2, loss parallel True)"),
     ("fsdp2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-4, "reduce-scatter(s)/other collectives earlier"),  # overlap pass
     ("rep2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-6, REPLICAS),
@@ -79,8 +68,7 @@ def runs(request, tmp_path_factory):
 ], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one",
         "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
-    """Loss and global grad norm (over TP shards + replicated norm weights, over replicas) at every
-    step; against eager (rtol 0) also the final weights, gradients and optimizer state."""
+    """Loss and grad norm every step; against eager (rtol 0) also the final state."""
     _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while fsdp4_run runs early
     out, loss, norm, hashes = runs(layout, "aot_fx_trace")
     assert line in out and len(loss) == len(ref_loss) == len(norm) == len(ref_norm) == STEPS

@@ -140,8 +140,7 @@ _early.job("tlparse_traced_run", _traced_run)
 @pytest.mark.slow
 @_early.uses("tlparse_traced_run")
 def test_tlparse_lists_one_artifact_per_pass(tmp_path):
-    """A 2-step debug run with TORCH_TRACE and RMSNorm regions: tlparse lists ours per pass and Inductor's.
-    (The run started early: tests/_early.py.)"""
+    """A 2-step run with TORCH_TRACE: tlparse lists our artifacts per pass and Inductor's."""
     tlparse = shutil.which("tlparse") or pytest.skip("the tlparse binary is not installed (pip install tlparse)")
     run_tmp, r = _early.result("tlparse_traced_run")
     trace_dir = run_tmp / "trace"

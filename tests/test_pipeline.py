@@ -1,5 +1,4 @@
-"""The compiler layer: the registry and its one order, pass-list resolution from ``[compile]``,
-and ``build_pipeline`` (each pass's declaration turns config into arguments)."""
+"""The compiler layer: the registry and its order, pass-list resolution, ``build_pipeline``'s arguments."""
 
 import dataclasses
 
@@ -33,8 +32,7 @@ def _compile(**groups):
 
 
 def test_block_options_become_the_pass_arguments_of_the_8b():
-    """keep_last_blocks / bucket_blocks count blocks; the passes count parameters /
-    collectives (Llama3: the embedding, then 9 per block)."""
+    """Block counts become parameter / collective counts (Llama3: the embedding, then 9 per block)."""
     layout = block_layout(build_model(model_args("8B"), "meta"))
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
     cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
@@ -45,8 +43,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
-    # levers on auto without the policy's choice: the leanest (every block resharded, no
-    # buckets, torchtitan's SAC policy); with it: the choice
+    # levers on auto: without the policy's choice the leanest; with it, the choice
     default = {s.name: s.options for s in build_pipeline(Compile(), layout)}
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default
@@ -72,9 +69,8 @@ def test_rmsnorm_options_and_deterministic_pick():
     assert opts["inductor_configs"] == {"max_autotune": False}
 
 
-def test_registry_reads_every_pass_of_the_order():
-    """Every module of ORDER declares a PASS; the registry keeps ORDER; every option field
-    is a ``--compile.<section>.<field>`` flag with help text; nothing else names a pass."""
+def test_registry_and_order():
+    """Every ORDER module declares a PASS; option fields are flags with help; cleanup first, CUDA graphs last."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
     from graph_trainer.config import _flag_doc, project_sections
 
@@ -85,21 +81,31 @@ def test_registry_reads_every_pass_of_the_order():
             assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
     names = {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))}
     assert names >= {RMSNORM, "cudagraph", "async_tp"}
-
-
-def test_registry_and_order():
-    """The order's invariants (not its full list: a new pass adds a line to ORDER only):
-    cleanup first, annotations before the region compile, CUDA graphs last."""
-    order = DEFAULT_ORDER
+    order = DEFAULT_ORDER  # its invariants, not its full list: a new pass adds a line to ORDER only
     assert order[0] == "remove_dead_code" and order[-1] == "cudagraph"
     annotations = [i for i, n in enumerate(order) if n.startswith("annotate_")]
     assert annotations and max(annotations) < order.index("regional_inductor") < order.index("full_inductor")
     assert order.index("sac_recompute") < order.index("reshard_after_forward") < order.index("bucket_collectives")
 
 
+@pytest.mark.parametrize("name, inductor, before, wrong, match", [
+    ("annotate_blocks", "regional", "regional_inductor", "full", "regional_inductor"),
+    ("isolate_rmsnorm", "full", "full_inductor", "regional", "full_inductor"),
+])
+def test_opt_in_pass_needs_the_flag_and_its_inductor_mode(name, inductor, before, wrong, match):
+    names = [s.name for s in build_pipeline(_compile(inductor_compilation=inductor, numerics_changing_optim=True,
+                                                     passes=name))]
+    assert names.index(name) == names.index(before) - 1
+    assert name not in [s.name for s in build_pipeline(_compile(inductor_compilation=inductor,
+                                                                numerics_changing_optim=True))]
+    with pytest.raises(ValueError, match="numerics_changing_optim"):
+        build_pipeline(_compile(inductor_compilation=inductor, passes=name))
+    with pytest.raises(ValueError, match=match):
+        build_pipeline(_compile(inductor_compilation=wrong, numerics_changing_optim=True, passes=name))
+
+
 def test_resolve_defaults_and_additions():
-    """Relative to the passes that run without Inductor (none compiles or changes numerics), so
-    a new default pass needs no edit here."""
+    """Additions relative to the passes that run without Inductor; aliases; disabled passes."""
     base = resolve_pass_names(_compile(inductor_compilation="none"))
     assert base == [n for n in DEFAULT_ORDER if n in base]
     assert not any(registry()[n].compiles or registry()[n].changes_numerics for n in base)
@@ -116,9 +122,6 @@ def test_resolve_defaults_and_additions():
         == [n for n in base if n != "remove_noop_views"] + [RMSNORM, POINTWISE, "regional_inductor"]
     assert "bucket_collectives" not in resolve_pass_names(_compile(fsdp={"bucket_blocks": 0}))
     assert "bucket_collectives" in resolve_pass_names(_compile(fsdp={"bucket_blocks": 1}))
-
-
-def test_resolve_aliases_and_disable():
     names = resolve_pass_names(_compile(numerics_changing_optim=True,
                                         passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass"))
     assert names == resolve_pass_names(_compile(numerics_changing_optim=True))

@@ -1,7 +1,4 @@
-"""Bad input knowable before start is refused before any worker starts: exit 2, one short message naming
-the flag, variable or file, no traceback, nothing written. Each case runs where it is refused: in this
-process run_train.sh's pre-check (``config._check_main``) or the trainer's entry point (``COMM_MODE=fake_*``
-starts it without the pre-check); or the whole run_train.sh (its own checks, started early)."""
+"""Bad input knowable before start: exit 2, one short message naming it, no traceback, nothing written."""
 
 import os
 import subprocess
@@ -65,8 +62,7 @@ CASES = {
 
 
 def _in_process(where, env, args, monkeypatch, capsys):
-    """The pre-check or the trainer's entry point here, with ``env`` and the config file as run_train.sh
-    passes them: ``(exit code, output)``."""
+    """The pre-check or the trainer's entry point here, as run_train.sh calls it: ``(exit code, output)``."""
     from graph_trainer import config, train
 
     for k in LAUNCH_VARS:

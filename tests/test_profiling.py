@@ -100,9 +100,7 @@ def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7):
 
 
 def test_profiler_events_to_intervals_on_cuda_and_cpu():
-    """CUDA: the profiler lists a step twice (host range + GPU annotation) and NCCL ranges as GPU
-    annotations; one window per step, annotations are not kernels. CPU: a gloo collective's range
-    (on gloo's thread) is communication, and the ATen ops gloo's thread runs inside it are part of it."""
+    """Profiler events to intervals: CUDA step windows and NCCL annotations; gloo's ranges on CPU."""
     cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep*", 100, 900, "CUDA", ann=True),
             _evt("nccl:all_gather", 100, 400, "CUDA", ann=True), _evt("nvjet_gemm", 200, 600, "CUDA"),
             _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
@@ -152,8 +150,7 @@ def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, ca
 
 
 def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path):
-    """One step (draw_timeline), and two from their kernels.json files, A above B (timeline_a_vs_b):
-    the drawn bands (ms from the step's start) are as long as the breakdown's figures."""
+    """The drawn bands of one step and of A above B are as long as the breakdown's figures."""
     t = timeline_breakdown(HAND, [(0, 100)])
     assert t["exposed_comm_ms"] == pytest.approx(0.032) and t["idle_ms"] == pytest.approx(0.018)
     one = draw_timeline(str(tmp_path / "t.png"), HAND, (0, 100), "hand-built")
@@ -183,8 +180,7 @@ def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path)
 
 
 def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
-    """NCCL kernel names give the collective and dtype; a label on two streams (two process groups)
-    is split by stream; per label its time and the part of it while no compute kernel runs."""
+    """Collectives by kind, dtype and stream, with their time while no compute kernel runs."""
     assert [collective_label(n) for n in (
         "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
         "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",

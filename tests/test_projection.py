@@ -136,8 +136,7 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
 
 
 def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
-    """On meta tensors F.rms_norm decomposes into fp32 steps that autograd keeps for the backward;
-    the dry run traces CUDA's fused op and its backward instead: fewer bytes live, same shapes."""
+    """The dry run traces CUDA's fused RMSNorm on meta: fewer bytes live, same shapes."""
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 
     x = torch.empty(2, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)

@@ -1,5 +1,4 @@
-"""No record is lost: resumes append to metrics.jsonl, fresh runs move it aside, early stops change nothing.
-(The same with real runs: tests/test_resume.py.)"""
+"""No record is lost: resumes append to metrics.jsonl, fresh runs move it aside."""
 
 import os
 
@@ -38,8 +37,7 @@ def test_keep_previous_files_and_folders(tmp_path):
 
 
 def test_resume_appends_and_reader_takes_the_last_row_per_step(tmp_path):
-    """A run logged steps 1-3 (last checkpoint: step 2); runs that stop before logging change nothing; the
-    resumed run logs 3-4 again: every row stays in the file, read_metrics sees each step once, newest."""
+    """Early stops change nothing; a resume appends; read_metrics takes the newest row per step."""
     m = _logger(tmp_path)
     _log(m, [1, 2, 3], loss=10.0)
     m.summary(exclude_steps=1)

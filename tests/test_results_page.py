@@ -1,6 +1,4 @@
-"""scripts/results_page.py: docs/perf.md from fabricated records in a tmp repo root (the script's
-``REPO`` pointed at tmp_path): latest record per group, tables, ordering, idempotence, ``--check``,
-refusals of bad templates / records and of a page over 250 lines."""
+"""scripts/results_page.py: docs/perf.md from fabricated records in a tmp repo root."""
 
 import json
 import subprocess
@@ -72,8 +70,7 @@ def put(root, name, record):
 
 @pytest.fixture
 def records(repo):
-    """The repo with an old and a new record of one bench group, a bench record of another device and
-    of an earlier-sorting workload, and a tier record."""
+    """Two records of one bench group, one of another device, an earlier-sorting workload, a tier record."""
     put(repo, "2026-11-20_llama3_1b_fsdp2.json", bench("2026-11-20", tps_jit=30123.0))
     put(repo, "2026-11-27_llama3_1b_fsdp2.json",
         bench("2026-11-27", profile_png="docs/results/2026-11-27_llama3_1b_fsdp2.png", note="One  line\nnote."))
@@ -149,8 +146,7 @@ def test_latest_by_date_then_file_name(repo, capsys):
 
 
 def test_profile_pictures_beside_the_record(repo, capsys):
-    """A list of bare file names (the bench command's pictures, one per variant): links into the results folder;
-    a record of a tree with uncommitted changes says so beside its sha."""
+    """Per-variant pictures link into the results folder (missing ones named); a dirty tree is said."""
     put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"], git_dirty=True))
     (repo / "docs" / "results" / "r_jit.png").write_bytes(b"png")  # r_plain.png was not kept: named, not linked
     assert generate(capsys)[0] == 0
@@ -160,8 +156,7 @@ def test_profile_pictures_beside_the_record(repo, capsys):
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
-    """Tier calls that ran subsets: one section per model and device, each claim's latest result
-    (by date, then time) with its call; a call none of whose claims is shown is counted."""
+    """Tier calls of one model and device merge claim by claim, latest result first."""
     def call(name, time, sha, results, model="llama3_1b"):
         record = {**tier("2026-11-27"), "model": model, "workload": name, "time": time, "git_sha": sha,
                   "command": f"TIER_K={name} bash scripts/gpu/tier.sh", "note": None}
@@ -197,9 +192,8 @@ def test_edge_cases_accepted(repo, capsys):
     assert generate(capsys)[0] == 0
 
 
-def test_idempotent_and_check(records, capsys):
-    """--check: 1 naming the page when missing or stale (writing nothing), 0 when current; two runs give
-    identical bytes, the second does not rewrite the file."""
+def test_idempotent_check_and_options(records, tmp_path, capsys):
+    """--check: 1 when missing or stale, 0 when current; reruns write identical bytes or nothing; --results, --out."""
     out = records / "docs" / "perf.md"
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md" in stdout and not out.exists()
@@ -216,10 +210,7 @@ def test_idempotent_and_check(records, capsys):
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md is out of date" in stdout
     assert out.read_bytes() == stale
-
-
-def test_results_and_out_options(records, tmp_path, capsys):
-    """--results / --out: relative to the repository root, or absolute."""
+    # --results / --out: relative to the repository root, or absolute
     assert generate(capsys, "--out", "elsewhere/page.md")[0] == 0
     assert (records / "elsewhere" / "page.md").read_text().count("\n### ") == 4
     other = tmp_path / "other_results"
@@ -232,8 +223,7 @@ def test_results_and_out_options(records, tmp_path, capsys):
 
 
 def refused(root, capsys, *names):
-    """Run the script over a sentinel page: exit 2, one stderr line naming every one of ``names``,
-    the page untouched. Returns the message."""
+    """Over a sentinel page: exit 2, one stderr line naming all ``names``, the page untouched; the message."""
     out = root / "docs" / "perf.md"
     out.write_text("sentinel\n")
     code, stdout, err = generate(capsys)

@@ -1,8 +1,4 @@
-"""Resume, in one chain of runs on a copy of ``finished_run`` (tests/conftest.py) without step-4, as if
-it crashed before saving it: a failed resume changes nothing; a resume appends to metrics.jsonl; a
-model-only last checkpoint is named as such (never "corrupt") and never written over; the README's
-command again after a finished run is reported complete and writes nothing; a fresh run moves
-metrics.jsonl aside. A DCP load failure names its first real error."""
+"""Resume, in one chain of runs on a copy of ``finished_run`` without step-4; DCP load failures."""
 
 import os
 import shutil
@@ -30,11 +26,7 @@ def _ok(r):
 
 
 def _chain(tmp, env):
-    """The copy, then in order (forked ranks unless named): a resume from a missing step; a resume
-    whose last checkpoint is model-only; the same command again; a resume from step 2; the plain
-    command through run_train.sh; a fresh 1-step run into another checkpoint folder.
-    ``(the copy, [(result, reading)])``, each reading taken right after its run (the first before
-    any; an error while reading: the error)."""
+    """The chain of runs on the copy: ``(copy, [(result, reading)])``, each reading right after its run."""
     d = tmp / "run"
     shutil.copytree(_early.result("finished_run"), d)
     ck, metrics = d / "checkpoint", d / "metrics.jsonl"
@@ -68,72 +60,45 @@ def _chain(tmp, env):
 _early.job("resume_chain", _chain, needs=("finished_run",))
 
 
-def chain(test):
-    return pytest.mark.slow(_early.uses("finished_run")(_early.uses("resume_chain")(test)))
-
-
-def _results():
+@pytest.mark.slow
+@_early.uses("finished_run")
+@_early.uses("resume_chain")
+def test_resume_chain():
+    """Failed resumes change nothing; a model-only last checkpoint is named, never overwritten; a resume appends;
+    a rerun after the finish is reported complete, writing nothing; a fresh run moves metrics.jsonl aside."""
     d, runs = _early.result("resume_chain")
-    return d, [r for r, _ in runs[1:]], [reading for _, reading in runs]
-
-
-@chain
-def test_resume_after_a_crash_appends_and_a_fresh_run_rotates():
-    """A failed resume (a missing --checkpoint.load_step: the trainer's own check) changes nothing;
-    resuming a run that logged steps 1-4 from step-2 appends steps 3-4; a fresh run (another
-    --checkpoint.folder) into the same dump folder then moves metrics.jsonl aside, unchanged."""
-    d, (r, r2, _, _, _, r6), (start, after_missing, after_resume, _, _, before_fresh, _) = _results()
-    first, files = _early.reading(start)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    (r, r2, r3, r4, r5, r6), readings = [r for r, _ in runs[1:]], [_early.reading(x) for _, x in runs]
+    (first, files), after_missing, after_resume, after_again, after_load2, after_rerun, _ = readings
+    step4 = d / "checkpoint" / "step-4"
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]  # a missing --checkpoint.load_step
     assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
     assert "Traceback" not in r.stderr
-    assert _early.reading(after_missing) == (first, files)
+    assert after_missing == (first, files)
     assert "Resumed from" in _ok(r2).stdout and "(step 2)" in r2.stdout
-    both, (rows, summary), step2_metadata, _ = _early.reading(after_resume)
+    both, (rows, summary), step2_metadata, model_only = after_resume
     assert both.startswith(first) and len(both.splitlines()) == len(first.splitlines()) + 3  # steps 3, 4, summary
-    # (rows: the newest row per step: tests/test_records.py)
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and summary["resumed_from_step"] == 2
-    assert step2_metadata
-    assert f"is kept as {d / 'metrics.1.jsonl'}" in _ok(r6).stdout
-    assert (d / "metrics.1.jsonl").read_bytes() == _early.reading(before_fresh)[0]
+    assert step2_metadata and model_only
+    assert r3.returncode == 2, r3.stdout[-3000:] + r3.stderr[-3000:]  # the same command again
+    assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
+        "training; resume from step-2 with --checkpoint.load_step 2" in r3.stderr
+    assert "corrupt" not in r3.stderr and "Traceback" not in r3.stderr and "FrameSummary" not in r3.stderr
+    assert after_again == both
+    # following the advice: the resumed run saves step 4 again; the model-only one is kept aside
+    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in _ok(r4).stdout
+    kept_model_only, step4_model_only, step, before, listing = after_load2
+    assert kept_model_only and not step4_model_only
+    assert step == 4 and listing == ["step-2", "step-4", "step-4.1"]
+    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {step4}" in _ok(r5).stdout
+    assert "step:  " not in r5.stdout  # no step ran
+    assert after_rerun == (before, listing)  # no new rows, no summary, no checkpoint
+    assert f"is kept as {d / 'metrics.1.jsonl'}" in _ok(r6).stdout  # a fresh run
+    assert (d / "metrics.1.jsonl").read_bytes() == after_rerun[0]
     assert [x["step"] for x in read_metrics(str(d / "metrics.jsonl"))[0]] == [1]
 
 
-@chain
-def test_model_only_last_checkpoint_is_named_not_corrupt():
-    d, (_, _, r3, r4, r5, _), (_, _, after_resume, after_again, after_load2, _, _) = _results()
-    step4 = d / "checkpoint" / "step-4"
-    *_, model_only = _early.reading(after_resume)
-    assert model_only
-    r = r3  # the same command again (the loader's message)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"Checkpoint {step4} holds only the model (--checkpoint.last_save_model_only): it cannot resume " \
-        "training; resume from step-2 with --checkpoint.load_step 2" in r.stderr
-    assert "corrupt" not in r.stderr and "Traceback" not in r.stderr and "FrameSummary" not in r.stderr
-    assert _early.reading(after_again) == _early.reading(after_resume)[0]
-    # Following the advice: the resumed run saves step 4 again; the model-only one is kept aside.
-    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in _ok(r4).stdout
-    kept_model_only, step4_model_only, *_ = _early.reading(after_load2)
-    assert kept_model_only and not step4_model_only
-    assert "already complete at step 4" in _ok(r5).stdout
-
-
-@chain
-def test_rerun_after_a_finished_run_is_reported_complete():
-    """The same command again through run_train.sh: no step runs, nothing is written."""
-    d, (_, _, _, _, r, _), (*_, after_load2, after_rerun, _) = _results()
-    _, step4_model_only, step, before, listing = _early.reading(after_load2)
-    assert step == 4 and not step4_model_only and listing == ["step-2", "step-4", "step-4.1"]
-    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {d / 'checkpoint' / 'step-4'}" \
-        in _ok(r).stdout
-    assert "step:  " not in r.stdout  # no step ran
-    assert _early.reading(after_rerun) == (before, listing)  # no new rows, no summary, no checkpoint
-
-
 def test_load_failure_names_the_first_real_error(tmp_path):
-    """DCP wraps a rank's failure as (exception, traceback summary) in a CheckpointException: the
-    message names the exception's type and first line, no reprs of tuples or frames, and the older
-    full checkpoint to resume from."""
+    """A DCP load failure names the first real error and the older checkpoint to resume from."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception

@@ -1,5 +1,4 @@
-"""End-to-end trainer tests on CPU, in this process: aot_fx_trace vs eager and metrics.jsonl; and
-run_train.sh's stderr filter."""
+"""End-to-end trainer tests on CPU: aot_fx_trace vs eager, metrics.jsonl; run_train.sh's stderr filter."""
 
 import subprocess
 import sys
@@ -26,8 +25,7 @@ def _train(tmp_path, name, *flags):
     ids=["no_ac", "op_sac"],
 )
 def test_aot_fx_trace_matches_eager_bitwise(tmp_path, ac):
-    """fp32, no compile passes: the traced graph computes exactly eager's losses (with op-level
-    SAC too: eager recomputes, the traced graph after sac_recompute as well)."""
+    """fp32, no passes: traced == eager losses bitwise (with op-level SAC too)."""
     eager, _ = _train(tmp_path, "eager", "--compile.mode", "eager", "--training.steps", "4", *ac)
     traced, summary = _train(tmp_path, "traced", "--compile.mode", "aot_fx_trace",
                              "--compile.inductor_compilation", "none", "--training.steps", "4", *ac)

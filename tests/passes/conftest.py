@@ -1,5 +1,4 @@
-"""Helpers shared by the pass tests (``from .conftest import ...``): synthetic graphs, traces of
-tiny models (the ``tiny_llama`` fixture of tests/conftest.py) and checks."""
+"""Helpers shared by the pass tests (``from .conftest import ...``)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ def region_ids(gm):
 
 
 def fake_prop(gm, shapes):
-    """Fill ``meta["val"]`` of ``gm`` from fake inputs of ``shapes`` (fp32), or of tensors (their
-    dtype and device); returns the fakes."""
+    """Fill ``meta["val"]`` of ``gm`` from fakes of ``shapes`` (fp32) or of tensors; returns the fakes."""
     mode = FakeTensorMode()
     fakes = [mode.from_tensor(s if isinstance(s, torch.Tensor) else torch.empty(s)) for s in shapes]
     FakeTensorProp(gm, mode).propagate(*fakes)
@@ -39,8 +37,7 @@ def fake_prop(gm, shapes):
 
 
 def fused_norm_graph(n_norms=2, with_backward=True):
-    """``(gm, fakes)`` of ``(x, w, go)``: x -> [fused rms norm -> mul(2)] * n_norms and, optionally,
-    the fused backward of norm 0. Norm nodes carry custom {"phase", "module_fqn", "keep": i}."""
+    """``(gm, fakes)``: x -> [fused rms norm -> mul(2)] * n_norms, optionally norm 0's fused backward."""
     g = torch.fx.Graph()
     x, w, go = g.placeholder("x"), g.placeholder("w"), g.placeholder("go")
     cur, first_rstd = x, None
@@ -66,8 +63,7 @@ def fused_norm_graph(n_norms=2, with_backward=True):
 
 
 def trace_step(model, batch=2, seq=8, vocab=64):
-    """Forward + loss + backward of a Llama ``model`` traced by ``graph_trainer.trace``:
-    ``(gm, fake example inputs, flat real inputs)``."""
+    """A Llama ``model``'s traced step: ``(gm, fake example inputs, flat real inputs)``."""
     tokens = torch.randint(0, vocab, (batch, seq))
     labels = torch.randint(0, vocab, (batch, seq))
     traced = trace_train_step(model, loss_fn, tokens, labels)

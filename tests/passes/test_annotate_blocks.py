@@ -1,6 +1,4 @@
-"""annotate_blocks: one region per run of a transformer block's forward or backward, nothing of a
-collective or an in-place op on a graph input in a region, regions that fuse without a cycle,
-identical blocks compiled once, and the compiled step close to the traced one."""
+"""annotate_blocks: one region per block phase, no collectives in regions, no cycles, compiled once, close."""
 
 import pytest
 import torch
@@ -15,16 +13,6 @@ from graph_trainer.config import Compile
 from .conftest import assert_close, fake_prop, inductor_tag, region_ids, tagged_nodes, trace_step
 
 aten = torch.ops.aten
-
-
-def test_opt_in_numerics_changing_and_regional_only():
-    names = [s.name for s in build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_blocks"))]
-    assert names.index("annotate_blocks") == names.index("regional_inductor") - 1
-    assert "annotate_blocks" not in [s.name for s in build_pipeline(Compile(numerics_changing_optim=True))]
-    with pytest.raises(ValueError, match="numerics_changing_optim"):
-        build_pipeline(Compile(passes="annotate_blocks"))
-    with pytest.raises(ValueError, match="regional_inductor"):
-        build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True, passes="annotate_blocks"))
 
 
 def test_regions_follow_blocks_and_phases(tiny_llama):
@@ -63,12 +51,23 @@ def test_in_place_ops_join_only_on_their_own_intermediates():
     assert len(region_ids(gm)) == 2  # a new run after the eager in-place op
 
 
-def test_fsdp_step_collectives_stay_out_and_regions_fuse_without_cycles(fsdp_trace):
+def test_fsdp_step_collectives_stay_out_or_join_a_region_with_their_wait(fsdp_trace):
     traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
-    gm = annotate_blocks_pass(traced.gm, traced.example_inputs)
-    assert not any(is_collective(n) for n in tagged_nodes(gm))
-    assert len(propose_region_partitions(gm)) == len(region_ids(gm))  # each run is one cycle-free region
-    scoop_regions(gm)  # raises on a dependency cycle between regions
+    plain = annotate_blocks_pass(traced.gm, traced.example_inputs)
+    assert not any(is_collective(n) for n in tagged_nodes(plain))
+    assert len(propose_region_partitions(plain)) == len(region_ids(plain))  # each run is one cycle-free region
+    n_plain = len(region_ids(plain))
+    scoop_regions(plain)  # raises on a dependency cycle between regions
+    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
+    gm = annotate_blocks_pass(traced.gm, traced.example_inputs, collectives=True)
+    inside = [n for n in tagged_nodes(gm) if is_collective(n)]
+    assert inside and len(region_ids(gm)) <= n_plain
+    for n in inside:  # each issue in the region of its wait, and no keep-alive left on a compiled wait
+        if not is_wait(n):
+            (wait,) = n.users
+            assert inductor_tag(wait)["inductor_region"] == inductor_tag(n)["inductor_region"]
+        assert all(u.target is not hold for u in n.users)
+    scoop_regions(gm)
 
 
 @pytest.mark.slow
@@ -85,19 +84,3 @@ def test_identical_blocks_compile_once_and_the_step_stays_close(tiny_llama):
     # one more block: two more regions (its forward, its backward), no more compiles
     assert stats[2]["regions"] == stats[1]["regions"] + 2
     assert stats[2]["distinct_compiles"] == stats[1]["distinct_compiles"]
-
-
-def test_collectives_join_a_region_with_their_wait(fsdp_trace):
-    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
-    plain = annotate_blocks_pass(traced.gm, traced.example_inputs)
-    n_plain = len(region_ids(plain))
-    traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
-    gm = annotate_blocks_pass(traced.gm, traced.example_inputs, collectives=True)
-    inside = [n for n in tagged_nodes(gm) if is_collective(n)]
-    assert inside and len(region_ids(gm)) <= n_plain
-    for n in inside:  # each issue in the region of its wait, and no keep-alive left on a compiled wait
-        if not is_wait(n):
-            (wait,) = n.users
-            assert inductor_tag(wait)["inductor_region"] == inductor_tag(n)["inductor_region"]
-        assert all(u.target is not hold for u in n.users)
-    scoop_regions(gm)

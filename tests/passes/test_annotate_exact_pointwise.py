@@ -32,9 +32,7 @@ def _op(g, target, *args, **kwargs):
 
 
 def _graph():
-    """bf16 ``(a, b, c)``: ((a * b + c) -> fp32 * 0.1234567 + itself -> bf16 - a) squared, halved;
-    beside it a SiLU (exact on CUDA only), an ``add`` with alpha 2, a division and a bf16 product
-    with 0.1234567 (which bf16 cannot hold): not exact, never tagged."""
+    """bf16 exact pointwise chain (tagged) beside a SiLU, an alpha add, a div and an inexact product (not)."""
     g = torch.fx.Graph()
     a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
 
@@ -73,9 +71,7 @@ SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32
 
 
 def _silu_graph(x_device):
-    """bf16 ``x`` (1024 x 1024), ``y`` (8 x 8), fp32 ``z`` (1024 x 1024): ``silu(x) * x``,
-    ``silu_backward(x * x, x)``, the lone casts of ``x`` (4 MiB, as autograd writes them: layout
-    and ``x_device`` named) and ``y`` to fp32, of ``z`` to bf16."""
+    """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z."""
     g = torch.fx.Graph()
     x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
 
@@ -151,8 +147,7 @@ def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device)
 
 
 def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
-    """A traced FSDP step gathering bf16 parameters: the regions (casts, residual adds, the SwiGLU
-    and RoPE products) compiled with eager numerics give the uncompiled step's bits."""
+    """A traced FSDP step gathering bf16 parameters: the exact regions give the uncompiled step's bits."""
     if OLD_CPU:
         pytest.skip("torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
     traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
@@ -179,9 +174,7 @@ def test_default_on_cuda_under_regional_inductor_only():
 
 
 def _bucket_graph(device):
-    """FSDP's bucketed reduce-scatter input: ``cat([g.float().view(4, -1) for g in (a, b)] + [c.view(4, -1)],
-    dim=1)`` of bf16 ``a``, ``b`` (``b``'s cast also read by an ``add``) and fp32 ``c``; and the all-gather
-    input ``cat([a.float().bfloat16(), c.bfloat16()])`` (the narrowing cast of ``c`` on ``device``)."""
+    """FSDP's bucketed reduce-scatter input (a cat of casts and views) and an all-gather input cat."""
     g = torch.fx.Graph()
     a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
     op = functools.partial(_op, g)
@@ -206,8 +199,7 @@ def _bucket_regions(device, **options):
 
 
 def test_a_cat_of_casts_on_cuda_is_one_region():
-    """A cast feeding only a cat joins it with its views; ``b``'s cast, also read by the ``add``,
-    stays in its chain with it, as does the chain ``a -> fp32 -> bf16`` (a region of its own)."""
+    """A cast feeding only a cat joins it; a cast with other readers stays in its chain."""
     regions, stats = _bucket_regions("cuda")
     chains = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]
     assert regions == sorted(chains + [["_to_copy", "cat"], ["_to_copy", "view", "cat"]])

@@ -1,6 +1,4 @@
-"""annotate_residual_rmsnorm: each RMSNorm region of a traced tiny Llama3 step takes in its
-residual add (forward) and the residual-gradient add (backward); the compiled step stays
-close to the uncompiled one."""
+"""annotate_residual_rmsnorm: norm regions take in their residual adds; the compiled step stays close."""
 
 import logging
 

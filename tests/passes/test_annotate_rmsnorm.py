@@ -1,6 +1,4 @@
-"""annotate_rmsnorm_for_regional_inductor_pass: fused norms (synthetic graphs), decomposed ones
-(traces of a tiny Llama on CPU), one region per norm instance, and the regional RMSNorm pipeline
-end to end (Inductor's C++ backend)."""
+"""annotate_rmsnorm_for_regional_inductor_pass: fused and decomposed norms, one region each, end to end."""
 
 from __future__ import annotations
 
@@ -139,8 +137,7 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog, tiny_llama):
 
 
 def test_activation_checkpointing_recomputed_norms_get_own_regions(tiny_llama):
-    """With AC the backward phase holds each block's recomputed forward norm next to the norm's
-    backward: they must become separate regions (no cycle)."""
+    """With AC, recomputed forward norms and norm backwards become separate regions (no cycle)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = tiny_llama(1)

@@ -279,8 +279,7 @@ def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(dry_run_8b_fsdp4_tp2):
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
     ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks
     assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
-    # left: one, and the 64 that sac.save all_but_cheap gathers again in the backward (weight gradients'
-    # right operands)
+    # left: one, and the 64 that all_but_cheap gathers again in the backward (weight gradients' right operands)
     assert f"left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), {rs} reduce-scatters" \
         in line
     fused = {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]}

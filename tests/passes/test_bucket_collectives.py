@@ -85,8 +85,7 @@ def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
 
 
 def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
-    """torch's bucketing puts a bucket after its last member's issue: earlier readers break the graph (2.13
-    re-sorts reduce-scatters: no overlap left); its ``all_gather_into_tensor_out`` has no cost formula."""
+    """torch's bucketing breaks the graph (or loses overlap); its ``_out`` all-gather has no cost formula."""
     from torch._inductor.fx_passes import bucketing
     from torch._inductor.fx_passes.overlap_preserving_bucketer import OverlapPreservingBucketer
     from torch._inductor.fx_passes.overlap_scheduling import CollectiveInfo
@@ -127,8 +126,7 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
 
 
 def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
-    """``fsdp2_units`` (``--debug.deterministic``): one reduce-scatter per FSDP2 unit (embedding, each
-    block, norm + output), its inputs in parameter order, whatever ``bucket_size``; bitwise the same step."""
+    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; bitwise the same step."""
     from graph_trainer.model import BlockLayout
 
     traced, inputs, n_params = fsdp_step
@@ -162,8 +160,7 @@ def _bucket_outputs(issue, outputs):
 
 
 def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
-    """reduce_scatter_in_flight=1: each reduce-scatter bucket's wait (with its hold and views) moves
-    towards the next bucket's issue or its first real reader, hiding more matmuls; the same values."""
+    """reduce_scatter_in_flight=1: bucket waits move later (before the next issue), hiding more matmuls."""
     traced, inputs, _ = fsdp_step
     with torch.no_grad():
         ref = traced.gm(*inputs)

@@ -1,5 +1,4 @@
-"""graph_trainer.compiler.collectives: the one way the passes recognise collectives, the one
-``hold`` target, and what makes an all-gather an FSDP parameter all-gather."""
+"""graph_trainer.compiler.collectives: recognising collectives, ``hold``, FSDP parameter all-gathers."""
 
 import torch
 import torch.fx

@@ -15,8 +15,7 @@ def test_cudagraph_pass_requires_cuda():
 
 
 def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
-    """The pass pipeline runs on lazy GraphModules, whose placeholder forward calls the module
-    again: a wrapper installed as ``gm.forward`` around it would re-enter itself without end."""
+    """A lazy GraphModule's wrapper calls its generated forward, never itself."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     from graph_trainer.compiler.passes.cudagraph import generated_forward

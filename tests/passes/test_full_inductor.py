@@ -1,5 +1,4 @@
-"""full_inductor_pass end to end on CPU (Inductor's C++ backend), through the pipeline.
-(With collectives: test_pin_collectives.py.)"""
+"""full_inductor_pass end to end on CPU through the pipeline (with collectives: test_pin_collectives.py)."""
 
 import torch
 
@@ -23,8 +22,7 @@ def test_end_to_end_full_inductor_cpu(tiny_llama):
 
 
 def test_cpu_scalars_move_to_the_inputs_device():
-    """The vocabulary-parallel embedding's ``index_put_`` of a CPU ``0`` (a constant, its copy, a
-    ``scalar_tensor(device=cpu)``) on tensors of another device: all move there; a CPU graph stays."""
+    """CPU ``0`` scalars of ``index_put_`` move to the inputs' device; a CPU graph stays."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars

@@ -1,5 +1,4 @@
-"""memory_estimate (an analysis helper, not a pass): the static peak of a graph's
-intermediate storages; views, waits and holds alias their input's buffer."""
+"""memory_estimate: the static peak of a graph's storages; views, waits and holds alias their input."""
 
 import torch
 import torch.fx
@@ -19,9 +18,7 @@ def _node(g, target, args, val):
 
 
 def test_peak_counts_views_waits_and_holds_once():
-    """x -> all_reduce -> wait -> hold -> view -> sum: one 64-byte buffer (the wait's fake
-    value is a separate tensor, but at run time it is the collective's buffer), then the
-    4-byte sum while the buffer is still read: peak 68 bytes at the sum."""
+    """x -> all_reduce -> wait -> hold -> view -> sum: one 64-byte buffer, peak 68 bytes at the sum."""
     with FakeTensorMode():
         vx, vi, vw, vs = torch.empty(4, 4), torch.empty(4, 4), torch.empty(4, 4), torch.empty(())
     g = torch.fx.Graph()
@@ -37,10 +34,7 @@ def test_peak_counts_views_waits_and_holds_once():
 
 
 def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
-    """y -> mul -> add -> sum, and x -> exp -> mm: the mul's output feeds only a pointwise add,
-    so whole-graph Inductor computes it inside the add's kernel, and the add's only user is a
-    reduction; the exp feeds a matmul and is written. Unfused peak: mul + add (256 B each) at
-    the add; fused: the sum, the exp and the mm's output (4 + 64 + 64 B) at the mm."""
+    """Unfused peak: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm."""
     with FakeTensorMode():
         vx, vy, vm, va, ve, vmm, vs = (torch.empty(4, 4), torch.empty(8, 8), torch.empty(8, 8), torch.empty(8, 8),
                                        torch.empty(4, 4), torch.empty(4, 4), torch.empty(()))

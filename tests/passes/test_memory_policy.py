@@ -1,6 +1,4 @@
-"""The memory policy (graph_trainer/compiler/memory_policy.py): the choice for hand-built
-estimates and budgets, its calibration against measured peaks, and the dry run's plan for the
-debug model on a fake 2-rank group."""
+"""The memory policy: choices for hand-built estimates, calibration, the dry run's plan."""
 
 import os
 
@@ -75,10 +73,8 @@ def test_user_levers_stay_and_the_inductor_mode_counts():
 
 
 @pytest.mark.parametrize("inductor, save, cudagraph, state, est, measured", [
-    # measured peaks (GiB, max_memory_reserved) against the graph estimate of the GPU-traced graph
-    # (the dry run's equals it since it traces CUDA's fused RMSNorm and GQA attention: test_projection), one
-    # H100 (docs/perf_archive.md, "Memory prediction"); under full Inductor the fused estimate.
-    # Llama3 1B, op SAC; seq 4096 x 2 and 8192 x 2:
+    # measured peaks (GiB, max_memory_reserved) vs the GPU-traced graph's estimate (full Inductor: the fused one),
+    # one H100 (docs/perf_archive.md, "Memory prediction"). Llama3 1B, op SAC; seq 4096 x 2 and 8192 x 2:
     ("regional", "recompute", False, 16.75, 18.22, 36.99),
     ("regional", "matmuls", False, 16.75, 20.84, 39.73),
     ("regional", "all", False, 16.75, 25.37, 44.14),
@@ -119,9 +115,11 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     assert not _choose(1000).levers.cudagraph  # not allowed (CPU, several processes): never
 
 
-def test_cuda_graphs_only_for_one_process_on_a_gpu():
+def test_cuda_graphs_only_for_one_process_on_a_gpu_named_by_the_config():
     import torch
 
+    from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
+    from graph_trainer.config import Compile
     from graph_trainer.step import may_replay_as_cuda_graph
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -130,12 +128,6 @@ def test_cuda_graphs_only_for_one_process_on_a_gpu():
     assert not may_replay_as_cuda_graph(cuda, 2, "default", None)  # real NCCL peers
     assert not may_replay_as_cuda_graph(cpu, 1, "default", None)
     assert not may_replay_as_cuda_graph(cuda, 1, "default", "/tmp/numerics")  # step 1 records op outputs
-
-
-def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
-    from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
-    from graph_trainer.config import Compile
-
     assert "cudagraph" not in configured_levers(Compile())[1]
     levers, named = configured_levers(Compile(passes="cudagraph"))
     assert levers.cudagraph and "cudagraph" in named
@@ -146,9 +138,7 @@ def test_the_config_names_the_cuda_graph_and_the_policy_adds_it():
 
 
 def test_dry_run_plans_from_the_traced_graph(monkeypatch):
-    """Debug model, op SAC, FSDP2 on fake ranks: a large budget keeps all but the cheap values (every
-    block), a tiny one recomputes and reshards, and the pipeline that runs is the chosen one. The debug
-    flavor at two blocks: the choice does not depend on the number of blocks, the trace's time does."""
+    """Debug model (2 blocks), op SAC, FSDP2 on fake ranks: a large budget keeps, a tiny one recomputes."""
     import dataclasses
 
     from graph_trainer.config import parse_args

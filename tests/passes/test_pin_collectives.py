@@ -1,6 +1,4 @@
-"""pin_collectives: overlap_collectives' schedule survives full-graph Inductor
-(graph_trainer/compiler/pin_collectives.py), on a traced FSDP step of a 2-layer debug Llama
-over a 1-rank gloo group."""
+"""pin_collectives: overlap_collectives' schedule survives full-graph Inductor (1-rank gloo FSDP step)."""
 
 import re
 
@@ -31,8 +29,7 @@ def _schedule(code):
 
 
 def _stats(tokens):
-    """Per collective kind: most issued-but-not-waited at once; and how many waits have
-    at least one matmul between issue and wait (overlapped)."""
+    """Per collective kind: most in flight at once, and how many waits have a matmul before them."""
     pending, kind_of, worst, overlapped, mm_seen = {}, {}, {}, 0, 0
     for t in tokens:
         if t[0] == "issue":
@@ -69,10 +66,7 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
 
 @pytest.mark.slow
 def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
-    """Pinned, the compiled code keeps every collective that the FX schedule overlaps with a
-    matmul overlapped, with no more in flight at once than the FX schedule (unpinned,
-    Inductor's reordering waits for each right after issuing it: docs/perf_archive.md). Same
-    values as the uncompiled graph."""
+    """Pinned, the compiled code keeps the FX schedule's overlap, no more in flight; same values."""
     from torch._inductor.utils import run_and_get_code
 
     traced, inputs, _ = fsdp_step

@@ -1,6 +1,4 @@
-"""regional_inductor_pass: one compiled region per region id (never merged, cut where a region
-would form a cycle), the timed choice between candidate Inductor configs, and compiled regions
-computing what the graph computed."""
+"""regional_inductor_pass: one region per id (never merged, cycles cut), timed candidate configs, numerics."""
 
 import operator
 
@@ -43,8 +41,7 @@ def _check_numerics(gm, n_norms):  # gm of fused_norm_graph computes what F.rms_
 
 @pytest.mark.parametrize("fastest", [0, 1])
 def test_candidate_configs_timed_and_fastest_kept(fastest):
-    """Each distinct region is compiled once per config set and the variant the timer calls
-    fastest is kept; identical regions reuse it."""
+    """Each distinct region compiled once per config set, the fastest kept, identical regions reuse it."""
     gm, fakes = _annotated_norms(3, CANDIDATES)
     calls = []
 
@@ -57,8 +54,7 @@ def test_candidate_configs_timed_and_fastest_kept(fastest):
     gm = regional_inductor_pass(gm, fakes, select_candidates=True, timer=timer)
     stats = gm.meta["graph_trainer_pass_stats"]
     sel = stats["selections"]
-    # 4 regions (3 forward norms, 1 backward); norm 0 also returns rstd, norms 1 and 2 are
-    # identical -> 3 distinct regions, 2 compiles each
+    # 4 regions (3 forward norms, 1 backward); norms 1 and 2 identical -> 3 distinct regions, 2 compiles each
     assert stats["regions"] == 4
     assert len(sel) == 3 and stats["distinct_compiles"] == 6 and len(calls) == 6
     assert all(s["chosen"] == fastest and s["ms"][fastest] == 1.0 and s["configs"] == [{}, *CANDIDATES] for s in sel)
@@ -91,8 +87,7 @@ def test_candidates_not_timed_on_cpu_by_default():
     gm = regional_inductor_pass(gm, fakes, timer=timer)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["selections"] == [] and stats["regions"] == 3 and stats["distinct_compiles"] == 3
-    # one record per Inductor compile: its ops, inputs, seconds and cache outcome (never bypassed:
-    # the static trace's fake mode gets a ShapeEnv while the regions compile)
+    # one record per Inductor compile: ops, inputs, seconds, cache outcome (never bypassed: a ShapeEnv is set)
     compiles = stats["compiles"]
     assert len(compiles) == 3 and all(c["s"] > 0 and c["cache"] in ("hit", "miss") for c in compiles)
     assert {o for c in compiles for o in c["ops"]} >= {"_fused_rms_norm", "_fused_rms_norm_backward"}
@@ -116,8 +111,7 @@ def test_forward_and_backward_each_own_region():
 
 
 def test_independent_norms_not_merged():
-    """Two norms without a path between them: one partitioner over all tagged nodes (torch 2.11's
-    regional_inductor) merges them; with region ids they stay two regions."""
+    """Two independent norms: torch 2.11's partitioner merges them; region ids keep them apart."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import create_op_support
 

@@ -1,5 +1,4 @@
-"""remove_noop_views_pass: no-op views / clones / detaches removed, cats that copy a tensor's bytes in
-order made views, the others kept; and why it is not Inductor's ``post_grad.remove_noop_ops``, on the same graphs."""
+"""remove_noop_views_pass against Inductor's ``remove_noop_ops`` on the same graphs."""
 
 import copy
 import operator
@@ -43,9 +42,7 @@ def _targets(gm):
 
 
 def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
-    """Inductor's pass, written for a functional graph, removes the clone whose source is later
-    updated in place (a result changes); it has no rule for ``detach`` / ``_unsafe_view`` and
-    keeps ``view(x, [-1, n])``: on a traced training step it removes none of the detaches."""
+    """Inductor's pass breaks a clone before an in-place update and keeps detaches; ours does neither."""
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
     xin = torch.randn(4, 6)
@@ -103,8 +100,7 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
 
 
 def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, tmp_path):
-    """On a traced step, ``cat(split(x, 4, dim=1), dim=0)`` of the embedding's output ``x`` (batch 1)
-    becomes a view whose metadata pickles (graph_cache.save): a fake view of a traced value would not."""
+    """A cat made a view on a traced step pickles into the graph cache."""
     from graph_trainer.compiler import graph_cache
 
     gm, _, _ = trace_step(tiny_llama(1), batch=1)

@@ -1,5 +1,4 @@
-"""reshard_after_forward_pass (FSDP2's reshard_after_forward as a graph pass) on a traced FSDP
-step whose collectives really run (1-rank gloo group, fixture in tests/conftest.py)."""
+"""reshard_after_forward_pass on a traced FSDP step over a 1-rank gloo group."""
 
 import copy
 
@@ -16,8 +15,7 @@ _CLOSURE = ("wait_tensor", "slice", "view", "t", "_unsafe_view", "transpose")
 
 
 def _backward_reads(gm):
-    """Per forward all-gather (graph order): how many backward nodes read its gathered buffer
-    (through its wait, slices, views, transposes)."""
+    """Per forward all-gather: how many backward nodes read its gathered buffer."""
     reads = []
     for ag in gm.graph.nodes:
         if ag.target is AG and phase_of(ag) == "forward":
@@ -61,8 +59,7 @@ def test_regather_for_backward_bitwise(fsdp_step):
 
 
 def test_first_params_prefetch_validation_and_no_fsdp(fsdp_step):
-    """first_params=10: the embedding (no backward use) and layer 0's 9 parameters; the rest keep
-    the forward's gathered copy. Values unchanged. Then prefetch 0, validation, no FSDP."""
+    """first_params=10 reshards the embedding and layer 0 only; values unchanged; prefetch 0, validation, no FSDP."""
     traced, inputs, n_params = fsdp_step
     with torch.no_grad():
         ref = traced.gm(*inputs)

@@ -76,9 +76,7 @@ def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_
 
 
 def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
-    """``all_but_cheap``: SwiGLU's silu and mul (and the views the backward reads them through) are
-    recomputed from the kept matmul outputs; no value
-    the backward did not read before is kept, no matmul is recomputed, the result is bit for bit."""
+    """``all_but_cheap``: silu and mul recomputed from kept matmuls, nothing new kept, bitwise."""
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path, "selective")
     with torch.no_grad():
         ref = gm(*flat)
@@ -100,10 +98,7 @@ def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_pat
 
 
 def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
-    """``all_but_cheap``: a TP all-gather of a norm's output (and its wait and view) is issued again in
-    the backward from the norm recomputed from its input, which the backward keeps anyway for the
-    norm's backward; an FSDP parameter's all-gather (fed from a placeholder) is
-    ``reshard_after_forward``'s and stays."""
+    """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
     import operator
 
     from torch.utils.checkpoint import CheckpointPolicy
@@ -182,18 +177,15 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
 
 @pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
-    """Without sac_recompute, full_inductor drops the tags: compile_fx's own remat (torch >= 2.12) rejected
-    this graph (the CPU flash-attention op is tagged for recompute and counts as a random op).
-    One block of the debug model (each block has the same tagged ops)."""
+    """Without sac_recompute, full_inductor drops the SAC tags (compile_fx's remat rejected this graph)."""
     from graph_trainer.llama3 import llama3_args
     from test_train import _train
 
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=1))
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
              "--training.steps", "2", "--compile.inductor_compilation", "full", "--compile.graph_cache_dir", "off"]
-    # a cached compile of the same graph would skip compile_fx's remat (the tags are not in the key). The
-    # configs' own patch, not monkeypatch: pytest >= 9.2 undoes a module attribute it did not find in the
-    # module's __dict__ with delattr, which leaves a torch config hidden for every later test
+    # no cached compile (it would skip compile_fx's remat); the configs' own patch: pytest >= 9.2's monkeypatch
+    # undoes such a module attribute with delattr, hiding a torch config for every later test
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
         on, _ = _train(tmp_path, "on", *flags)
