@@ -9,6 +9,7 @@ from collections.abc import Callable, Container
 import torch
 import torch.fx
 
+from graph_trainer.compiler.graph_values import tensor_val
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
 
 #: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
@@ -48,6 +49,14 @@ def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
     """The ``wait_tensor`` of ``issue`` when it is ``issue``'s only user, else None."""
     user = next(iter(issue.users)) if len(issue.users) == 1 else None
     return user if user is not None and is_wait(user) else None
+
+
+def on_cpu(issue: torch.fx.Node) -> bool:
+    """Whether the collective ``issue`` communicates a CPU tensor (gloo): its first argument's fake value is on CPU.
+    The passes that move waits leave such a collective's wait where it is unless told otherwise (``cpu_async``:
+    overlap_collectives' module docstring says why)."""
+    val = tensor_val(issue.args[0]) if issue.args else None
+    return val is not None and val.device.type == "cpu"
 
 
 def group_name_of(node: torch.fx.Node) -> str | None:

@@ -56,6 +56,11 @@ def git_out(repo: str, *args: str) -> str | None:
     return (r.stdout.strip() or None) if (r := _git(repo, *args)).returncode == 0 else None
 
 
+def git_dirty(repo: str) -> bool:
+    """Whether ``repo``'s tracked files differ from its HEAD (what a record's ``git_dirty`` says)."""
+    return bool(git_out(repo, "status", "--porcelain", "--untracked-files=no"))
+
+
 def default_repo() -> str:
     """The tree holding this package's run_train.sh, else the git top level of the cwd."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

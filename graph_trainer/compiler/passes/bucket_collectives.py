@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, read_through, sole_wait
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
 from graph_trainer.compiler.ops import VIEW_OPS
@@ -247,7 +247,7 @@ def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async
     moved = 0
     for i, issue in enumerate(issues):
         wait = sole_wait(issue)
-        if wait is None or (not cpu_async and tensor_val(issue.args[0]).device.type == "cpu"):
+        if wait is None or (not cpu_async and on_cpu(issue)):
             continue
         chain = read_through(wait, _RESULT_VIEWS)  # the wait, its hold and views, up to the real readers
         order = positions(graph)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, read_through, shard_chain
-from graph_trainer.compiler.graph_values import positions, tensor_val
+from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
+from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, only_user
 from graph_trainer.compiler.registry import GraphPass
@@ -136,8 +136,7 @@ def overlap_collectives_pass(
         order = positions(graph)  # positions change as waits move
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
-        val = tensor_val(issue.args[0]) if issue.args else None
-        if not cpu_async and val is not None and val.device.type == "cpu":  # never in flight on CPU (module docstring)
+        if not cpu_async and on_cpu(issue):  # never in flight on CPU (module docstring)
             if wait.prev is not issue:
                 issue.append(wait)
                 moved += 1
