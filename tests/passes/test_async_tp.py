@@ -231,8 +231,15 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
 
 
 def test_pipeline_place_options_and_flag():
-    """Opt-in by name (alias micro_pipeline_tp); build_pipeline hands it --compile.async_tp.fuse and the TP group."""
-    assert "async_tp" not in [s.name for s in build_pipeline(parse_args(["--job.config_file", DEBUG]).compile)]
+    """On with full Inductor on CUDA, else opt-in by name (alias micro_pipeline_tp); build_pipeline hands it
+    --compile.async_tp.fuse and the TP group."""
+    def runs(*flags, device_type="cuda"):
+        cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
+        return "async_tp" in [s.name for s in build_pipeline(cfg, device_type=device_type)]
+
+    assert not runs() and not runs("--compile.inductor_compilation", "full", device_type="cpu")
+    assert runs("--compile.inductor_compilation", "full")
+    assert not runs("--compile.inductor_compilation", "full", "--compile.disable_passes", "async_tp")
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "micro_pipeline_tp",
                       "--compile.inductor_compilation", "full", "--compile.async_tp.fuse", "all_gather_matmul"])
     steps = {s.name: s for s in build_pipeline(cfg.compile, tp_group_name="7")}

@@ -556,7 +556,8 @@ def _left_text(plan: AsyncTPPlan, ags: list[AllGatherMatch], rss: list[ReduceSca
 
 @dataclass
 class AsyncTPOptions:
-    """``[compile.async_tp]``: options of ``async_tp`` (``--compile.passes async_tp``)."""
+    """``[compile.async_tp]``: options of ``async_tp`` (on with ``--compile.inductor_compilation full`` on
+    CUDA, else ``--compile.passes async_tp``; off: ``--compile.disable_passes async_tp``)."""
 
     fuse: Literal["all", "all_gather_matmul", "matmul_reduce_scatter"] = "all"
     """Which TP pairs the async_tp pass replaces with torch's symmetric-memory ops: all (both),
@@ -567,6 +568,9 @@ class AsyncTPOptions:
 
 PASS = GraphPass(
     name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
+    # part of the fastest setting (full Inductor) on CUDA, whose numerics already differ from eager's: run to
+    # run stays bitwise (the GPU tier) and the TP step is faster (docs/perf.md, "Llama3 8B, TP2")
+    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full" and ctx.device_type == "cuda",
     kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name},
     aliases=("micro_pipeline_tp",),
 )
