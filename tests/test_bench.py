@@ -87,3 +87,25 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [
         "--compile.mode", "eager"] and rec["variants"][0]["ratio"] == 1.0
     assert [x["status"] for x in rec["runs"]] == ["ok"] and rec["runs"][0]["tps"] > 0
+
+
+def test_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C after the first run: exit 130, the table and a record of the finished run, noted."""
+    from graph_trainer.tools import bench
+
+    def first_ok_then_interrupted(runs, *args, **kwargs):
+        runs[0].status, runs[0].wall_s = "ok", 1.0
+        runs[0].stats = run_stats([{"step": s, "tps": 100.0, "mfu": 1.0, "memory_gib": 1.0} for s in (1, 2, 3)], 1)
+        runs[1].status = "interrupted"
+        os.makedirs(tmp_path / "o")
+        return True
+
+    monkeypatch.setattr(bench, "validate_sides", lambda *a: None)
+    monkeypatch.setattr(bench, "run_all", first_ok_then_interrupted)
+    argv = ["--variant", "a=", "--variant", "b=--compile.mode eager", "--repeats", "1", "--out", str(tmp_path / "o"),
+            "--record-dir", str(tmp_path / "results"), "--note", "n"]
+    assert bench.main(argv) == 130
+    assert "| a (1 runs) |" in capsys.readouterr().out
+    rec = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
+    assert rec["note"] == "n; interrupted after 1 of 2 runs"
+    assert [r["status"] for r in rec["runs"]] == ["ok", "interrupted"] and rec["runs"][0]["tps"] == 100.0

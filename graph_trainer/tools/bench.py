@@ -5,6 +5,7 @@ Round ``r`` runs every variant once, in the order given (drift hits every varian
 :mod:`graph_trainer.tools.compare_mfu`'s, each variant against the first
 (:func:`graph_trainer.tools.stats.delta`), beside the predicted peak and compile time of the runs'
 summaries. The record (``--record-dir``) is what ``scripts/results_page.py`` renders; never overwritten.
+Interrupted (Ctrl-C, SIGTERM from a time limit), the call still records its finished runs, noted as such.
 
 Examples::
 
@@ -261,8 +262,11 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     }
     if args.profile_step:
         record["profile"] = {"step": args.profile_step, "variants": profile_summary(runs, args.profile_step)}
+    if interrupted:  # the finished runs are kept: a call's time limit often ends it
+        ran = sum(r.status == "ok" for r in runs)
+        record["note"] = "; ".join(filter(None, [args.note, f"interrupted after {ran} of {len(runs)} runs"]))
     write_json(os.path.join(out, "bench.json"), record)
-    if not args.no_record and not interrupted:
+    if not args.no_record and (not interrupted or any(r.status == "ok" for r in runs)):
         path = record_path(args.record_dir, record)
         record["profile_png"] = copy_profiles(runs, path) or None
         print(f"record: {write_record(args.record_dir, record, path)}")
