@@ -48,8 +48,8 @@ VARIANT_FIELDS = ("name", "tps")
 CLAIM_FIELDS = ("claim", "what", "result")
 DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 BENCH_HEADER = ("variant", "tps/GPU median (min–max)", "vs first", "verdict", "MFU", "peak GiB",
-                "predicted GiB", "compile s")
-BENCH_ALIGN = ("---", "---:", "---:", "---", "---:", "---:", "---:", "---:")
+                "predicted GiB", "compile s", "to step 2 s (first / later)")
+BENCH_ALIGN = ("---", "---:", "---:", "---", "---:", "---:", "---:", "---:", "---:")
 
 
 class PageError(Exception):
@@ -257,7 +257,7 @@ def variant_row(variant: dict, index: int, first: dict) -> str:
     predicted = fmt(median(variant.get("predicted_peak_gib")), ".2f")
     if failed(variant):
         verdict = variant.get("verdict") or FAILED
-        return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED])
+        return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED, FAILED])
     return row([
         variant["name"],
         tps_cell(variant["tps"]),
@@ -267,6 +267,7 @@ def variant_row(variant: dict, index: int, first: dict) -> str:
         fmt(median(variant.get("memory_gib")), ".2f"),
         predicted,
         fmt(median(variant.get("compile_time_s")), ".0f"),
+        f'{fmt(variant.get("step2_first_s"), ".0f")} / {fmt(variant.get("step2_later_s"), ".0f")}',
     ])
 
 

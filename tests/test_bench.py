@@ -25,7 +25,7 @@ def test_parse_variants():
 def _run(name, rnd, tps, status="ok", predicted=None):
     rows = [{"step": s, "tps": tps if s > 1 else 1.0, "tflops": 1.0, "mfu": 40.0, "memory_gib": 10.0 + rnd}
             for s in (1, 2, 3)]
-    r = Run(side=name, repeat=rnd, index=rnd, dump_folder="", log="", status=status)
+    r = Run(side=name, repeat=rnd, index=rnd, dump_folder="", log="", status=status, step2_s=130.0 - 40.0 * rnd)
     if status == "ok":
         r.rows, r.stats = rows, run_stats(rows, 1)
         r.summary = {"predicted_peak_gib": predicted, "compile_time_s": 30.0 if predicted else None}
@@ -41,7 +41,7 @@ def test_variant_results_ratio_verdict_and_table():
     assert v["plain"]["predicted_peak_gib"] == pytest.approx(9.6) and v["plain"]["memory_gib"]["max"] == 12.0
     assert v["bad"]["ratio"] is None and v["bad"]["tps"]["n"] == 0
     text = table(list(v.values()))
-    assert "| plain (2 runs) | 120 (120–121) | 1.193× | real | 40.0 % | 12.00 | 9.60 | 30 |" in text
+    assert "| plain (2 runs) | 120 (120–121) | 1.193× | real | 40.0 % | 12.00 | 9.60 | 30 | 90 / 50 |" in text
     assert "| bad (0 runs) | failed |" in text
 
 
@@ -87,6 +87,8 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [
         "--compile.mode", "eager"] and rec["variants"][0]["ratio"] == 1.0
     assert [x["status"] for x in rec["runs"]] == ["ok"] and rec["runs"][0]["tps"] > 0
+    assert 0 < rec["runs"][0]["step2_s"] == rec["variants"][0]["step2_first_s"] < rec["runs"][0]["wall_s"]
+    assert rec["variants"][0]["step2_later_s"] is None  # one run: no warm start
 
 
 def test_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):

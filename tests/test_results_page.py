@@ -30,7 +30,7 @@ def bench(date, tps_jit=41847.0, workload="llama3_1b fsdp2", device=H100, **extr
         "variants": [
             {"name": "jit", "flags": ["--compile.mode", "jit"], "tps": stat(tps_jit, 41000.0, 42500.0),
              "mfu": stat(38.24), "memory_gib": stat(45.123), "predicted_peak_gib": 45.1, "compile_time_s": 30.6,
-             "ratio": 1.0, "verdict": "baseline"},
+             "step2_first_s": 95.2, "step2_later_s": 40.6, "ratio": 1.0, "verdict": "baseline"},
             {"name": "plain", "flags": [], "tps": stat(37000.0, 36000.0, 37500.0), "mfu": None,
              "memory_gib": stat(50.0), "predicted_peak_gib": None, "compile_time_s": None, "verdict": "slower"},
             {"name": "broken", "flags": ["--x"], "tps": {"median": None, "min": None, "max": None, "n": 0},
@@ -111,11 +111,12 @@ def test_page(records, capsys):
     main = sections(page)["Bench llama3_1b fsdp2 — " + H100]
     header, rows = table(main)
     assert header == ("| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB "
-                      "| compile s |")
-    assert rows["jit"] == ["41,847 (41,000–42,500)", "1.000×", "baseline", "38.2%", "45.12", "45.10", "31"]
+                      "| compile s | to step 2 s (first / later) |")
+    assert rows["jit"] == ["41,847 (41,000–42,500)", "1.000×", "baseline", "38.2%", "45.12", "45.10", "31",
+                           "95 / 41"]
     assert rows["plain"] == ["37,000 (36,000–37,500)", f"{37000 / 41847:.3f}×", "slower",  # ratio computed
-                             "–", "50.00", "–", "–"]
-    assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed"]
+                             "–", "50.00", "–", "–", "– / –"]  # a record from before the column
+    assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
     assert "2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3)\n" in main
     assert f"```bash\n{COMMAND}\n```\n" in main
     assert ("Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)"

@@ -109,14 +109,18 @@ def _median(values) -> float | None:
 
 def variant_results(names: list[str], runs: list[Run]) -> list[dict]:
     """Per variant: statistics over its successful runs, their median predicted peak (GiB) and compile
-    time (s), the tps ratio and verdict against the first."""
+    time (s), the seconds from launch to step 2 of its first run (``step2_first_s``: the call's caches
+    hold nothing of this variant yet) and the median of its later runs (``step2_later_s``: Inductor's and
+    the graph cache warm), the tps ratio and verdict against the first."""
     out, stats = [], []
     for name in names:
         ok = [r for r in runs if r.side == name and r.status == "ok"]
         stats.append(side_stats([r.stats for r in ok]))
         out.append({"name": name, **{k: stats[-1][k] for k in ("tps", "mfu", "memory_gib")},
                     "predicted_peak_gib": _median((r.summary or {}).get("predicted_peak_gib") for r in ok),
-                    "compile_time_s": _median((r.summary or {}).get("compile_time_s") for r in ok)})
+                    "compile_time_s": _median((r.summary or {}).get("compile_time_s") for r in ok),
+                    "step2_first_s": ok[0].step2_s if ok else None,
+                    "step2_later_s": _median(r.step2_s for r in ok[1:])})
     base = out[0]["tps"]["median"]
     for i, v in enumerate(out):
         if i == 0:
@@ -134,7 +138,7 @@ def table(variants: list[dict]) -> str:
         return "–" if x is None else (f"{x:.{digits}f}" if digits is not None else fmt_number(key, x))
 
     lines = ["| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB "
-             "| compile s |", "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| compile s | to step 2 s (first / later) |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for v in variants:
         t = v["tps"]
         tps = "failed" if not t["n"] else f"{num('tps', t['median'])} ({num('tps', t['min'])}–{num('tps', t['max'])})"
@@ -142,7 +146,8 @@ def table(variants: list[dict]) -> str:
         mfu = "–" if v["mfu"]["median"] is None else f"{v['mfu']['median']:.1f} %"
         lines.append(f"| {v['name']} ({t['n']} runs) | {tps} | {ratio} | {v['verdict']} | {mfu} | "
                      f"{num('memory_gib', v['memory_gib']['max'])} | {num('', v['predicted_peak_gib'], 2)} | "
-                     f"{num('', v['compile_time_s'], 0)} |")
+                     f"{num('', v['compile_time_s'], 0)} | {num('', v['step2_first_s'], 0)} / "
+                     f"{num('', v['step2_later_s'], 0)} |")
     return "\n".join(lines)
 
 
@@ -255,6 +260,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
         "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],
         "runs": [{"variant": r.side, "round": r.repeat, "status": r.status, "error": r.error, "wall_s": r.wall_s,
+                  "step2_s": r.step2_s,
                   **{k: (r.stats or {}).get(k) for k in ("tps", "mfu", "memory_gib")},
                   **{k: (r.summary or {}).get(k) for k in ("predicted_peak_gib", "compile_time_s")},
                   "dump_folder": r.dump_folder} for r in runs],

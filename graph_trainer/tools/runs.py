@@ -39,6 +39,7 @@ class Run:
     error: str | None = None
     input_error: bool = False  # failed on the trainer's own "error: ..." (bad input)
     wall_s: float | None = None
+    step2_s: float | None = None  # seconds from the launch to step 2's log line: the start-up, compile included
     rows: list[dict] = field(default_factory=list)
     summary: dict | None = None
     stats: dict | None = None
@@ -94,6 +95,8 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                 m = STEP_RE.search(line)
                 if m and "summary" not in line:
                     step = int(m.group("step"))
+                    if step == 2 and run.step2_s is None:
+                        run.step2_s = time.perf_counter() - t0
                     note = " (excluded)" if step <= max(warmup, 1) or step in run.excluded else ""
                     progress.update(f"{prefix} step {m.group('step')}/{steps}{note}  loss {m.group('loss')}  "
                                     f"tps {m.group('tps')}  mfu {m.group('mfu') or 'n/a'}")
