@@ -21,6 +21,7 @@ from _launch import queue, spawn  # tests/ is on sys.path
 from _runs import DEBUG
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, placeholder_vals
+from graph_trainer.compiler.matmul_sums import matmul_sum_of, merge_matmul_sum
 from graph_trainer.compiler.node_meta import phase_of
 from graph_trainer.compiler.ops import RESHAPE_OPS
 from graph_trainer.compiler.passes.async_tp import async_tp_pass, find_async_tp_matches
@@ -125,12 +126,16 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
     assert find_async_tp_matches(gm).all_gathers[0].reason == "gather on the last dimension"
 
     def sums(x, w, v):
-        s, y = torch.mm(x, w) + torch.mm(x, v), torch.mm(x, w)
-        return funcol.reduce_scatter_tensor(s, "sum", 0, group), funcol.reduce_scatter_tensor(y, "sum", 0, group), y
+        s, y, u = torch.mm(x, w) + torch.mm(x, v), torch.mm(x, w), torch.mm(x, v) + x[:, :4]
+        return [funcol.reduce_scatter_tensor(t, "sum", 0, group) for t in (s, y, u)], y
 
     gm = _trace(sums, (8, 16), (16, 4), (16, 4))
     assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
-        "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users"]
+        None, "the matmul output has other users",  # the sum merges into one matmul
+        "the reduce-scatter input is a sum that does not merge into one matmul (a term is not a matmul output)"]
+    assert [m.reason for m in find_async_tp_matches(gm, "0", merge_matmul_sums=False).reduce_scatters] == [
+        "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users",
+        "the reduce-scatter input is a sum of matmul outputs"]
 
     def unordered(x, w):
         a, b = torch.split(torch.mm(x, w), 4, 1)
@@ -148,6 +153,68 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
     gm = async_tp_pass(gm, None)
     assert _kinds(gm)["mm"] == 1  # the backward one stays
     _refake(gm)
+
+
+def _sums_block(x, wq, wk, wv, w1, w3, gq, gk, gv, g1, g3):
+    """The backward's input gradients of q/k/v (three matmuls of 3-D gradients, nested adds) and of
+    w1/w3 (2-D), each reduce-scattered on the sequence dimension, as sequence-parallel TP does."""
+    flat = lambda g: g.reshape(-1, g.shape[-1])  # noqa: E731
+    dx = (torch.mm(flat(gq), wq).view(*gq.shape[:-1], -1) + torch.mm(flat(gk), wk).view(*gk.shape[:-1], -1)
+          + torch.mm(flat(gv), wv).view(*gv.shape[:-1], -1))
+    dh = torch.mm(g1, w1) + torch.mm(g3, w3)
+    return (funcol.reduce_scatter_tensor(dx, "sum", 1, dist.group.WORLD),
+            funcol.reduce_scatter_tensor(dh, "sum", 0, dist.group.WORLD), x)
+
+
+_SUM_SHAPES = [(2, 8, 16), (12, 16), (4, 16), (4, 16), (10, 16), (10, 16),
+               (2, 8, 12), (2, 8, 4), (2, 8, 4), (8, 10), (8, 10)]
+
+
+def test_sums_of_matmuls_merged_then_fused(fake_group):
+    """add(mm, mm, ..) before a reduce-scatter: one mm of concatenated operands, then fused; the
+    merge alone is allclose (not bitwise) to the adds; merge_matmul_sums=False: left as before."""
+    fake_group(2)
+    gm, tp = _trace(_sums_block, *_SUM_SHAPES), dist.group.WORLD.group_name  # no all-gather to infer it from
+    for n in gm.graph.nodes:
+        n.meta["custom"] = {"phase": "backward"}
+    before = _refake(gm)
+    rss = find_async_tp_matches(gm, tp).reduce_scatters
+    assert [(m.reason, len(m.matmul_sum.terms)) for m in rss] == [(None, 3), (None, 2)]
+    off = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp, merge_matmul_sums=False)
+    assert _kinds(off) == {"mm": 5, "reduce_scatter_tensor": 2} and off.code == gm.code
+    assert "left 2 reduce-scatters (2: the reduce-scatter input is a sum of matmul outputs)" in off.meta[SUMMARY]
+    fused = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp)
+    s = fused.meta["graph_trainer_pass_stats"]
+    assert (s["reduce_scatter_fused"], s["reduce_scatter_left"], s["matmul_sums_merged"]) == (2, 0, 2)
+    assert "2 matmul->reduce-scatter (2 of a sum of matmuls merged into one)" in fused.meta[SUMMARY]
+    assert _kinds(fused) == {FUSED_RS: 2}
+    assert not any(n.target is aten.add.Tensor for n in fused.graph.nodes)
+    rs3, rs2 = [n for n in fused.graph.nodes if collective_kind(n) == FUSED_RS]
+    assert [a.meta["val"].shape for a in rs3.args[:2]] == [(2, 8, 20), (20, 16)] and rs3.args[3] == 1
+    assert [a.meta["val"].shape for a in rs2.args[:2]] == [(8, 20), (20, 16)] and rs2.args[3] == 0
+    assert all(a.target is aten.cat.default and phase_of(a) == "backward" for n in (rs3, rs2) for a in n.args[:2])
+    assert [x.shape for x in _refake(fused)] == [x.shape for x in before]
+
+    def sums(*args):  # the same sums without collectives, run
+        return _sums_block(*args)[:2]
+
+    with mock.patch.object(funcol, "reduce_scatter_tensor", lambda t, *_: t * 1):
+        gm = _trace(sums, *_SUM_SHAPES)
+    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and not any(
+        u.target is aten.add.Tensor for u in n.users)]
+    merged = copy.deepcopy(gm)
+    roots = [n for n in merged.graph.nodes if n.name in {a.name for a in adds}]
+    for root in roots:
+        sum_, why = matmul_sum_of(root)
+        assert why is None
+        merge_matmul_sum(merged.graph, sum_, detect_graph_fake_mode(merged))
+    merged.graph.lint()
+    merged.recompile()
+    assert _kinds(merged)["mm"] == 2
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in _SUM_SHAPES]
+    for x, y in zip(merged(*inputs), gm(*inputs)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_group_inference_fuse_option_and_modes(fake_group):
@@ -216,23 +283,25 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     assert tuple(counts) == inductor and (fused or not any(inductor)) and all("val" not in n.meta for n in fused)
     fsdp_before = _kinds(gm, tpar.fsdp_group.group_name) if tpar.fsdp_group is not None else None
     mms_before, before = _kinds(gm)["mm"], _refake(gm)
+    key = ("all_gather_fused", "matmuls_fused", "reduce_scatter_fused", "all_gather_left", "reduce_scatter_left")
+    off = async_tp_pass(gm, None, merge_matmul_sums=False, rewrite=False).meta["graph_trainer_pass_stats"]
+    assert tuple(off[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)  # wo / w2, the output
     gm = async_tp_pass(gm, None)
-    s = gm.meta["graph_trainer_pass_stats"]
-    assert (s["all_gather_fused"], s["matmuls_fused"], s["reduce_scatter_fused"], s["all_gather_left"],
-            s["reduce_scatter_left"]) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)
+    s = gm.meta["graph_trainer_pass_stats"]  # and per block the sums of q/k/v's and of w1/w3's input gradients
+    assert tuple(s[k] for k in key) + (s["matmul_sums_merged"],) == (4 * L + 1, 7 * L + 1, 4 * L + 1, 1, 1, 2 * L)
     kinds = _kinds(gm, tp)  # left, then fused
     assert (kinds["all_gather_into_tensor"], kinds["reduce_scatter_tensor"], kinds[FUSED_AG], kinds[FUSED_RS]) == (
-        1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
+        1, 1, 4 * L + 1, 4 * L + 1)
     if fsdp_before is not None:
         assert _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
-    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1)
+    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1) - (3 + 2) * L
     assert [phase_of(n) for n in gm.graph.nodes if collective_kind(n) == FUSED_AG].count("forward") == 2 * L + 1
     assert [tuple(x.shape) for x in _refake(gm)] == [tuple(x.shape) for x in before]
 
 
 def test_pipeline_place_options_and_flag():
     """On with full Inductor on CUDA, else opt-in by name (alias micro_pipeline_tp); build_pipeline hands it
-    --compile.async_tp.fuse and the TP group."""
+    --compile.async_tp.fuse / merge_matmul_sums and the TP group."""
     def runs(*flags, device_type="cuda"):
         cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
         return "async_tp" in [s.name for s in build_pipeline(cfg, device_type=device_type)]
@@ -243,7 +312,11 @@ def test_pipeline_place_options_and_flag():
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "micro_pipeline_tp",
                       "--compile.inductor_compilation", "full", "--compile.async_tp.fuse", "all_gather_matmul"])
     steps = {s.name: s for s in build_pipeline(cfg.compile, tp_group_name="7")}
-    assert steps["async_tp"].options == {"fuse": "all_gather_matmul", "tp_group_name": "7"}
+    assert steps["async_tp"].options == {"fuse": "all_gather_matmul", "merge_matmul_sums": True, "tp_group_name": "7"}
+    cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "async_tp",
+                      "--compile.async_tp.no-merge_matmul_sums"])
+    steps = {s.name: s for s in build_pipeline(cfg.compile, device_type="cpu")}
+    assert steps["async_tp"].options["merge_matmul_sums"] is False
 
 
 def _gloo_worker(rank, world, store_path, q):
@@ -259,9 +332,13 @@ def _gloo_worker(rank, world, store_path, q):
             lib = torch.library.Library("symm_mem", "IMPL")  # CPU kernels: torch's reference implementations
             lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
             lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
-            step = PipelineStep("async_tp", async_tp_pass, {"rewrite": True})
-            fused = run_pipeline(copy.deepcopy(gm), None, [step], quiet=True, records=rec)
-            rewritten = (rec[-1]["summary"], _kinds(fused), [torch.equal(a, b) for a, b in zip(fused(*inputs), ref)])
+            rewritten = []
+            for merge in (False, True):  # the sums of matmuls left, then merged and fused
+                step = PipelineStep("async_tp", async_tp_pass, {"rewrite": True, "merge_matmul_sums": merge})
+                fused = run_pipeline(copy.deepcopy(gm), None, [step], quiet=True, records=rec)
+                out = fused(*inputs)
+                rewritten.append((rec[-1]["summary"], _kinds(fused), all(map(torch.equal, out, ref)),
+                                  all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(out, ref))))
         q.put((rank, skipped, rewritten))
     finally:
         dist.destroy_process_group()
@@ -269,14 +346,19 @@ def _gloo_worker(rank, world, store_path, q):
 
 @pytest.mark.slow
 def test_cpu_run_skips_bitwise_and_rewrite_matches_reference_gloo(tmp_path):
-    """TP2 on gloo: skipped on CPU, bitwise unchanged; forced, with torch's reference kernels, bitwise equal."""
+    """TP2 on gloo: skipped on CPU, bitwise unchanged; forced, with torch's reference kernels: bitwise equal
+    without merged sums of matmuls, allclose with them (summed in one matmul)."""
     q = queue()
     spawn(_gloo_worker, (2, str(tmp_path / "store"), q), 2)
-    for rank, (summary, bitwise, same_code), (fused_summary, kinds, equal) in [q.get(timeout=60) for _ in range(2)]:
-        assert summary.startswith("skipped: device cpu (the symm_mem fused ops are CUDA-only); would fuse 5 ")
+    for rank, (summary, bitwise, same_code), (off, on) in [q.get(timeout=60) for _ in range(2)]:
+        assert summary.startswith("skipped: device cpu (the symm_mem fused ops are CUDA-only); would fuse 5 "
+                                  "all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter (2 of a sum")
         assert bitwise and same_code
-        assert fused_summary.startswith("fused 5 all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter")
-        assert kinds[FUSED_AG] == 5 and kinds[FUSED_RS] == 3 and all(equal), rank
+        assert off[0].startswith("fused 5 all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
+        assert off[1][FUSED_AG] == 5 and off[1][FUSED_RS] == 3 and off[2], rank
+        assert on[0].startswith("fused 5 all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter (2 of a sum "
+                                "of matmuls merged into one) on")
+        assert on[1][FUSED_AG] == 5 and on[1][FUSED_RS] == 5 and on[1]["mm"] == off[1]["mm"] - 5 and on[3], rank
 
 
 @pytest.mark.slow
@@ -284,10 +366,12 @@ def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(dry_run_8b_fsdp4_tp2):
     """The session's 8B FSDP4 x TP2 dry run (tests/conftest.py): rewritten on the fake group, projected as fused."""
     s, messages = dry_run_8b_fsdp4_tp2
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
-    ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks
-    assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
-    # left: one, and the 64 that all_but_cheap gathers again in the backward (weight gradients' right operands)
-    assert f"left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), {rs} reduce-scatters" \
-        in line
+    ag, rs = 4 * 32 + 1, 4 * 32 + 1  # 32 blocks; rs: wo / w2 and the output, the merged sums of q/k/v and w1/w3
+    assert (f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter "
+            f"({2 * 32} of a sum of matmuls merged into one) on TP group") in line
+    # left: one all-gather, and the 64 that all_but_cheap gathers again in the backward (weight gradients' right
+    # operands); the reduce-scatter of the (row-wise sharded) embedding's output
+    assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), "
+            "1 reduce-scatter (1: the reduce-scatter input is not a matmul output)") in line
     fused = {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]}
     assert fused == {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}
