@@ -130,7 +130,7 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
         return [funcol.reduce_scatter_tensor(t, "sum", 0, group) for t in (s, y, u)], y
 
     gm = _trace(sums, (8, 16), (16, 4), (16, 4))
-    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
+    assert [m.reason for m in find_async_tp_matches(gm, "0", merge_matmul_sums=True).reduce_scatters] == [
         None, "the matmul output has other users",  # the sum merges into one matmul
         "the reduce-scatter input is a sum that does not merge into one matmul (a term is not a matmul output)"]
     assert [m.reason for m in find_async_tp_matches(gm, "0", merge_matmul_sums=False).reduce_scatters] == [
@@ -178,12 +178,12 @@ def test_sums_of_matmuls_merged_then_fused(fake_group):
     for n in gm.graph.nodes:
         n.meta["custom"] = {"phase": "backward"}
     before = _refake(gm)
-    rss = find_async_tp_matches(gm, tp).reduce_scatters
+    rss = find_async_tp_matches(gm, tp, merge_matmul_sums=True).reduce_scatters
     assert [(m.reason, len(m.matmul_sum.terms)) for m in rss] == [(None, 3), (None, 2)]
     off = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp, merge_matmul_sums=False)
     assert _kinds(off) == {"mm": 5, "reduce_scatter_tensor": 2} and off.code == gm.code
     assert "left 2 reduce-scatters (2: the reduce-scatter input is a sum of matmul outputs)" in off.meta[SUMMARY]
-    fused = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp)
+    fused = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp, merge_matmul_sums=True)
     s = fused.meta["graph_trainer_pass_stats"]
     assert (s["reduce_scatter_fused"], s["reduce_scatter_left"], s["matmul_sums_merged"]) == (2, 0, 2)
     assert "2 matmul->reduce-scatter (2 of a sum of matmuls merged into one)" in fused.meta[SUMMARY]
@@ -286,7 +286,7 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     key = ("all_gather_fused", "matmuls_fused", "reduce_scatter_fused", "all_gather_left", "reduce_scatter_left")
     off = async_tp_pass(gm, None, merge_matmul_sums=False, rewrite=False).meta["graph_trainer_pass_stats"]
     assert tuple(off[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)  # wo / w2, the output
-    gm = async_tp_pass(gm, None)
+    gm = async_tp_pass(gm, None, merge_matmul_sums=True)
     s = gm.meta["graph_trainer_pass_stats"]  # and per block the sums of q/k/v's and of w1/w3's input gradients
     assert tuple(s[k] for k in key) + (s["matmul_sums_merged"],) == (4 * L + 1, 7 * L + 1, 4 * L + 1, 1, 1, 2 * L)
     kinds = _kinds(gm, tp)  # left, then fused
@@ -312,11 +312,11 @@ def test_pipeline_place_options_and_flag():
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "micro_pipeline_tp",
                       "--compile.inductor_compilation", "full", "--compile.async_tp.fuse", "all_gather_matmul"])
     steps = {s.name: s for s in build_pipeline(cfg.compile, tp_group_name="7")}
-    assert steps["async_tp"].options == {"fuse": "all_gather_matmul", "merge_matmul_sums": True, "tp_group_name": "7"}
+    assert steps["async_tp"].options == {"fuse": "all_gather_matmul", "merge_matmul_sums": False, "tp_group_name": "7"}
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "async_tp",
-                      "--compile.async_tp.no-merge_matmul_sums"])
+                      "--compile.async_tp.merge_matmul_sums"])
     steps = {s.name: s for s in build_pipeline(cfg.compile, device_type="cpu")}
-    assert steps["async_tp"].options["merge_matmul_sums"] is False
+    assert steps["async_tp"].options["merge_matmul_sums"] is True
 
 
 def _gloo_worker(rank, world, store_path, q):

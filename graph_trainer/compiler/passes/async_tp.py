@@ -9,8 +9,8 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
   of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads, also through the ``view`` that
   ``remove_noop_views`` leaves of DTensor's ``cat(chunk(t, g, dim=d), dim=0)`` (:func:`_chunks_view`);
   or of a sum of such matmuls (the backward's input gradients of q/k/v, of w1/w3), merged first into
-  one ``mm(cat(A_i, -1), cat(B_i, 0))`` (:mod:`graph_trainer.compiler.matmul_sums`; off:
-  ``--compile.async_tp.no-merge_matmul_sums``).
+  one ``mm(cat(A_i, -1), cat(B_i, 0))`` (:mod:`graph_trainer.compiler.matmul_sums`; opt-in:
+  ``--compile.async_tp.merge_matmul_sums``).
 
 Left, with the reason in the summary: last-dim gathers / scatters, reduce-scatters of a sum that
 does not merge (a term not a matmul, or read elsewhere; terms of other shapes, dtypes or phases),
@@ -293,7 +293,7 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
 
 
 def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = None,
-                          merge_matmul_sums: bool = True) -> AsyncTPPlan:
+                          merge_matmul_sums: bool = False) -> AsyncTPPlan:
     """Every all-gather and reduce-scatter of ``gm`` on the TP group (``tp_group_name``, or
     inferred) with its match (module docstring); ``merge_matmul_sums``: a reduce-scatter of a sum
     of matmuls is fusible (:class:`AsyncTPOptions`). Reads only."""
@@ -443,7 +443,7 @@ def _setup_symmetric_memory(group_name: str, workspace_bytes: int) -> None:
 
 def async_tp_pass(
     gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_name: str | None = None, fuse: str = "all",
-    merge_matmul_sums: bool = True, rewrite: bool | None = None,
+    merge_matmul_sums: bool = False, rewrite: bool | None = None,
 ) -> torch.fx.GraphModule:
     """Fuse the TP all-gather -> matmul and matmul -> reduce-scatter pairs of ``gm`` into
     ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (module docstring).
@@ -550,11 +550,12 @@ class AsyncTPOptions:
     all_gather_matmul (symm_mem.fused_all_gather_matmul) or matmul_reduce_scatter
     (symm_mem.fused_matmul_reduce_scatter). CUDA only (the pass skips elsewhere). The fused
     matmuls run in per-rank row chunks: not guaranteed bitwise equal to the unfused step."""
-    merge_matmul_sums: bool = True
-    """A reduce-scatter of a sum of matmuls (the backward's input gradients of the q/k/v and w1/w3
-    projections) is fused too: where the pass rewrites, add(mm(A_1, B_1), mm(A_2, B_2), ..) becomes
-    one mm(cat(A_i), cat(B_i)), the same products summed in a different order (not bitwise equal
-    to the adds). Off: those reduce-scatters stay unfused."""
+    merge_matmul_sums: bool = False
+    """Fuse the reduce-scatters of a sum of matmuls too (the backward's input gradients of the q/k/v and
+    w1/w3 projections): where the pass rewrites, add(mm(A_1, B_1), mm(A_2, B_2), ..) becomes one
+    mm(cat(A_i), cat(B_i)), the same products summed in a different order (not bitwise equal to the
+    adds), at the cost of copying the operands into the concatenations each step. Off: those
+    reduce-scatters stay unfused."""
 
 
 PASS = GraphPass(
