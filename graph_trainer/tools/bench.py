@@ -109,9 +109,9 @@ def _median(values) -> float | None:
 
 def variant_results(names: list[str], runs: list[Run]) -> list[dict]:
     """Per variant: statistics over its successful runs, their median predicted peak (GiB) and compile
-    time (s), the seconds from launch to step 2 of its first run (``step2_first_s``: the call's caches
-    hold nothing of this variant yet) and the median of its later runs (``step2_later_s``: Inductor's and
-    the graph cache warm), the tps ratio and verdict against the first."""
+    time (s), the seconds from launch to step 2 of its first run (``step2_first_s``: cold when the
+    machine's Inductor and graph caches hold nothing of it yet) and the median of its later runs
+    (``step2_later_s``: those caches warm), the tps ratio and verdict against the first."""
     out, stats = [], []
     for name in names:
         ok = [r for r in runs if r.side == name and r.status == "ok"]
