@@ -6,9 +6,9 @@ a table of variants; ``"kind": "tier"``: a table of test claims). The page is th
 ``docs/results/template.md`` with its one ``{{records}}`` line replaced by one section per
 group. A bench group is a (workload, device): its latest record (by date, UTC ``time`` where
 recorded, then file name); older
-records stay in docs/results/ and are only counted. A tier group is a (model, device): each claim's
-latest result over the group's records (tier calls often run a subset, ``TIER_K``), with the call
-it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the
+records stay in docs/results/ and are only counted. A tier group is a model: each claim's latest
+result over the group's records on any device (tier calls often run a subset, ``TIER_K``), with the
+call and, when they differ, the device it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the
 output holds no timestamp, so regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
@@ -160,24 +160,27 @@ def load_records(results: Path) -> list[tuple[Path, dict]]:
 
 
 def group_key(record: dict) -> tuple[str, str, str]:
-    """The group a record belongs to: ``(kind, workload, device)``; a tier record's workload is its
-    ``model`` (else its workload)."""
-    what = record.get("model") or record["workload"] if record["kind"] == "tier" else record["workload"]
-    return record["kind"], what, record["device"]
+    """The group a record belongs to: ``(kind, workload, device)``; a tier record's is
+    ``(kind, model (else its workload), "")``: a numerics claim's latest result counts on any device."""
+    if record["kind"] == "tier":
+        return record["kind"], record.get("model") or record["workload"], ""
+    return record["kind"], record["workload"], record["device"]
 
 
 def merge_tier(members: list[dict]) -> dict:
     """One tier record of a group's ``members`` (oldest first): the latest's fields, each claim's
-    latest result with its call's ``git_sha`` (``call``), every contributing call's command and note."""
+    latest result with its call's ``git_sha`` (``call``, plus the device when the calls ran on several),
+    every contributing call's command and note."""
     latest: dict[str, tuple[int, dict]] = {}  # claim -> (index of its record in members, the claim)
     for i, record in enumerate(members):
         for c in record["claims"]:
-            latest[c["claim"]] = (i, {**c, "call": record["git_sha"][:8]})
+            latest[c["claim"]] = (i, {**c, "call": record["git_sha"][:8], "device": record["device"]})
     used = [members[i] for i in sorted({i for i, _ in latest.values()})]
     if len(used) == 1:
         return used[0]
-    model = members[-1].get("model")
+    model, devices = members[-1].get("model"), {r["device"] for r in used}
     return {**members[-1], "title": f"GPU tier, {model}" if model else members[-1]["title"],
+            "device": members[-1]["device"] if len(devices) == 1 else f"{len(devices)} devices", "devices": len(devices),
             "claims": [latest[k][1] for k in sorted(latest)], "calls": len(used),
             "command": "\n".join(dict.fromkeys(r["command"] for r in used)),
             "note": " ".join(dict.fromkeys(f"`{r['git_sha'][:8]}`: {r['note']}" for r in used if r.get("note")))
@@ -287,9 +290,9 @@ def profile_table(record: dict) -> list[str]:
         return []
     ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
     colls = any(r.get("collectives") for _, r in ranks)
-    header = ["variant", "rank", "wall", "compute", "exposed comm", "idle"] + ["most exposed collectives (ms)"] * colls
-    lines = [f"Step {prof.get('step', MISSING)} profiled, ms (exposed: communication while no compute kernel runs):",
-             "", row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
+    header = [f"step {prof.get('step', MISSING)} profiled, ms", "rank", "wall", "compute", "exposed comm", "idle"] \
+        + ["most exposed collectives (ms)"] * colls
+    lines = [row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
     for name, r in ranks:
         times = (fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"))
         cells = [name, r["rank"], *times]
@@ -307,7 +310,7 @@ def tier_table(record: dict) -> list[str]:
     header = ["claim", "what", "result"] + (["call"] if calls else []) + (["detail"] if detail else [])
     lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
     for c in claims:
-        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([f"`{c['call']}`"] if calls else []) \
+        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([f"`{c['call']}`" + (f", {c['device']}" if record.get("devices", 1) > 1 else "")] if calls else []) \
             + ([c.get("detail") or MISSING] if detail else [])
         lines.append(row(cells))
     return lines

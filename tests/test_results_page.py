@@ -180,6 +180,23 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     assert "c_superseded" not in page["GPU tier, llama3_1b — " + H100]
 
 
+def test_tier_claims_merge_across_devices_naming_each(repo, capsys):
+    """A claim's latest result counts on any device; each row then names its call's device."""
+    for name, time, device, result in (("h100", "21:00", H100, "FAILED"), ("h200", "22:00", H200, "PASSED")):
+        record = {**tier("2026-11-27"), "model": "llama3_1b", "workload": name, "time": time, "device": device,
+                  "git_sha": name * 2, "note": None}
+        record["claims"] = [{"claim": "tp2-full", "what": "w", "result": result}] + \
+            [{"claim": f"only-{name}", "what": "w", "result": "PASSED"}]
+        put(repo, f"2026-11-27_{name}.json", record)
+    assert generate(capsys)[0] == 0
+    page = sections((repo / "docs" / "perf.md").read_text())
+    assert list(page) == ["GPU tier, llama3_1b — 2 devices"]
+    _, rows = table(page["GPU tier, llama3_1b — 2 devices"])
+    assert rows == {"`only-h100`": ["w", "PASSED", f"`h100h100`, {H100}"],
+                    "`only-h200`": ["w", "PASSED", f"`h200h200`, {H200}"],
+                    "`tp2-full`": ["w", "PASSED", f"`h200h200`, {H200}"]}
+
+
 def test_edge_cases_accepted(repo, capsys):
     """No records; a tier record without details (three columns); a template of 60 lines."""
     assert generate(capsys)[0] == 0
@@ -316,7 +333,7 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
     put(repo, "r.json", bench("2026-11-27", profile=prof))
     assert generate(capsys)[0] == 0
     page = (repo / "docs" / "perf.md").read_text()
-    assert "\nStep 10 profiled, ms (exposed: communication while no compute kernel runs):\n" in page
+    assert "\n| step 10 profiled, ms | rank | wall | compute | exposed comm | idle |" in page
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 | – |\n" in page
     assert "\n| plain | 0 | 503.8 | 391.7 | 98.3 | 13.8 | ReduceScatter f32 40.0, AllGather 30.0 |\n" in page
     assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 | – |\n" in page
