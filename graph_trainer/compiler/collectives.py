@@ -1,6 +1,4 @@
-"""Collectives and their waits: which nodes communicate (``symm_mem``'s fused ops of ``async_tp`` included), their
-kind and group, the keep-alive :func:`hold` and the chain from an FSDP parameter to its all-gather.
-"""
+"""Collectives and their waits: which nodes communicate, their kind and group, the keep-alive :func:`hold`."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
 _FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
+_WAITS = (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -38,11 +37,7 @@ def collective_kind(node: torch.fx.Node) -> str | None:
 
 def is_wait(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a functional collective's ``wait_tensor`` (input: the issue node)."""
-    return (
-        node.op == "call_function"
-        and op_namespace(node.target) == "_c10d_functional"
-        and op_name(node.target) == "wait_tensor"
-    )
+    return node.op == "call_function" and node.target in _WAITS
 
 
 def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
@@ -52,9 +47,7 @@ def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def on_cpu(issue: torch.fx.Node) -> bool:
-    """Whether the collective ``issue`` communicates a CPU tensor (gloo): its first argument's fake value is on CPU.
-    The passes that move waits leave such a collective's wait where it is unless told otherwise (``cpu_async``:
-    overlap_collectives' module docstring says why)."""
+    """Whether the collective ``issue`` communicates a CPU tensor (gloo): its first argument's fake value is on CPU."""
     val = tensor_val(issue.args[0]) if issue.args else None
     return val is not None and val.device.type == "cpu"
 
@@ -72,8 +65,7 @@ def hold(x, *keep_alive):
 
 
 def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
-    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first argument (before
-    a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
+    """Replace every :func:`hold` node (holding a node of ``of``, if given) by its first argument; returns how many."""
     holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
              and (of is None or node.args[0] in of)]
     for node in holds:
