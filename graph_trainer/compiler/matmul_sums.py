@@ -26,7 +26,7 @@ from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call
 
 aten = torch.ops.aten
 
-_MM = frozenset({aten.mm.default})
+MM_OPS = frozenset({aten.mm.default})
 
 
 @dataclass
@@ -51,9 +51,9 @@ class MatmulSum:
 def matmul_of(x: torch.fx.Node) -> Matmul | None:
     """``x`` as a matmul: ``mm(A, B)`` (2-D), or ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])``
     whose ``mm`` only the outer view reads (``M = prod(A.shape[:-1])``); else None."""
-    if is_call(x, _MM):
+    if is_call(x, MM_OPS):
         return Matmul(x, x.args[0], x.args[1])
-    if not is_call(x, RESHAPE_OPS) or not is_call(x.args[0], _MM) or len(x.args[0].users) != 1:
+    if not is_call(x, RESHAPE_OPS) or not is_call(x.args[0], MM_OPS) or len(x.args[0].users) != 1:
         return None
     mm, pre = x.args[0], x.args[0].args[0]
     a_shape = shape_of(pre.args[0]) if is_call(pre, RESHAPE_OPS) else None
