@@ -1,10 +1,5 @@
-"""The pass registry: what every graph pass declares, and the one place that reads it.
-
-A pass is a module of :mod:`graph_trainer.compiler.passes` with its function
-``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the default order is
-:data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``), preflight, the pipeline builder, the
-dry run and the report ask this module and name no pass. Adding a pass: ``docs/passes.md``.
-"""
+"""The pass registry: what every graph pass declares (a module of :mod:`graph_trainer.compiler.passes` with its
+function ``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS``), and the one place that reads it."""
 
 from __future__ import annotations
 
@@ -21,11 +16,9 @@ INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
 
 @dataclass
 class PassContext:
-    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the
-    ``[compile]`` section, the model's ``BlockLayout`` (None in unit tests), the memory policy's
-    ``Levers`` (None: the leanest), ``--debug.deterministic``, whether the model uses
-    FlexAttention, the TP group's ``group_name`` (None: not known / no TP) and the type of the
-    device the step runs on (``"cuda"``, ``"cpu"``; None: not known, as in the config check)."""
+    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the ``[compile]`` section,
+    the model's ``BlockLayout``, the memory policy's ``Levers`` (None: the leanest), ``--debug.deterministic``,
+    FlexAttention use, the TP group's ``group_name`` and the step's device type (None: not known)."""
 
     compile_cfg: Any
     layout: Any = None
@@ -46,8 +39,7 @@ class GraphPass:
         options: a dataclass of the pass's options (``[compile.<section>]`` /
             ``--compile.<section>.<field>``) or None; its ``check()``, if any, raises ``ValueError``.
         section: the ``[compile.<section>]`` name; default: the module name.
-        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass
-            (``--compile.passes`` / ``disable_passes`` add and remove on top).
+        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass.
         kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default: the options' fields).
         changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
         compiles: the pass compiles the graph (the dry run and memory trials skip it).
@@ -73,11 +65,8 @@ class GraphPass:
 
 @functools.cache
 def registry() -> dict[str, GraphPass]:
-    """Canonical name -> :class:`GraphPass` (each module's ``PASS``) in the order of ``passes.ORDER``.
-
-    Raises:
-        TypeError: a module of the order without a ``PASS``, or two passes with one name.
-    """
+    """Canonical name -> :class:`GraphPass` in the order of ``passes.ORDER``. Raises ``TypeError`` for a module
+    without a ``PASS`` or two passes with one name."""
     from graph_trainer.compiler.passes import ORDER
 
     out: dict[str, GraphPass] = {}
@@ -94,8 +83,7 @@ def registry() -> dict[str, GraphPass]:
 
 
 def option_sections() -> list[tuple[str, type]]:
-    """``[(section, options dataclass)]`` of the passes with options, in pass order (the
-    fields the config adds to ``[compile]``)."""
+    """``[(section, options dataclass)]`` of the passes with options, in pass order."""
     return [(p.section, p.options) for p in registry().values() if p.options is not None]
 
 
@@ -107,11 +95,8 @@ def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
 
 
 def canonical_name(name: str) -> str:
-    """Canonical name for ``name`` (the name, ``<name>_pass``, the module name or an alias).
-
-    Raises:
-        ValueError: unknown name (the message lists the valid ones).
-    """
+    """Canonical name for ``name`` (the name, ``<name>_pass``, the module name or an alias); ``ValueError`` for an
+    unknown name (the message lists the valid ones)."""
     key = name.strip()
     for spec in registry().values():
         if key in (spec.name, f"{spec.name}_pass", *spec.aliases):
@@ -121,11 +106,7 @@ def canonical_name(name: str) -> str:
 
 def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
     """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list (each a
-    comma-separated string or a list of names).
-
-    Raises:
-        ValueError: an unknown name (the message lists the valid ones).
-    """
+    comma-separated string or a list of names); ``ValueError`` for an unknown name."""
     return tuple({canonical_name(n) for n in (v.split(",") if isinstance(v, str) else v or ()) if n.strip()}
                  for v in (compile_cfg.passes, compile_cfg.disable_passes))  # type: ignore[return-value]
 
@@ -149,23 +130,17 @@ def resolve(ctx: PassContext) -> list[str]:
     if changing and not cfg.numerics_changing_optim:
         raise ValueError(f"{', '.join(changing)} changes numerics: add --compile.numerics_changing_optim to enable it")
     for n in names:
-        missing = [r for r in reg[n].requires if r not in names[names.index(n):]]
-        if missing:
+        if missing := [r for r in reg[n].requires if r not in names[names.index(n):]]:
             raise ValueError(f"{n} only has an effect when {', '.join(missing)} runs after it, but the passes are "
                              f"{names} (--compile.inductor_compilation {cfg.inductor_compilation}); "
                              f"change the compilation or disable {n}")
-        clash = [x for x in reg[n].excludes if x in names]
-        if clash:
+        if clash := [x for x in reg[n].excludes if x in names]:
             raise ValueError(f"{n} and {', '.join(clash)} cannot run together")
     return names
 
 
 def check_options(compile_cfg: Any) -> None:
-    """Call ``check()`` on every options section of ``compile_cfg`` that has one.
-
-    Raises:
-        ValueError: what a ``check()`` raises (it names the flag).
-    """
+    """Call ``check()`` on every options section of ``compile_cfg`` that has one (its ``ValueError`` propagates)."""
     for spec in registry().values():
         options = options_of(spec, compile_cfg)
         if options is not None and hasattr(options, "check"):
@@ -185,12 +160,8 @@ class PipelineStep:
 
 
 def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
-    """The :class:`PipelineStep` of pass ``name`` (any spelling) with the arguments its options and
-    ``ctx`` give (no ``ctx``: the function's defaults).
-
-    Raises:
-        ValueError: unknown name.
-    """
+    """The :class:`PipelineStep` of pass ``name`` (any spelling) with the arguments its options and ``ctx`` give
+    (no ``ctx``: the function's defaults); ``ValueError`` for an unknown name."""
     spec = registry()[canonical_name(name)]
     if ctx is None:
         return PipelineStep(spec.name, spec.fn)
