@@ -144,7 +144,7 @@ def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> in
 
 
 def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
-    """``(bytes, how it was found)``: a CUDA device's total memory less :data:`HEADROOM`, else :data:`CPU_BUDGET_GIB`."""
+    """``(bytes, how it was found)``: a CUDA device's memory less :data:`HEADROOM`, else :data:`CPU_BUDGET_GIB`."""
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * (1 - HEADROOM)), f"{total / GiB:.1f} GiB on {device} less {HEADROOM:.0%}"

@@ -35,10 +35,10 @@ _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 @torch.library.custom_op("graph_trainer::unbucket_all_gather", mutates_args=())
 def unbucket_all_gather(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
-    """Copy each member out of a bucketed all-gather result ``gathered`` (``[world * sum(sizes)]``, rank-major; ``world``
-    ranks, ``sizes``: elements per rank of each member) into a new ``[world * sizes[i]]`` rank-major tensor each, as
-    FSDP2's ``split_with_sizes_copy``. Opaque so that Inductor gives each output its own buffer and the bucket
-    buffer dies here."""
+    """Copy each member out of a bucketed all-gather result ``gathered`` (``[world * sum(sizes)]``, rank-major;
+    ``world`` ranks, ``sizes``: elements per rank of each member) into a new ``[world * sizes[i]]`` rank-major tensor
+    each, as FSDP2's ``split_with_sizes_copy``. Opaque so that Inductor gives each output its own buffer and the
+    bucket buffer dies here."""
     outs = [gathered.new_empty(world * s) for s in sizes]
     views = [o.view(world, s) for o, s in zip(outs, sizes)]
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=views)
