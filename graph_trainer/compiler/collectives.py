@@ -25,8 +25,7 @@ def is_collective(node: torch.fx.Node) -> bool:
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
-    """The op name of a functional collective's issue node (``"all_gather_into_tensor"``, ``"all_reduce"``
-    ...) or of a fused ``symm_mem`` collective-matmul (no wait); None for waits and other nodes."""
+    """The op name of a collective's issue node (``"all_reduce"`` ...) or fused ``symm_mem`` op; else None."""
     if not is_collective(node):
         return None
     namespace, name = op_namespace(node.target), op_name(node.target)
@@ -59,8 +58,7 @@ def group_name_of(node: torch.fx.Node) -> str | None:
 
 
 def hold(x, *keep_alive):
-    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call.
-    ``overlap_collectives`` inserts it after moved waits; passes test ``node.target is hold``."""
+    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call."""
     return x
 
 
@@ -77,8 +75,7 @@ def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = 
 
 
 def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The nodes (views, casts, waits) between a placeholder and ``all_gather``'s input, earliest
-    first; None when there is no such chain (an activation all-gather, not an FSDP parameter's)."""
+    """The views / casts / waits from a placeholder to ``all_gather``'s input, earliest first; None if none."""
     chain = []
     cur = all_gather.args[0] if all_gather.args else None
     while (
@@ -94,8 +91,7 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 def read_through(node: torch.fx.Node, views: Container,
                  where: Callable[[torch.fx.Node], bool] | None = None) -> list[torch.fx.Node]:
-    """``node`` and every node its result is reached through before a real reader: the users,
-    transitively, that are a wait, a :func:`hold` or an op in ``views`` (and pass ``where``); in discovery order."""
+    """``node`` and its users, transitively, that are a wait, a :func:`hold` or in ``views`` (and pass ``where``)."""
     out, stack = [node], [node]
     while stack:
         for u in stack.pop().users:

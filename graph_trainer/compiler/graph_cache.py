@@ -124,8 +124,7 @@ def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
-    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a warning when it cannot
-    be pickled or written."""
+    """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     swapped = _own_targets_by_name(gm)
@@ -160,8 +159,7 @@ def compiled_path(path: Path) -> Path:
 
 @contextlib.contextmanager
 def recording():
-    """Run the remaining steps under this for :func:`save_compiled`: records Inductor's and AOTAutograd's cache
-    artifacts from an empty record."""
+    """Run the remaining steps under this to record their cache artifacts for :func:`save_compiled`."""
     from torch.compiler._cache import CacheArtifactManager
 
     with CacheArtifactManager.with_fresh_cache():

@@ -47,8 +47,7 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 
 
 def storages(val: Any) -> list[tuple[Any, int]]:
-    """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
-    views share their base's key; tensor subclasses without a storage are skipped."""
+    """``(storage key, bytes)`` of every tensor in the pytree ``val`` (views share their base's key)."""
     out = []
     for t in pytree.tree_leaves(val):
         if isinstance(t, torch.Tensor):
@@ -130,8 +129,7 @@ def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None)
 
 
 def fake_inputs_for(gm: torch.fx.GraphModule, example_inputs: Any = None) -> list[Any]:
-    """The placeholders' ``meta["val"]`` if all have one, else the leaves of ``example_inputs``; raises
-    ``ValueError`` when neither exists."""
+    """The placeholders' fake values, else the leaves of ``example_inputs``; else ``ValueError``."""
     vals = placeholder_vals(gm)
     if vals and all(v is not None for v in vals):
         return vals

@@ -137,8 +137,7 @@ def _new(graph, fake_mode, op, args, like, key_from=None) -> torch.fx.Node:
 
 def call_like(graph: torch.fx.Graph, target, args, like: torch.fx.Node, val: Any = None, key_from=None,
               kwargs=None) -> torch.fx.Node:
-    """A new node ``target(*args, **kwargs)`` with ``like``'s custom and trace metadata, fake value ``val`` and
-    ``key_from``'s numerics key."""
+    """A new node ``target(*args, **kwargs)`` with ``like``'s metadata, ``val`` and ``key_from``'s numerics key."""
     new = graph.call_function(target, args, kwargs or {})
     new.meta["custom"] = dict(custom_meta(like))
     new.meta.update({k: like.meta[k] for k in ("stack_trace", "seq_nr") if k in like.meta})

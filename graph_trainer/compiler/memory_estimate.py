@@ -31,8 +31,7 @@ def _fusable(node: torch.fx.Node, consumer: bool) -> bool:
 
 
 def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Nodes whose output whole-graph Inductor does not write to memory (an approximation): a pointwise op (or a
-    cast) whose users are all pointwise ops or reductions."""
+    """Pointwise ops (or casts) read only by pointwise ops or reductions: whole-graph Inductor inlines them."""
     out = set(gm.graph.find_nodes(op="output"))
     returned = {n for o in out for n in o.all_input_nodes}
     return {n for n in gm.graph.nodes if _fusable(n, False) and n not in returned and n.users
@@ -40,8 +39,7 @@ def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple[int, str | None]:
-    """``(peak bytes, name of the node at the peak)`` of ``gm``'s live intermediate storages (module docstring).
-    ``fused``: leave out the outputs :func:`inlined_by_inductor` names."""
+    """``(peak bytes, node at the peak)`` (module docstring); ``fused``: without :func:`inlined_by_inductor`."""
     nodes = list(gm.graph.nodes)
     skip = inlined_by_inductor(gm) if fused else set()
     pos = {n: i for i, n in enumerate(nodes)}

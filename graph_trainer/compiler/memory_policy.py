@@ -3,14 +3,10 @@
 no flag names it). None changes numerics.
 
 Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to the fattest in the
-order of the levers' gain per GiB: matmul outputs, then kept blocks one by one; then ``all_but_cheap``, again with
-kept blocks one by one; under full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The
-highest rung whose predicted peak fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs
-come before the ladder; they go only when even the leanest rung would not fit with them.
-
-Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak`` (+
-:data:`CUDAGRAPH_GIB` with CUDA graphs): ``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak``
-the static estimate (:mod:`~graph_trainer.compiler.memory_estimate`), ``scale`` from :data:`CALIBRATION`.
+order of the levers' gain per GiB: ``matmuls`` with kept blocks one by one, then ``all_but_cheap`` likewise, under
+full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak
+(:func:`predict_peak`) fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs come first and
+go only when even the leanest rung would not fit with them.
 """
 
 from __future__ import annotations
@@ -131,14 +127,12 @@ class MemoryPolicy:
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
-    """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (:func:`state_bytes`), the
-    static ``graph_peak_bytes``, ``inductor`` (``--compile.inductor_compilation``), ``save`` and ``cudagraph``."""
+    """Predicted peak reserved bytes per rank (module docstring; ``state_bytes``: :func:`state_bytes`)."""
     return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
-    """Bytes per rank of the fp32 parameter shards (DTensors: their local shard) and ``optimizer_states`` fp32
-    tensors of the same size each (AdamW: 2)."""
+    """Bytes per rank of the fp32 parameter shards (DTensor: local) and ``optimizer_states`` tensors of that size."""
     total = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params)
     return total * (1 + optimizer_states)
 

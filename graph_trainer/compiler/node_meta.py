@@ -92,8 +92,7 @@ def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
 
 def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], region: str,
                      candidate_configs: list[dict[str, Any]] | None = None) -> None:
-    """Tag ``node`` for regional_inductor as part of region ``region``, keeping its other ``custom`` entries.
-    Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""
+    """Tag ``node`` for region ``region`` of regional_inductor (``candidate_configs``: also timed)."""
     tag: dict[str, Any] = {"inductor_configs": dict(inductor_configs), "inductor_region": region}
     if candidate_configs:
         tag["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
@@ -120,8 +119,7 @@ def has_recompute_tags(graph: torch.fx.Graph) -> bool:
 
 
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:
-    """Delete selective AC's ``meta["recompute"]`` / ``["ac_graph_id"]`` (else ``compile_fx`` recomputes a second
-    time); returns how many nodes had a tag."""
+    """Delete selective AC's recompute tags (else ``compile_fx`` recomputes again); returns how many."""
     n = 0
     for node in graph.nodes:
         n += node.meta.pop("recompute", None) is not None
@@ -130,8 +128,7 @@ def strip_recompute_tags(graph: torch.fx.Graph) -> int:
 
 
 def json_object(value: Any, flag: str) -> dict[str, Any]:
-    """``value`` (a JSON object as text, a dict, or empty) as a dict; ``{}`` when empty. Raises ``ValueError``
-    (naming ``flag``) when it is not a JSON object."""
+    """``value`` (JSON object text, a dict, or empty) as a dict; ``ValueError`` naming ``flag`` otherwise."""
     if isinstance(value, dict):
         return dict(value)
     if not value or not str(value).strip():

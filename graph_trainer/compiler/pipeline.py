@@ -59,8 +59,7 @@ def build_pipeline(
 
 
 def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
-    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm`` (one all-gather per
-    parameter, in the model's order); 0 without them or ``layout``."""
+    """Mean bytes per rank of one block's FSDP all-gather outputs in ``gm``; 0 without them or ``layout``."""
     if layout is None or layout.n_blocks == 0:
         return 0
     sizes = [

@@ -31,42 +31,27 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass's declaration (the module-level ``PASS`` of its file).
+    """One pass's declaration (the module-level ``PASS`` of its file). ``options``: a dataclass of the pass's
+    ``[compile.<section>]`` options (its ``check()``, if any, raises ``ValueError``); ``kwargs(options, ctx)``: the
+    function's keyword arguments (default: the options' fields)."""
 
-    Attributes:
-        name: the canonical name (``--compile.passes`` / ``disable_passes``, logs, dumps).
-        fn: ``fn(gm, example_inputs, **kwargs) -> gm``.
-        options: a dataclass of the pass's options (``[compile.<section>]`` /
-            ``--compile.<section>.<field>``) or None; its ``check()``, if any, raises ``ValueError``.
-        section: the ``[compile.<section>]`` name; default: the module name.
-        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass.
-        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default: the options' fields).
-        changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
-        compiles: the pass compiles the graph (the dry run and memory trials skip it).
-        in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
-        requires: passes that must run after it for it to have an effect.
-        excludes: passes that cannot run together with it.
-        aliases: other accepted spellings (the module name is always accepted).
-    """
-
-    name: str
-    fn: Callable[..., Any]
+    name: str  # canonical: --compile.passes / disable_passes, logs, dumps
+    fn: Callable[..., Any]  # fn(gm, example_inputs, **kwargs) -> gm
     options: type | None = None
-    section: str | None = None
-    enabled: Callable[[PassContext], bool] = lambda ctx: False
+    section: str | None = None  # default: the module name
+    enabled: Callable[[PassContext], bool] = lambda ctx: False  # the default pipeline runs it
     kwargs: Callable[[Any, PassContext], dict[str, Any]] | None = None
-    changes_numerics: bool = False
-    compiles: bool = False
-    in_memory_trial: bool = False
-    requires: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    aliases: tuple[str, ...] = ()
+    changes_numerics: bool = False  # needs --compile.numerics_changing_optim
+    compiles: bool = False  # the dry run and the memory trials skip it
+    in_memory_trial: bool = False  # the memory policy runs it to estimate a candidate's peak
+    requires: tuple[str, ...] = ()  # passes that must run after it for it to have an effect
+    excludes: tuple[str, ...] = ()  # passes that cannot run together with it
+    aliases: tuple[str, ...] = ()  # other accepted spellings (and always the module name)
 
 
 @functools.cache
 def registry() -> dict[str, GraphPass]:
-    """Canonical name -> :class:`GraphPass` in the order of ``passes.ORDER``. Raises ``TypeError`` for a module
-    without a ``PASS`` or two passes with one name."""
+    """Canonical name -> :class:`GraphPass` in ``passes.ORDER``; ``TypeError`` for a missing or doubled ``PASS``."""
     from graph_trainer.compiler.passes import ORDER
 
     out: dict[str, GraphPass] = {}
@@ -76,9 +61,8 @@ def registry() -> dict[str, GraphPass]:
             raise TypeError(f"graph_trainer/compiler/passes/{module}.py defines no PASS = GraphPass(...)")
         if spec.name in out:
             raise TypeError(f"two passes are named {spec.name!r}")
-        if spec.section is None:
-            spec = dataclasses.replace(spec, section=module)
-        out[spec.name] = dataclasses.replace(spec, aliases=tuple(dict.fromkeys((module, *spec.aliases))))
+        out[spec.name] = dataclasses.replace(spec, section=spec.section or module,
+                                             aliases=tuple(dict.fromkeys((module, *spec.aliases))))
     return out
 
 
@@ -89,14 +73,11 @@ def option_sections() -> list[tuple[str, type]]:
 
 def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
     """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a pass without options."""
-    if spec.options is None:
-        return None
-    return getattr(compile_cfg, spec.section, None) or spec.options()
+    return None if spec.options is None else getattr(compile_cfg, spec.section, None) or spec.options()
 
 
 def canonical_name(name: str) -> str:
-    """Canonical name for ``name`` (the name, ``<name>_pass``, the module name or an alias); ``ValueError`` for an
-    unknown name (the message lists the valid ones)."""
+    """Canonical name for ``name`` (or ``<name>_pass``, the module name, an alias); else ``ValueError``."""
     key = name.strip()
     for spec in registry().values():
         if key in (spec.name, f"{spec.name}_pass", *spec.aliases):
@@ -112,13 +93,10 @@ def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
 
 
 def resolve(ctx: PassContext) -> list[str]:
-    """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``,
-    plus ``--compile.passes``, less ``--compile.disable_passes``.
-
-    Raises:
-        ValueError: unknown names or ``inductor_compilation``; a numerics-changing pass without
-            ``numerics_changing_optim``; a pass without one it requires or with one it excludes.
-    """
+    """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``, plus
+    ``--compile.passes``, less ``--compile.disable_passes``. Raises ``ValueError`` for unknown names or
+    ``inductor_compilation``, a numerics-changing pass without ``numerics_changing_optim``, and a pass without one it
+    requires or with one it excludes."""
     cfg = ctx.compile_cfg
     if cfg.inductor_compilation not in INDUCTOR_COMPILATION_MODES:
         raise ValueError(f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; "

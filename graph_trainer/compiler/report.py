@@ -32,8 +32,7 @@ REGION_SUBMOD_PREFIX = "__marked_inductor_submod"
 
 
 def is_region_call(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls a scooped ``__marked_inductor_submod*`` module or the compiled Inductor callable that
-    replaced it."""
+    """Whether ``node`` calls a scooped Inductor region module or the compiled callable that replaced it."""
     if node.op == "call_module":
         return str(node.target).startswith(REGION_SUBMOD_PREFIX)
     if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -214,8 +213,7 @@ def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
 
 
 def readable_graph(gm: Any) -> str:
-    """``gm.print_readable`` with every node's full ``meta["custom"]`` as a comment. Never raises: a module that
-    does not print gives its ``code`` or ``repr`` with the reason."""
+    """``gm.print_readable`` with every node's full ``meta["custom"]``; never raises (gives the reason)."""
     if not isinstance(gm, torch.fx.GraphModule):
         return f"# not an FX GraphModule: {type(gm).__qualname__}\n# {gm!r}\n"
     try:

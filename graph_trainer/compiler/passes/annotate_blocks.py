@@ -28,8 +28,7 @@ BLOCKS_PREFIX = "layers"
 
 
 def block_of(node: torch.fx.Node) -> str | None:
-    """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for one of another module, None
-    for a node without a module FQN."""
+    """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for another module, None without a module FQN."""
     fqn = module_fqn_of(node)
     if fqn is None:
         return None

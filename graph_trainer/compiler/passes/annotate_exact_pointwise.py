@@ -83,8 +83,7 @@ def _plain_cast(node: torch.fx.Node) -> bool:
 
 
 def is_lone_cast(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an untagged ``_to_copy`` (:func:`_plain_cast`) that only widens bf16 / fp16 to fp32 on a
-    CUDA device, with an output of at least :data:`LONE_CAST_BYTES`."""
+    """Whether ``node`` is a :func:`_plain_cast` from bf16 / fp16 to fp32 of at least :data:`LONE_CAST_BYTES`."""
     if not _plain_cast(node):
         return False
     src, out = node.args[0].meta["val"], node.meta["val"]

@@ -18,8 +18,7 @@ from graph_trainer.compiler.registry import GraphPass
 
 def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
                                                        example_inputs=None) -> torch.fx.GraphModule:
-    """Tag every FlexAttention call with its getitems and sub-graph get_attrs, one region per
-    call. Stats: ``forward``, ``backward``, ``regions``."""
+    """Tag every FlexAttention call as its own region. Stats: ``forward``, ``backward``, ``regions``."""
     hop = torch.ops.higher_order
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function"

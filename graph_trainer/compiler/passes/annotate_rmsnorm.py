@@ -40,8 +40,7 @@ DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
 ]
 
 def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A dict copy of ``inductor_configs`` (None: ``{}``); raises ``ValueError`` naming each key not in
-    ``torch._inductor.config`` and the closest valid keys."""
+    """A dict copy of ``inductor_configs``; ``ValueError`` naming unknown Inductor config keys and close ones."""
     import torch._inductor.config as inductor_config
 
     valid = set(inductor_config.get_config_copy())

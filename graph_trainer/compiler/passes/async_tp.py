@@ -1,18 +1,15 @@
 """Async TP: fuse TP's all-gather -> matmul and matmul -> reduce-scatter pairs into torch's
 micro-pipelined symmetric-memory ops, on the TP process group only.
 
-* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A`` on dim ``d``
-  (``split`` / ``slice`` s -> ``cat``, or one ``view``), then no-op ops; SAC's copies of the layout read the fused
-  op's ``A``. Every same-phase ``aten.mm`` reading ``A`` as left operand (directly or through ``view(A, [M, K])``)
-  joins one ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` (chunks in rank order) of one ``mm``
-  (or ``view(mm(view(A)))``) nothing else reads, also through ``remove_noop_views``' view (:func:`_chunks_view`);
-  or of a sum of such matmuls merged first into one (:mod:`graph_trainer.compiler.matmul_sums`; opt-in).
+* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A``
+  (:func:`_rebuild_layout`); every same-phase ``aten.mm`` reading ``A`` as left operand joins one
+  ``fused_all_gather_matmul``.
+* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads, or of
+  a sum of such matmuls merged first into one (:mod:`graph_trainer.compiler.matmul_sums`; opt-in).
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
-``aten.reshape`` (make_fx records ``view``), misses the one-``view`` layout and SAC's copies, fuses across phases and
-leaves no fake values. Rewrites on a fake process group (the dry run) or on CUDA with symmetric memory for the TP
-group; else skips. Numerics: the same products in ``M / g``-row chunks, not guaranteed bitwise.
+``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
+group (the dry run) or on CUDA with symmetric memory; else skips. Numerics: not guaranteed bitwise.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ class AllGatherMatch:
 
 @dataclass
 class ReduceScatterMatch:
-    """A TP reduce-scatter of a matmul's output, or of a sum of matmuls ``matmul_sum`` to merge into
-    one (:mod:`graph_trainer.compiler.matmul_sums`); ``reason``: why it stays unfused."""
+    """A TP reduce-scatter of a matmul's output or of a ``matmul_sum``; ``reason``: why it stays unfused."""
 
     rs: torch.fx.Node
     wait: torch.fx.Node | None = None
@@ -88,8 +84,7 @@ class AsyncTPPlan:
 
 
 def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, ...], g: int):
-    """``(gathered tensor, gather dim, nodes)`` when ``user`` of ``wait`` starts a layout that rebuilds the gathered
-    tensor from the rank-major buffer (with the no-op ops read only there), else None."""
+    """``(gathered tensor, gather dim, nodes)`` when ``user`` starts rebuilding the gathered tensor; else None."""
     found = None
     if user.op != "call_function":
         return None
@@ -239,8 +234,7 @@ def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | N
 
 def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int],
                           merge_sums: bool) -> ReduceScatterMatch:
-    """``rs`` as Inductor's ``find_reduce_scatter_patterns`` matched it (``found``), checked; with ``merge_sums`` a
-    sum of matmuls matches too."""
+    """``rs`` as ``find_reduce_scatter_patterns`` matched it (``found``), checked, or why it stays unfused."""
     m = ReduceScatterMatch(rs)
     if len(rs.users) != 1 or rs not in found:
         m.reason = ("reduce-scatter not followed by exactly one wait" if len(rs.users) != 1
@@ -281,8 +275,7 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
 
 def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = None,
                           merge_matmul_sums: bool = False) -> AsyncTPPlan:
-    """Every all-gather and reduce-scatter of ``gm`` on the TP group (``tp_group_name``, or inferred) with its match
-    (module docstring). Reads only."""
+    """Every all-gather and reduce-scatter on the TP group with its match (module docstring). Reads only."""
     if tp_group_name is None:  # the one group of the all-gathers of activations
         groups = sorted({str(group_name_of(n)) for n in gm.graph.nodes
                          if collective_kind(n) == "all_gather_into_tensor" and shard_chain(n) is None})
@@ -383,8 +376,7 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_nam
 
 
 def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], group_size: int) -> int:
-    """Bytes of symmetric-memory workspace the matched ops need: the largest all-gather shard or two ``1/g`` chunks of
-    a reduce-scatter's matmul output (at least 1)."""
+    """Symmetric-memory workspace bytes the matched ops need (largest shard or two chunks of a matmul output)."""
     need = [v.numel() * v.element_size() for m in ags if (v := tensor_val(m.ag.args[0])) is not None]
     need += [2 * (v.numel() // group_size) * v.element_size() for m in rss
              if (v := tensor_val(m.rs.args[0])) is not None]  # the matmul output, rearranged

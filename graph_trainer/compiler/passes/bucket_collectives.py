@@ -1,16 +1,13 @@
 """Bucket the traced FSDP collectives, after ``overlap_collectives`` placed them: one all-gather / reduce-scatter
 per ``bucket_size`` parameters instead of one per parameter (many small NCCL kernels slow the overlapped matmuls).
 
-Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP's; TP's are N-D), each with one wait
-(and its ``hold``). Runs of up to ``bucket_size`` consecutive issues of one kind, group, dtype (and reduce op) whose
-results are first read after the bucket's wait form a bucket. **All-gather**: ``cat`` -> one all-gather ->
-:func:`unbucket_all_gather` at the first member's issue, waited at the earliest member wait. **Reduce-scatter**:
-torch's ``merge_reduce_scatter_bucket`` after the last member's issue, waited at the last member wait (or later:
-``reduce_scatter_in_flight``). The same bits, except that with more than 2 ranks NCCL's summation order depends on
-an element's place in the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units.
-
-Not torch's ``bucket_all_gather`` / ``bucket_reduce_scatter``: they put each bucket's wait right behind its last
-member, un-overlapping the placed graph.
+Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP's), each with one wait (and its
+``hold``). Runs of up to ``bucket_size`` consecutive issues of one kind, group, dtype (and reduce op) whose results
+are first read after the bucket's wait form a bucket: ``cat`` -> one all-gather -> :func:`unbucket_all_gather` at the
+first member's issue, waited at the earliest member wait; torch's ``merge_reduce_scatter_bucket`` after the last
+member's issue, waited at the last member wait. The same bits, except NCCL's summation order with more than 2 ranks
+(under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units). Not torch's ``bucket_all_gather`` /
+``bucket_reduce_scatter``: they put each bucket's wait right behind its last member.
 """
 
 from __future__ import annotations
@@ -67,8 +64,7 @@ def _key(issue: torch.fx.Node):
 
 
 def _call(graph, target, args, meta_from):
-    """A new node ``target(*args)`` with ``meta_from``'s custom metadata and, where it can be computed from the
-    inputs' fake (or meta) values, its fake value."""
+    """A new node ``target(*args)`` with ``meta_from``'s custom metadata and, where computable, its fake value."""
     node = graph.call_function(target, args)
     node.meta["custom"] = dict(custom_meta(meta_from))
     a = torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
@@ -81,8 +77,7 @@ def _call(graph, target, args, meta_from):
 
 
 def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | None:
-    """``x`` and its inputs at or after position ``before`` (the shard cast chain) when they are call_functions with
-    one user besides ``hold`` s; else None."""
+    """``x`` and its inputs from position ``before`` on, each a call_function used once; else None."""
     chain, stack = [], [x]
     while stack:
         n = stack.pop()
@@ -124,8 +119,7 @@ def _bucket_all_gather(graph, members) -> None:
 
 
 def _bucket_reduce_scatter(graph, members) -> None:
-    """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``),
-    issued after the last member's issue and waited after the last member's wait."""
+    """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``)."""
     from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
 
     held = any(m[2] is not None for m in members)
@@ -292,8 +286,7 @@ def _bucket_blocks(ctx: PassContext) -> int:
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """Blocks per bucket -> ``bucket_size``; ``fsdp2_units`` with ``--debug.deterministic``; the in-flight bound.
-    Raises ``ValueError`` for buckets without the model's block layout."""
+    """``bucket_size`` from the blocks per bucket, ``fsdp2_units``, the in-flight bound; ``ValueError`` w/o layout."""
     blocks = _bucket_blocks(ctx)
     extra = {"fsdp2_units": ctx.layout} if ctx.deterministic and ctx.layout is not None else {}
     if in_flight := ctx.compile_cfg.fsdp.reduce_scatter_in_flight:

@@ -72,8 +72,7 @@ class CUDAGraphWrapper:
 
 
 def generated_forward(gm: torch.fx.GraphModule) -> Callable:
-    """``gm.forward`` as its generated code (a lazy GraphModule generates it now: its placeholder forward would
-    re-enter a wrapper installed as ``gm.forward``)."""
+    """``gm.forward`` as its generated code (a lazy GraphModule's placeholder forward would re-enter the wrapper)."""
     if isinstance(gm, _LazyGraphModule):
         gm.real_recompile()
     return gm.forward

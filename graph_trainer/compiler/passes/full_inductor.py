@@ -52,8 +52,7 @@ def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> i
 
 
 def realize_group_boundaries(graph: torch.fx.Graph) -> int:
-    """Mark every tensor node with a user in another fusion group with Inductor's ``inductor_realize_to_strides``, so
-    that no op of one group is computed inside another's kernel. Runs on the post-grad graph; returns how many."""
+    """Realize every post-grad node read in another fusion group (``inductor_realize_to_strides``); returns how many."""
     marked = 0
     for n in graph.nodes:
         if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and any(

@@ -1,15 +1,11 @@
 """Overlap the in-graph FSDP collectives with compute by moving their issues and waits.
 
-As traced, every functional collective is followed at once by its ``wait_tensor``. Changes (positions only, plus a
-:func:`~graph_trainer.compiler.collectives.hold` of the input after every wait that no longer follows its
-collective; the same values bit for bit):
-
-* a parameter all-gather is issued just before the first use of the parameter ``ag_window`` places earlier in use
-  order; its wait moves, with its slice / view chain, to its first real use;
-* every other collective is issued, with its single-use cast / view / pad chain, just after its input is produced;
-  its wait moves towards its first user, but no later than the issue of the ``max_in_flight``-th next one of its kind.
-
-A collective on CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
+As traced, every functional collective is followed at once by its ``wait_tensor``. A parameter all-gather is issued
+just before the first use of the parameter ``ag_window`` places earlier, its wait (with its views) at its first real
+use; every other collective is issued just after its input is produced, its wait moved towards its first user but no
+later than the issue of the ``max_in_flight``-th next one of its kind. Positions only, plus a
+:func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
+CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
 """
 
 from __future__ import annotations
@@ -42,8 +38,7 @@ def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
 
 
 def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
-    """Move ``issue`` and its single-use cast / view / pad input chain to just after the latest
-    node each depends on; returns whether anything moved."""
+    """Move ``issue`` and its single-use cast / view / pad chain up to its inputs; returns whether anything moved."""
     chain = [issue]
     cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
     while cur is not None and cur.op == "call_function" and len(cur.users) == 1 and cur.target in _HOISTABLE:

@@ -244,8 +244,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 
 @contextlib.contextmanager
 def _static_shape_env(fake_mode):
-    """Give a fake mode without a ``ShapeEnv`` an empty one while the regions compile (Inductor's and AOTAutograd's
-    caches bypass graphs without one); the shapes stay static."""
+    """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if fake_mode.shape_env is not None:

@@ -36,8 +36,7 @@ def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
 
 
 def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Remove unused pure nodes and unused in-place ops on dead temporaries from ``gm`` (in place)
-    and recompile. Stats: ``removed``, ``dead_mutations`` (in-place ops removed)."""
+    """Remove unused pure nodes and in-place ops on dead temporaries. Stats: ``removed``, ``dead_mutations``."""
     before = num_nodes(gm)
     dead_mutations: set[torch.fx.Node] = set()
 

@@ -141,8 +141,7 @@ def reshard_after_forward_pass(
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """``[compile.fsdp] keep_last_blocks`` (as the memory policy resolved it) in parameters; ``ValueError`` for kept
-    blocks without the model's block layout."""
+    """``keep_last_blocks`` (as the memory policy resolved it) in parameters; ``ValueError`` without a layout."""
     keep = ctx.levers.keep_last_blocks if ctx.levers is not None else 0
     if keep <= 0:
         return {}

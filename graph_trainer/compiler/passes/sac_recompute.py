@@ -1,13 +1,9 @@
 """Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Under make_fx SAC does not recompute: it saves every op and only tags the nodes (``meta["recompute"]``) for a
-partitioner the traced joint graph does not have.
-
-Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed block
-(``custom["ac_region"]``) that a backward node uses; never ops that mutate an input, random ops or collectives (but
-``cheap_only``'s activation all-gathers). Each backward use is rewired to a copy placed before the first backward
-node that needs it, in the ``backward`` phase; the copy's tagged inputs of the same block are copied the same way.
-The same bits as eager op-level SAC. The tags are then removed.
+Under make_fx SAC only tags the nodes (``meta["recompute"]``). Each backward use of a forward node tagged
+``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed block (never an op that mutates an input, a random op
+or a collective) is rewired to a copy placed before the first backward node that needs it, with the copy's tagged
+inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC.
 """
 
 from __future__ import annotations
