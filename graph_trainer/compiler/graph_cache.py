@@ -4,8 +4,7 @@ The cache stores the graph after the passes up to the first one that compiles (t
 remaining pipeline steps, the run's statistics and the passes' process setup, under a key of everything that decides
 the graph (:func:`cache_key`); a later run with the same key loads it and runs only the remaining steps. When that is
 ``full_inductor`` alone, Inductor's compiled step is stored beside the entry too (``<key>.inductor``) and called
-directly.
-"""
+directly."""
 
 from __future__ import annotations
 

@@ -146,8 +146,7 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
 
     Each is ``{"name", "phase", "kind", "form", "module_fqn", "nodes": [nodes to tag]}``; ``kind`` is
     ``"forward"``, ``"backward"`` or ``"recompute"`` (a forward norm recomputed in the backward phase); ``name`` is
-    ``rmsnorm_<kind>_<i>``, ``i`` counting each kind in graph order.
-    """
+    ``rmsnorm_<kind>_<i>``, ``i`` counting each kind in graph order."""
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
     order = positions(graph)

@@ -3,8 +3,7 @@
 A sum ``add(t_1, add(t_2, t_3))`` (any nesting) of matmuls ``t_i = post_i(mm(pre_i(A_i), B_i))`` of one shape and
 dtype (the backward's input gradients of the q/k/v and w1/w3 projections) becomes one
 ``post(mm(pre(cat([A_1, .., A_n], -1)), cat([B_1, .., B_n], 0)))``, so that TP's reduce-scatter of it pairs with one
-matmul: the same products, summed inside one matmul's reduction (not bitwise equal to the adds).
-"""
+matmul: the same products, summed inside one matmul's reduction (not bitwise equal to the adds)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Model: nodes run in graph order; every storage (views share their base's) is allocated by the first node producing
 it and freed after the last node using it, as the FX-generated code does. Graph inputs are not counted; returned
 values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
-buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers.
-"""
+buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, 
 order of the levers' gain per GiB: ``matmuls`` with kept blocks one by one, then ``all_but_cheap`` likewise, under
 full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak
 (:func:`predict_peak`) fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs come first and
-go only when even the leanest rung would not fit with them.
-"""
+go only when even the leanest rung would not fit with them."""
 
 from __future__ import annotations
 
@@ -155,8 +154,7 @@ def choose_levers(
     kept block and no buckets (called once per level); a kept block and each block of a bucket add ``block_bytes``.
     ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP
     keep / bucket stay 0; without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph.
-    Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget).
-    """
+    Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget)."""
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
     bucket = fixed.bucket_blocks if "bucket_blocks" in fixed_fields else (BUCKET_BLOCKS if has_fsdp else 0)

@@ -3,8 +3,7 @@
 An Inductor ``post_grad_custom_post_pass`` (:class:`PinCollectivesPass`) of ``full_inductor_pass(pin_collectives=
 True)``; without it Inductor's ``reorder_for_peak_memory`` issues each collective just before its wait. For each
 collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors ``A1 .. Ak`` (matmuls: extern kernels Inductor
-never fuses), Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak``.
-"""
+never fuses), Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak``."""
 
 from __future__ import annotations
 

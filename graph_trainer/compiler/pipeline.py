@@ -51,8 +51,7 @@ def build_pipeline(
     the config and the :class:`~graph_trainer.compiler.registry.PassContext` the other arguments make (``layout``:
     the model's ``BlockLayout``, needed when blocks are kept or bucketed; ``levers``: the memory policy's choice,
     None: the leanest). Raises ``ValueError`` as :func:`~graph_trainer.compiler.registry.resolve`, and for block
-    options without ``layout``.
-    """
+    options without ``layout``."""
     chosen, _ = configured_levers(compile_cfg, levers)
     ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
@@ -81,8 +80,7 @@ def plan_pipeline(
 
     ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
-    ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate.
-    """
+    ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
     names = resolve(ctx)
@@ -134,8 +132,7 @@ def run_pipeline(
     ``NN_<pass>.diff``, and ``summary.json`` (the records plus op counts) under it. With ``TORCH_TRACE`` emits
     tlparse artifacts ``graph_before_passes``, ``graph_after_<pass>``, ``graph_diff_<pass>``, ``pass_record_<pass>``,
     ``pass_table`` and ``pass_records``. ``quiet``: no log lines, no artifacts, no memory estimates. Raises
-    ``ValueError`` for an unknown pass name, and whatever a pass raises.
-    """
+    ``ValueError`` for an unknown pass name, and whatever a pass raises."""
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None

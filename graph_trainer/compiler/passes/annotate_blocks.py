@@ -4,8 +4,7 @@ like ``full_inductor``, compiled once per distinct region instead of once per bl
 Matches: every :func:`compilable` node. Its region is its block (:func:`block_of`) and phase; a node without a module
 FQN joins the run before it. Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
 "block_<block>_<phase>_<run>"}``, replacing the tags (and eager-rounding marks) of the annotation passes before it.
-Changes numerics as the whole-graph compile does.
-"""
+Changes numerics as the whole-graph compile does."""
 
 from __future__ import annotations
 

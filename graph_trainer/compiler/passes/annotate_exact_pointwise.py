@@ -11,8 +11,7 @@ Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chain
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor rounds after the
 op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula. On by
-default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``.
-"""
+default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ fast with the kernel Inductor generates).
 
 Tags each ``flex_attention`` / ``flex_attention_backward`` call, its ``getitem`` users and the ``get_attr`` nodes of
 its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
-"flex_attention_<phase>_<i>"}``, one region per call.
-"""
+"flex_attention_<phase>_<i>"}``, one region per call."""
 
 from __future__ import annotations
 

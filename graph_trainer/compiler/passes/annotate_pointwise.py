@@ -2,8 +2,7 @@
 
 Matches the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` and tags them
 ``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``. Changes numerics
-(fused bf16 chains in fp32): opt-in.
-"""
+(fused bf16 chains in fp32): opt-in."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Runs after ``annotate_rmsnorm_for_regional_inductor`` and tags into a ``rmsnorm_forward_*`` region its input when
 exactly one input is an untagged ``aten.add.Tensor`` of two tensors, and into a ``rmsnorm_backward_*`` region each
 such add reading a region node with the shape of one of the region's activation inputs (2-D or more). Changes
-numerics like the RMSNorm pass.
-"""
+numerics like the RMSNorm pass."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Eager RMSNorm is memory bound; Inductor compiles each norm (:func:`~.matching.find_rmsnorm_instances`) into one or
 two fused kernels, with slightly different numerics (reduction order). Changes: ``compile_with_inductor =
 {"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when
-tuning) on every node of a norm.
-"""
+tuning) on every node of a norm."""
 
 from __future__ import annotations
 

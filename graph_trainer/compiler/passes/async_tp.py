@@ -9,8 +9,7 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
-group (the dry run) or on CUDA with symmetric memory; else skips. Numerics: not guaranteed bitwise.
-"""
+group (the dry run) or on CUDA with symmetric memory; else skips. Numerics: not guaranteed bitwise."""
 
 from __future__ import annotations
 
@@ -424,8 +423,7 @@ def async_tp_pass(
     see :class:`AsyncTPOptions`; ``rewrite``: None: on a fake group, or on CUDA with symmetric memory (enabled
     here); True: always; False: count only. Stats: ``all_gather_fused`` / ``_left``, ``matmuls_fused``,
     ``reduce_scatter_fused`` / ``_left``, ``matmul_sums_merged``, ``restrided`` (contiguous copies), ``rewritten``.
-    Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`.
-    """
+    Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
     if fuse not in FUSE_CHOICES:
         raise ValueError(f"fuse must be one of {', '.join(FUSE_CHOICES)}; got {fuse!r}")
     plan = find_async_tp_matches(gm, tp_group_name, merge_matmul_sums)

@@ -7,8 +7,7 @@ are first read after the bucket's wait form a bucket: ``cat`` -> one all-gather 
 first member's issue, waited at the earliest member wait; torch's ``merge_reduce_scatter_bucket`` after the last
 member's issue, waited at the last member wait. The same bits, except NCCL's summation order with more than 2 ranks
 (under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units). Not torch's ``bucket_all_gather`` /
-``bucket_reduce_scatter``: they put each bucket's wait right behind its last member.
-"""
+``bucket_reduce_scatter``: they put each bucket's wait right behind its last member."""
 
 from __future__ import annotations
 
@@ -250,8 +249,7 @@ def bucket_collectives_pass(
     is waited just before the issue of the N-th next one or its first reader (0: at its last member's wait);
     ``cpu_async``: that also on CPU. Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` /
     ``_after``, ``reduce_scatter_waits_deferred``. Raises ``ValueError`` for ``bucket_size < 1`` or
-    ``reduce_scatter_in_flight < 0``.
-    """
+    ``reduce_scatter_in_flight < 0``."""
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
     if reduce_scatter_in_flight < 0:

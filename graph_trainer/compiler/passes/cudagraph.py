@@ -4,8 +4,7 @@ process on a CUDA device, no whole-graph Inductor) unless a flag names it. Numer
 ``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then replays.
 ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are used in
 place; other tensor inputs are copied into static buffers on each call. The outputs are static tensors overwritten
-by the next call; the input structure must not change.
-"""
+by the next call; the input structure must not change."""
 
 from __future__ import annotations
 

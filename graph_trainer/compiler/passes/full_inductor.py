@@ -3,8 +3,7 @@
 Removes the ``hold`` nodes and selective AC's recompute tags, moves one-element CPU tensors to the accelerator
 (:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` under the graph's fake mode, each fusion
 group fused only within itself (:func:`fusion_group_guard`). The result is called like the input; the compiled
-callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``.
-"""
+callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
     were lowered from hold the same set of groups, and the values that cross a group's boundary are realized
     (:func:`realize_group_boundaries` as ``post_grad_custom_pre_pass``, whose ``uuid`` puts the groups into the
     cache key). Yields ``(config patches, counts)``; ``counts["refused"]`` (fusions refused) and ``["realized"]``
-    are filled while compiling, 0 on a cache hit.
-    """
+    are filled while compiling, 0 on a cache hit."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.virtualized import V
 
@@ -112,8 +110,7 @@ def full_inductor_pass(
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``. ``inductor_configs``:
     ``torch._inductor.config`` overrides (unknown keys raise ``AttributeError``); ``pin_collectives``: keep each
     collective's issue / wait between the same two matmuls (:mod:`graph_trainer.compiler.pin_collectives`). Stats:
-    ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``.
-    """
+    ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
     strip_holds(gm)

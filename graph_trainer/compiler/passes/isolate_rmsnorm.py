@@ -3,8 +3,7 @@
 The ``full_inductor`` counterpart of ``annotate_rmsnorm``: the nodes of every
 :func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance form the fusion group ``rmsnorm_<kind>_<i>``,
 which ``full_inductor`` fuses only among itself. Changes numerics (the norm's output is rounded at the kernel
-boundary). Opt-in.
-"""
+boundary). Opt-in."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ just before the first use of the parameter ``ag_window`` places earlier, its wai
 use; every other collective is issued just after its input is produced, its wait moved towards its first user but no
 later than the issue of the ``max_in_flight``-th next one of its kind. Positions only, plus a
 :func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
-CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
-"""
+CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap)."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def overlap_collectives_pass(
     the traced issue points): parameter all-gathers in flight. ``cpu_async``: also leave collectives on CPU tensors
     in flight. Stats: ``windowed``, ``hoisted`` (collectives issued earlier), ``moved`` (waits moved), ``all_gather``
     / ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait, averaged). Raises ``ValueError``
-    for ``max_in_flight < 1`` or ``ag_window < 0``.
-    """
+    for ``max_in_flight < 1`` or ``ag_window < 0``."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if ag_window is not None and ag_window < 0:

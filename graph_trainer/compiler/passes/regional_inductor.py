@@ -4,8 +4,7 @@ Each region becomes a sub-GraphModule compiled by torch's regional Inductor (``s
 eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are one region,
 split only to avoid a dependency cycle, never merged across ids; nodes without an id are partitioned by torch's
 ``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
-(:func:`_dedupe_and_select_region_compiles`). The result is called like the input.
-"""
+(:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
 from __future__ import annotations
 
@@ -172,8 +171,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 
     Yields stats ``{"compiled", "reused", "selections", "compiles"}``; a selection is ``{"region", "inputs", "ms":
     [per variant], "chosen": index (0: inductor_configs), "configs"}``, a compile ``{"region", "inputs", "ops", "s":
-    wall seconds, "cache": AOTAutograd's cache "hit" / "miss" / "bypass" ("" if none counted)}``.
-    """
+    wall seconds, "cache": AOTAutograd's cache "hit" / "miss" / "bypass" ("" if none counted)}``."""
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters

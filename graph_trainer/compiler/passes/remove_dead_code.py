@@ -1,8 +1,7 @@
 """Dead code elimination for the traced training-step graph: torch.fx's ``Graph.eliminate_dead_code``, which keeps
 impure nodes (mutating, random, effectful ops), with every collective kept too so that ranks stay in lock-step.
 
-An unused in-place op on fresh temporaries nothing else reads (:func:`mutates_only_dead_temporaries`) goes too.
-"""
+An unused in-place op on fresh temporaries nothing else reads (:func:`mutates_only_dead_temporaries`) goes too."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ input's shape, strides and dtype; such a ``clone`` (not of a lazily conjugated /
 users do not mutate it. Never a graph output, nor a node in an alias group that some op mutates. Each match is
 replaced by its input. A ``cat`` that rewrites a contiguous tensor's bytes in their own order
 (:func:`identity_cat_source`) becomes ``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional
-graph.
-"""
+graph."""
 
 from __future__ import annotations
 

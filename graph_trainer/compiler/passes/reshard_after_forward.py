@@ -6,8 +6,7 @@ closure: the wait, its ``hold`` and every view / cast of the gathered value.
 
 Changes: backward-phase uses of the closure are rewired to a copy of it (the shard's cast, a second all-gather, its
 wait and the views they need), placed before the first backward use, the all-gather ``prefetch`` re-gathers earlier
-in backward order. Same bits, one more all-gather per parameter and step.
-"""
+in backward order. Same bits, one more all-gather per parameter and step."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def reshard_after_forward_pass(
 
     ``prefetch`` (>= 0): re-gathers issued that many ahead in backward order (0 on CPU unless ``cpu_async``).
     ``first_params``: only the first N FSDP parameters in forward order; None: all. Stats: ``resharded``,
-    ``fsdp_all_gathers``, ``rewired_uses``. Raises ``ValueError`` for ``prefetch < 0`` or ``first_params < 0``.
-    """
+    ``fsdp_all_gathers``, ``rewired_uses``. Raises ``ValueError`` for ``prefetch < 0`` or ``first_params < 0``."""
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if first_params is not None and first_params < 0:

@@ -3,8 +3,7 @@
 Under make_fx SAC only tags the nodes (``meta["recompute"]``). Each backward use of a forward node tagged
 ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed block (never an op that mutates an input, a random op
 or a collective) is rewired to a copy placed before the first backward node that needs it, with the copy's tagged
-inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC.
-"""
+inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC."""
 
 from __future__ import annotations
 
@@ -134,8 +133,7 @@ def sac_recompute_pass(
 
     ``save_ops``: OpOverloads kept even where tagged; ``save_all``: recompute nothing, only remove the tags;
     ``cheap_only``: recompute only :func:`cheap_to_recompute`'s values. Stats: ``recomputed`` (copies),
-    ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` / ``_after`` (:func:`_saved_bytes`).
-    """
+    ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` / ``_after`` (:func:`_saved_bytes`)."""
     graph = gm.graph
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
