@@ -183,8 +183,8 @@ def save_compiled(path: Path, gm: Any, steps: list) -> bool:
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: compiled step not saved ({type(e).__name__}: {e})")
         return False
-    logger.info(f"graph cache: saved the compiled step {compiled_path(path)} "
-                f"({compiled_path(path).stat().st_size / 2**20:.1f} MiB)")
+    out = compiled_path(path)
+    logger.info(f"graph cache: saved the compiled step {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return True
 
 

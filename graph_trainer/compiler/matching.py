@@ -142,11 +142,9 @@ def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
 def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
     """All RMSNorm instances of ``graph`` in graph order: **fused** (``aten._fused_rms_norm`` / its backward with
     their ``getitem`` s) or **decomposed** (one module's nodes of one phase computing ``rsqrt(mean(x ** 2) + eps)``
-    or of a module named ``*norm``, split where they would form a cycle). Reads only.
-
-    Each is ``{"name", "phase", "kind", "form", "module_fqn", "nodes": [nodes to tag]}``; ``kind`` is
-    ``"forward"``, ``"backward"`` or ``"recompute"`` (a forward norm recomputed in the backward phase); ``name`` is
-    ``rmsnorm_<kind>_<i>``, ``i`` counting each kind in graph order."""
+    or of a module named ``*norm``, split where they would form a cycle). Each is ``{"name", "phase", "kind",
+    "form", "module_fqn", "nodes"}``; ``kind`` is ``"forward"``, ``"backward"`` or ``"recompute"`` (a forward norm
+    recomputed in the backward phase); ``name`` is ``rmsnorm_<kind>_<i>`` counting each kind. Reads only."""
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
     order = positions(graph)

@@ -69,8 +69,7 @@ def _terms(n: torch.fx.Node, root: torch.fx.Node, adds: list, terms: list) -> st
                 return why
         adds.append(n)
         return None
-    mm = matmul_of(n)
-    if mm is None:
+    if (mm := matmul_of(n)) is None:
         return "a term is not a matmul output"
     if len(n.users) != 1 or (mm.pre is None and len(mm.mm.users) != 1):
         return "a matmul output has other users"

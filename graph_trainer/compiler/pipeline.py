@@ -47,11 +47,10 @@ def build_pipeline(
     compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
     uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
-    """The passes ``compile_cfg`` runs, in the default order, each with the arguments its declaration derives from
-    the config and the :class:`~graph_trainer.compiler.registry.PassContext` the other arguments make (``layout``:
-    the model's ``BlockLayout``, needed when blocks are kept or bucketed; ``levers``: the memory policy's choice,
-    None: the leanest). Raises ``ValueError`` as :func:`~graph_trainer.compiler.registry.resolve`, and for block
-    options without ``layout``."""
+    """The passes ``compile_cfg`` runs, in the default order, with the arguments their declarations derive from
+    it and the :class:`~.registry.PassContext` of the other arguments (``layout``: the model's ``BlockLayout``;
+    ``levers``: the memory policy's choice, None: the leanest). ``ValueError`` as :func:`~.registry.resolve`, and
+    for kept or bucketed blocks without ``layout``."""
     chosen, _ = configured_levers(compile_cfg, levers)
     ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
@@ -74,10 +73,8 @@ def plan_pipeline(
     deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
     cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
-    """``(pipeline, policy)``: :func:`build_pipeline` after the memory policy
-    (:func:`~graph_trainer.compiler.memory_policy.choose_levers`) picked the levers left on ``auto`` for the traced
-    graph ``gm``; each estimate runs the ``in_memory_trial`` passes with the candidate's levers on a copy of ``gm``.
-
+    """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
+    left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
     ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
     ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
@@ -124,14 +121,10 @@ def run_pipeline(
     gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
     dump_folder: str | None = None, quiet: bool = False, records: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
-    """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names, run with their defaults) in order and
-    return the final module. Logs one line per pass (name, wall time, nodes before -> after, summary) and appends
-    each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
-
-    ``dump_folder``: writes ``graphs/00_input.py``, per pass ``NN_<pass>.py`` (the readable graph) and
-    ``NN_<pass>.diff``, and ``summary.json`` (the records plus op counts) under it. With ``TORCH_TRACE`` emits
-    tlparse artifacts ``graph_before_passes``, ``graph_after_<pass>``, ``graph_diff_<pass>``, ``pass_record_<pass>``,
-    ``pass_table`` and ``pass_records``. ``quiet``: no log lines, no artifacts, no memory estimates. Raises
+    """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names) in order and return the final module;
+    log one line per pass and append its :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
+    ``dump_folder``: write ``graphs/`` there (the readable graph before and after each pass, diffs, ``summary.json``);
+    with ``TORCH_TRACE`` the same as tlparse artifacts. ``quiet``: no logs, artifacts or memory estimates. Raises
     ``ValueError`` for an unknown pass name, and whatever a pass raises."""
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     trace = not quiet and report.trace_enabled()

@@ -65,8 +65,7 @@ def node_kind(node: torch.fx.Node) -> str:
 
 def kind_counts(gm: Any) -> dict[str, int] | None:
     """``{kind: nodes}`` for every kind of :data:`NODE_KINDS` plus ``"total"``; None without an FX graph."""
-    graph = fx_graph(gm)
-    if graph is None:
+    if (graph := fx_graph(gm)) is None:
         return None
     counts = Counter(node_kind(n) for n in graph.nodes)
     return {**{k: counts.get(k, 0) for k in NODE_KINDS}, "total": len(graph.nodes)}
@@ -75,16 +74,13 @@ def kind_counts(gm: Any) -> dict[str, int] | None:
 def call_targets(gm: Any) -> Counter:
     """Counter of the ``target_name`` of ``gm``'s ``call_function`` nodes (empty without an FX graph)."""
     graph = fx_graph(gm)
-    if graph is None:
-        return Counter()
-    return Counter(target_name(n) for n in graph.nodes if n.op == "call_function")
+    return Counter(target_name(n) for n in graph.nodes if n.op == "call_function") if graph else Counter()
 
 
 def count_regions(gm: Any) -> int | None:
     """Number of Inductor regions of ``gm``: distinct ``inductor_region`` ids of the tagged nodes
     (those without an id count as one) plus one per region call; None without an FX graph."""
-    graph = fx_graph(gm)
-    if graph is None:
+    if (graph := fx_graph(gm)) is None:
         return None
     regions: set[Any] = set()
     for n in graph.nodes:
@@ -123,8 +119,8 @@ class GraphSnapshot:
 
 def snapshot(gm: Any, *, memory: bool = True) -> GraphSnapshot:
     """A :class:`GraphSnapshot` of ``gm``; ``memory=False`` skips the memory estimate."""
-    memory_bytes = peak_memory_bytes(gm) if memory else None
-    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), memory_bytes)
+    peak = peak_memory_bytes(gm) if memory else None
+    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), peak)
 
 
 def jsonable(obj: Any) -> Any:
@@ -168,9 +164,8 @@ def _count_cell(before: float | None, after: float | None, fmt: str = "{:g}") ->
 
 
 def _ops_cell(record: dict[str, Any], limit: int = 3) -> str:
-    changes = [(-n, f"+{n} {op}") for op, n in record.get("ops_added", {}).items()]
-    changes += [(-n, f"-{n} {op}") for op, n in record.get("ops_removed", {}).items()]
-    changes.sort()
+    changes = sorted([(-n, f"+{n} {op}") for op, n in record.get("ops_added", {}).items()]
+                     + [(-n, f"-{n} {op}") for op, n in record.get("ops_removed", {}).items()])
     cell = ", ".join(text for _, text in changes[:limit])
     return cell + (f", ... ({len(changes) - limit} more)" if len(changes) > limit else "")
 

@@ -28,8 +28,7 @@ BLOCKS_PREFIX = "layers"
 
 def block_of(node: torch.fx.Node) -> str | None:
     """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for another module, None without a module FQN."""
-    fqn = module_fqn_of(node)
-    if fqn is None:
+    if (fqn := module_fqn_of(node)) is None:
         return None
     parts = fqn.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == BLOCKS_PREFIX else "rest"

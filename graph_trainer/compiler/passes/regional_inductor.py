@@ -167,11 +167,9 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
     """Patch ``torch._inductor.standalone_compile`` while regions are compiled: memoize by :func:`region_signature`;
     compile a region with ``candidate_inductor_configs`` once per candidate too, time the variants on random inputs
     (``timer(fn, inputs) -> ms``, default :func:`time_region_ms`) and keep the fastest, a candidate only when more
-    than :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs).
-
-    Yields stats ``{"compiled", "reused", "selections", "compiles"}``; a selection is ``{"region", "inputs", "ms":
-    [per variant], "chosen": index (0: inductor_configs), "configs"}``, a compile ``{"region", "inputs", "ops", "s":
-    wall seconds, "cache": AOTAutograd's cache "hit" / "miss" / "bypass" ("" if none counted)}``."""
+    than :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs). Yields the stats
+    ``{"compiled", "reused", "selections", "compiles"}`` (each selection's timings and choice, each compile's
+    region, inputs, ops, seconds and cache outcome)."""
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters

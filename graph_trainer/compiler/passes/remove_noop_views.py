@@ -176,8 +176,7 @@ def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> tor
     outputs = {a for o in gm.graph.find_nodes(op="output") for a in o.all_input_nodes}
     removed: Counter[str] = Counter()
     for node in list(gm.graph.nodes):
-        kind = _removable_kind(node, aliases, outputs)
-        if kind is None:
+        if (kind := _removable_kind(node, aliases, outputs)) is None:
             continue
         if kind == "cat":
             _cat_to_view(gm.graph, node)

@@ -74,8 +74,7 @@ def reshard_after_forward_pass(
     pos = positions(graph)
     groups, n_fsdp = [], 0
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
-        chain = shard_chain(ag)
-        if chain is None:
+        if (chain := shard_chain(ag)) is None:
             continue
         n_fsdp += 1
         if first_params is not None and n_fsdp > first_params:
