@@ -1,6 +1,4 @@
-"""Collectives and their waits: which nodes communicate (``symm_mem``'s fused ops of ``async_tp`` included), their
-kind and group, the keep-alive :func:`hold` and the chain from an FSDP parameter to its all-gather.
-"""
+"""Collectives and their waits: which nodes communicate, their kind and group, the keep-alive :func:`hold`."""
 
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ COLLECTIVE_NAMESPACES = frozenset(
     {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
 )
 _FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
+_WAITS = (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -26,8 +25,7 @@ def is_collective(node: torch.fx.Node) -> bool:
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
-    """The op name of a functional collective's issue node (``"all_gather_into_tensor"``, ``"all_reduce"``
-    ...) or of a fused ``symm_mem`` collective-matmul (no wait); None for waits and other nodes."""
+    """The op name of a collective's issue node (``"all_reduce"`` ...) or fused ``symm_mem`` op; else None."""
     if not is_collective(node):
         return None
     namespace, name = op_namespace(node.target), op_name(node.target)
@@ -38,11 +36,7 @@ def collective_kind(node: torch.fx.Node) -> str | None:
 
 def is_wait(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a functional collective's ``wait_tensor`` (input: the issue node)."""
-    return (
-        node.op == "call_function"
-        and op_namespace(node.target) == "_c10d_functional"
-        and op_name(node.target) == "wait_tensor"
-    )
+    return node.op == "call_function" and node.target in _WAITS
 
 
 def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
@@ -52,9 +46,7 @@ def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def on_cpu(issue: torch.fx.Node) -> bool:
-    """Whether the collective ``issue`` communicates a CPU tensor (gloo): its first argument's fake value is on CPU.
-    The passes that move waits leave such a collective's wait where it is unless told otherwise (``cpu_async``:
-    overlap_collectives' module docstring says why)."""
+    """Whether the collective ``issue`` communicates a CPU tensor (gloo): its first argument's fake value is on CPU."""
     val = tensor_val(issue.args[0]) if issue.args else None
     return val is not None and val.device.type == "cpu"
 
@@ -66,14 +58,12 @@ def group_name_of(node: torch.fx.Node) -> str | None:
 
 
 def hold(x, *keep_alive):
-    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call.
-    ``overlap_collectives`` inserts it after moved waits; passes test ``node.target is hold``."""
+    """Identity on ``x``; ``keep_alive`` (an in-flight collective's inputs) lives until this call."""
     return x
 
 
 def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
-    """Replace every :func:`hold` node (only those holding a node of ``of``, if given) by its first argument (before
-    a compiler that owns buffer lifetimes, e.g. full-graph Inductor); returns how many were removed."""
+    """Replace every :func:`hold` node (holding a node of ``of``, if given) by its first argument; returns how many."""
     holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
              and (of is None or node.args[0] in of)]
     for node in holds:
@@ -85,8 +75,7 @@ def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = 
 
 
 def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The nodes (views, casts, waits) between a placeholder and ``all_gather``'s input, earliest
-    first; None when there is no such chain (an activation all-gather, not an FSDP parameter's)."""
+    """The views / casts / waits from a placeholder to ``all_gather``'s input, earliest first; None if none."""
     chain = []
     cur = all_gather.args[0] if all_gather.args else None
     while (
@@ -102,8 +91,7 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
 
 def read_through(node: torch.fx.Node, views: Container,
                  where: Callable[[torch.fx.Node], bool] | None = None) -> list[torch.fx.Node]:
-    """``node`` and every node its result is reached through before a real reader: the users,
-    transitively, that are a wait, a :func:`hold` or an op in ``views`` (and pass ``where``); in discovery order."""
+    """``node`` and its users, transitively, that are a wait, a :func:`hold` or in ``views`` (and pass ``where``)."""
     out, stack = [node], [node]
     while stack:
         for u in stack.pop().users:

@@ -1,16 +1,10 @@
 """The graph cache (``--compile.graph_cache_dir``): the traced step after its passes, before Inductor.
 
-A run traces the step, plans the memory levers and runs the passes up to the first one that compiles; the cache
-stores that graph (torch's ``GraphPickler``: nodes, ``meta`` with fake tensors and the region tags) with the
-remaining pipeline steps and the run's statistics, under a key of everything that decides the graph
-(:func:`cache_key`). A later run with the same key loads it and runs only the remaining steps. A pass's process
-setup (:func:`~graph_trainer.compiler.node_meta.add_process_setup`: ``async_tp``'s symmetric memory) is stored with
-the entry and done again on load.
-
-When the only remaining step is ``full_inductor``, the cold run also stores Inductor's compiled
-step beside the entry (``<key>.inductor``: torch's ``CompiledArtifact`` binary format) and a later
-run calls it without unpickling the graph or rebuilding Inductor's cache key.
-"""
+The cache stores the graph after the passes up to the first one that compiles (torch's ``GraphPickler``) with the
+remaining pipeline steps, the run's statistics and the passes' process setup, under a key of everything that decides
+the graph (:func:`cache_key`); a later run with the same key loads it and runs only the remaining steps. When that is
+``full_inductor`` alone, Inductor's compiled step is stored beside the entry too (``<key>.inductor``) and called
+directly."""
 
 from __future__ import annotations
 
@@ -45,8 +39,7 @@ _NOT_IN_KEY = {"job", "profiling", "metrics", "checkpoint", "validation", "fault
 
 def cache_dir(graph_cache_dir: str, inductor_compilation: str) -> str | None:
     """The folder ``--compile.graph_cache_dir`` names, or None when the cache is off ("off" or empty; "auto" unless
-    ``inductor_compilation`` is "full"). "auto" with full Inductor: ``graph_trainer/`` in Inductor's cache folder,
-    so a new ``TORCHINDUCTOR_CACHE_DIR`` starts both caches cold."""
+    ``inductor_compilation`` is "full"). "auto" with full Inductor: ``graph_trainer/`` in Inductor's cache folder."""
     if graph_cache_dir in ("", "off") or (graph_cache_dir == "auto" and inductor_compilation != "full"):
         return None
     if graph_cache_dir == "auto":
@@ -66,10 +59,8 @@ def source_hash() -> str:
 
 
 def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str:
-    """The key of a run's graph: its config (less :data:`_NOT_IN_KEY`), rank, world size, device
-    (type and name), torch and torchtitan versions, :func:`source_hash` and Inductor's and
-    AOTAutograd's configs (``save_config_portable``: what ``TORCHINDUCTOR_*`` variables or code
-    set, which a stored compiled step would otherwise not see). 24 hex digits."""
+    """The key of a run's graph, 24 hex digits: its config (less :data:`_NOT_IN_KEY`), rank, world size, device
+    (type and name), torch and torchtitan versions, :func:`source_hash` and Inductor's and AOTAutograd's configs."""
     sections = {}
     for f in dataclasses.fields(cfg):
         if f.name in _NOT_IN_KEY:
@@ -92,8 +83,7 @@ def cache_key(cfg: Any, rank: int, world_size: int, device: torch.device) -> str
 
 
 def compile_index(steps: list) -> int:
-    """Index of the first step the cache cannot hold: the first that compiles (``GraphPass.compiles``:
-    ``regional_inductor``, ``full_inductor``, ``cudagraph``)."""
+    """Index of the first step the cache cannot hold: the first that compiles (``GraphPass.compiles``)."""
     return next((i for i, s in enumerate(steps) if registry()[s.name].compiles), len(steps))
 
 
@@ -101,9 +91,9 @@ _TARGET_KEY = "graph_cache_target"
 
 
 def _own_targets_by_name(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Any]:
-    """GraphPickler names only torch's, ``operator``'s, ``math``'s and builtin targets: give each ``call_function``
-    node whose target is one of the package's own functions (``hold``) the stand-in ``operator.pos`` and its real
-    ``"module:qualname"`` in ``meta``; returns node -> old target (the caller puts them back)."""
+    """Give each ``call_function`` node whose target is one of the package's own functions (``hold``; GraphPickler
+    cannot name them) the stand-in ``operator.pos`` and its ``"module:qualname"`` in ``meta``; returns node -> old
+    target (the caller puts them back)."""
     swapped = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__module__", "").startswith("graph_trainer."):
@@ -126,16 +116,14 @@ COMPILED_STEPS = ["full_inductor"]
 
 
 def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
-    """The graph's output structure: its pytree spec (``treespec_dumps``) and the leaves that are
-    not nodes (index -> value); the compiled step returns the node leaves in order."""
+    """The graph's output pytree spec (``treespec_dumps``) and the leaves that are not nodes (index -> value)."""
     leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
     return pytree.treespec_dumps(spec), {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
 
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any]) -> bool:
-    """Write one entry to ``path`` (a temporary file, then renamed). Returns False and logs a warning when the graph
-    or the steps cannot be pickled or the folder not written (the run goes on uncached)."""
+    """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     swapped = _own_targets_by_name(gm)
@@ -170,8 +158,7 @@ def compiled_path(path: Path) -> Path:
 
 @contextlib.contextmanager
 def recording():
-    """Run the remaining steps under this for :func:`save_compiled`: Inductor's and AOTAutograd's
-    cache artifacts are recorded from an empty record (torch's ``CacheArtifactManager``)."""
+    """Run the remaining steps under this to record their cache artifacts for :func:`save_compiled`."""
     from torch.compiler._cache import CacheArtifactManager
 
     with CacheArtifactManager.with_fresh_cache():
@@ -179,10 +166,9 @@ def recording():
 
 
 def save_compiled(path: Path, gm: Any, steps: list) -> bool:
-    """After ``steps`` ran under :func:`recording` and gave ``gm``: when they are :data:`COMPILED_STEPS` (one
-    Inductor compile: ``gm.compiled_fn`` and its ``gm.compiled_constants``), write its artifact to
-    :func:`compiled_path` (torch's ``CompiledArtifact.save``, binary) and the constants beside it (``torch.save``).
-    Returns whether it was written; a failure is a warning (later runs load the graph instead)."""
+    """After ``steps`` (:data:`COMPILED_STEPS`) ran under :func:`recording` and gave ``gm``, write its
+    ``compiled_fn`` to :func:`compiled_path` and its ``compiled_constants`` beside it. Returns whether it was
+    written; a failure is a warning."""
     if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
         return False
     try:
@@ -197,15 +183,14 @@ def save_compiled(path: Path, gm: Any, steps: list) -> bool:
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: compiled step not saved ({type(e).__name__}: {e})")
         return False
-    logger.info(f"graph cache: saved the compiled step {compiled_path(path)} "
-                f"({compiled_path(path).stat().st_size / 2**20:.1f} MiB)")
+    out = compiled_path(path)
+    logger.info(f"graph cache: saved the compiled step {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return True
 
 
 class CompiledStep:
-    """A compiled step loaded by :func:`load`: called like the graph it was compiled from (flat
-    parameters, buffers, tokens, labels), returns that graph's output structure. ``constants``:
-    the graph's own tensors, which the compiled code takes before the inputs."""
+    """A compiled step loaded by :func:`load`, called and returning like the graph it was compiled from.
+    ``constants``: the graph's own tensors, which the compiled code takes before the inputs."""
 
     def __init__(self, artifact, constants: list[torch.Tensor], outputs: tuple[str, dict[int, Any]]):
         self.artifact, self.constants = artifact, constants
@@ -218,8 +203,7 @@ class CompiledStep:
 
 
 def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
-    """The entry's compiled step (:func:`save_compiled`), or None (none stored; one that fails to
-    load: a warning)."""
+    """The entry's compiled step (:func:`save_compiled`), or None (none stored, or a warning: it failed to load)."""
     constants = compiled_path(path).with_suffix(".constants")
     if [s.name for s in entry["steps"]] != COMPILED_STEPS or "outputs" not in entry \
             or not compiled_path(path).is_file() or not constants.is_file():
@@ -235,12 +219,9 @@ def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
 
 
 def load(path: Path) -> dict[str, Any] | None:
-    """The entry at ``path``, or None (no file, or an unreadable one: a warning). With a compiled
-    step stored (:func:`save_compiled`) ``entry["compiled"]`` is that :class:`CompiledStep` and
-    ``gm`` is None; otherwise ``gm`` is unpickled into a new fake mode with a shape env (without
-    one Inductor bypasses its FX graph cache, "No shape env", and a warm restart compiles again).
-    The entry's process setup is called first (every rank loads its entry at the same point: a
-    setup may be a rendezvous); one that raises makes the entry unused, as an unreadable one."""
+    """The entry at ``path``, or None (no file, or a warning: unreadable, or its process setup raised). The setup is
+    called first. With a compiled step stored ``entry["compiled"]`` is that :class:`CompiledStep` and ``gm`` None;
+    otherwise ``gm`` is unpickled into a new fake mode with a shape env (else Inductor bypasses its cache)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

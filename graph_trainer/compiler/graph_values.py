@@ -1,6 +1,4 @@
-"""The values of graph nodes (fake tensors, shapes, storages, bytes, the placeholders' device and fake mode) and
-the structure helpers of graph analysis (node positions, union-find, acyclic splits of node sets).
-"""
+"""The values of graph nodes (fake tensors, shapes, storages, bytes, device, fake mode) and graph structure helpers."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ class DisjointSet:
         while (up := self.parent.get(item, item)) != item:
             path.append(item)
             item = up
-        for p in path:  # path compression
-            self.parent[p] = item
+        self.parent.update(dict.fromkeys(path, item))  # path compression
         return item
 
     def union(self, a: Any, b: Any) -> None:
@@ -50,8 +47,7 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
 
 
 def storages(val: Any) -> list[tuple[Any, int]]:
-    """``(storage key, bytes)`` of every tensor in ``val`` (a fake value or a pytree of them);
-    views share their base's key; tensor subclasses without a storage are skipped."""
+    """``(storage key, bytes)`` of every tensor in the pytree ``val`` (views share their base's key)."""
     out = []
     for t in pytree.tree_leaves(val):
         if isinstance(t, torch.Tensor):
@@ -66,11 +62,9 @@ def storages(val: Any) -> list[tuple[Any, int]]:
 def split_acyclic(
     nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int] | None = None
 ) -> list[list[torch.fx.Node]]:
-    """Split ``nodes`` into the fewest parts that can each be fused without a dependency cycle,
-    in graph order (``[nodes]`` if acyclic). ``order``: node -> graph position.
-
-    The nodes reachable from the set through an outside node (an AC-recomputed norm and its
-    backward, the attention backward between them) are split off, and split again."""
+    """Split ``nodes`` into parts that can each be fused without a dependency cycle, in graph order
+    (``[nodes]`` if acyclic): the nodes reachable from the set through an outside node are split off, and split
+    again. ``order``: node -> graph position."""
     if not nodes:
         return []
     if order is None:
@@ -97,8 +91,7 @@ def split_acyclic(
 
 
 def val_bytes(val: Any) -> int:
-    """Bytes of a tensor (at most its storage's: an expanded view counts what it reads) or of a
-    list / tuple of them; else 0."""
+    """Bytes of a tensor (at most its storage's) or of a list / tuple of them; else 0."""
     if isinstance(val, torch.Tensor):
         n = val.numel() * val.element_size()
         try:
@@ -117,8 +110,7 @@ def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
 
 
 def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.device | None:
-    """The device of the first placeholder value (then ``example_inputs`` leaf) that is neither
-    on the CPU nor on meta, or None (a CPU graph)."""
+    """The device of the first placeholder value (then ``example_inputs`` leaf) not on CPU or meta, else None."""
     vals = placeholder_vals(gm) + pytree.tree_leaves(example_inputs)
     return next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
                 None)
@@ -137,8 +129,7 @@ def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None)
 
 
 def fake_inputs_for(gm: torch.fx.GraphModule, example_inputs: Any = None) -> list[Any]:
-    """Flat fake example inputs: the placeholders' ``meta["val"]`` if all have one, else the
-    leaves of ``example_inputs``; raises ``ValueError`` when neither exists."""
+    """The placeholders' fake values, else the leaves of ``example_inputs``; else ``ValueError``."""
     vals = placeholder_vals(gm)
     if vals and all(v is not None for v in vals):
         return vals

@@ -1,6 +1,4 @@
-"""Pattern matching over the traced graph (pure analysis, plus :func:`tag_regions`): chains of pointwise ops and
-RMSNorm instances.
-"""
+"""Pattern matching over the traced graph: chains of pointwise ops and RMSNorm instances (plus :func:`tag_regions`)."""
 
 from __future__ import annotations
 
@@ -19,16 +17,13 @@ from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, is_ge
 aten = torch.ops.aten
 
 
-# --- chains of pointwise ops (the pointwise annotation passes) ---
-
 _POINTWISE_EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"}
 # View-family ops (every overload) that join a chain they continue.
 _CHAIN_VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze"}
 
 
 def _chain_kind(node: torch.fx.Node) -> str | None:
-    """"compute", "view" or None (not eligible; also not a real tensor result, or with a complex tensor input:
-    Inductor has no complex codegen)."""
+    """"compute", "view" or None (not eligible, or a complex or non-tensor value: Inductor has no complex codegen)."""
     name, val = packet_name(node), node.meta.get("val")
     if name is None or node.target.namespace != "aten" or is_tagged_for_inductor(node):
         return None
@@ -49,12 +44,10 @@ def find_pointwise_regions(
     graph: torch.fx.Graph, min_ops: int = 2, accept: Callable[[torch.fx.Node], bool] | None = None,
 ) -> list[list[torch.fx.Node]]:
     """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order with at least
-    ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops (``torch.Tag``), ``_to_copy``,
-    ``_log_softmax(_backward_data)`` and ``nll_loss_forward/backward``; not in-place, seeded-random or complex ops,
-    nodes already tagged for Inductor, collectives. A view joins only a chain it continues. Connected ops of one
-    ``(phase, module FQN)`` form a region, cut by :func:`split_acyclic` where it would form a cycle (the residual
-    ``out = h + ffn(norm(h))``). ``accept``: a further test every non-view op must pass (views are joined by the
-    same rule either way)."""
+    ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops, ``_to_copy``, ``_log_softmax`` and
+    ``nll_loss`` (and backwards); not in-place, seeded-random or complex ops, nodes already tagged for Inductor. A
+    view joins only a chain it continues. Connected ops of one ``(phase, module FQN)`` form a region, cut by
+    :func:`split_acyclic` where it would form a cycle. ``accept``: a further test every non-view op must pass."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     chains = DisjointSet()
@@ -80,9 +73,9 @@ def find_pointwise_regions(
 
 
 def tag_regions(regions: list[list[torch.fx.Node]], inductor_configs: dict[str, Any], prefix: str) -> dict[str, int]:
-    """Tag the nodes of each region for ``regional_inductor`` as region ``<prefix>_<phase>_<i>``
-    with ``inductor_configs``. Returns the stats ``regions``, ``nodes``, ``forward_regions``,
-    ``backward_regions`` and ``largest`` (nodes of the largest region)."""
+    """Tag the nodes of each region for ``regional_inductor`` as region ``<prefix>_<phase>_<i>`` with
+    ``inductor_configs``. Returns the stats ``regions``, ``nodes``, ``forward_regions``, ``backward_regions`` and
+    ``largest`` (nodes of the largest region)."""
     by_phase: dict[str, int] = defaultdict(int)
     for i, region in enumerate(regions):
         phase = phase_of(region[0]) or "none"
@@ -110,11 +103,8 @@ _PASS_THROUGH_PACKETS = packet_names(RESHAPE_OPS | CAST_OPS) | {"clone", "detach
 
 
 def _is_heavy(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if isinstance(node.target, torch._ops.HigherOrderOperator) or is_collective(node):
-        return True
-    return packet_name(node) in _HEAVY_PACKETS
+    return node.op == "call_function" and (isinstance(node.target, torch._ops.HigherOrderOperator)
+                                           or is_collective(node) or packet_name(node) in _HEAVY_PACKETS)
 
 
 def _produces_tensors(node: torch.fx.Node) -> bool:
@@ -150,13 +140,11 @@ def _is_rms_rsqrt(node: torch.fx.Node) -> bool:
 
 
 def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
-    """All RMSNorm instances of ``graph`` in graph order (pure analysis).
-
-    Each is ``{"name", "phase", "kind", "form" ("fused" | "decomposed"), "module_fqn", "nodes":
-    [nodes to tag]}``; ``kind`` is ``"forward"``, ``"backward"`` (a norm's gradient) or
-    ``"recompute"`` (a forward norm recomputed in the backward phase by activation
-    checkpointing); ``name`` is ``rmsnorm_<kind>_<i>``, ``i`` counting each kind in graph order.
-    """
+    """All RMSNorm instances of ``graph`` in graph order: **fused** (``aten._fused_rms_norm`` / its backward with
+    their ``getitem`` s) or **decomposed** (one module's nodes of one phase computing ``rsqrt(mean(x ** 2) + eps)``
+    or of a module named ``*norm``, split where they would form a cycle). Each is ``{"name", "phase", "kind",
+    "form", "module_fqn", "nodes"}``; ``kind`` is ``"forward"``, ``"backward"`` or ``"recompute"`` (a forward norm
+    recomputed in the backward phase); ``name`` is ``rmsnorm_<kind>_<i>`` counting each kind. Reads only."""
     instances: list[dict[str, Any]] = []
     fused_fqns: set[str] = set()
     order = positions(graph)

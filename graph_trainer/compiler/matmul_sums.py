@@ -1,14 +1,9 @@
 """Matmuls of a traced graph and sums of them merged into one matmul, for ``async_tp``.
 
-* :func:`matmul_of`: a node as ``post(mm(pre(A), B))``: ``mm`` of 2-D operands, or make_fx's
-  ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])`` of a higher-dimensional ``A``.
-* :func:`matmul_sum_of` / :func:`merge_matmul_sum`: ``add(t_1, add(t_2, t_3))`` (any nesting) of
-  such matmuls ``t_i = post_i(mm(pre_i(A_i), B_i))`` of one shape and dtype, as one
-  ``post(mm(pre(cat([A_1, .., A_n], -1)), cat([B_1, .., B_n], 0)))``: the backward's input
-  gradients of the q/k/v and w1/w3 projections, so that TP's reduce-scatter of them pairs with one
-  matmul. The same products, summed inside one matmul's reduction: not bitwise equal to the adds.
-* :func:`call_like` / :func:`fake_call`: new nodes with a fake value and another node's metadata.
-"""
+A sum ``add(t_1, add(t_2, t_3))`` (any nesting) of matmuls ``t_i = post_i(mm(pre_i(A_i), B_i))`` of one shape and
+dtype (the backward's input gradients of the q/k/v and w1/w3 projections) becomes one
+``post(mm(pre(cat([A_1, .., A_n], -1)), cat([B_1, .., B_n], 0)))``, so that TP's reduce-scatter of it pairs with one
+matmul: the same products, summed inside one matmul's reduction (not bitwise equal to the adds)."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call
 
 aten = torch.ops.aten
 
-_MM = frozenset({aten.mm.default})
+MM_OPS = frozenset({aten.mm.default})
 
 
 @dataclass
@@ -51,9 +46,9 @@ class MatmulSum:
 def matmul_of(x: torch.fx.Node) -> Matmul | None:
     """``x`` as a matmul: ``mm(A, B)`` (2-D), or ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])``
     whose ``mm`` only the outer view reads (``M = prod(A.shape[:-1])``); else None."""
-    if is_call(x, _MM):
+    if is_call(x, MM_OPS):
         return Matmul(x, x.args[0], x.args[1])
-    if not is_call(x, RESHAPE_OPS) or not is_call(x.args[0], _MM) or len(x.args[0].users) != 1:
+    if not is_call(x, RESHAPE_OPS) or not is_call(x.args[0], MM_OPS) or len(x.args[0].users) != 1:
         return None
     mm, pre = x.args[0], x.args[0].args[0]
     a_shape = shape_of(pre.args[0]) if is_call(pre, RESHAPE_OPS) else None
@@ -65,7 +60,7 @@ def matmul_of(x: torch.fx.Node) -> Matmul | None:
 
 
 def _terms(n: torch.fx.Node, root: torch.fx.Node, adds: list, terms: list) -> str | None:
-    """Collect the adds and matmul terms under ``n`` (left to right) into ``adds`` / ``terms``; why not, or None."""
+    """Collect the adds and matmul terms under ``n`` (left to right); returns why not, or None."""
     if is_call(n, {aten.add.Tensor}) and arg_of(n, 2, "alpha", 1) == 1 and (n is root or len(n.users) == 1):
         for arg in n.args[:2]:
             if not isinstance(arg, torch.fx.Node):
@@ -74,8 +69,7 @@ def _terms(n: torch.fx.Node, root: torch.fx.Node, adds: list, terms: list) -> st
                 return why
         adds.append(n)
         return None
-    mm = matmul_of(n)
-    if mm is None:
+    if (mm := matmul_of(n)) is None:
         return "a term is not a matmul output"
     if len(n.users) != 1 or (mm.pre is None and len(mm.mm.users) != 1):
         return "a matmul output has other users"
@@ -84,10 +78,9 @@ def _terms(n: torch.fx.Node, root: torch.fx.Node, adds: list, terms: list) -> st
 
 
 def matmul_sum_of(x: torch.fx.Node) -> tuple[MatmulSum | None, str | None]:
-    """``(sum, None)`` when ``x`` is an ``add`` (nested adds read once, alpha 1) of at least two
-    matmuls (:func:`matmul_of`) each read only by its add, all of ``x``'s phase, shape and dtype,
-    with operands of that dtype, all 2-D or all with the same leading dimensions of ``A``;
-    ``(None, why not)`` otherwise. Reads only."""
+    """``(sum, None)`` when ``x`` is an ``add`` (nested adds read once, alpha 1) of at least two matmuls
+    (:func:`matmul_of`) each read only by its add, all of ``x``'s phase, shape and dtype (operands too), all 2-D or
+    all higher-dimensional; ``(None, why not)`` otherwise. Reads only."""
     adds: list[torch.fx.Node] = []
     terms: list[Matmul] = []
     if not is_call(x, {aten.add.Tensor}):
@@ -110,11 +103,9 @@ def matmul_sum_of(x: torch.fx.Node) -> tuple[MatmulSum | None, str | None]:
 
 
 def merge_matmul_sum(graph: torch.fx.Graph, s: MatmulSum, fake_mode: Any) -> Matmul:
-    """Replace the sum ``s`` by one matmul of the concatenated operands, at its last add:
-    ``A = cat([A_i], -1)`` of shape ``[*lead, sum K_i]``, ``B = cat([B_i], 0)`` of shape
-    ``[sum K_i, N]``, ``mm(view(A, [M, sum K_i]), B)`` viewed as ``[*lead, N]`` (2-D terms: no
-    views), in the terms' dtype. Erases the adds and the terms' matmuls (their ``pre`` views
-    too where nothing else reads them); returns the new matmul."""
+    """Replace the sum ``s`` by one matmul at its last add: ``A = cat([A_i], -1)`` (``[*lead, sum K_i]``), ``B =
+    cat([B_i], 0)`` (``[sum K_i, N]``), ``mm(view(A, [M, sum K_i]), B)`` viewed as ``[*lead, N]`` (2-D: no views).
+    Erases the adds and the terms' matmuls (and views nothing else reads); returns the new matmul."""
     root, terms = s.adds[-1], s.terms
     a_parts = [t.pre.args[0] if t.pre is not None else t.mm.args[0] for t in terms]  # as now in the graph
     b_parts = [t.mm.args[1] for t in terms]
@@ -144,8 +135,7 @@ def _new(graph, fake_mode, op, args, like, key_from=None) -> torch.fx.Node:
 
 def call_like(graph: torch.fx.Graph, target, args, like: torch.fx.Node, val: Any = None, key_from=None,
               kwargs=None) -> torch.fx.Node:
-    """A new node ``target(*args, **kwargs)`` with ``like``'s custom and trace metadata, fake value
-    ``val`` and ``key_from``'s numerics key."""
+    """A new node ``target(*args, **kwargs)`` with ``like``'s metadata, ``val`` and ``key_from``'s numerics key."""
     new = graph.call_function(target, args, kwargs or {})
     new.meta["custom"] = dict(custom_meta(like))
     new.meta.update({k: like.meta[k] for k in ("stack_trace", "seq_nr") if k in like.meta})

@@ -1,13 +1,9 @@
-"""Static estimate of a graph's peak activation memory, from the fake tensors in
-``node.meta["val"]``: an analysis used by the dry run, the memory policy and the tests.
+"""Static estimate of a graph's peak activation memory, from the fake tensors in ``node.meta["val"]``.
 
 Model: nodes run in graph order; every storage (views share their base's) is allocated by the first node producing
 it and freed after the last node using it, as the FX-generated code does. Graph inputs are not counted; returned
 values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
-buffer. Not modelled: allocator fragmentation and caching, kernel workspaces, Inductor regions' internal buffers.
-(torch's ``memory_estimator.build_memory_profile`` counts no CPU tensors, treats waits as new buffers and frees
-returned values.)
-"""
+buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ from graph_trainer.compiler.collectives import hold, is_wait
 from graph_trainer.compiler.graph_values import DisjointSet, storages
 
 
-#: Ops whose output Inductor computes inside the kernel of their users when it compiles the whole
-#: graph (with ``torch.Tag.pointwise`` ops), and ops that can take such a value as an input.
+#: Ops besides ``torch.Tag.pointwise`` ones whose output whole-graph Inductor computes inside their users' kernels.
 _FUSED_EXTRA = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward",
                 "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
 
@@ -35,9 +30,7 @@ def _fusable(node: torch.fx.Node, consumer: bool) -> bool:
 
 
 def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Nodes whose output whole-graph Inductor does not write to memory: a pointwise op (or a cast)
-    whose users are all pointwise ops or reductions, so the value is computed inside their kernel.
-    An approximation of Inductor's fusion (it also recomputes across some views and kernels)."""
+    """Pointwise ops (or casts) read only by pointwise ops or reductions: whole-graph Inductor inlines them."""
     out = set(gm.graph.find_nodes(op="output"))
     returned = {n for o in out for n in o.all_input_nodes}
     return {n for n in gm.graph.nodes if _fusable(n, False) and n not in returned and n.users
@@ -45,9 +38,7 @@ def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple[int, str | None]:
-    """``(peak bytes, name of the node at the peak)`` of ``gm``'s live intermediate storages
-    (module docstring); bytes are exact storage sizes, not allocator blocks. ``fused``: leave out
-    the outputs :func:`inlined_by_inductor` names (the graph as whole-graph Inductor runs it)."""
+    """``(peak bytes, node at the peak)`` (module docstring); ``fused``: without :func:`inlined_by_inductor`."""
     nodes = list(gm.graph.nodes)
     skip = inlined_by_inductor(gm) if fused else set()
     pos = {n: i for i, n in enumerate(nodes)}

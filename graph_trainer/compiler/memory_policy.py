@@ -1,23 +1,12 @@
-"""The memory policy: from the traced graph and a memory budget, pick what the step keeps.
-
-Not a pipeline pass: it reads the traced graph (and transforms copies of it) to choose the options
-the config leaves on ``auto``: ``--compile.sac.save`` (``sac_recompute``),
-``--compile.fsdp.keep_last_blocks`` (``reshard_after_forward``), ``--compile.fsdp.bucket_blocks``
-(``bucket_collectives``), and whether the step replays as a CUDA graph (``cudagraph``) where
-neither ``--compile.passes`` nor ``disable_passes`` names it. None changes numerics.
+"""The memory policy: from the traced graph and a memory budget, pick the options the config leaves on ``auto``
+(``--compile.sac.save``, ``--compile.fsdp.keep_last_blocks`` / ``bucket_blocks``, and the ``cudagraph`` pass where
+no flag names it). None changes numerics.
 
 Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to the fattest in the
-order of the levers' gain per GiB: matmul outputs, then kept blocks one by one; then ``all_but_cheap``, again with
-kept blocks one by one; under full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The
-highest rung whose predicted peak fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs
-(``cudagraph=True``: one process on a CUDA device, regional or no Inductor) come before the ladder, for
-:data:`CUDAGRAPH_GIB`; they go only when even the leanest rung would not fit with them.
-
-Prediction (:func:`predict_peak`): peak reserved bytes per rank = ``state + scale * graph peak`` (+
-:data:`CUDAGRAPH_GIB` with CUDA graphs): ``state`` the fp32 parameter shards and AdamW's two moments, ``graph peak``
-:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` (under full Inductor without the values it keeps
-inside its kernels), ``scale`` per Inductor mode and save level (:data:`CALIBRATION`, fitted to measured peaks).
-"""
+order of the levers' gain per GiB: ``matmuls`` with kept blocks one by one, then ``all_but_cheap`` likewise, under
+full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak
+(:func:`predict_peak`) fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs come first and
+go only when even the leanest rung would not fit with them."""
 
 from __future__ import annotations
 
@@ -28,8 +17,7 @@ from typing import Literal
 import torch
 
 GiB = 2**30
-#: ``--compile.sac.save`` values, leanest first. The policy takes ``all`` only under full Inductor, elsewhere it stops
-#: at ``all_but_cheap`` (docs/perf_archive.md, "The plain command at `jit`'s memory").
+#: ``--compile.sac.save`` values, leanest first (the policy takes ``all`` only under full Inductor).
 SAVE_LEVELS = ("recompute", "matmuls", "all_but_cheap", "all")
 #: Blocks per FSDP bucket when ``--compile.fsdp.bucket_blocks`` is ``auto``.
 BUCKET_BLOCKS = 2
@@ -43,9 +31,8 @@ DRY_RUN_DEVICES_GIB = (79.1, 139.8)
 LEVER_PASSES = {
     "save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives",
 }
-#: What replaying the step as a CUDA graph adds to the peak, GiB: the warmup call's blocks, cached
-#: for its side stream, and the graph's private pool (fitted to the measured peaks of the 1B and
-#: the seed rank with and without the graph: docs/perf_archive.md, "Memory prediction").
+#: What replaying the step as a CUDA graph adds to the peak, GiB: the warmup call's cached blocks and the graph's
+#: private pool (docs/perf_archive.md, "Memory prediction").
 CUDAGRAPH_GIB = 1.0
 
 
@@ -82,11 +69,9 @@ class FSDPOptions:
     waits keep the buckets' buffers longer. Numerics unchanged."""
 
 
-#: ``scale`` of ``measured peak reserved ~= state + scale * graph estimate`` per
-#: ``(--compile.inductor_compilation, sac.save)``, fitted to measured peaks (docs/perf_archive.md, "Memory
-#: prediction"). The allocator's caching adds a share (> 1). Under ``full`` the estimate leaves out
-#: the values Inductor computes inside its kernels (``estimate_peak_memory(fused=True)``); what
-#: its own buffers and recomputation add grows with the recomputed share.
+#: ``scale`` of ``peak reserved ~= state + scale * graph estimate`` per ``(--compile.inductor_compilation,
+#: sac.save)`` (docs/perf_archive.md, "Memory prediction"): the allocator's caching, and under ``full`` Inductor's
+#: own buffers and recomputation, which the fused estimate leaves out.
 CALIBRATION: dict[tuple[str, str], float] = {
     ("regional", "recompute"): 1.10, ("regional", "matmuls"): 1.10, ("regional", "all_but_cheap"): 1.13,
     ("regional", "all"): 1.10,
@@ -141,22 +126,18 @@ class MemoryPolicy:
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
-    """Predicted peak reserved bytes per rank (module docstring) from ``state_bytes`` (fp32 shards + optimizer state
-    per rank), ``graph_peak_bytes`` (the static estimate), ``inductor`` (``--compile.inductor_compilation``),
-    ``save`` (the graph's ``sac.save`` level) and ``cudagraph`` (the step replays as a CUDA graph)."""
+    """Predicted peak reserved bytes per rank (module docstring; ``state_bytes``: :func:`state_bytes`)."""
     return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
-    """Bytes per rank of the fp32 parameter shards and ``optimizer_states`` fp32 tensors of
-    the same size each (AdamW: ``exp_avg``, ``exp_avg_sq``). DTensors count their local shard."""
+    """Bytes per rank of the fp32 parameter shards (DTensor: local) and ``optimizer_states`` tensors of that size."""
     total = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params)
     return total * (1 + optimizer_states)
 
 
 def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
-    """``(bytes, how it was found)``: a CUDA device's total memory less :data:`HEADROOM`,
-    else :data:`CPU_BUDGET_GIB`."""
+    """``(bytes, how it was found)``: a CUDA device's memory less :data:`HEADROOM`, else :data:`CPU_BUDGET_GIB`."""
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(device).total_memory
         return int(total * (1 - HEADROOM)), f"{total / GiB:.1f} GiB on {device} less {HEADROOM:.0%}"
@@ -168,15 +149,12 @@ def choose_levers(
     fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
     cudagraph: bool = False,
 ) -> MemoryPolicy:
-    """Pick the levers by the ladder of the module docstring (``all`` with every block kept), searched from the top;
-    a pure function of its arguments. Levers named in ``fixed_fields`` keep ``fixed``'s value. ``estimate(save)``:
-    graph peak bytes with no kept block and no buckets (called once per level looked at); a kept block and each
-    block of a bucket add ``block_bytes`` (one block's gathered weights per rank). ``state``: :func:`state_bytes`;
-    ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP collectives keep / bucket stay 0;
-    without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph (tried first, dropped
-    when even the leanest rung does not fit with it; a ``"cudagraph"`` in ``fixed_fields`` pins ``fixed.cudagraph``
-    instead). Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget).
-    """
+    """Pick the levers by the ladder of the module docstring, searched from the top; a pure function of its
+    arguments. Levers named in ``fixed_fields`` keep ``fixed``'s value. ``estimate(save)``: graph peak bytes with no
+    kept block and no buckets (called once per level); a kept block and each block of a bucket add ``block_bytes``.
+    ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP
+    keep / bucket stay 0; without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph.
+    Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget)."""
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
     bucket = fixed.bucket_blocks if "bucket_blocks" in fixed_fields else (BUCKET_BLOCKS if has_fsdp else 0)

@@ -1,7 +1,5 @@
-"""Node and graph metadata the passes read and write: pass summaries, the per-process setup a rewritten graph
-needs, a node's trace-time phase and module FQN, the ``compile_with_inductor`` region tag, the fusion group and
-selective AC's recompute tags.
-"""
+"""Node and graph metadata the passes read and write: pass summaries, per-process setup, phase, module FQN,
+Inductor region tags, fusion groups and selective AC's recompute tags."""
 
 from __future__ import annotations
 
@@ -15,22 +13,24 @@ import torch.fx
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
 
 SUMMARY_KEY = "graph_trainer_pass_summary"
-#: ``node.meta["custom"]`` key of a fusion group: under ``full_inductor`` a node of a group
-#: shares generated kernels only with nodes of the same group.
-FUSION_GROUP_KEY = "inductor_fusion_group"
 STATS_KEY = "graph_trainer_pass_stats"
-#: ``gm.meta`` key of the per-process setup the graph needs (:func:`add_process_setup`).
 SETUP_KEY = "graph_trainer_process_setup"
+#: ``node.meta["custom"]`` key of a fusion group: ``full_inductor`` fuses a node only with nodes of its group.
+FUSION_GROUP_KEY = "inductor_fusion_group"
 #: Node meta key Inductor's lowering reads to round a low-precision op's result as eager does.
 BARRIER_KEY = "low_precision_pointwise_barrier"
 
 
+def _meta(gm: Any) -> dict:
+    """``gm.meta``, made a dict first where it is not one."""
+    if not isinstance(getattr(gm, "meta", None), dict):
+        gm.meta = {}
+    return gm.meta
+
+
 def set_pass_summary(gm: torch.nn.Module, summary: str, **stats: Any) -> None:
     """Record what a pass did on ``gm.meta``: ``summary`` (one short line) and numeric ``stats``."""
-    if not isinstance(getattr(gm, "meta", None), dict):
-        gm.meta = {}  # type: ignore[attr-defined]
-    gm.meta[SUMMARY_KEY] = summary
-    gm.meta[STATS_KEY] = dict(stats)
+    _meta(gm).update({SUMMARY_KEY: summary, STATS_KEY: dict(stats)})
 
 
 def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
@@ -42,13 +42,10 @@ def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
 
 
 def add_process_setup(gm: torch.nn.Module, fn: Callable[[], Any]) -> None:
-    """Record on ``gm.meta`` work outside the graph that every process must do before it runs ``gm`` (``async_tp``:
-    symmetric memory for the TP group). The pass does it when it rewrites; the graph cache stores ``fn`` with its
-    entry and a warm run, which runs no pass, calls it on load (graph_trainer/compiler/graph_cache.py). ``fn`` takes
-    no argument and must pickle: a ``functools.partial`` of a module-level function and plain values."""
-    if not isinstance(getattr(gm, "meta", None), dict):
-        gm.meta = {}  # type: ignore[attr-defined]
-    gm.meta.setdefault(SETUP_KEY, []).append(fn)
+    """Record on ``gm.meta`` work every process must do before it runs ``gm`` (``async_tp``: symmetric memory),
+    which the graph cache stores and calls on load. ``fn`` takes no argument and must pickle (a
+    ``functools.partial`` of a module-level function and plain values)."""
+    _meta(gm).setdefault(SETUP_KEY, []).append(fn)
 
 
 def process_setup(gm: Any) -> list[Callable[[], Any]]:
@@ -95,9 +92,7 @@ def tag_fusion_group(node: torch.fx.Node, group: str) -> None:
 
 def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], region: str,
                      candidate_configs: list[dict[str, Any]] | None = None) -> None:
-    """Tag ``node`` for regional_inductor as part of region ``region`` (never fused with another
-    region), keeping its other ``custom`` entries (copied: they may be shared between nodes).
-    Non-empty ``candidate_configs``: config sets ``regional_inductor`` also compiles and times."""
+    """Tag ``node`` for region ``region`` of regional_inductor (``candidate_configs``: also timed)."""
     tag: dict[str, Any] = {"inductor_configs": dict(inductor_configs), "inductor_region": region}
     if candidate_configs:
         tag["candidate_inductor_configs"] = [dict(c) for c in candidate_configs]
@@ -124,8 +119,7 @@ def has_recompute_tags(graph: torch.fx.Graph) -> bool:
 
 
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:
-    """Delete selective AC's ``meta["recompute"]`` / ``["ac_graph_id"]`` (else torch >= 2.12's
-    ``compile_fx`` recomputes a second time); returns how many nodes had a tag."""
+    """Delete selective AC's recompute tags (else ``compile_fx`` recomputes again); returns how many."""
     n = 0
     for node in graph.nodes:
         n += node.meta.pop("recompute", None) is not None
@@ -134,11 +128,7 @@ def strip_recompute_tags(graph: torch.fx.Graph) -> int:
 
 
 def json_object(value: Any, flag: str) -> dict[str, Any]:
-    """``value`` (a JSON object as text, a dict, or empty) as a dict; ``{}`` when empty.
-
-    Raises:
-        ValueError: not a JSON object (the message names ``flag``).
-    """
+    """``value`` (JSON object text, a dict, or empty) as a dict; ``ValueError`` naming ``flag`` otherwise."""
     if isinstance(value, dict):
         return dict(value)
     if not value or not str(value).strip():

@@ -1,6 +1,4 @@
-"""Op names, op sets and op counts of FX graphs: a node's arguments and users, what an aten op writes or aliases,
-stable target names, and the view / cast op sets the passes follow.
-"""
+"""Op names, op sets and op counts of FX graphs, and small accessors of a node's arguments and users."""
 
 from __future__ import annotations
 
@@ -16,15 +14,14 @@ aten = torch.ops.aten
 
 
 def mutated_args(node: torch.fx.Node) -> list[Any]:
-    """The arguments an aten op node writes in place (``Tensor(a!)`` in its schema), positional or keyword; ``None``
-    for such an optional argument not given. ``node.target`` must be an ``OpOverload``."""
+    """The arguments an ``OpOverload`` node writes in place (``Tensor(a!)``); None for an optional one not given."""
     schema = node.target._schema
     args = [*node.args, *(node.kwargs.get(a.name) for a in schema.arguments[len(node.args):])]
     return [a for a, spec in zip(args, schema.arguments) if spec.alias_info is not None and spec.alias_info.is_write]
 
 
 def is_getitem(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is ``operator.getitem`` (an element of a tuple-returning node)."""
+    """Whether ``node`` is ``operator.getitem``."""
     return node.op == "call_function" and node.target is operator.getitem
 
 
@@ -44,8 +41,7 @@ def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def returns_view(target: Any) -> bool:
-    """Whether ``target`` is an op whose schema returns an alias of an input that it does not write
-    (``aten.view``, ``t``, ``split``, ``slice``, ...: a view, no kernel); False for non-ops."""
+    """Whether ``target`` is an op returning an alias of an input it does not write (a view: ``t``, ``split`` ...)."""
     return isinstance(target, torch._ops.OpOverload) and any(
         r.alias_info is not None and not r.alias_info.is_write for r in target._schema.returns)
 
@@ -60,17 +56,14 @@ def op_name(target: Any) -> str | None:
 
 
 def packet_name(node: torch.fx.Node) -> str | None:
-    """The op packet name of a ``call_function`` OpOverload node (``"mm"`` for ``aten.mm.default``)."""
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return op_name(node.target)
-    return None
+    """:func:`op_name` of a ``call_function`` OpOverload node, else None."""
+    is_op = node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    return op_name(node.target) if is_op else None
 
 
 def op_namespace(target: Any) -> str | None:
     """The namespace of an op (``"aten"``, ``"_c10d_functional"`` ...), None for non-ops."""
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return target.namespace
-    return None
+    return target.namespace if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) else None
 
 
 def target_name(node: torch.fx.Node) -> str:
@@ -107,13 +100,11 @@ def num_nodes(gm: Any) -> int | None:
     return None if graph is None else len(graph.nodes)
 
 
-#: Views with the same elements in another shape.
+#: View ops the passes follow: reshapes, views onto (part of) a buffer (FSDP: ``slice -> view``), permutes and
+#: broadcasts, and all of them.
 RESHAPE_OPS: frozenset = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-#: Views onto (part of) a buffer (a gathered FSDP buffer is read through ``slice -> view``).
 SLICE_OPS: frozenset = frozenset({aten.slice.Tensor, aten.alias.default, aten.as_strided.default})
-#: Views that reorder or broadcast dimensions.
 PERMUTE_OPS: frozenset = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default})
-#: Every view op the passes follow.
 VIEW_OPS: frozenset = RESHAPE_OPS | SLICE_OPS | PERMUTE_OPS | {aten.detach.default}
 #: dtype casts: ``aten._to_copy`` (make_fx's ``.to(dtype)``) and ``prims.convert_element_type``.
 CAST_OPS: frozenset = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})

@@ -1,13 +1,9 @@
 """Keep the collective schedule of the traced graph when Inductor compiles all of it.
 
-Not a pipeline pass: an Inductor ``post_grad_custom_post_pass`` (:class:`PinCollectivesPass`) of
-``full_inductor_pass(pin_collectives=True)`` (``--compile.full_inductor.pin_collectives``). Without
-it Inductor's ``reorder_for_peak_memory`` issues each collective just before its wait, undoing
-``overlap_collectives``. For each collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors
-``A1 .. Ak`` (``mm`` / ``addmm`` / ``bmm`` / ``_scaled_mm``: extern kernels Inductor never fuses),
-Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak`` (forward in the given
-order: the graph stays acyclic; a dependency on a wait would resolve to the issue's buffer).
-"""
+An Inductor ``post_grad_custom_post_pass`` (:class:`PinCollectivesPass`) of ``full_inductor_pass(pin_collectives=
+True)``; without it Inductor's ``reorder_for_peak_memory`` issues each collective just before its wait. For each
+collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors ``A1 .. Ak`` (matmuls: extern kernels Inductor
+never fuses), Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak``."""
 
 from __future__ import annotations
 

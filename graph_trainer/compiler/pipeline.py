@@ -1,9 +1,5 @@
-"""The pipeline: build it from the config and the registry, plan its memory levers, run it.
-
-:func:`build_pipeline` turns the ``[compile]`` config into the passes with their arguments
-(:mod:`graph_trainer.compiler.registry`); :func:`plan_pipeline` first lets the memory policy pick the levers left on
-``auto``; :func:`run_pipeline` runs the passes and records what each did (:mod:`graph_trainer.compiler.report`).
-"""
+"""The pipeline: build it from the config and the registry (:func:`build_pipeline`), let the memory policy pick
+the levers left on ``auto`` (:func:`plan_pipeline`), run it and record what each pass did (:func:`run_pipeline`)."""
 
 from __future__ import annotations
 
@@ -32,9 +28,8 @@ logger = logging.getLogger("graph_trainer")
 
 
 def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
-    """``(levers, fields the config sets)``: ``[compile.sac] save`` and ``[compile.fsdp]``
-    ``keep_last_blocks`` / ``bucket_blocks`` where set, ``cudagraph`` where ``--compile.passes`` or
-    ``disable_passes`` names it, the others from ``levers`` (else the leanest)."""
+    """``(levers, fields the config sets)``: the levers the config sets (``cudagraph``: where ``--compile.passes`` or
+    ``disable_passes`` names it), the others from ``levers`` (else the leanest)."""
     fsdp = compile_cfg.fsdp
     added, disabled = named_passes(compile_cfg)
     given = {
@@ -52,30 +47,17 @@ def build_pipeline(
     compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
     uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
-    """The passes ``compile_cfg`` (``graph_trainer.config.Compile``) runs, in the default order,
-    each with the arguments its declaration derives from the config.
-
-    Args:
-        layout: the model's ``graph_trainer.model.BlockLayout``; needed when blocks are kept or
-            bucketed (the config counts blocks, the passes parameters / collectives).
-        levers: the memory policy's choice for the levers left on ``auto``; None: the leanest.
-        deterministic: ``--debug.deterministic`` (no timed choices).
-        uses_flex_attention: the model uses FlexAttention.
-        tp_group_name: the TP process group's ``group_name``; None: found in the graph.
-        device_type: the type of the step's device (``"cuda"``, ``"cpu"``); None: not known.
-
-    Raises:
-        ValueError: as :func:`~graph_trainer.compiler.registry.resolve`; block options without ``layout``.
-    """
+    """The passes ``compile_cfg`` runs, in the default order, with the arguments their declarations derive from
+    it and the :class:`~.registry.PassContext` of the other arguments (``layout``: the model's ``BlockLayout``;
+    ``levers``: the memory policy's choice, None: the leanest). ``ValueError`` as :func:`~.registry.resolve`, and
+    for kept or bucketed blocks without ``layout``."""
     chosen, _ = configured_levers(compile_cfg, levers)
     ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
 
 
 def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
-    """Mean bytes per rank of one transformer block's FSDP all-gather outputs in ``gm`` (what
-    keeping a block gathered costs); 0 without FSDP all-gathers or ``layout``. The all-gathers
-    come in graph order, one per parameter in the model's order."""
+    """Mean bytes per rank of one block's FSDP all-gather outputs in ``gm``; 0 without them or ``layout``."""
     if layout is None or layout.n_blocks == 0:
         return 0
     sizes = [
@@ -91,17 +73,11 @@ def plan_pipeline(
     deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
     cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
-    """:func:`build_pipeline` after the memory policy picked the levers left on ``auto`` for the traced graph ``gm``
-    (:func:`graph_trainer.compiler.memory_policy.choose_levers`); each estimate runs the ``in_memory_trial`` passes
-    with the candidate's levers on a copy of ``gm`` and takes its static peak.
-
-    ``budget_bytes``: peak reserved bytes per rank to plan for; ``state_bytes``:
-    :func:`~graph_trainer.compiler.memory_policy.state_bytes`; ``has_fsdp``: traced FSDP shards
-    the parameters; ``cudagraph``: the step may replay as a CUDA graph (one process on a CUDA
-    device); ``device_type``: as :func:`build_pipeline`; ``estimates``: a dict shared by calls
-    that differ in the budget only, which keeps each graph estimate. Returns ``(pipeline, policy)``
-    (the policy only predicts the peak when the config sets every lever).
-    """
+    """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
+    left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
+    ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
+    ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
+    ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
     names = resolve(ctx)
@@ -145,24 +121,11 @@ def run_pipeline(
     gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
     dump_folder: str | None = None, quiet: bool = False, records: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
-    """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names, run with their
-    defaults) in order and return the final module.
-
-    Logs one line per pass (name, wall time, nodes before -> after, the pass's summary) and
-    appends each pass's :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given (with the
-    static peak of every graph state unless ``quiet``).
-
-    ``dump_folder``: writes ``<dump_folder>/graphs/00_input.py``, per pass ``NN_<pass>.py`` (the
-    readable graph after it, full ``custom`` annotations) and ``NN_<pass>.diff`` (against the
-    previous graph), and ``summary.json`` (the records plus op counts, rewritten after each pass).
-
-    With ``TORCH_TRACE`` (and not ``quiet``) emits tlparse artifacts ``graph_before_passes``,
-    ``graph_after_<pass>``, ``graph_diff_<pass>``, ``pass_record_<pass>``, then ``pass_table`` and
-    ``pass_records``. ``quiet``: no log lines, no artifacts (the memory policy's trials).
-
-    Raises:
-        ValueError: an unknown pass name; whatever a pass raises.
-    """
+    """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names) in order and return the final module;
+    log one line per pass and append its :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
+    ``dump_folder``: write ``graphs/`` there (the readable graph before and after each pass, diffs, ``summary.json``);
+    with ``TORCH_TRACE`` the same as tlparse artifacts. ``quiet``: no logs, artifacts or memory estimates. Raises
+    ``ValueError`` for an unknown pass name, and whatever a pass raises."""
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None

@@ -1,10 +1,5 @@
-"""The pass registry: what every graph pass declares, and the one place that reads it.
-
-A pass is a module of :mod:`graph_trainer.compiler.passes` with its function
-``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS`` (:class:`GraphPass`); the default order is
-:data:`graph_trainer.compiler.passes.ORDER`. The config (flags, ``--help``), preflight, the pipeline builder, the
-dry run and the report ask this module and name no pass. Adding a pass: ``docs/passes.md``.
-"""
+"""The pass registry: what every graph pass declares (a module of :mod:`graph_trainer.compiler.passes` with its
+function ``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS``), and the one place that reads it."""
 
 from __future__ import annotations
 
@@ -21,11 +16,9 @@ INDUCTOR_COMPILATION_MODES = ("regional", "full", "none")
 
 @dataclass
 class PassContext:
-    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the
-    ``[compile]`` section, the model's ``BlockLayout`` (None in unit tests), the memory policy's
-    ``Levers`` (None: the leanest), ``--debug.deterministic``, whether the model uses
-    FlexAttention, the TP group's ``group_name`` (None: not known / no TP) and the type of the
-    device the step runs on (``"cuda"``, ``"cpu"``; None: not known, as in the config check)."""
+    """What a pass's ``enabled`` / ``kwargs`` functions may read besides its options: the ``[compile]`` section,
+    the model's ``BlockLayout``, the memory policy's ``Levers`` (None: the leanest), ``--debug.deterministic``,
+    FlexAttention use, the TP group's ``group_name`` and the step's device type (None: not known)."""
 
     compile_cfg: Any
     layout: Any = None
@@ -38,46 +31,27 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
-    """One pass's declaration (the module-level ``PASS`` of its file).
+    """One pass's declaration (the module-level ``PASS`` of its file). ``options``: a dataclass of the pass's
+    ``[compile.<section>]`` options (its ``check()``, if any, raises ``ValueError``); ``kwargs(options, ctx)``: the
+    function's keyword arguments (default: the options' fields)."""
 
-    Attributes:
-        name: the canonical name (``--compile.passes`` / ``disable_passes``, logs, dumps).
-        fn: ``fn(gm, example_inputs, **kwargs) -> gm``.
-        options: a dataclass of the pass's options (``[compile.<section>]`` /
-            ``--compile.<section>.<field>``) or None; its ``check()``, if any, raises ``ValueError``.
-        section: the ``[compile.<section>]`` name; default: the module name.
-        enabled: ``enabled(ctx) -> bool``: the default pipeline runs the pass
-            (``--compile.passes`` / ``disable_passes`` add and remove on top).
-        kwargs: ``kwargs(options, ctx) -> dict``: the function's keyword arguments (default: the options' fields).
-        changes_numerics: the pass needs ``--compile.numerics_changing_optim``.
-        compiles: the pass compiles the graph (the dry run and memory trials skip it).
-        in_memory_trial: the memory policy runs it when it estimates a candidate's peak.
-        requires: passes that must run after it for it to have an effect.
-        excludes: passes that cannot run together with it.
-        aliases: other accepted spellings (the module name is always accepted).
-    """
-
-    name: str
-    fn: Callable[..., Any]
+    name: str  # canonical: --compile.passes / disable_passes, logs, dumps
+    fn: Callable[..., Any]  # fn(gm, example_inputs, **kwargs) -> gm
     options: type | None = None
-    section: str | None = None
-    enabled: Callable[[PassContext], bool] = lambda ctx: False
+    section: str | None = None  # default: the module name
+    enabled: Callable[[PassContext], bool] = lambda ctx: False  # the default pipeline runs it
     kwargs: Callable[[Any, PassContext], dict[str, Any]] | None = None
-    changes_numerics: bool = False
-    compiles: bool = False
-    in_memory_trial: bool = False
-    requires: tuple[str, ...] = ()
-    excludes: tuple[str, ...] = ()
-    aliases: tuple[str, ...] = ()
+    changes_numerics: bool = False  # needs --compile.numerics_changing_optim
+    compiles: bool = False  # the dry run and the memory trials skip it
+    in_memory_trial: bool = False  # the memory policy runs it to estimate a candidate's peak
+    requires: tuple[str, ...] = ()  # passes that must run after it for it to have an effect
+    excludes: tuple[str, ...] = ()  # passes that cannot run together with it
+    aliases: tuple[str, ...] = ()  # other accepted spellings (and always the module name)
 
 
 @functools.cache
 def registry() -> dict[str, GraphPass]:
-    """Canonical name -> :class:`GraphPass` (each module's ``PASS``) in the order of ``passes.ORDER``.
-
-    Raises:
-        TypeError: a module of the order without a ``PASS``, or two passes with one name.
-    """
+    """Canonical name -> :class:`GraphPass` in ``passes.ORDER``; ``TypeError`` for a missing or doubled ``PASS``."""
     from graph_trainer.compiler.passes import ORDER
 
     out: dict[str, GraphPass] = {}
@@ -87,31 +61,23 @@ def registry() -> dict[str, GraphPass]:
             raise TypeError(f"graph_trainer/compiler/passes/{module}.py defines no PASS = GraphPass(...)")
         if spec.name in out:
             raise TypeError(f"two passes are named {spec.name!r}")
-        if spec.section is None:
-            spec = dataclasses.replace(spec, section=module)
-        out[spec.name] = dataclasses.replace(spec, aliases=tuple(dict.fromkeys((module, *spec.aliases))))
+        out[spec.name] = dataclasses.replace(spec, section=spec.section or module,
+                                             aliases=tuple(dict.fromkeys((module, *spec.aliases))))
     return out
 
 
 def option_sections() -> list[tuple[str, type]]:
-    """``[(section, options dataclass)]`` of the passes with options, in pass order (the
-    fields the config adds to ``[compile]``)."""
+    """``[(section, options dataclass)]`` of the passes with options, in pass order."""
     return [(p.section, p.options) for p in registry().values() if p.options is not None]
 
 
 def options_of(spec: GraphPass, compile_cfg: Any) -> Any:
     """``spec``'s section of ``compile_cfg`` (its defaults if the config lacks it); None for a pass without options."""
-    if spec.options is None:
-        return None
-    return getattr(compile_cfg, spec.section, None) or spec.options()
+    return None if spec.options is None else getattr(compile_cfg, spec.section, None) or spec.options()
 
 
 def canonical_name(name: str) -> str:
-    """Canonical name for ``name`` (the name, ``<name>_pass``, the module name or an alias).
-
-    Raises:
-        ValueError: unknown name (the message lists the valid ones).
-    """
+    """Canonical name for ``name`` (or ``<name>_pass``, the module name, an alias); else ``ValueError``."""
     key = name.strip()
     for spec in registry().values():
         if key in (spec.name, f"{spec.name}_pass", *spec.aliases):
@@ -121,23 +87,16 @@ def canonical_name(name: str) -> str:
 
 def named_passes(compile_cfg: Any) -> tuple[set[str], set[str]]:
     """``(added, disabled)``: the canonical names ``--compile.passes`` / ``--compile.disable_passes`` list (each a
-    comma-separated string or a list of names).
-
-    Raises:
-        ValueError: an unknown name (the message lists the valid ones).
-    """
+    comma-separated string or a list of names); ``ValueError`` for an unknown name."""
     return tuple({canonical_name(n) for n in (v.split(",") if isinstance(v, str) else v or ()) if n.strip()}
                  for v in (compile_cfg.passes, compile_cfg.disable_passes))  # type: ignore[return-value]
 
 
 def resolve(ctx: PassContext) -> list[str]:
-    """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``,
-    plus ``--compile.passes``, less ``--compile.disable_passes``.
-
-    Raises:
-        ValueError: unknown names or ``inductor_compilation``; a numerics-changing pass without
-            ``numerics_changing_optim``; a pass without one it requires or with one it excludes.
-    """
+    """The pass names ``ctx.compile_cfg`` runs, in the default order: those ``enabled(ctx)``, plus
+    ``--compile.passes``, less ``--compile.disable_passes``. Raises ``ValueError`` for unknown names or
+    ``inductor_compilation``, a numerics-changing pass without ``numerics_changing_optim``, and a pass without one it
+    requires or with one it excludes."""
     cfg = ctx.compile_cfg
     if cfg.inductor_compilation not in INDUCTOR_COMPILATION_MODES:
         raise ValueError(f"--compile.inductor_compilation must be one of {', '.join(INDUCTOR_COMPILATION_MODES)}; "
@@ -149,23 +108,17 @@ def resolve(ctx: PassContext) -> list[str]:
     if changing and not cfg.numerics_changing_optim:
         raise ValueError(f"{', '.join(changing)} changes numerics: add --compile.numerics_changing_optim to enable it")
     for n in names:
-        missing = [r for r in reg[n].requires if r not in names[names.index(n):]]
-        if missing:
+        if missing := [r for r in reg[n].requires if r not in names[names.index(n):]]:
             raise ValueError(f"{n} only has an effect when {', '.join(missing)} runs after it, but the passes are "
                              f"{names} (--compile.inductor_compilation {cfg.inductor_compilation}); "
                              f"change the compilation or disable {n}")
-        clash = [x for x in reg[n].excludes if x in names]
-        if clash:
+        if clash := [x for x in reg[n].excludes if x in names]:
             raise ValueError(f"{n} and {', '.join(clash)} cannot run together")
     return names
 
 
 def check_options(compile_cfg: Any) -> None:
-    """Call ``check()`` on every options section of ``compile_cfg`` that has one.
-
-    Raises:
-        ValueError: what a ``check()`` raises (it names the flag).
-    """
+    """Call ``check()`` on every options section of ``compile_cfg`` that has one (its ``ValueError`` propagates)."""
     for spec in registry().values():
         options = options_of(spec, compile_cfg)
         if options is not None and hasattr(options, "check"):
@@ -185,12 +138,8 @@ class PipelineStep:
 
 
 def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
-    """The :class:`PipelineStep` of pass ``name`` (any spelling) with the arguments its options and
-    ``ctx`` give (no ``ctx``: the function's defaults).
-
-    Raises:
-        ValueError: unknown name.
-    """
+    """The :class:`PipelineStep` of pass ``name`` (any spelling) with the arguments its options and ``ctx`` give
+    (no ``ctx``: the function's defaults); ``ValueError`` for an unknown name."""
     spec = registry()[canonical_name(name)]
     if ctx is None:
         return PipelineStep(spec.name, spec.fn)

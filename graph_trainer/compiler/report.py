@@ -1,14 +1,5 @@
-"""What each pass of the pipeline did, in numbers (:func:`pass_record` from the
-:class:`GraphSnapshot` s before and after it; :func:`format_pass_table`) and text (readable dumps).
-
-Node kinds (:func:`node_kind`; the first rule that holds): placeholders, output and ``get_attr``
-are ``other``; ``region``: tagged ``compile_with_inductor`` or a call of a scooped / compiled
-region; ``getitem``; ``collective`` (an issue op); ``wait``; ``view`` (an aten op of
-:data:`VIEW_OP_NAMES`); ``compute`` (any other torch op); ``other`` (Python callables such as ``hold``).
-
-Structured trace: with ``TORCH_TRACE=<dir>`` every process writes a trace file, where
-:func:`trace_artifact` adds records that tlparse lists under ``[-/-]`` (no compile id).
-"""
+"""What each pass of the pipeline did, in numbers (:func:`pass_record` from the :class:`GraphSnapshot` s before and
+after it; :func:`format_pass_table`) and text (readable dumps, structured-trace artifacts)."""
 
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ logger = logging.getLogger("graph_trainer")
 
 NODE_KINDS: tuple[str, ...] = ("compute", "collective", "wait", "view", "getitem", "region", "other")
 
-#: aten view / reshape / alias ops (packet names: every overload counts).
+#: aten view / reshape / alias op packets.
 VIEW_OP_NAMES: frozenset[str] = frozenset({"view", "reshape", "alias", "expand", "permute", "transpose", "t",
                                            "slice", "select", "squeeze", "unsqueeze", "_unsafe_view", "as_strided"})
 
@@ -41,8 +32,7 @@ REGION_SUBMOD_PREFIX = "__marked_inductor_submod"
 
 
 def is_region_call(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls a whole Inductor region: a scooped ``__marked_inductor_submod*``
-    module or the compiled callable that replaced it (from ``torch._inductor``)."""
+    """Whether ``node`` calls a scooped Inductor region module or the compiled callable that replaced it."""
     if node.op == "call_module":
         return str(node.target).startswith(REGION_SUBMOD_PREFIX)
     if node.op != "call_function" or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -51,7 +41,9 @@ def is_region_call(node: torch.fx.Node) -> bool:
 
 
 def node_kind(node: torch.fx.Node) -> str:
-    """The kind of ``node``, one of :data:`NODE_KINDS` (rules in the module docstring)."""
+    """The kind of ``node``, one of :data:`NODE_KINDS`, by the first rule that holds: placeholders, output and
+    ``get_attr`` are ``other``; ``region``: tagged for Inductor or a region call; ``getitem``; ``collective`` (an
+    issue op); ``wait``; ``view`` (:data:`VIEW_OP_NAMES`); ``compute`` (any other torch op); else ``other``."""
     if node.op in ("placeholder", "output", "get_attr"):
         return "other"
     if is_tagged_for_inductor(node) or is_region_call(node):
@@ -73,27 +65,22 @@ def node_kind(node: torch.fx.Node) -> str:
 
 def kind_counts(gm: Any) -> dict[str, int] | None:
     """``{kind: nodes}`` for every kind of :data:`NODE_KINDS` plus ``"total"``; None without an FX graph."""
-    graph = fx_graph(gm)
-    if graph is None:
+    if (graph := fx_graph(gm)) is None:
         return None
     counts = Counter(node_kind(n) for n in graph.nodes)
     return {**{k: counts.get(k, 0) for k in NODE_KINDS}, "total": len(graph.nodes)}
 
 
 def call_targets(gm: Any) -> Counter:
-    """Counter of the :func:`~graph_trainer.compiler.ops.target_name` of ``gm``'s
-    ``call_function`` nodes (empty without an FX graph)."""
+    """Counter of the ``target_name`` of ``gm``'s ``call_function`` nodes (empty without an FX graph)."""
     graph = fx_graph(gm)
-    if graph is None:
-        return Counter()
-    return Counter(target_name(n) for n in graph.nodes if n.op == "call_function")
+    return Counter(target_name(n) for n in graph.nodes if n.op == "call_function") if graph else Counter()
 
 
 def count_regions(gm: Any) -> int | None:
     """Number of Inductor regions of ``gm``: distinct ``inductor_region`` ids of the tagged nodes
     (those without an id count as one) plus one per region call; None without an FX graph."""
-    graph = fx_graph(gm)
-    if graph is None:
+    if (graph := fx_graph(gm)) is None:
         return None
     regions: set[Any] = set()
     for n in graph.nodes:
@@ -110,8 +97,7 @@ def count_regions(gm: Any) -> int | None:
 
 
 def peak_memory_bytes(gm: Any) -> int | None:
-    """:func:`graph_trainer.compiler.memory_estimate.estimate_peak_memory` of ``gm`` in bytes; None
-    when it cannot be estimated (no FX graph, no ``meta["val"]``, or the estimator fails)."""
+    """``estimate_peak_memory`` of ``gm`` in bytes; None without an FX graph, fake values, or when it fails."""
     graph = fx_graph(gm)
     if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
         return None
@@ -133,13 +119,12 @@ class GraphSnapshot:
 
 def snapshot(gm: Any, *, memory: bool = True) -> GraphSnapshot:
     """A :class:`GraphSnapshot` of ``gm``; ``memory=False`` skips the memory estimate."""
-    memory_bytes = peak_memory_bytes(gm) if memory else None
-    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), memory_bytes)
+    peak = peak_memory_bytes(gm) if memory else None
+    return GraphSnapshot(kind_counts(gm), call_targets(gm), count_regions(gm), peak)
 
 
 def jsonable(obj: Any) -> Any:
-    """``obj`` if ``json.dumps`` takes it, else converted item by item (keys to ``str``, other
-    values to their ``repr``)."""
+    """``obj`` if ``json.dumps`` takes it, else converted item by item (keys to ``str``, other values to ``repr``)."""
     try:
         json.dumps(obj)
         return obj
@@ -153,10 +138,9 @@ def jsonable(obj: Any) -> Any:
 
 def pass_record(index: int, name: str, time_s: float, before: GraphSnapshot, after: GraphSnapshot, summary: str = "",
                 stats: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON-able record of one pass from the snapshots of its input and output: ``index``
-    (1-based), ``pass``, ``time_s``, ``nodes_*``, ``kinds_*`` (:func:`kind_counts`),
-    ``ops_added`` / ``ops_removed`` (``{op name: count}``), ``regions_*``, ``memory_*_bytes``
-    (static peak), ``summary`` and ``stats``; counts are None for a graph that is not FX."""
+    """The JSON-able record of one pass from the snapshots of its input and output: ``index`` (1-based), ``pass``,
+    ``time_s``, ``nodes_*``, ``kinds_*``, ``ops_added`` / ``ops_removed`` (``{op name: count}``), ``regions_*``,
+    ``memory_*_bytes`` (static peak), ``summary`` and ``stats``; counts are None for a graph that is not FX."""
     return {
         "index": index, "pass": name, "time_s": round(time_s, 4),
         "nodes_before": before.kinds["total"] if before.kinds else None,
@@ -180,17 +164,15 @@ def _count_cell(before: float | None, after: float | None, fmt: str = "{:g}") ->
 
 
 def _ops_cell(record: dict[str, Any], limit: int = 3) -> str:
-    changes = [(-n, f"+{n} {op}") for op, n in record.get("ops_added", {}).items()]
-    changes += [(-n, f"-{n} {op}") for op, n in record.get("ops_removed", {}).items()]
-    changes.sort()
+    changes = sorted([(-n, f"+{n} {op}") for op, n in record.get("ops_added", {}).items()]
+                     + [(-n, f"-{n} {op}") for op, n in record.get("ops_removed", {}).items()])
     cell = ", ".join(text for _, text in changes[:limit])
     return cell + (f", ... ({len(changes) - limit} more)" if len(changes) > limit else "")
 
 
 def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
-    """A fixed-width markdown table of :func:`pass_record` s: a row ``(input)``, then one per pass
-    with time (s), nodes (total and per kind, with changes), regions, peak MiB and the largest op
-    changes; ``""`` for no records."""
+    """A fixed-width markdown table of :func:`pass_record` s: a row ``(input)``, then one per pass with time (s),
+    nodes (total and per kind, with changes), regions, peak MiB and the largest op changes; ``""`` for none."""
     records = list(records)
     if not records:
         return ""
@@ -226,9 +208,7 @@ def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
 
 
 def readable_graph(gm: Any) -> str:
-    """``gm.print_readable`` with every node's full ``meta["custom"]`` as a ``# custom: {...}``
-    comment (torch's ``# Annotation:`` cuts values at 40 characters). Never raises: a module
-    that does not print gives its ``code`` or ``repr`` with the reason."""
+    """``gm.print_readable`` with every node's full ``meta["custom"]``; never raises (gives the reason)."""
     if not isinstance(gm, torch.fx.GraphModule):
         return f"# not an FX GraphModule: {type(gm).__qualname__}\n# {gm!r}\n"
     try:
@@ -245,9 +225,7 @@ def readable_graph(gm: Any) -> str:
 
 def graph_diff(before: str, after: str, before_name: str = "before", after_name: str = "after") -> str:
     """Unified diff of two :func:`readable_graph` texts; ``""`` when they are equal."""
-    return "".join(difflib.unified_diff(
-        before.splitlines(keepends=True), after.splitlines(keepends=True), before_name, after_name,
-    ))
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), before_name, after_name))
 
 
 def trace_enabled() -> bool:
@@ -258,15 +236,10 @@ def trace_enabled() -> bool:
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], Any], encoding: str = "string") -> None:
-    """Emit an ``artifact`` record ``name`` into torch's structured trace; ``payload_fn`` (called
-    only when the trace is on) returns text (``encoding="string"``) or a JSON-able object
-    (``"json"``). Never raises: a failed write is logged as a warning."""
+    """Emit an ``artifact`` record ``name`` into torch's structured trace; ``payload_fn`` (called only when the trace
+    is on) returns text (``encoding="string"``) or a JSON-able object (``"json"``). Never raises (logs a warning)."""
     try:
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": name, "encoding": encoding},
-            payload_fn=payload_fn,
-            expect_trace_id=False,
-        )
+        torch._logging.trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+                                        payload_fn=payload_fn, expect_trace_id=False)
     except Exception as e:
         logger.warning("structured trace artifact %s not written: %r", name, e)

@@ -1,9 +1,5 @@
-"""The graph passes, one per module, each ``(gm, example_inputs, **kwargs) -> gm`` with its
-declaration ``PASS`` beside it (:class:`graph_trainer.compiler.registry.GraphPass`).
-
-:data:`ORDER` is the one default order (module names). Adding a pass: its file here, its
-line in :data:`ORDER`, its test in ``tests/passes/`` (``docs/passes.md``).
-"""
+"""The graph passes, one per module, each ``(gm, example_inputs, **kwargs) -> gm`` with its declaration ``PASS``
+(:class:`graph_trainer.compiler.registry.GraphPass`); :data:`ORDER` is the default order (``docs/passes.md``)."""
 
 ORDER = [
     "remove_dead_code",

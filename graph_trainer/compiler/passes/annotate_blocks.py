@@ -1,16 +1,10 @@
 """Tag each transformer block's forward and backward as Inductor regions: whole-block fusion
 like ``full_inductor``, compiled once per distinct region instead of once per block.
 
-Matches: every aten op node (:func:`compilable`) but collectives and waits (unless ``collectives``), in-place ops on
-anything but the region's own intermediates, and ops on one-element CPU tensors beside an accelerator. Its region is
-its block (the ``layers.<i>`` prefix of its module FQN, else ``rest``) and phase; a node without a module FQN
-(FSDP's copies, mixed-precision casts) joins the run before it.
-
-Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
-"block_<block>_<phase>_<run>"}`` on the matched nodes, replacing the tags (and eager-rounding
-marks) of the annotation passes before it. Changes numerics as the whole-graph compile does:
-``--compile.numerics_changing_optim``. Measured: ``docs/perf_archive.md``, "Regions per transformer block".
-"""
+Matches: every :func:`compilable` node. Its region is its block (:func:`block_of`) and phase; a node without a module
+FQN joins the run before it. Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
+"block_<block>_<phase>_<run>"}``, replacing the tags (and eager-rounding marks) of the annotation passes before it.
+Changes numerics as the whole-graph compile does."""
 
 from __future__ import annotations
 
@@ -33,10 +27,8 @@ BLOCKS_PREFIX = "layers"
 
 
 def block_of(node: torch.fx.Node) -> str | None:
-    """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for one of another module, None
-    for a node without a module FQN."""
-    fqn = module_fqn_of(node)
-    if fqn is None:
+    """``"layers.<i>"`` for a node of block ``i``, ``"rest"`` for another module, None without a module FQN."""
+    if (fqn := module_fqn_of(node)) is None:
         return None
     parts = fqn.split(".")
     return ".".join(parts[:2]) if len(parts) > 1 and parts[0] == BLOCKS_PREFIX else "rest"
@@ -49,10 +41,9 @@ def _tensors(val: Any) -> list[torch.Tensor]:
 
 def compilable(node: torch.fx.Node, device: torch.device | None, region: set[torch.fx.Node] = frozenset(),
                collectives: set[torch.fx.Node] = frozenset()) -> bool:
-    """Whether ``node`` may join a block region: an aten op producing tensors, not a collective
-    or a wait unless in ``collectives``, mutating nothing but nodes of ``region`` (the region's
-    own intermediates), and (with ``device`` an accelerator) none of its tensors on the CPU
-    (one-element CPU tensors stay eager, as Inductor would copy them to the device on every call)."""
+    """Whether ``node`` may join a block region: an aten op producing tensors, not a collective or a wait unless in
+    ``collectives``, mutating nothing but nodes of ``region``, and (with ``device`` an accelerator) none of its
+    tensors on the CPU."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
@@ -61,26 +52,19 @@ def compilable(node: torch.fx.Node, device: torch.device | None, region: set[tor
     if target._schema.is_mutable and not all(a in region for a in mutated_args(node)):
         return False
     outs = _tensors(node.meta.get("val"))
-    if not outs:
-        return False
-    if device is not None and device.type != "cpu":
-        ins = [v for u in node.all_input_nodes for v in _tensors(u.meta.get("val"))]
-        if any(t.device.type == "cpu" for t in outs + ins):
-            return False
-    return True
+    if not outs or device is None or device.type == "cpu":
+        return bool(outs)
+    ins = [v for u in node.all_input_nodes for v in _tensors(u.meta.get("val"))]
+    return not any(t.device.type == "cpu" for t in outs + ins)
 
 
 def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
               collectives: set[torch.fx.Node]) -> dict[torch.fx.Node, str]:
-    """One pass of tagging (:func:`annotate_blocks_pass`); returns ``{node: run id}`` of the tagged
-    nodes. A ``hold`` of a wait in ``collectives`` counts as part of its run (it is stripped after)."""
-    current: str | None = None  # block and phase of the run
-    run = ""  # its region id
+    """One pass of tagging (:func:`annotate_blocks_pass`); returns ``{node: run id}`` of the tagged nodes."""
+    current, run, n_runs, broken = None, "", 0, False  # the run's block and phase, its region id
     members: set[torch.fx.Node] = set()  # the run's nodes, their getitems and holds
     downstream: set[torch.fx.Node] = set()  # nodes outside the run computed from it
     run_of: dict[torch.fx.Node, str] = {}
-    n_runs = 0
-    broken = False
     for node in gm.graph.nodes:
         untag_for_inductor(node)
         if (is_getitem(node) or node.target is hold) and node.args[0] in members:
@@ -106,13 +90,10 @@ def _tag_runs(gm: torch.fx.GraphModule, device: torch.device | None,
 
 def annotate_blocks_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
                          collectives: bool = False) -> torch.fx.GraphModule:
-    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring). A region is a run of
-    consecutive matched nodes of one block and phase, cut where a node would read a value computed from the run
-    outside it (so it fuses without a dependency cycle) and after an in-place op left eager.
-
+    """Tag ``gm``'s nodes into regions of one block and phase each (module docstring): runs of consecutive matched
+    nodes, cut where a node would read a value computed from the run outside it and after an eager in-place op.
     ``collectives``: a collective and its ``wait_tensor`` join a region when both land in the same one (the ``hold``
-    after the wait is removed); a pair that would not is left eager and the tagging runs again. Stats: ``nodes``
-    tagged, ``regions``, ``blocks`` (with ``rest``), ``collectives`` (issues compiled inside a region)."""
+    after the wait is removed). Stats: ``nodes``, ``regions``, ``blocks``, ``collectives``."""
     device = accelerator_of(gm)
     pairs = {node: wait for node in gm.graph.nodes if collectives and is_collective(node) and not is_wait(node)
              and (wait := sole_wait(node)) is not None}

@@ -1,28 +1,17 @@
 """Tag chains of exactly rounded pointwise ops as Inductor regions that keep eager's bits.
 
-Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded IEEE operation (computed
-in fp32, rounded to the output dtype). A fused kernel gives the same bits if it also rounds after every op and
-contracts no ``a * b + c`` into an FMA: Inductor does both under :data:`EAGER_NUMERICS`, so these regions save the
-intermediates' trips through memory without ``--compile.numerics_changing_optim``. On CUDA SiLU and its backward join
-too (``activations``: IEEE division with ``eager_numerics.division_rounding``, the backward rewritten as eager's
-kernel computes it, :func:`exact_silu_backward`). Other transcendental ops, division and reductions round
-differently when fused and are left out.
+Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded operation. A fused kernel
+gives the same bits if it also rounds after every op and contracts no ``a * b + c`` into an FMA: Inductor does both
+under :data:`EAGER_NUMERICS`, so these regions need no ``--compile.numerics_changing_optim``. On CUDA SiLU and its
+backward join too (:func:`exact_silu_backward`). Other transcendental ops, division and reductions are left out.
 
 Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of at least ``min_ops``
-:func:`is_exact` ops; on CUDA also (a CPU region is a C++ compile) each ``cat`` of casts (``cast_cats``,
-:func:`cast_cat_region`: FSDP's buckets, each cast writing into its slice) and each lone widening cast (bf16 / fp16
-to fp32) of at least :data:`LONE_CAST_BYTES` (``lone_casts``: eager's casting kernel is unvectorized).
+:func:`is_exact` ops; on CUDA also each :func:`cast_cat_region` and each :func:`is_lone_cast`.
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
-"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor's lowering rounds
-after this op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula.
-
-Applies: by default on CUDA under regional Inductor (``--compile.disable_passes exact_pointwise`` turns it off);
-elsewhere with ``--compile.passes exact_pointwise`` (torch 2.11's C++ backend folds the bf16 round trip away).
-Bitwise equality with eager: tested on the CPU with torch >= 2.13 and with Triton on CUDA
-(``tests/passes/test_annotate_exact_pointwise.py``); GPU runs and speed: ``docs/perf_archive.md``, "Eager-exact
-pointwise regions".
-"""
+"exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor rounds after the
+op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula. On by
+default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``."""
 
 from __future__ import annotations
 
@@ -44,11 +33,9 @@ aten = torch.ops.aten
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
 EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",
                        "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge"})
-#: aten op packets that fused Triton code computes with eager CUDA's bits under
-#: :data:`EAGER_NUMERICS` (not eager CPU's: its SiLU's ``exp`` is another approximation).
+#: aten op packets that fused Triton code computes with eager CUDA's bits under :data:`EAGER_NUMERICS`.
 EXACT_CUDA_ACTIVATIONS = frozenset({"silu", "silu_backward"})
-#: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of
-#: denormals (eager's CUDA kernels keep them), IEEE division.
+#: Inductor configs of the regions: round after every op, no FMA contraction, no flushing of denormals, IEEE division.
 EAGER_NUMERICS = {"emulate_precision_casts": True, "eager_numerics.disable_ftz": True,
                   "eager_numerics.division_rounding": True}
 #: Smallest output of a lone cast that gets a region of its own (a compile per shape).
@@ -58,10 +45,8 @@ _LOW = (torch.bfloat16, torch.float16)
 
 def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
     """Whether ``node`` is an op of :data:`EXACT_OPS` (with ``activations``, also one of
-    :data:`EXACT_CUDA_ACTIVATIONS` on a CUDA tensor) that fused code computes with eager's bits.
-    Excluded: ``add`` / ``sub`` with ``alpha`` other than 1 (a multiply-add), and a Python number
-    beside a bf16 / fp16 tensor unless that dtype holds it exactly (eager may round the number
-    to the tensor's dtype first, Inductor computes with it in fp32)."""
+    :data:`EXACT_CUDA_ACTIVATIONS` on a CUDA tensor) that fused code computes with eager's bits. Excluded: ``add`` /
+    ``sub`` with ``alpha`` other than 1, and a Python number beside a bf16 / fp16 tensor that dtype does not hold."""
     name = packet_name(node)
     if activations and name in EXACT_CUDA_ACTIVATIONS:
         val = node.meta.get("val")
@@ -75,10 +60,8 @@ def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
 
 
 def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
-    """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every
-    non-view op: its tensor inputs and its output), and as one fused kernel (the inputs from
-    outside the region once, the outputs used outside it). Views move nothing; sizes:
-    :func:`~graph_trainer.compiler.graph_values.val_bytes` of ``meta["val"]``."""
+    """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every exact op's inputs and
+    output), and as one fused kernel (the inputs from outside once, the outputs used outside)."""
     def nbytes(nodes):
         return sum(val_bytes(n.meta.get("val")) for n in nodes)
 
@@ -89,7 +72,7 @@ def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
 
 
 def _plain_cast(node: torch.fx.Node) -> bool:
-    """An untagged ``_to_copy`` of a CUDA tensor that changes only the dtype (and names the layout / device)."""
+    """An untagged ``_to_copy`` of a CUDA tensor that changes only the dtype."""
     if packet_name(node) != "_to_copy" or not set(node.kwargs) <= {"dtype", "layout", "device"} \
             or is_tagged_for_inductor(node):
         return False
@@ -99,10 +82,7 @@ def _plain_cast(node: torch.fx.Node) -> bool:
 
 
 def is_lone_cast(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an untagged ``_to_copy`` that only widens bf16 / fp16 to fp32 on a
-    CUDA device (the autograd's casts also name the strided layout and the same device), with an
-    output of at least :data:`LONE_CAST_BYTES`. CPU casts stay eager: the gain is CUDA's
-    unvectorized kernel, and a CPU region is a C++ compile."""
+    """Whether ``node`` is a :func:`_plain_cast` from bf16 / fp16 to fp32 of at least :data:`LONE_CAST_BYTES`."""
     if not _plain_cast(node):
         return False
     src, out = node.args[0].meta["val"], node.meta["val"]
@@ -111,9 +91,8 @@ def is_lone_cast(node: torch.fx.Node) -> bool:
 
 def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
     """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged ``aten.cat`` on
-    a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the views
-    (``view`` / ``reshape`` / ``_unsafe_view``) between, each used only on that path. None when no input is such a
-    cast. Nothing else reads a member but ``cat``'s users, so the region forms no cycle."""
+    a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the reshapes
+    between, each used only on that path. None when no input is such a cast."""
     val = cat.meta.get("val")
     if (cat.op != "call_function" or cat.target is not aten.cat.default or is_tagged_for_inductor(cat)
             or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
@@ -131,11 +110,10 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
 
 
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel, which Inductor
-    (``EAGER_NUMERICS``) lowers to the same instructions: in fp32, ``s = 1.0 / (1 + exp(-x))`` (a float numerator:
-    IEEE division, where ``1 / t`` would not be), ``dy * s * fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's
-    ``1 + x * (1 - s)``), cast to the output dtype. Each new node copies ``node``'s meta (phase, module, region tag)
-    with its own fake ``val``. Returns the new nodes; ``node`` is erased."""
+    """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel: in fp32, ``s = 1.0 / (1 +
+    exp(-x))`` (IEEE division), ``dy * s * fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's ``1 + x * (1 -
+    s)``), cast to the output dtype. Each new node copies ``node``'s meta with its own fake ``val``. Returns the new
+    nodes; ``node`` is erased."""
     graph, (dy, x) = node.graph, node.args
 
     def op(target, *args, **kwargs):
@@ -162,10 +140,8 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
                                   cast_cats: bool = True) -> torch.fx.GraphModule:
     """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``), with ``cast_cats``
     each :func:`cast_cat_region` outside them, and with ``lone_casts`` each :func:`is_lone_cast` outside both, as
-    one eager-numerics region for ``regional_inductor``; ``ValueError`` for ``min_ops < 1``. Stats: those of
-    ``tag_regions`` (compiler/matching.py), ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` /
-    ``fused_bytes`` (:func:`region_traffic` of the chains, summed: the memory traffic they save a step is their
-    difference)."""
+    one eager-numerics region; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``, ``cast_cats``
+    and ``lone_casts`` (their regions), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic` of the chains)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))

@@ -1,13 +1,9 @@
 """Tag FlexAttention higher-order ops for regional Inductor compilation (FlexAttention is only
 fast with the kernel Inductor generates).
 
-Matches: ``torch.ops.higher_order.flex_attention`` / ``flex_attention_backward`` nodes.
-
-Changes: tags each call, its ``getitem`` users and the ``get_attr`` nodes of its score_mod /
-mask_mod / joint sub-graphs (a sub-graph must live inside the region) with ``compile_with_inductor
-= {"inductor_configs": {}, "inductor_region": "flex_attention_<phase>_<i>"}``, one region per call.
-A ``get_attr`` shared by several calls is duplicated so each call owns its copy.
-"""
+Tags each ``flex_attention`` / ``flex_attention_backward`` call, its ``getitem`` users and the ``get_attr`` nodes of
+its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
+"flex_attention_<phase>_<i>"}``, one region per call."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ from graph_trainer.compiler.registry import GraphPass
 
 def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
                                                        example_inputs=None) -> torch.fx.GraphModule:
-    """Tag every FlexAttention call with its getitems and sub-graph get_attrs, one region per
-    call. Stats: ``forward``, ``backward``, ``regions``."""
+    """Tag every FlexAttention call as its own region. Stats: ``forward``, ``backward``, ``regions``."""
     hop = torch.ops.higher_order
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function"

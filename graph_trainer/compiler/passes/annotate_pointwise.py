@@ -1,12 +1,8 @@
 """Tag chains of pointwise ops as Inductor regions: SwiGLU, residual adds, casts, the loss.
 
-Matches: the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` (chains of pointwise,
-reduction and cast ops, the loss's included, of one phase and module, acyclic), each with at least ``min_ops``
-non-view ops. So Inductor fuses each chain while matmuls stay eager and no kernel mixes forward and backward.
-
-Changes: ``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``
-on the chosen nodes. Changes numerics (fused bf16 chains in fp32): opt-in.
-"""
+Matches the regions of :func:`graph_trainer.compiler.matching.find_pointwise_regions` and tags them
+``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``. Changes numerics
+(fused bf16 chains in fp32): opt-in."""
 
 from __future__ import annotations
 

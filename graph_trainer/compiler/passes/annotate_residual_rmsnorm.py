@@ -1,22 +1,9 @@
 """Grow every RMSNorm region by its residual add: one fused add + RMSNorm kernel.
 
-TransformerEngine's and Megatron's fused kernel: Llama3's blocks compute ``h = x + attention(attention_norm(x))``
-and ``out = h + feed_forward(ffn_norm(h))``, so every norm but the first reads a residual add's output, which the
-fused kernel writes once and reduces in place. In the backward the gradient of ``h`` (norm backward's input gradient
-plus the residual path's) joins the norm backward's region. Runs after ``annotate_rmsnorm_for_regional_inductor``
-and reads only its ``inductor_region`` ids (``rmsnorm_<kind>_<i>``).
-
-Matches, per RMSNorm region:
-
-* **forward** (``rmsnorm_forward_*``): the region's input when exactly one input is an untagged
-  ``aten.add.Tensor`` of two tensors (the first norm reads the embedding: left as it is).
-* **backward** (``rmsnorm_backward_*``): each untagged ``aten.add.Tensor`` user of a region node
-  with the shape of one of the region's activation inputs (2-D or more).
-
-Changes: the add gets the region's ``compile_with_inductor`` annotation; no node is added,
-removed or rewired. Numerics change like the RMSNorm pass's (``--compile.numerics_changing_optim``);
-opt-in with ``--compile.passes residual_rmsnorm``.
-"""
+Runs after ``annotate_rmsnorm_for_regional_inductor`` and tags into a ``rmsnorm_forward_*`` region its input when
+exactly one input is an untagged ``aten.add.Tensor`` of two tensors, and into a ``rmsnorm_backward_*`` region each
+such add reading a region node with the shape of one of the region's activation inputs (2-D or more). Changes
+numerics like the RMSNorm pass."""
 
 from __future__ import annotations
 
@@ -42,8 +29,7 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 def annotate_residual_rmsnorm_for_regional_inductor_pass(gm: torch.fx.GraphModule,
                                                          example_inputs=None) -> torch.fx.GraphModule:
-    """Tag each RMSNorm region's residual add into the region (module docstring); returns ``gm``, annotations changed
-    in place. Stats: ``forward`` / ``backward`` (adds joined), ``regions`` (norm regions seen)."""
+    """Tag each RMSNorm region's residual add into it. Stats: ``forward``, ``backward``, ``regions``."""
     regions: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         region = _region(node)

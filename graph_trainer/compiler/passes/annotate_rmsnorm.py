@@ -1,16 +1,9 @@
 """Tag every RMSNorm (forward and backward) as its own regional Inductor region.
 
-Eager RMSNorm is memory bound; Inductor compiles each norm into one or two fused kernels. This
-changes numerics slightly (reduction order), so it runs only with ``--compile.numerics_changing_optim``.
-
-Matches: :func:`~graph_trainer.compiler.matching.find_rmsnorm_instances`: **fused** norms (CUDA
-traces: ``aten._fused_rms_norm`` / ``_fused_rms_norm_backward`` with their ``getitem`` s) and
-**decomposed** ones (CPU traces: one module's nodes of one phase computing
-``rsqrt(mean(x ** 2) + eps)`` or of a module named ``*norm``, split where they would form a cycle).
-
-Changes: ``compile_with_inductor = {"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus
-``"candidate_inductor_configs"`` when tuning) on every node of a norm; nothing is added, removed or rewired.
-"""
+Eager RMSNorm is memory bound; Inductor compiles each norm (:func:`~.matching.find_rmsnorm_instances`) into one or
+two fused kernels, with slightly different numerics (reduction order). Changes: ``compile_with_inductor =
+{"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when
+tuning) on every node of a norm."""
 
 from __future__ import annotations
 
@@ -34,9 +27,8 @@ logger = logging.getLogger("graph_trainer")
 DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 
 #: Config sets ``regional_inductor`` also compiles and times on CUDA per distinct RMSNorm region
-#: (``--compile.rmsnorm.tune``): split sizes of the norm backward's mix-order reduction (``dx`` rows
-#: fused with ``dw`` columns), and no mix-order reduction (``dx`` and ``dw`` apart, faster at the
-#: 1B's 8192 x 2048); no fixed choice wins on every shape (docs/perf_archive.md, RMSNorm microbenchmark).
+#: (``--compile.rmsnorm.tune``): split sizes of the norm backward's mix-order reduction, or none; no fixed choice
+#: wins on every shape.
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction": False},
     {"triton.mix_order_reduction_split_size": 32},
@@ -47,8 +39,7 @@ DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
 ]
 
 def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A dict copy of ``inductor_configs`` (None: ``{}``); raises ``ValueError`` naming each key
-    not in ``torch._inductor.config`` and the closest valid keys."""
+    """A dict copy of ``inductor_configs``; ``ValueError`` naming unknown Inductor config keys and close ones."""
     import torch._inductor.config as inductor_config
 
     valid = set(inductor_config.get_config_copy())
@@ -70,14 +61,11 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     candidate_configs: list[dict[str, Any]] | None = None,
 ) -> torch.fx.GraphModule:
     """Tag each RMSNorm instance (:func:`find_rmsnorm_instances`) as its own region ``rmsnorm_<kind>_<i>``.
-
-    ``inductor_configs`` (default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) and ``candidate_configs`` (also compiled
-    and timed by ``regional_inductor``, CUDA only) go into every tag; an unknown ``torch._inductor.config`` key
-    raises ``ValueError``. Stats: instances per kind and form, ``regions``, ``nodes``, ``getitems`` and the configs.
-    """
-    configs = validate_inductor_configs(
-        DEFAULT_RMSNORM_INDUCTOR_CONFIGS if inductor_configs is None else inductor_configs
-    )
+    ``inductor_configs`` (default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) and ``candidate_configs`` go into every
+    tag; an unknown ``torch._inductor.config`` key raises ``ValueError``. Stats: instances per kind and form,
+    ``regions``, ``nodes``, ``getitems`` and the configs."""
+    default = inductor_configs is None
+    configs = validate_inductor_configs(DEFAULT_RMSNORM_INDUCTOR_CONFIGS if default else inductor_configs)
     candidates = [validate_inductor_configs(c) for c in candidate_configs or []]
     instances = find_rmsnorm_instances(gm.graph)
     counts = {"forward": 0, "backward": 0, "recompute": 0, "fused": 0, "decomposed": 0}

@@ -1,27 +1,15 @@
 """Async TP: fuse TP's all-gather -> matmul and matmul -> reduce-scatter pairs into torch's
 micro-pipelined symmetric-memory ops, on the TP process group only.
 
-* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A`` on dim ``d``
-  (``split`` / ``slice`` s -> ``cat``, or funcol's one ``view`` when the dims before ``d`` are 1), then no-op ops;
-  SAC's copies of the layout read the fused op's ``A``. Every same-phase ``aten.mm`` reading ``A`` as left operand
-  (directly or through ``view(A, [M, K])``) joins one ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` (chunks in rank order)
-  of one ``mm`` (or ``view(mm(view(A)))``) nothing else reads, also through the ``view`` that
-  ``remove_noop_views`` leaves of DTensor's ``cat(chunk(t, g, dim=d), dim=0)`` (:func:`_chunks_view`);
-  or of a sum of such matmuls (the backward's input gradients of q/k/v, of w1/w3), merged first into
-  one ``mm(cat(A_i, -1), cat(B_i, 0))`` (:mod:`graph_trainer.compiler.matmul_sums`; opt-in:
-  ``--compile.async_tp.merge_matmul_sums``).
+* **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A``
+  (:func:`_rebuild_layout`); every same-phase ``aten.mm`` reading ``A`` as left operand joins one
+  ``fused_all_gather_matmul``.
+* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads, or of
+  a sum of such matmuls merged first into one (:mod:`graph_trainer.compiler.matmul_sums`; opt-in).
 
-Left, with the reason in the summary: last-dim gathers / scatters, reduce-scatters of a sum that
-does not merge (a term not a matmul, or read elsewhere; terms of other shapes, dtypes or phases),
-matmuls of another phase or whose right operand depends on ``A``. Not Inductor's
-``micro_pipeline_tp_pass``: it matches ``aten.reshape`` (make_fx records ``view``), misses the
-one-``view`` layout and SAC's copies, fuses across phases and leaves no fake values
-(tests/passes/test_async_tp.py). Rewrites on a fake process group (the dry run) or on CUDA with
-NCCL once symmetric memory is set up for the TP group; else skips, the graph unchanged. Numerics: the
-same products in ``M / g``-row chunks, not guaranteed bitwise (a merged sum: added in one matmul's
-reduction); permuted outputs are copied to the traced layout.
-"""
+Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
+``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
+group (the dry run) or on CUDA with symmetric memory; else skips. Numerics: not guaranteed bitwise."""
 
 from __future__ import annotations
 
@@ -40,8 +28,8 @@ import torch.fx
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.collectives import collective_kind, group_name_of, shard_chain, sole_wait
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, shape_of, tensor_val
-from graph_trainer.compiler.matmul_sums import (Matmul, MatmulSum, call_like, fake_call, matmul_of, matmul_sum_of,
-                                                merge_matmul_sum)
+from graph_trainer.compiler.matmul_sums import (MM_OPS, Matmul, MatmulSum, call_like, fake_call, matmul_of,
+                                                matmul_sum_of, merge_matmul_sum)
 from graph_trainer.compiler.node_meta import add_process_setup, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
@@ -51,7 +39,6 @@ aten = torch.ops.aten
 #: Values of ``--compile.async_tp.fuse``: both kinds of pair, or one.
 FUSE_CHOICES = ("all", "all_gather_matmul", "matmul_reduce_scatter")
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default})
-_MM = frozenset({aten.mm.default})
 _NOOPS = RESHAPE_OPS | {aten.alias.default, aten.slice.Tensor}
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -73,8 +60,7 @@ class AllGatherMatch:
 
 @dataclass
 class ReduceScatterMatch:
-    """A TP reduce-scatter of a matmul's output, or of a sum of matmuls ``matmul_sum`` to merge into
-    one (:mod:`graph_trainer.compiler.matmul_sums`); ``reason``: why it stays unfused."""
+    """A TP reduce-scatter of a matmul's output or of a ``matmul_sum``; ``reason``: why it stays unfused."""
 
     rs: torch.fx.Node
     wait: torch.fx.Node | None = None
@@ -97,9 +83,7 @@ class AsyncTPPlan:
 
 
 def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, ...], g: int):
-    """``(gathered tensor, gather dim, nodes)`` when ``user`` of ``wait`` starts a layout that
-    rebuilds the gathered tensor from the rank-major buffer, then the no-op ops read only there
-    (DTensor's full-range ``slice`` trims an uneven shard's padding), else None."""
+    """``(gathered tensor, gather dim, nodes)`` when ``user`` starts rebuilding the gathered tensor; else None."""
     found = None
     if user.op != "call_function":
         return None
@@ -147,13 +131,13 @@ def _consumer_matmuls(res: torch.fx.Node, user: torch.fx.Node) -> list[Matmul]:
     shape = shape_of(res)
     if shape is None:
         return []
-    if is_call(user, _MM) and user.args[0] is res and len(shape) == 2:
+    if is_call(user, MM_OPS) and user.args[0] is res and len(shape) == 2:
         return [Matmul(user, res, user.args[1])]
     if not is_call(user, RESHAPE_OPS) or len(shape) < 2 or shape_of(user) != (math.prod(shape[:-1]), shape[-1]):
         return []
     out = []
     for mm in user.users:
-        if not is_call(mm, _MM) or mm.args[0] is not user or mm.args[1] is user:
+        if not is_call(mm, MM_OPS) or mm.args[0] is not user or mm.args[1] is user:
             continue
         n = (shape_of(mm) or (0, 0))[1]
         posts = [p for p in mm.users if is_call(p, RESHAPE_OPS) and shape_of(p) == (*shape[:-1], n)]
@@ -174,9 +158,8 @@ def _ancestors_after(roots: list[Any], lo: int, order: dict[torch.fx.Node, int])
 
 
 def _match_all_gather(ag: torch.fx.Node, order: dict[torch.fx.Node, int]) -> AllGatherMatch:
-    """``ag``'s layout and matmuls, or why it stays unfused. Either every reader of the wait
-    rebuilds the gathered tensor (the layout of the all-gather's phase is ``res``, SAC's copies
-    are ``copies``) or the first reader does not (gather on dim 0: ``res`` is the wait)."""
+    """``ag``'s layout and matmuls, or why it stays unfused. Either every reader of the wait rebuilds the gathered
+    tensor (the all-gather's phase's layout is ``res``, SAC's are ``copies``) or none does (``res`` is the wait)."""
     m = AllGatherMatch(ag)
     wait = m.wait = sole_wait(ag)
     if wait is None:
@@ -235,10 +218,8 @@ def _chunk_index(part: torch.fx.Node) -> int | None:
 
 
 def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | None:
-    """The scatter dimension of ``t`` when ``x = view(t, [g, S / g, *rest])`` of ``t``'s shape
-    ``[1, .., 1, S, *rest]``, scattered on dim 0 into ``g = group_size`` chunks: the same chunks as
-    scattering ``t`` on the dimension of ``S`` (``remove_noop_views``' view in place of DTensor's
-    ``cat(chunk(t, g, dim=d), dim=0)``). Else None."""
+    """The dimension of ``S`` when ``x = view(t, [g, S / g, *rest])`` of ``t`` of shape ``[1, .., 1, S, *rest]`` is
+    scattered on dim 0 into ``g = group_size`` chunks (the same chunks as scattering ``t`` there); else None."""
     if scatter_dim != 0 or not is_call(x, RESHAPE_OPS) or len(x.users) != 1 or len(x.args[0].users) != 1:
         return None
     inner, outer = shape_of(x.args[0]), shape_of(x)
@@ -252,8 +233,7 @@ def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | N
 
 def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int],
                           merge_sums: bool) -> ReduceScatterMatch:
-    """``rs`` as Inductor's ``find_reduce_scatter_patterns`` matched it (``found``), checked; with
-    ``merge_sums``, a sum of matmuls is matched as the one matmul it merges into."""
+    """``rs`` as ``find_reduce_scatter_patterns`` matched it (``found``), checked, or why it stays unfused."""
     m = ReduceScatterMatch(rs)
     if len(rs.users) != 1 or rs not in found:
         m.reason = ("reduce-scatter not followed by exactly one wait" if len(rs.users) != 1
@@ -294,9 +274,7 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
 
 def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = None,
                           merge_matmul_sums: bool = False) -> AsyncTPPlan:
-    """Every all-gather and reduce-scatter of ``gm`` on the TP group (``tp_group_name``, or
-    inferred) with its match (module docstring); ``merge_matmul_sums``: a reduce-scatter of a sum
-    of matmuls is fusible (:class:`AsyncTPOptions`). Reads only."""
+    """Every all-gather and reduce-scatter on the TP group with its match (module docstring). Reads only."""
     if tp_group_name is None:  # the one group of the all-gathers of activations
         groups = sorted({str(group_name_of(n)) for n in gm.graph.nodes
                          if collective_kind(n) == "all_gather_into_tensor" and shard_chain(n) is None})
@@ -339,8 +317,7 @@ def _erase_unused(graph: torch.fx.Graph, nodes: list[torch.fx.Node | None]) -> N
 
 
 def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, fake_mode) -> int:
-    """Replace ``m`` by one ``fused_all_gather_matmul`` at the all-gather (the nodes the right
-    operands need moved before it); returns the contiguous copies added."""
+    """Replace ``m`` by one ``fused_all_gather_matmul`` at the all-gather; returns the contiguous copies added."""
     op = torch.ops.symm_mem.fused_all_gather_matmul.default
     ag = m.ag
     order = positions(graph)
@@ -398,8 +375,7 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_nam
 
 
 def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], group_size: int) -> int:
-    """Bytes of symmetric-memory workspace the matched ops need: an all-gather's shard, two ``1/g``
-    chunks of a reduce-scatter's matmul output (the largest of them; at least 1)."""
+    """Symmetric-memory workspace bytes the matched ops need (largest shard or two chunks of a matmul output)."""
     need = [v.numel() * v.element_size() for m in ags if (v := tensor_val(m.ag.args[0])) is not None]
     need += [2 * (v.numel() // group_size) * v.element_size() for m in rss
              if (v := tensor_val(m.rs.args[0])) is not None]  # the matmul output, rearranged
@@ -407,13 +383,8 @@ def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], g
 
 
 def enable_symmetric_memory(group_name: str, workspace_bytes: int) -> tuple[bool, str]:
-    """Enable symmetric memory for the TP group ``group_name`` and allocate ``workspace_bytes`` of
-    workspace for its fused ops (a rendezvous: every TP rank calls it). The pass calls it when it
-    rewrites, and records it as the graph's process setup: a run that loads the rewritten graph
-    from the graph cache calls it again (:func:`~graph_trainer.compiler.node_meta.add_process_setup`).
-
-    Returns ``(ok, note)``: whether it is usable, and whether multicast is available or why not.
-    """
+    """Enable symmetric memory for the TP group ``group_name`` with ``workspace_bytes`` of workspace (a rendezvous:
+    every TP rank calls it). Returns ``(ok, note)``: whether it is usable, and whether multicast is or why not."""
     if not dist.is_available() or not dist.is_nccl_available():
         return False, "NCCL is not available"
     try:
@@ -448,16 +419,11 @@ def async_tp_pass(
     """Fuse the TP all-gather -> matmul and matmul -> reduce-scatter pairs of ``gm`` into
     ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (module docstring).
 
-    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`;
-    ``merge_matmul_sums``: a reduce-scatter of a sum of matmuls is fused, the sum merged into one
-    matmul when the pass rewrites (:class:`AsyncTPOptions`); ``rewrite``: None: on a fake group, or
-    on CUDA with symmetric memory (enabled here); True: always; False: count only. Stats:
-    ``all_gather_fused`` / ``_left``, ``matmuls_fused``, ``reduce_scatter_fused`` / ``_left``,
-    ``matmul_sums_merged``, ``restrided`` (contiguous copies), ``rewritten``.
-
-    Raises:
-        ValueError: ``fuse`` not in :data:`FUSE_CHOICES`.
-    """
+    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``merge_matmul_sums``:
+    see :class:`AsyncTPOptions`; ``rewrite``: None: on a fake group, or on CUDA with symmetric memory (enabled
+    here); True: always; False: count only. Stats: ``all_gather_fused`` / ``_left``, ``matmuls_fused``,
+    ``reduce_scatter_fused`` / ``_left``, ``matmul_sums_merged``, ``restrided`` (contiguous copies), ``rewritten``.
+    Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
     if fuse not in FUSE_CHOICES:
         raise ValueError(f"fuse must be one of {', '.join(FUSE_CHOICES)}; got {fuse!r}")
     plan = find_async_tp_matches(gm, tp_group_name, merge_matmul_sums)
@@ -560,8 +526,6 @@ class AsyncTPOptions:
 
 PASS = GraphPass(
     name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
-    # part of the fastest setting (full Inductor) on CUDA, whose numerics already differ from eager's: run to
-    # run stays bitwise (the GPU tier) and the TP step is faster (docs/perf.md, "Llama3 8B, TP2")
     enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full" and ctx.device_type == "cuda",
     kwargs=lambda options, ctx: {"fuse": options.fuse, "merge_matmul_sums": options.merge_matmul_sums,
                                  "tp_group_name": ctx.tp_group_name},

@@ -1,20 +1,13 @@
 """Bucket the traced FSDP collectives, after ``overlap_collectives`` placed them: one all-gather / reduce-scatter
 per ``bucket_size`` parameters instead of one per parameter (many small NCCL kernels slow the overlapped matmuls).
 
-Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP shards and flat gradients; TP's are
-N-D), each with one wait (and its ``hold``). Runs of up to ``bucket_size`` consecutive issues of one kind, group,
-dtype (and reduce op) whose results are first read after the bucket's wait form a bucket. **All-gather**: at the
-first member's issue (later shard casts move up), waited at the earliest member wait: ``cat`` -> one all-gather ->
-:func:`unbucket_all_gather`. **Reduce-scatter**: torch's ``merge_reduce_scatter_bucket`` after the last member's
-issue, waited at the last member wait, its buffer held until then (with ``reduce_scatter_in_flight`` N > 0: later,
-before the N-th next bucket's issue). The same bits, except that with more than 2 ranks NCCL's summation order
-depends on an element's place in the message: under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's
-units (torchtitan's ``apply_fsdp``), members in parameter order, so every sum is eager FSDP2's.
-
-Not torch's bucketing (tests/passes/test_bucket_collectives.py): ``bucket_all_gather`` /
-``bucket_reduce_scatter`` put each bucket's wait right behind its last member (un-overlapping the
-placed graph); ``OverlapPreservingBucketer`` merges almost nothing with our prefetch windows.
-"""
+Matches: functional all-gather / reduce-scatter issues with a 1-D input (FSDP's), each with one wait (and its
+``hold``). Runs of up to ``bucket_size`` consecutive issues of one kind, group, dtype (and reduce op) whose results
+are first read after the bucket's wait form a bucket: ``cat`` -> one all-gather -> :func:`unbucket_all_gather` at the
+first member's issue, waited at the earliest member wait; torch's ``merge_reduce_scatter_bucket`` after the last
+member's issue, waited at the last member wait. The same bits, except NCCL's summation order with more than 2 ranks
+(under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units). Not torch's ``bucket_all_gather`` /
+``bucket_reduce_scatter``: they put each bucket's wait right behind its last member."""
 
 from __future__ import annotations
 
@@ -38,20 +31,10 @@ _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 @torch.library.custom_op("graph_trainer::unbucket_all_gather", mutates_args=())
 def unbucket_all_gather(gathered: torch.Tensor, world: int, sizes: list[int]) -> list[torch.Tensor]:
-    """Copy each member out of a bucketed all-gather result (FSDP2's ``split_with_sizes_copy``).
-
-    Args:
-        gathered: ``[world * sum(sizes)]``, rank-major (rank ``r``'s shards of every member at
-            ``[r * sum(sizes), (r + 1) * sum(sizes))``).
-        world: ranks of the all-gather.
-        sizes: each member's shard size (elements per rank).
-
-    Returns:
-        One new ``[world * sizes[i]]`` rank-major tensor per member (the layout of its own
-        all-gather), dtype and device of ``gathered``. Opaque on purpose: Inductor gives each
-        output its own buffer, so the bucket buffer dies here (with ``split`` + ``clone`` it
-        inlined the copies into their readers and kept the whole bucket alive).
-    """
+    """Copy each member out of a bucketed all-gather result ``gathered`` (``[world * sum(sizes)]``, rank-major;
+    ``world`` ranks, ``sizes``: elements per rank of each member) into a new ``[world * sizes[i]]`` rank-major tensor
+    each, as FSDP2's ``split_with_sizes_copy``. Opaque so that Inductor gives each output its own buffer and the
+    bucket buffer dies here."""
     outs = [gathered.new_empty(world * s) for s in sizes]
     views = [o.view(world, s) for o, s in zip(outs, sizes)]
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=views)
@@ -80,8 +63,7 @@ def _key(issue: torch.fx.Node):
 
 
 def _call(graph, target, args, meta_from):
-    """A new node ``target(*args)`` with ``meta_from``'s custom metadata and, where its inputs
-    have fake (or the dry run's meta) values and the op a meta kernel, its fake value."""
+    """A new node ``target(*args)`` with ``meta_from``'s custom metadata and, where computable, its fake value."""
     node = graph.call_function(target, args)
     node.meta["custom"] = dict(custom_meta(meta_from))
     a = torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
@@ -94,8 +76,7 @@ def _call(graph, target, args, meta_from):
 
 
 def _movable_chain(x: torch.fx.Node, before: int, pos) -> list[torch.fx.Node] | None:
-    """``x`` and its inputs at or after position ``before`` (the shard cast chain), to move up,
-    when they are call_functions with one user besides ``hold`` s; else None."""
+    """``x`` and its inputs from position ``before`` on, each a call_function used once; else None."""
     chain, stack = [], [x]
     while stack:
         n = stack.pop()
@@ -137,9 +118,7 @@ def _bucket_all_gather(graph, members) -> None:
 
 
 def _bucket_reduce_scatter(graph, members) -> None:
-    """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``),
-    issued after the last member's issue and waited after the last member's wait."""
-    # here, not at import: importing the pass registry (the launcher's pre-check reads it) need not load Inductor
+    """Replace the reduce-scatters ``members`` by one (torch's ``merge_reduce_scatter_bucket``)."""
     from torch._inductor.fx_passes.bucketing import merge_reduce_scatter_bucket
 
     held = any(m[2] is not None for m in members)
@@ -176,8 +155,7 @@ def _runs(graph: torch.fx.Graph, kind: str, bucket_size: int) -> list[list[tuple
 
 
 def _grad_index(wait: torch.fx.Node) -> int | None:
-    """The parameter whose gradient ``wait`` (a reduce-scatter's) becomes: its position among the
-    graph's outputs after the loss, followed through single-user nodes (a hold, HSDP's all-reduce)."""
+    """The parameter index whose gradient ``wait`` (a reduce-scatter's) becomes, through single-user nodes."""
     node = wait
     for _ in range(8):
         users = list(node.users)
@@ -191,9 +169,8 @@ def _grad_index(wait: torch.fx.Node) -> int | None:
 
 
 def _unit_runs(graph: torch.fx.Graph, units) -> list[list[tuple]]:
-    """Reduce-scatter buckets (of >= 2) of FSDP2's units of the ``BlockLayout`` ``units``: the
-    parameters before the first block, each block, the rest; members in parameter order. A unit
-    whose gradients cannot form one bucket (another key, a result read early) is left unbucketed."""
+    """Reduce-scatter buckets (of >= 2) of FSDP2's units of the ``BlockLayout`` ``units`` (the parameters before the
+    first block, each block, the rest), in parameter order; a unit that cannot form one bucket stays unbucketed."""
     pos = positions(graph)
     first = units.params_before
 
@@ -233,15 +210,12 @@ def _fits(members, kind, pos) -> bool:
     return True
 
 
-# What a bucket's wait is read through before a real reader (torch's merge: split -> getitem -> view).
 _RESULT_VIEWS = VIEW_OPS | {aten.split_with_sizes.default, aten.split.Tensor, operator.getitem}
 
 
 def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async: bool) -> int:
-    """Move each FSDP reduce-scatter's wait (with its ``hold`` and the views its result is read through) later, to
-    just before the issue of the ``in_flight``-th next one, or its first real reader when that comes first (a wait
-    already past that stays); returns how many moved. Positions only: the same values. Collectives on CPU stay put
-    unless ``cpu_async`` (overlap_collectives' module docstring says why)."""
+    """Move each FSDP reduce-scatter's wait (with its ``hold`` and result views) later, to just before the issue of
+    the ``in_flight``-th next one or its first real reader; returns how many moved. CPU ones only with ``cpu_async``."""
     issues = [n for n in graph.nodes if collective_kind(n) == "reduce_scatter_tensor"
               and (v := tensor_val(n.args[0])) is not None and v.dim() == 1]  # FSDP's, not TP's
     moved = 0
@@ -270,18 +244,12 @@ def bucket_collectives_pass(
 ) -> torch.fx.GraphModule:
     """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
-    ``bucket_size``: most collectives per bucket (>= 1; the pipeline passes ``--compile.fsdp.bucket_blocks`` times
-    the parameters per block). ``fsdp2_units``: a ``BlockLayout`` (``--debug.deterministic``): the reduce-scatters
-    bucketed by FSDP2's units instead. ``reduce_scatter_in_flight`` (>= 0;
-    ``--compile.fsdp.reduce_scatter_in_flight``): when > 0, each reduce-scatter (bucket) is then waited just before
-    the issue of the N-th next one or its first reader, whichever comes first (0: at its last member's wait, which
-    overlap_collectives bounded in parameters, not buckets); ``cpu_async``: that also on CPU.
-    Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` / ``_after``,
-    ``reduce_scatter_waits_deferred``.
-
-    Raises:
-        ValueError: ``bucket_size < 1`` or ``reduce_scatter_in_flight < 0``.
-    """
+    ``bucket_size`` (>= 1): most collectives per bucket. ``fsdp2_units``: a ``BlockLayout``: the reduce-scatters
+    bucketed by FSDP2's units instead. ``reduce_scatter_in_flight`` (>= 0): when > 0, each reduce-scatter (bucket)
+    is waited just before the issue of the N-th next one or its first reader (0: at its last member's wait);
+    ``cpu_async``: that also on CPU. Stats: ``all_gather_before`` / ``_after``, ``reduce_scatter_before`` /
+    ``_after``, ``reduce_scatter_waits_deferred``. Raises ``ValueError`` for ``bucket_size < 1`` or
+    ``reduce_scatter_in_flight < 0``."""
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
     if reduce_scatter_in_flight < 0:
@@ -316,12 +284,7 @@ def _bucket_blocks(ctx: PassContext) -> int:
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """Blocks per bucket -> ``bucket_size`` (``ctx.layout.params_per_block`` each); with ``--debug.deterministic``
-    the reduce-scatters by FSDP2's units (``fsdp2_units``); ``--compile.fsdp.reduce_scatter_in_flight`` where set.
-
-    Raises:
-        ValueError: buckets without the model's block layout.
-    """
+    """``bucket_size`` from the blocks per bucket, ``fsdp2_units``, the in-flight bound; ``ValueError`` w/o layout."""
     blocks = _bucket_blocks(ctx)
     extra = {"fsdp2_units": ctx.layout} if ctx.deterministic and ctx.layout is not None else {}
     if in_flight := ctx.compile_cfg.fsdp.reduce_scatter_in_flight:

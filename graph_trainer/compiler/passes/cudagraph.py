@@ -1,15 +1,10 @@
-"""Replay the (compiled) training step as a CUDA graph. CUDA only. The memory policy adds it where
-the step runs in one process on a CUDA device, Inductor does not compile the whole graph and its
-memory fits (:mod:`graph_trainer.compiler.memory_policy`); ``--compile.passes`` /
-``--compile.disable_passes cudagraph`` decide instead. Numerics unchanged: the same kernels replay.
+"""Replay the (compiled) training step as a CUDA graph. CUDA only; the memory policy adds it where it fits (one
+process on a CUDA device, no whole-graph Inductor) unless a flag names it. Numerics unchanged.
 
-``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then
-replays. ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are
-used in place; other tensor inputs (tokens, labels) are copied into static buffers on each call. The outputs are
-static tensors overwritten by the next call; the input structure must not change. Raises ``RuntimeError`` without
-CUDA inputs. Not ``torch.cuda.make_graphed_callables`` (an autograd Function around forward and backward; this graph
-is the whole step) nor Inductor's cudagraph trees (graphs ``compile_fx`` compiles whole).
-"""
+``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then replays.
+``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are used in
+place; other tensor inputs are copied into static buffers on each call. The outputs are static tensors overwritten
+by the next call; the input structure must not change."""
 
 from __future__ import annotations
 
@@ -76,16 +71,14 @@ class CUDAGraphWrapper:
 
 
 def generated_forward(gm: torch.fx.GraphModule) -> Callable:
-    """``gm.forward`` as its generated code. A lazy GraphModule (``torch.fx._lazy_graph_module``, as
-    the pass pipeline runs) generates it now: its placeholder forward calls ``gm(...)`` again, which
-    would re-enter a wrapper installed as ``gm.forward``."""
+    """``gm.forward`` as its generated code (a lazy GraphModule's placeholder forward would re-enter the wrapper)."""
     if isinstance(gm, _LazyGraphModule):
         gm.real_recompile()
     return gm.forward
 
 
 def cudagraph_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Wrap ``gm.forward`` in a :class:`CUDAGraphWrapper` (CUDA only)."""
+    """Wrap ``gm.forward`` in a :class:`CUDAGraphWrapper`; ``RuntimeError`` without CUDA or with non-CUDA inputs."""
     if not torch.cuda.is_available():
         raise RuntimeError("cudagraph_pass needs CUDA (torch.cuda.is_available() is False); "
                            "leave cudagraph out of --compile.passes on CPU")

@@ -1,12 +1,9 @@
 """Compile the whole training-step graph with Inductor (no annotation needed).
 
-Removes the ``hold`` nodes of ``overlap_collectives`` and selective AC's recompute tags (Inductor owns buffer
-lifetimes, ``sac_recompute`` recomputation), moves one-element CPU tensors to the accelerator
-(:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` (which also decomposes make_fx's aten graph)
-under the graph's fake mode, the nodes of each fusion group (``isolate_rmsnorm``'s) fused only among themselves
-(:func:`fusion_group_guard`). The result has the input's placeholders and codegen, so it is called like it; the
-compiled callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``.
-"""
+Removes the ``hold`` nodes and selective AC's recompute tags, moves one-element CPU tensors to the accelerator
+(:func:`move_cpu_scalars`) and compiles a flat copy with ``compile_fx`` under the graph's fake mode, each fusion
+group fused only within itself (:func:`fusion_group_guard`). The result is called like the input; the compiled
+callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``."""
 
 from __future__ import annotations
 
@@ -28,10 +25,9 @@ from graph_trainer.compiler.registry import GraphPass
 
 
 def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> int:
-    """Put the graph's one-element CPU tensors (constants, ``device=cpu`` factory calls and copies of
-    those, e.g. the ``0`` DTensor's vocab-parallel embedding writes with ``index_put_``) on ``device``,
-    since Inductor would copy them host-to-device on every call, which CUDA graph capture refuses.
-    No change for ``device`` None or CPU. Returns the number of constants and calls moved."""
+    """Put the graph's one-element CPU tensors (constants, ``device=cpu`` factory calls and copies of those) on
+    ``device`` (Inductor would copy them to the device on every call); nothing for ``device`` None or CPU. Returns
+    the number of constants and calls moved."""
     if device is None or device.type == "cpu":
         return 0
     moved: set[torch.fx.Node] = set()
@@ -55,10 +51,7 @@ def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> i
 
 
 def realize_group_boundaries(graph: torch.fx.Graph) -> int:
-    """Mark every tensor node whose users lie in another fusion group (or none) with Inductor's
-    ``inductor_realize_to_strides``: lowering then writes it to a buffer instead of inlining it into its users, so
-    no op of one group is computed inside another's kernel (a residual add recomputed inside a norm backward, a
-    norm's scaling inside the next op). Runs on the post-grad graph; returns the number of nodes marked."""
+    """Realize every post-grad node read in another fusion group (``inductor_realize_to_strides``); returns how many."""
     marked = 0
     for n in graph.nodes:
         if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor) and any(
@@ -70,16 +63,11 @@ def realize_group_boundaries(graph: torch.fx.Graph) -> int:
 
 @contextlib.contextmanager
 def fusion_group_guard(gm: torch.fx.GraphModule):
-    """Compile under this to keep ``gm``'s fusion groups (``node_meta.FUSION_GROUP_KEY``) apart.
-
-    Two scheduler nodes fuse only when the FX nodes they were lowered from (``origins``, whose ``meta["custom"]``
-    AOTAutograd carries over) hold the same set of groups (a ``V.choices`` handler), and the values that cross a
-    group's boundary are realized (:func:`realize_group_boundaries`, as Inductor's ``post_grad_custom_pre_pass``,
-    whose ``uuid`` also puts the groups into the FX graph cache key: node meta is not part of it).
-
-    Yields ``(config patches, counts)``: ``counts["refused"]`` (fusions refused) and ``["realized"]`` (values
-    realized) are filled while compiling, 0 on a cache hit. No groups: ``({}, counts)``.
-    """
+    """Compile under this to keep ``gm``'s fusion groups apart: two scheduler nodes fuse only when the FX nodes they
+    were lowered from hold the same set of groups, and the values that cross a group's boundary are realized
+    (:func:`realize_group_boundaries` as ``post_grad_custom_pre_pass``, whose ``uuid`` puts the groups into the
+    cache key). Yields ``(config patches, counts)``; ``counts["refused"]`` (fusions refused) and ``["realized"]``
+    are filled while compiling, 0 on a cache hit."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.virtualized import V
 
@@ -119,16 +107,10 @@ def full_inductor_pass(
     gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
     pin_collectives: bool = False,
 ) -> torch.fx.GraphModule:
-    """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``.
-
-    Args:
-        inductor_configs: ``torch._inductor.config`` overrides (dotted keys; unknown keys raise ``AttributeError``).
-        pin_collectives: keep each collective's issue / wait between the same two matmuls as in
-            ``gm`` (:mod:`graph_trainer.compiler.pin_collectives` as Inductor's post-grad pass).
-
-    Stats: ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``,
-    ``boundary_values_realized`` (both 0 on a cache hit).
-    """
+    """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``. ``inductor_configs``:
+    ``torch._inductor.config`` overrides (unknown keys raise ``AttributeError``); ``pin_collectives``: keep each
+    collective's issue / wait between the same two matmuls (:mod:`graph_trainer.compiler.pin_collectives`). Stats:
+    ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
     strip_holds(gm)
@@ -177,8 +159,7 @@ def full_inductor_pass(
     new_gm = torch.fx.GraphModule(torch.nn.Module(), graph, class_name="InductorCompiledGraph")
     new_gm.meta.update(gm.meta)
     new_gm.compiled_fn = compiled
-    # the module's tensors AOTAutograd passes before the inputs (its params_buffers_flat: parameters,
-    # then buffers), which the compiled code alone, loaded from the graph cache, takes as inputs
+    # the module's tensors AOTAutograd passes before the inputs (parameters, then buffers)
     new_gm.compiled_constants = [*dict(flat_gm.named_parameters(remove_duplicate=False)).values(),
                                  *dict(flat_gm.named_buffers(remove_duplicate=False)).values()]
     set_pass_summary(

@@ -1,12 +1,9 @@
 """Keep each RMSNorm (forward, backward) in kernels of its own inside the whole-graph compile.
 
 The ``full_inductor`` counterpart of ``annotate_rmsnorm``: the nodes of every
-:func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance form the fusion group
-``rmsnorm_<kind>_<i>`` (``node_meta.FUSION_GROUP_KEY``), which ``full_inductor`` fuses only among itself. Changes
-numerics (the norm's output is rounded at the kernel boundary): ``--compile.numerics_changing_optim``. Opt-in
-(``--compile.passes isolate_rmsnorm``): it did not pay on the 1B or the seed rank (docs/perf_archive.md, "The norms
-isolated inside the whole-graph compile"). Nothing is added, removed or rewired.
-"""
+:func:`~graph_trainer.compiler.matching.find_rmsnorm_instances` instance form the fusion group ``rmsnorm_<kind>_<i>``,
+which ``full_inductor`` fuses only among itself. Changes numerics (the norm's output is rounded at the kernel
+boundary). Opt-in."""
 
 from __future__ import annotations
 

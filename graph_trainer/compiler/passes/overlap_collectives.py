@@ -1,20 +1,11 @@
 """Overlap the in-graph FSDP collectives with compute by moving their issues and waits.
 
-As traced, every functional collective is followed at once by its ``wait_tensor``, all parameter
-all-gathers are issued at the start and all reduce-scatters after the last backward matmul.
-Changes (positions only, plus a :func:`~graph_trainer.compiler.collectives.hold` of the input
-after every wait that no longer follows its collective; the same values bit for bit):
-
-* a parameter all-gather is issued just before the first use of the parameter ``ag_window``
-  places earlier in use order; its wait moves, with its slice / view chain, to its first real use;
-* every other collective is issued, with its single-use cast / view / pad chain, just after its
-  input is produced; its wait moves towards its first user, but no later than the issue of the
-  ``max_in_flight``-th next collective of its kind.
-
-On CPU (gloo), collectives left in flight intermittently corrupted the heap: by default a CPU collective is never
-left in flight. Not torch's ``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every
-reduce-scatter in flight to the end of the backward (tests/passes/test_overlap_collectives.py).
-"""
+As traced, every functional collective is followed at once by its ``wait_tensor``. A parameter all-gather is issued
+just before the first use of the parameter ``ag_window`` places earlier, its wait (with its views) at its first real
+use; every other collective is issued just after its input is produced, its wait moved towards its first user but no
+later than the issue of the ``max_in_flight``-th next one of its kind. Positions only, plus a
+:func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
+CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap)."""
 
 from __future__ import annotations
 
@@ -30,10 +21,8 @@ from graph_trainer.compiler.registry import GraphPass
 aten = torch.ops.aten
 
 # The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
-_HOISTABLE = (
-    CAST_OPS | RESHAPE_OPS
-    | {aten.t.default, aten.permute.default, aten.clone.default, aten.constant_pad_nd.default, aten.pad.default}
-)
+_HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,
+                                      aten.constant_pad_nd.default, aten.pad.default}
 
 # Views that move with the wait whose output they view (FSDP: slice -> view of the gathered buffer).
 _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
@@ -42,15 +31,13 @@ _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
 def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
     out: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        kind = collective_kind(node)
-        if kind is not None:
+        if (kind := collective_kind(node)) is not None:
             out.setdefault(kind, []).append(node)
     return out
 
 
 def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
-    """Move ``issue`` and its single-use cast / view / pad input chain to just after the latest
-    node each depends on; returns whether anything moved."""
+    """Move ``issue`` and its single-use cast / view / pad chain up to its inputs; returns whether anything moved."""
     chain = [issue]
     cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
     while cur is not None and cur.op == "call_function" and len(cur.users) == 1 and cur.target in _HOISTABLE:
@@ -105,15 +92,11 @@ def overlap_collectives_pass(
 ) -> torch.fx.GraphModule:
     """Move collective issues and waits so that communication overlaps compute (module docstring).
 
-    ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather.
-    ``ag_window`` (>= 0; None: keep the traced issue points): parameter all-gathers in flight.
-    ``cpu_async``: also leave collectives on CPU tensors in flight. Stats: ``windowed``,
-    ``hoisted`` (collectives issued earlier), ``moved`` (waits moved), ``all_gather`` / ``other``
-    (waits by kind), ``mean_distance`` (nodes between issue and wait, averaged).
-
-    Raises:
-        ValueError: ``max_in_flight < 1``.
-    """
+    ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather. ``ag_window`` (>= 0; None: keep
+    the traced issue points): parameter all-gathers in flight. ``cpu_async``: also leave collectives on CPU tensors
+    in flight. Stats: ``windowed``, ``hoisted`` (collectives issued earlier), ``moved`` (waits moved), ``all_gather``
+    / ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait, averaged). Raises ``ValueError``
+    for ``max_in_flight < 1`` or ``ag_window < 0``."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if ag_window is not None and ag_window < 0:

@@ -1,15 +1,10 @@
 """Compile the ``compile_with_inductor``-tagged regions of the graph with Inductor.
 
-Matches: every node but placeholders / output tagged ``compile_with_inductor`` (by the annotation
-passes or ``fx.traceback.annotate``).
-
-Changes: each region becomes a sub-GraphModule compiled by torch's regional Inductor (``standalone_compile``); the
-rest stays eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are
-one region, split only to avoid a dependency cycle, never merged across ids (torch 2.11's scooper ignores ids);
-nodes without an id are partitioned by torch's ``CapabilityBasedPartitioner``. Identical regions share one compile;
-candidate configs are timed (:func:`_dedupe_and_select_region_compiles`). The result is called like the input (the
-boxed calling convention of torch's pass is undone).
-"""
+Each region becomes a sub-GraphModule compiled by torch's regional Inductor (``standalone_compile``); the rest stays
+eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are one region,
+split only to avoid a dependency cycle, never merged across ids; nodes without an id are partitioned by torch's
+``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
+(:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ logger = logging.getLogger("graph_trainer")
 
 _DEFAULT_REGION = object()
 
-#: A candidate Inductor config is kept only when it is more than this fraction faster than the
-#: region's own ``inductor_configs`` (above the noise between medians of identical kernels).
+#: A candidate Inductor config is kept only when it is more than this fraction faster than ``inductor_configs``.
 MIN_CANDIDATE_GAIN = 0.02
 
 
@@ -51,8 +45,7 @@ def _region_id(node: torch.fx.Node) -> Any:
 
 
 def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.Node, None]]:
-    """The partitions the tagged top-level nodes of ``gm`` will be cut into (pure analysis;
-    rules in the module docstring)."""
+    """The partitions the tagged top-level nodes of ``gm`` will be cut into (module docstring); reads only."""
     from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
     from torch.fx.passes.operator_support import create_op_support
 
@@ -103,8 +96,7 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
 
 
 def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
-    """Give each region output (a getitem of the region call) the ``numerics_key`` of the node
-    inside the region whose value it returns."""
+    """Give each region output (a getitem of the region call) the ``numerics_key`` of the node it returns."""
     for node in gm.graph.find_nodes(op="call_module"):
         if not str(node.target).startswith(REGION_SUBMOD_PREFIX):
             continue
@@ -122,18 +114,14 @@ def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
 
 
 def _annotation(gm: torch.fx.GraphModule) -> dict:
-    """The ``compile_with_inductor`` dict of a region's first annotated op (placeholders may
-    carry the metadata of another region's node that produced them)."""
-    for n in gm.graph.nodes:
-        cwi = inductor_tag(n)
-        if n.op == "call_function" and isinstance(cwi, dict):
-            return cwi
-    return {}
+    """The ``compile_with_inductor`` dict of a region's first annotated call_function (not of a placeholder)."""
+    tags = (inductor_tag(n) for n in gm.graph.nodes if n.op == "call_function")
+    return next((t for t in tags if isinstance(t, dict)), {})
 
 
 def region_signature(gm: torch.fx.GraphModule, example_inputs) -> tuple:
-    """Structural key of a region: ops, wiring by position, constants, its annotation's configs
-    and the inputs' shape / stride / dtype / device (node names, unlike Inductor's cache, ignored)."""
+    """Structural key of a region: ops, wiring by position, constants, its annotation's configs and the inputs'
+    shape / stride / dtype / device (node names ignored)."""
     index: dict[torch.fx.Node, int] = {}
 
     def enc(a):
@@ -179,14 +167,9 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
     """Patch ``torch._inductor.standalone_compile`` while regions are compiled: memoize by :func:`region_signature`;
     compile a region with ``candidate_inductor_configs`` once per candidate too, time the variants on random inputs
     (``timer(fn, inputs) -> ms``, default :func:`time_region_ms`) and keep the fastest, a candidate only when more
-    than :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs).
-
-    Yields stats ``{"compiled", "reused", "selections", "compiles"}``; each selection is
-    ``{"region", "inputs", "ms": [per variant], "chosen": index (0: inductor_configs), "configs"}``; each entry of
-    ``compiles`` is one Inductor compile, ``{"region", "inputs", "ops": its call_function nodes, "s": wall seconds,
-    "cache": AOTAutograd's cache (Inductor's FX graph cache behind it) "hit" / "miss" / "bypass", from
-    ``torch._dynamo.utils.counters`` ("" if none counted)}``.
-    """
+    than :data:`MIN_CANDIDATE_GAIN` faster (``select_candidates=None``: only for CUDA inputs). Yields the stats
+    ``{"compiled", "reused", "selections", "compiles"}`` (each selection's timings and choice, each compile's
+    region, inputs, ops, seconds and cache outcome)."""
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
@@ -257,10 +240,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 
 @contextlib.contextmanager
 def _static_shape_env(fake_mode):
-    """Give a fake mode without a ``ShapeEnv`` (make_fx's static trace) an empty one while the
-    regions compile: Inductor's FX graph cache and AOTAutograd's cache bypass every graph whose
-    mode has none ("No shape env"), so each run would lower every region again. The shapes stay
-    static (``fake_mode.static_shapes`` is unchanged): no symbol, no guard is created."""
+    """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if fake_mode.shape_env is not None:
@@ -277,10 +257,8 @@ def regional_inductor_pass(
     gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None, timer=None,
 ) -> torch.fx.GraphModule:
     """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
-    calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`.
-
-    Stats: ``regions``, ``tagged_nodes``, ``distinct_compiles`` (Inductor compiles run),
-    ``selections``, ``compiles`` (each compile's seconds and cache outcome), ``compile_s``."""
+    calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`. Stats:
+    ``regions``, ``tagged_nodes``, ``distinct_compiles``, ``selections``, ``compiles``, ``compile_s``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
 

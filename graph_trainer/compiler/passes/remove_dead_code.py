@@ -1,10 +1,7 @@
 """Dead code elimination for the traced training-step graph: torch.fx's ``Graph.eliminate_dead_code``, which keeps
 impure nodes (mutating, random, effectful ops), with every collective kept too so that ranks stay in lock-step.
 
-One exception to "mutating = impure" (:func:`mutates_only_dead_temporaries`): an unused in-place
-op on fresh temporaries nothing else reads (``mean(...).add_(eps)``, the end of an RMSNorm's
-decomposition among the CPU ops of global shape a TP trace holds) goes, with the chain that fed it.
-"""
+An unused in-place op on fresh temporaries nothing else reads (:func:`mutates_only_dead_temporaries`) goes too."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ def _fresh(node: torch.fx.Node) -> bool:
 
 
 def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an unused, unseeded in-place aten op whose mutated arguments are each a :func:`_fresh`
-    node's output read by ``node`` alone: removing it changes no value the graph returns or mutates. Random in-place
-    ops (``Tag.nondeterministic_seeded``) stay: they advance the generator."""
+    """Whether ``node`` is an unused in-place aten op, not random, whose mutated arguments are each a :func:`_fresh`
+    node's output read by ``node`` alone (so removing it changes no value the graph returns or mutates)."""
     target = node.target
     if node.users or node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) \
             or torch.Tag.nondeterministic_seeded in target.tags:
@@ -39,8 +35,7 @@ def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
 
 
 def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Remove unused pure nodes and unused in-place ops on dead temporaries from ``gm`` (in place)
-    and recompile. Stats: ``removed``, ``dead_mutations`` (in-place ops removed)."""
+    """Remove unused pure nodes and in-place ops on dead temporaries. Stats: ``removed``, ``dead_mutations``."""
     before = num_nodes(gm)
     dead_mutations: set[torch.fx.Node] = set()
 

@@ -1,16 +1,11 @@
 """Remove no-op view / copy / detach nodes from the traced training-step graph.
 
-Matches (on the fake values in ``meta["val"]``; a node or input without one is kept): a ``view`` /
-``reshape`` / ``_unsafe_view`` or ``alias`` with its input's shape, strides and dtype; such a
-``clone`` (not of a lazily conjugated / negated view); a ``detach`` whose users do not mutate it.
-Never a graph output, nor a node in an alias group that some op mutates (collectives alias their
-inputs). Each match is replaced by its input. Also a ``cat`` that rewrites a contiguous tensor's
-bytes in their own order (:func:`identity_cat_source`; DTensor's ``cat(chunk(x, tp, dim=1),
-dim=0)`` before a sequence-parallel reduce-scatter at batch 1) becomes ``view(x, shape)``.
-
-Not Inductor's ``post_grad.remove_noop_ops``: it assumes a functional graph (this one keeps its
-in-place ops) and has no rule for ``detach`` / ``_unsafe_view`` (tests/passes/test_remove_noop_views.py).
-"""
+Matches (on the fake values in ``meta["val"]``): a ``view`` / ``reshape`` / ``_unsafe_view`` or ``alias`` with its
+input's shape, strides and dtype; such a ``clone`` (not of a lazily conjugated / negated view); a ``detach`` whose
+users do not mutate it. Never a graph output, nor a node in an alias group that some op mutates. Each match is
+replaced by its input. A ``cat`` that rewrites a contiguous tensor's bytes in their own order
+(:func:`identity_cat_source`) becomes ``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional
+graph."""
 
 from __future__ import annotations
 
@@ -25,14 +20,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 from graph_trainer.compiler.collectives import is_collective
 from graph_trainer.compiler.graph_values import DisjointSet, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_getitem
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_getitem, op_name
 from graph_trainer.compiler.registry import GraphPass
 
 aten = torch.ops.aten
 
-# op -> its kind in the stats
-_KINDS = {op: op._schema.name.split("::")[-1]
-          for op in RESHAPE_OPS | {aten.alias.default, aten.clone.default, aten.detach.default}}
+_KINDS = {op: op_name(op) for op in RESHAPE_OPS | {aten.alias.default, aten.clone.default, aten.detach.default}}
 
 
 class _AliasInfo(DisjointSet):
@@ -74,21 +67,17 @@ class _AliasInfo(DisjointSet):
 
 
 def _returns_alias(node: torch.fx.Node) -> bool:
-    t = node.target
-    if node.op == "call_function" and isinstance(t, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in t._schema.returns)
-    return node.op != "call_function" or t is not operator.getitem
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    return node.op != "call_function" or node.target is not operator.getitem
 
 
 def _bound_args(node: torch.fx.Node, schema) -> list[tuple[torch.fx.Node, Any]]:
     """(input node, schema argument) pairs, for positional and keyword args."""
-    out = []
-    for i, a in enumerate(schema.arguments):
-        val = node.args[i] if not a.kwarg_only and i < len(node.args) else node.kwargs.get(a.name)
-        for leaf in torch.utils._pytree.tree_leaves(val):
-            if isinstance(leaf, torch.fx.Node):
-                out.append((leaf, a))
-    return out
+    vals = [(node.args[i] if not a.kwarg_only and i < len(node.args) else node.kwargs.get(a.name), a)
+            for i, a in enumerate(schema.arguments)]
+    return [(leaf, a) for val, a in vals for leaf in torch.utils._pytree.tree_leaves(val)
+            if isinstance(leaf, torch.fx.Node)]
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,9 +108,8 @@ def _leading_ones(val: torch.Tensor, dim: int) -> bool:
 
 def identity_cat_source(node: torch.fx.Node) -> torch.fx.Node | None:
     """``x`` when ``node`` is ``aten.cat(pieces, dim)`` whose pieces are every output of one ``split`` /
-    ``split_with_sizes`` of a contiguous ``x`` (``getitem`` 0, 1, ... in order), with only size-1 dimensions before
-    the split dimension of ``x`` and before ``dim`` of each piece: then each piece is one run of ``x``'s memory, the
-    runs follow each other, and the cat's contiguous output holds ``x``'s bytes in the same order. Else None."""
+    ``split_with_sizes`` of a contiguous ``x``, in order, with only size-1 dimensions before the split dimension of
+    ``x`` and before ``dim`` of each piece (so the cat holds ``x``'s bytes in the same order). Else None."""
     if node.op != "call_function" or node.target is not aten.cat.default or not node.args:
         return None
     pieces, dim = node.args[0], arg_of(node, 1, "dim", 0)
@@ -166,10 +154,8 @@ def _removable_kind(node: torch.fx.Node, aliases: _AliasInfo, outputs: set[torch
 
 
 def _cat_to_view(graph: torch.fx.Graph, cat: torch.fx.Node) -> None:
-    """Replace ``cat`` (:func:`identity_cat_source` holds) by ``view(x, cat's shape)``; its pieces
-    and their ``split`` go too where nothing else reads them. The view keeps the cat's fake value
-    (a fake view of a traced value does not pickle into the graph cache): the memory estimate counts
-    it as the buffer of the cat it replaces."""
+    """Replace ``cat`` (:func:`identity_cat_source` holds) by ``view(x, cat's shape)`` with the cat's fake value
+    (a fake view would not pickle); its pieces and their ``split`` go too where nothing else reads them."""
     pieces = list(cat.args[0])
     split = pieces[0].args[0]  # split(x): identity_cat_source's x is its input
     with graph.inserting_before(cat):
@@ -183,15 +169,14 @@ def _cat_to_view(graph: torch.fx.Graph, cat: torch.fx.Node) -> None:
 
 
 def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Replace no-op views / aliases / clones / detaches by their input (module docstring), in
-    place. Stats: ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``,
-    ``alias``, ``clone``, ``detach``, ``cat``: replaced by a view)."""
+    """Replace no-op views / aliases / clones / detaches by their input (module docstring), in place. Stats:
+    ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``, ``alias``, ``clone``, ``detach``,
+    ``cat``)."""
     aliases = _AliasInfo(gm.graph)
     outputs = {a for o in gm.graph.find_nodes(op="output") for a in o.all_input_nodes}
     removed: Counter[str] = Counter()
     for node in list(gm.graph.nodes):
-        kind = _removable_kind(node, aliases, outputs)
-        if kind is None:
+        if (kind := _removable_kind(node, aliases, outputs)) is None:
             continue
         if kind == "cat":
             _cat_to_view(gm.graph, node)

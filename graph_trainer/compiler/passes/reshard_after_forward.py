@@ -1,16 +1,12 @@
 """FSDP2's ``reshard_after_forward=True`` for the traced step: free gathered parameters after
 the forward and all-gather them again for the backward.
 
-Matches: FSDP parameter all-gathers (:func:`~graph_trainer.compiler.collectives.shard_chain`; TP's
-all-gathers of activations are not touched) and their *view closure*: the wait,
-``overlap_collectives``' ``hold`` and every view / cast of the gathered value.
+Matches: FSDP parameter all-gathers (:func:`~graph_trainer.compiler.collectives.shard_chain`) and their view
+closure: the wait, its ``hold`` and every view / cast of the gathered value.
 
-Changes: backward-phase uses of the closure (activation-checkpoint recompute included) are rewired to a copy of it
-(the shard's cast, a second all-gather, its wait and the views they need), so the forward's gathered parameter dies
-after its last forward use. The copy's wait and views sit before the first backward use; its all-gather is issued
-``prefetch`` re-gathers earlier in backward order. Same bits, one more all-gather per parameter and step; saves up
-to one unsharded copy of the parameters per rank.
-"""
+Changes: backward-phase uses of the closure are rewired to a copy of it (the shard's cast, a second all-gather, its
+wait and the views they need), placed before the first backward use, the all-gather ``prefetch`` re-gathers earlier
+in backward order. Same bits, one more all-gather per parameter and step."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ _VIEW_OR_CAST = VIEW_OPS | CAST_OPS
 
 
 def _fresh_val(new: torch.fx.Node, val):
-    """The fake value of a copied node on its own storage (views: of the copied base), so that
-    memory estimates see the re-gathered buffer as new."""
+    """The fake value of a copied node on its own storage (views: of the copied base)."""
     if not isinstance(val, torch.Tensor):
         return val
     args = torch.fx.node.map_arg(new.args, lambda a: a.meta.get("val"))
@@ -68,15 +63,9 @@ def reshard_after_forward_pass(
 ) -> torch.fx.GraphModule:
     """Re-gather FSDP parameters for the backward instead of keeping the forward's copies.
 
-    ``prefetch`` (>= 0): re-gathers issued that many ahead in backward order (0 on CPU unless
-    ``cpu_async``: gloo collectives are never left in flight). ``first_params``: only the first
-    N FSDP parameters in forward order (the model's parameter order; the pipeline derives it
-    from ``--compile.fsdp.keep_last_blocks``: the last blocks keep their forward copy); None:
-    all. Stats: ``resharded`` (parameters re-gathered), ``fsdp_all_gathers``, ``rewired_uses``.
-
-    Raises:
-        ValueError: ``prefetch < 0`` or ``first_params < 0``.
-    """
+    ``prefetch`` (>= 0): re-gathers issued that many ahead in backward order (0 on CPU unless ``cpu_async``).
+    ``first_params``: only the first N FSDP parameters in forward order; None: all. Stats: ``resharded``,
+    ``fsdp_all_gathers``, ``rewired_uses``. Raises ``ValueError`` for ``prefetch < 0`` or ``first_params < 0``."""
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if first_params is not None and first_params < 0:
@@ -85,8 +74,7 @@ def reshard_after_forward_pass(
     pos = positions(graph)
     groups, n_fsdp = [], 0
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
-        chain = shard_chain(ag)
-        if chain is None:
+        if (chain := shard_chain(ag)) is None:
             continue
         n_fsdp += 1
         if first_params is not None and n_fsdp > first_params:
@@ -150,11 +138,7 @@ def reshard_after_forward_pass(
 
 
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
-    """``[compile.fsdp] keep_last_blocks`` (as the memory policy resolved it) in parameters.
-
-    Raises:
-        ValueError: kept blocks without the model's block layout.
-    """
+    """``keep_last_blocks`` (as the memory policy resolved it) in parameters; ``ValueError`` without a layout."""
     keep = ctx.levers.keep_last_blocks if ctx.levers is not None else 0
     if keep <= 0:
         return {}

@@ -1,20 +1,9 @@
 """Recompute in the backward what op-level selective activation checkpointing did not save.
 
-Under make_fx SAC does not recompute: it saves every op and only tags the nodes (``meta["recompute"]``) for a
-partitioner the traced joint graph does not have (torch >= 2.12 remats tagged graphs inside ``compile_fx`` only,
-2.11 not at all). Layer-level AC recomputes under make_fx, untagged: nothing to do.
-
-Matches: forward nodes tagged ``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed
-block (``custom["ac_region"]``) that a backward node uses; never ops that mutate an input, random
-ops or collectives (but ``cheap_only``'s activation all-gathers). Each backward use is rewired to
-a copy placed before the first backward node that needs it, in the ``backward`` phase; the copy's
-tagged inputs of the same block are copied the same way. The same bits as eager op-level SAC. The
-tags are then removed (:func:`~graph_trainer.compiler.node_meta.strip_recompute_tags`).
-
-``cheap_only`` (``--compile.sac.save all_but_cheap``) recomputes only :func:`cheap_to_recompute`'s
-values: tagged pointwise ops, casts and RMSNorm forwards whose inputs the backward keeps anyway,
-and TP's all-gathers of activations (one more all-gather per use under real TP).
-"""
+Under make_fx SAC only tags the nodes (``meta["recompute"]``). Each backward use of a forward node tagged
+``PREFER_RECOMPUTE`` / ``MUST_RECOMPUTE`` inside a checkpointed block (never an op that mutates an input, a random op
+or a collective) is rewired to a copy placed before the first backward node that needs it, with the copy's tagged
+inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC."""
 
 from __future__ import annotations
 
@@ -62,24 +51,21 @@ def _pointwise_or_cast(node: torch.fx.Node) -> bool:
 
 
 def _gathers_activation(node: torch.fx.Node) -> bool:
-    """A forward all-gather inside a checkpointed block of an activation (TP's sequence-parallel
-    gathers; FSDP's parameter gathers, fed from a placeholder, are ``reshard_after_forward``'s)."""
+    """A forward all-gather of an activation (not an FSDP parameter's) inside a checkpointed block."""
     return (collective_kind(node) == "all_gather_into_tensor" and phase_of(node) == "forward"
             and _region(node) is not None and shard_chain(node) is None)
 
 
-#: Non-pointwise ops as cheap to recompute as a pointwise one: RMSNorm's forward kernel (it reads its
-#: input, which the backward keeps for the norm's backward anyway).
+#: Non-pointwise ops as cheap to recompute as a pointwise one (RMSNorm's forward reads what the backward keeps).
 CHEAP_OPS = frozenset({torch.ops.aten._fused_rms_norm.default})
 
 
 def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The forward values the backward may recompute from less than they hold (it copies those it reads, with their
-    inputs of this set in the same block): an activation's all-gather and its wait (:func:`_gathers_activation`:
-    gathered again from the input, a 1 / group-size share of the output); tagged (:func:`_is_recomputable`)
-    pointwise ops, casts and :data:`CHEAP_OPS` whose every input is a graph input, such a value of the same block or
-    a value whose storage the backward reads anyway (nothing new kept: RMSNorm's forward from its input, SwiGLU's
-    ``silu`` and ``mul`` from the two matmul outputs); and the views and ``getitem`` s of such values."""
+    """The forward values the backward may recompute from less than they hold (``--compile.sac.save
+    all_but_cheap``): an activation's all-gather and its wait (:func:`_gathers_activation`); tagged
+    (:func:`_is_recomputable`) pointwise ops, casts and :data:`CHEAP_OPS` whose every input is a graph input, such a
+    value of the same block or a value whose storage the backward reads anyway; and the views and ``getitem`` s of
+    such values."""
     read = {ref for n in saved_for_backward(graph) for ref, _ in storages(n.meta.get("val"))}
 
     def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n's storage (n, a view of it, its base)
@@ -113,8 +99,8 @@ def _saved_bytes(graph: torch.fx.Graph) -> int:
 
 
 def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
-    """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its own storage (memory
-    estimates count it apart), or for a view of an input, that view of the input's copy."""
+    """``meta["val"]`` of a copy of ``node``: a fake tensor of the same shape and strides on its own storage, or for
+    a view of an input, that view of the input's copy."""
 
     def fresh(v):
         if not isinstance(v, torch.Tensor):
@@ -145,12 +131,9 @@ def sac_recompute_pass(
 ) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
-    ``save_ops``: OpOverloads kept even where tagged (``aten.mm.default``: ``--compile.sac.save
-    matmuls``). ``save_all``: recompute nothing, only remove the tags (``--compile.sac.save all``).
-    ``cheap_only``: recompute only :func:`cheap_to_recompute`'s values (``all_but_cheap``).
-    Stats: ``recomputed`` (copies), ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` /
-    ``_after`` (distinct storages of the forward values the backward reads, graph inputs excluded).
-    """
+    ``save_ops``: OpOverloads kept even where tagged; ``save_all``: recompute nothing, only remove the tags;
+    ``cheap_only``: recompute only :func:`cheap_to_recompute`'s values. Stats: ``recomputed`` (copies),
+    ``recomputed_mm``, ``tags_removed``, ``saved_bytes_before`` / ``_after`` (:func:`_saved_bytes`)."""
     graph = gm.graph
     save_ops = frozenset(save_ops)
     saved_before = _saved_bytes(graph)
