@@ -7,7 +7,9 @@ are first read after the bucket's wait form a bucket: ``cat`` -> one all-gather 
 first member's issue, waited at the earliest member wait; torch's ``merge_reduce_scatter_bucket`` after the last
 member's issue, waited at the last member wait. The same bits, except NCCL's summation order with more than 2 ranks
 (under ``--debug.deterministic`` the reduce-scatter buckets are FSDP2's units). Not torch's ``bucket_all_gather`` /
-``bucket_reduce_scatter``: they put each bucket's wait right behind its last member."""
+``bucket_reduce_scatter``: they put each bucket's wait right behind its last member, un-overlapping the placed
+graph; ``OverlapPreservingBucketer`` merges almost nothing with our prefetch windows
+(tests/passes/test_bucket_collectives.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ just before the first use of the parameter ``ag_window`` places earlier, its wai
 use; every other collective is issued just after its input is produced, its wait moved towards its first user but no
 later than the issue of the ``max_in_flight``-th next one of its kind. Positions only, plus a
 :func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
-CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap)."""
+CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap). Not torch's
+``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every reduce-scatter in flight to the
+end of the backward (tests/passes/test_overlap_collectives.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each region becomes a sub-GraphModule compiled by torch's regional Inductor (``standalone_compile``); the rest stays
 eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are one region,
-split only to avoid a dependency cycle, never merged across ids; nodes without an id are partitioned by torch's
+split only to avoid a dependency cycle, never merged across ids (torch's scooper ignores ids); nodes without an id are partitioned by torch's
 ``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
 (:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
