@@ -226,13 +226,12 @@ def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async
         if wait is None or (not cpu_async and on_cpu(issue)):
             continue
         chain = read_through(wait, _RESULT_VIEWS)  # the wait, its hold and views, up to the real readers
-        order = positions(graph)
-        chain.sort(key=order.__getitem__)
+        chain.sort()  # fx nodes compare by graph position
         readers = [u for c in chain for u in c.users if u not in chain]
         bound = [issues[i + in_flight]] if i + in_flight < len(issues) else []
-        target = min(readers + bound, key=order.__getitem__, default=None)
-        if target is None or order[target] <= order[chain[-1]] + 1 or any(
-                order[a] >= order[target] for c in chain for a in c.all_input_nodes if a not in chain):
+        target = min(readers + bound, default=None)
+        if target is None or target <= chain[-1].next or any(
+                a >= target for c in chain for a in c.all_input_nodes if a not in chain):
             continue
         for node in chain:
             target.prepend(node)

@@ -7,7 +7,8 @@ later than the issue of the ``max_in_flight``-th next one of its kind. Positions
 :func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
 CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap). Not torch's
 ``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every reduce-scatter in flight to the
-end of the backward (tests/passes/test_overlap_collectives.py)."""
+end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
+``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
 from __future__ import annotations
 
@@ -46,24 +47,21 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
         chain.append(cur)
         cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
     moved = False
-    order = positions(graph)
     for node in reversed(chain):  # earliest first
         inputs = node.all_input_nodes
         if not inputs:
             continue
-        latest = max(inputs, key=order.__getitem__)
-        if latest.op == "placeholder" or order[latest] + 1 >= order[node]:
+        latest = max(inputs)
+        if latest.op == "placeholder" or latest.next is node:
             continue
         latest.append(node)
         moved = True
-        order = positions(graph)
     return moved
 
 
 def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     """Move each parameter all-gather (with its shard cast, wait and views) to just before the
     first real use of the parameter ``window`` places earlier in use order; returns how many."""
-    order = positions(graph)
     groups = []
     for ag in [n for n in graph.nodes if collective_kind(n) == "all_gather_into_tensor"]:
         chain = shard_chain(ag)
@@ -73,16 +71,15 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
         users = [u for c in closure for u in c.users if u not in closure]
         if not users:
             continue
-        groups.append((min(users, key=order.__getitem__), chain, closure))
-    groups.sort(key=lambda g: order[g[0]])
+        groups.append((min(users), chain, closure))
+    groups.sort(key=lambda g: g[0])
     moved = 0
     for i, (first, chain, closure) in enumerate(groups):
         target = groups[max(i - window, 0)][0]
-        order = positions(graph)
-        if order[target] <= order[closure[0]] + 1:
+        if target <= closure[0].next:
             continue
-        for node in sorted(chain + closure, key=order.__getitem__):
-            if order[node] < order[target]:
+        for node in sorted(chain + closure):
+            if node < target:
                 target.prepend(node)
         moved += 1
     return moved
@@ -118,7 +115,6 @@ def overlap_collectives_pass(
     moved = 0
     counts = {"all_gather": 0, "other": 0}
     for wait in waits:
-        order = positions(graph)  # positions change as waits move
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
         if not cpu_async and on_cpu(issue):  # never in flight on CPU (module docstring)
@@ -129,18 +125,18 @@ def overlap_collectives_pass(
         chain = [wait]  # with its single-use view chain: it lands before the first real use
         while (view := only_user(chain[-1])) is not None and view.target in _WAIT_VIEWS:
             chain.append(view)
-        users = sorted(chain[-1].users, key=order.__getitem__)
+        users = sorted(chain[-1].users)
         target = users[0] if users else None
         if kind != "all_gather_into_tensor":
             counts["other"] += 1
             later = issues_by_kind[kind]
             if i + max_in_flight < len(later):
                 bound = later[i + max_in_flight]
-                if target is None or order[bound] < order[target]:
+                if target is None or bound < target:
                     target = bound
         else:
             counts["all_gather"] += 1
-        if target is None or order[target] == order[chain[-1]] + 1 or order[target] <= order[issue]:
+        if target is None or target is chain[-1].next or target <= issue:
             continue
         for node in chain:
             target.prepend(node)
