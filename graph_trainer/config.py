@@ -48,12 +48,10 @@ class CompileBase:
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
     graph_cache_dir: str = "auto"
-    """Keep the traced step after its passes, and with full Inductor its compiled step, in this folder, one
-    entry per key (the config less outputs and length, rank, world size, device, torch, Inductor's config,
-    graph_trainer's code): a later run with that key skips the trace, memory policy and passes
-    (graph_trainer/compiler/graph_cache.py). auto: on with --compile.inductor_compilation full, in
-    graph_trainer/ of Inductor's cache folder, else off; off: off. Not with --compile.dump_graphs or
-    --debug.record_numerics."""
+    """Keep the traced step after its passes (full Inductor: its compiled step) in this folder, one entry per
+    key (config less outputs and length, rank, world, device, torch, Inductor's config, graph_trainer's code):
+    a later run with that key skips trace, memory policy and passes. auto: on with inductor_compilation full,
+    in graph_trainer/ of Inductor's cache folder; off: off. Not with dump_graphs or --debug.record_numerics."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it
@@ -138,10 +136,10 @@ class Comm:
     """``[comm]``: torchtitan's ``mode`` with one more value (``COMM_MODE`` of run_train.sh)."""
 
     mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
-    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the NGPU-rank layout
-    on a fake process group and prints the graph summary and projection. ``fake_collectives``: one process trains as
-    rank 0 of that layout on one device, every collective a local copy: that rank's compute, host time and memory;
-    losses meaningless, no checkpoints. ``local_tensor``: not supported here."""
+    """``default``: real collectives. ``fake_backend``: a dry run tracing one step of the NGPU-rank layout on a fake
+    process group (graph summary and projection). ``fake_collectives``: one process trains as rank 0 of that layout,
+    every collective a local copy (that rank's compute, host time and memory; losses meaningless, no checkpoints).
+    ``local_tensor``: not supported."""
 
 
 @dataclass
@@ -174,20 +172,17 @@ class JobConfig:
     projection: Projection = field(default_factory=Projection)
 
 
+_ALIASES = (("--dataloader.dataset", "--training.dataset"), ("--profiler.", "--profiling."))
+
+
 def rewrite_aliases(argv: list[str]) -> list[str]:
     """``--dataloader.dataset[_path]`` -> ``--training.dataset[_path]``, ``--profiler.X`` -> ``--profiling.X``."""
-    out = []
-    for arg in argv:
-        for old, new in (("--dataloader.dataset", "--training.dataset"), ("--profiler.", "--profiling.")):
-            if arg.startswith(old):
-                arg = new + arg[len(old):]
-                break
-        out.append(arg)
-    return out
+    return [next((new + arg[len(old):] for old, new in _ALIASES if arg.startswith(old)), arg) for arg in argv]
 
 
-def _tables_as_json(values: dict) -> None:
-    """In place: a TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) -> JSON text."""
+def _tables_as_json(values: dict) -> dict:
+    """``values`` with each TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) made
+    JSON text, in place."""
     comp = values.get("compile")
     hints = typing.get_type_hints(Compile)
     for name, table in (comp.items() if isinstance(comp, dict) else ()):
@@ -196,6 +191,7 @@ def _tables_as_json(values: dict) -> None:
             for key, hint in typing.get_type_hints(cls).items():
                 if hint is str and isinstance(table.get(key), dict):
                     table[key] = json.dumps(table[key])
+    return values
 
 
 def resolve_config_file(argv: list[str]) -> list[str]:
@@ -227,11 +223,7 @@ def _config_manager_cls():
 
         def _maybe_load_toml(self, args):
             path = _config_path(args)
-            if path is None:
-                return None
-            values = _load_toml(path)
-            _tables_as_json(values)
-            return values
+            return None if path is None else _tables_as_json(_load_toml(path))
 
         def _validate_config(self):
             # torchtitan warns that hf_assets_path does not exist; "embedded" is not a path
