@@ -50,9 +50,8 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
 
         fake_pg.init(fake_world)
     elif world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, **kwargs)
+        cuda = device.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
     return device, rank, world_size
 
 
@@ -281,12 +280,10 @@ class TraceParallel:
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
         from torch.distributed.tensor import DTensor
 
-        grads, dgrads = [], []
-        for p, lay in zip(self.params, self.fsdp2_layouts):
-            if p.grad is not None:
-                grads.append(p.grad)
-                dgrads.append(DTensor.from_local(p.grad.view(lay.local_shape), self.fsdp2_mesh, lay.placements,
-                                                 run_check=False, shape=lay.shape, stride=lay.stride))
+        pairs = [(p.grad, lay) for p, lay in zip(self.params, self.fsdp2_layouts) if p.grad is not None]
+        grads = [g for g, _ in pairs]
+        dgrads = [DTensor.from_local(g.view(lay.local_shape), self.fsdp2_mesh, lay.placements, run_check=False,
+                                     shape=lay.shape, stride=lay.stride) for g, lay in pairs]
         # DTensor warns that the norm's mesh dimensions are reduced one after the other: that order is eager's
         quiet = logging.getLogger("torch.distributed.tensor._redistribute")
         level = quiet.level
@@ -387,16 +384,11 @@ def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], 
     ones, the rest ``N(0, std)``; shards off the meta device unchanged."""
     out = []
     for name, p in zip(names, shards):
-        if not p.is_meta:
-            out.append(p)
-            continue
-        t = torch.empty(p.shape, dtype=p.dtype, device=device)
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            else:
-                t.normal_(0.0, std)
-        out.append(torch.nn.Parameter(t, requires_grad=p.requires_grad))
+        if p.is_meta:
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            t = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, std)
+            p = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+        out.append(p)
     return out
 
 
