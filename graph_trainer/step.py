@@ -1,11 +1,10 @@
-"""The training step as an object: what one call of the train loop does to produce gradients.
+"""The training step as an object: one call of the train loop produces the gradients.
 
-``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into
-one FX graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit``
-(:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized
-model. Every mode computes torchtitan's gradient (:func:`graph_trainer.model.loss_fn`). Both have
-``step(tokens, labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module``
-(what the optimizer builder and the checkpointer see) and ``stats`` (for the run summary).
+``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into one FX
+graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit`` (:class:`EagerTrainStep`):
+``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized model. Both have ``step(tokens,
+labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module`` (what the optimizer and
+the checkpointer see) and ``stats`` (for the run summary).
 """
 
 from __future__ import annotations
@@ -78,14 +77,14 @@ class TracedTrainStep(_Step):
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
         if cached is not None:
             self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
-            steps = ", ".join(s.name for s in self.pipeline)
+            steps, names = ", ".join(s.name for s in self.pipeline), (cached["param_names"], cached["buffer_names"])
             if compiled := cached.get("compiled"):  # nothing left to run
-                traced = TracedStep(compiled, cached["param_names"], cached["buffer_names"], 0.0)
+                traced = TracedStep(compiled, *names, 0.0)
                 what = f"the compiled step {graph_cache.compiled_path(self.cache_path)}"
                 skipped = f"no trace, memory policy, passes or [{steps}]"
             else:
                 gm = cached["gm"]
-                traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, placeholder_vals(gm))
+                traced = TracedStep(gm, *names, 0.0, placeholder_vals(gm))
                 what = f"{self.cache_path} ({len(gm.graph.nodes)} nodes)"
                 skipped = f"no trace, memory policy or passes before [{steps}]"
             logger.info(f"graph cache: loaded {what} in {time.perf_counter() - t0:.2f}s: {skipped}; memory policy as "
@@ -119,8 +118,7 @@ class TracedTrainStep(_Step):
                 memory_policy=policy.levers.flags(), memory_budget_gib=round(policy.budget_bytes / gib, 2),
                 predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
                 graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2),
-                state_gib=round(policy.state_bytes / gib, 2),
-            )
+                state_gib=round(policy.state_bytes / gib, 2))
         records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
         # lazy: a pass's recompile() only marks the code stale; it is generated once, at the first call
         gm = _LazyGraphModule.from_graphmodule(traced.gm)
@@ -194,20 +192,17 @@ class EagerTrainStep(_Step):
 
         from torch.distributed.tensor.parallel import loss_parallel
 
-        fwd = bwd = nullcontext()
-        if self.record_dir:
-            from graph_trainer.numerics import EagerRecorder, record_eager_forward
+        from graph_trainer.numerics import EagerRecorder, record_eager_forward
 
-            recorder = EagerRecorder()
-            fwd, bwd = record_eager_forward(self.model, recorder), recorder
+        recorder = EagerRecorder() if self.record_dir else None
         with loss_parallel() if self.loss_parallel else nullcontext():  # as torchtitan's train_context
-            with fwd:
+            with record_eager_forward(self.model, recorder) if recorder else nullcontext():
                 loss = loss_fn(self.model(tokens), labels, self.dp_group)
-            if self.record_dir:
+            if recorder:
                 recorder.phase = "backward"
-            with bwd:
+            with recorder or nullcontext():
                 loss.backward()
-        if self.record_dir:
+        if recorder:
             grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad]
             self._save_records(recorder.records, loss, grads, "eager")
         return loss
