@@ -270,12 +270,9 @@ def _merged_cls() -> type:
 
 
 def parse_args(argv: list[str] | None = None):
-    """Parse CLI (``argv`` without the program name; default ``sys.argv[1:]``) + TOML into the
-    merged JobConfig (torchtitan's + :class:`JobConfig`), validated (:func:`validate`).
-
-    Raises:
-        UserError: missing config file, bad value, and everything :func:`validate` rejects.
-    """
+    """Parse CLI (``argv`` without the program name; default ``sys.argv[1:]``) + TOML into the merged JobConfig
+    (torchtitan's + :class:`JobConfig`), validated (:func:`validate`). Raises UserError: missing config file, bad
+    value, and everything :func:`validate` rejects."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(help_text(_merged_cls()))
@@ -325,13 +322,9 @@ def _choice_error(what: str, value: str, valid) -> UserError:
 
 
 def validate(cfg) -> list[str]:
-    """Reject settings that cannot work, before anything is built; returns the pass names
-    ``aot_fx_trace`` will run, in order (``[]`` for other modes).
-
-    Raises:
-        UserError: an unknown choice, a bad pass list or option, values out of range, options of a
-            pass that does not run, a bad profiling schedule, an unsupported ``--comm.mode`` use.
-    """
+    """Reject settings that cannot work, before anything is built; returns the pass names ``aot_fx_trace`` will run,
+    in order (``[]`` for other modes). Raises UserError: an unknown choice, a bad pass list or option, values out of
+    range, options of a pass that does not run, a bad profiling schedule, an unsupported ``--comm.mode`` use."""
     from graph_trainer.compiler import registry
     from graph_trainer.llama3 import llama3_args
 
@@ -466,11 +459,8 @@ def _pass_lines() -> list[str]:
 
 
 def preflight(cfg, world_size: int) -> None:
-    """Beyond :func:`validate`: data, tokenizer, parallel degrees and the checkpoint a resume would load.
-
-    Raises:
-        UserError: naming the flag or file and what to do.
-    """
+    """Beyond :func:`validate`: data, tokenizer, parallel degrees and the checkpoint a resume would load. Raises
+    UserError: naming the flag or file and what to do."""
     from graph_trainer import checkpoint, data
     from graph_trainer.distributed import parallelize
     from graph_trainer.llama3 import llama3_args
@@ -491,11 +481,8 @@ def preflight(cfg, world_size: int) -> None:
 
 
 def launch_world_size(env=None) -> int:
-    """``NNODES`` (default 1) x ``NGPU`` (default 1): the world run_train.sh starts.
-
-    Raises:
-        UserError: a value that is not a whole number >= 1 (``NODE_RANK``: 0..NNODES-1).
-    """
+    """``NNODES`` (default 1) x ``NGPU`` (default 1): the world run_train.sh starts. Raises UserError: a value that is
+    not a whole number >= 1 (``NODE_RANK``: 0..NNODES-1)."""
     env = os.environ if env is None else env
     vals = {}
     for name, default, low in (("NGPU", 1, 1), ("NNODES", 1, 1), ("NODE_RANK", 0, 0)):

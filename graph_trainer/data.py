@@ -357,13 +357,10 @@ def register_datasets() -> None:
 
 
 def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
-    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built; ``preview``:
-    also stream the first records of a local path's first files through ``datasets``.
-
-    Raises:
-        UserError: an unknown name (with the closest valid one), ``local`` without a path, a missing
-            or unusable path; with ``preview``, ``<file>:<line>: ...`` for a bad record.
-    """
+    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built; ``preview``: also
+    stream the first records of a local path's first files through ``datasets``. Raises UserError: an unknown name
+    (with the closest valid one), ``local`` without a path, a missing or unusable path; with ``preview``,
+    ``<file>:<line>: ...`` for a bad record."""
     key = name.lower()
     if key not in DATASET_NAMES:
         close = difflib.get_close_matches(key, DATASET_NAMES, n=1)

@@ -45,22 +45,16 @@ def flavors() -> dict[str, Any]:
 
 
 def model_args(flavor: str, **overrides: Any):
-    """A copy of ``flavor``'s ``TransformerModelArgs`` with ``overrides`` applied (e.g. ``n_layers=2``).
-
-    Raises:
-        UserError: unknown flavor. TypeError: an override names no field.
-    """
+    """A copy of ``flavor``'s ``TransformerModelArgs`` with ``overrides`` applied (e.g. ``n_layers=2``). Raises
+    UserError: unknown flavor. TypeError: an override names no field."""
     if flavor not in flavors():
         raise UserError(f"Unknown --model.flavor '{flavor}'. Valid values: {', '.join(sorted(flavors()))}.")
     return dataclasses.replace(copy.deepcopy(flavors()[flavor]), **overrides)
 
 
 def build_tokenizer(cfg):
-    """torchtitan's ``HuggingFaceTokenizer`` from ``--model.hf_assets_path`` or the embedded one.
-
-    Raises:
-        UserError: the folder holds no tokenizer (:func:`graph_trainer.data.resolve_tokenizer_path`).
-    """
+    """torchtitan's ``HuggingFaceTokenizer`` from ``--model.hf_assets_path`` or the embedded one. Raises UserError:
+    the folder holds no tokenizer (:func:`graph_trainer.data.resolve_tokenizer_path`)."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from graph_trainer import data
@@ -69,12 +63,9 @@ def build_tokenizer(cfg):
 
 
 def build_model_args(cfg, tokenizer):
-    """A copy of the flavor's ``TransformerModelArgs``, ``update_from_config``'d; the flavor's
-    vocab size is kept (the 8B keeps 128256 whatever the tokenizer).
-
-    Raises:
-        UserError: unknown flavor; the tokenizer has more tokens than the model embeds.
-    """
+    """A copy of the flavor's ``TransformerModelArgs``, ``update_from_config``'d; the flavor's vocab size is kept (the
+    8B keeps 128256 whatever the tokenizer). Raises UserError: unknown flavor; the tokenizer has more tokens than the
+    model embeds."""
     args = model_args(cfg.model.flavor)
     args.update_from_config(cfg)
     if tokenizer.get_vocab_size() > args.vocab_size:

@@ -196,11 +196,8 @@ def save(folder: str, rank: int, records: dict, meta: dict) -> str:
 
 
 def load(path: str) -> tuple[dict[Any, Record], dict]:
-    """Read a file written by :func:`save`: ``({key: Record} in execution order, meta)``.
-
-    Raises:
-        ValueError: not a numerics record file.
-    """
+    """Read a file written by :func:`save`: ``({key: Record} in execution order, meta)``. Raises ValueError: not a
+    numerics record file."""
     try:
         data = torch.load(path, weights_only=False)
         recs = {k: Record(**r) for k, r in zip(data["keys"], data["records"])}

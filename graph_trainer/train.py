@@ -33,11 +33,8 @@ def setup_logging(rank: int = 0) -> None:
 
 
 def train(cfg) -> dict:
-    """Train for ``cfg.training.steps`` steps; returns the metrics summary (rank 0).
-
-    Raises:
-        UserError: bad data / layout / tokenizer, a non-finite loss or gradient norm.
-    """
+    """Train for ``cfg.training.steps`` steps; returns the metrics summary (rank 0). Raises UserError: bad data /
+    layout / tokenizer, a non-finite loss or gradient norm."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader

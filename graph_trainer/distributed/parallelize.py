@@ -22,12 +22,9 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
-    """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK``
-    (NCCL), else ``cpu`` (gloo); ``fake_world > 0``: rank 0 of that many on :mod:`.fake_pg`.
-
-    Raises:
-        UserError: more local ranks than visible GPUs.
-    """
+    """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK`` (NCCL), else
+    ``cpu`` (gloo); ``fake_world > 0``: rank 0 of that many on :mod:`.fake_pg`. Raises UserError: more local ranks
+    than visible GPUs."""
     if fake_world:  # one process, the first GPU
         world_size, rank, local_rank, local_world = fake_world, 0, 0, 1
     else:
@@ -67,13 +64,9 @@ def _patch_torchtitan_device_type(device_type: str) -> None:
 
 def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int, int]:
     """The ``(replicate, shard, tp)`` degrees of ``[parallelism]`` for ``world_size`` ranks
-    (``data_parallel_shard_degree = -1`` resolved).
-
-    Raises:
-        UserError: degrees whose product is not the world size, a TP degree that does not divide
-            the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP; replicas x TP
-            without FSDP for the eager / jit baselines (torchtitan's DDP refuses TP).
-    """
+    (``data_parallel_shard_degree = -1`` resolved). Raises UserError: degrees whose product is not the world size, a
+    TP degree that does not divide the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP; replicas x TP
+    without FSDP for the eager / jit baselines (torchtitan's DDP refuses TP)."""
     p = cfg.parallelism
     for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) != 1:

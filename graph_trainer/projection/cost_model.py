@@ -71,11 +71,8 @@ class Layout:
     gpus_per_node: int = 8
 
     def group_ranks(self, dim: str) -> list[int]:
-        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``.
-
-        Raises:
-            KeyError: ``dim`` is no mesh or flattened dimension.
-        """
+        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``. Raises KeyError: ``dim`` is no
+        mesh or flattened dimension."""
         dims = FLAT_DIMS.get(dim, (dim,))
         if any(d not in MESH_DIMS for d in dims):
             raise KeyError(dim)
@@ -98,12 +95,9 @@ def link_for(ranks: Iterable[int], gpus_per_node: int, dev: DeviceConstants) -> 
 
 
 def ring_bytes_on_wire(kind: str, size_bytes: float, n: int) -> float:
-    """Bytes each rank sends for one ring collective of size S on ``n`` ranks (0 for one rank):
-    ``(n−1)/n · S`` (all_gather: S = output, reduce_scatter: S = input), ``2(n−1)/n · S`` (all_reduce).
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
+    """Bytes each rank sends for one ring collective of size S on ``n`` ranks (0 for one rank): ``(n−1)/n · S``
+    (all_gather: S = output, reduce_scatter: S = input), ``2(n−1)/n · S`` (all_reduce). Raises ValueError: unknown
+    ``kind``."""
     if kind not in _RING_FACTOR:
         raise ValueError(f"no ring formula for collective {kind!r}")
     return 0.0 if n <= 1 else _RING_FACTOR[kind](n) * size_bytes
@@ -368,13 +362,10 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
             extra_collectives: Iterable[CollectiveOp] = (), overlap: Overlap = Overlap()) -> Projection:
     """Project one rank's step of ``work`` (:func:`graph_work`) on ``layout`` of ``dev`` GPUs.
 
-    ``tokens_per_rank``: ``local_batch_size · seq_len``; ``flops_per_token``: torchtitan's model
-    FLOPs (the MFU numerator); ``after_graph_bytes``: HBM bytes after the graph
-    (:func:`after_graph_bytes`); ``extra_collectives``: collectives after the graph (exposed).
-
-    Raises:
-        UserError: a collective of a group that is no mesh dimension of ``layout`` (``"?"``).
-    """
+    ``tokens_per_rank``: ``local_batch_size · seq_len``; ``flops_per_token``: torchtitan's model FLOPs (the MFU
+    numerator); ``after_graph_bytes``: HBM bytes after the graph (:func:`after_graph_bytes`); ``extra_collectives``:
+    collectives after the graph (exposed). Raises UserError: a collective of a group that is no mesh dimension of
+    ``layout`` (``"?"``)."""
     matmul_s = sum(f / dev.matmul_by_shape.get(k, dev.matmul_flops) for k, f in work.matmuls.items())
     attention_s = sum(f / dev.attention_by_shape.get(k, dev.attention_flops) for k, f in work.attention.items())
     memory_s = work.memory_bytes / dev.hbm_Bps
@@ -432,11 +423,7 @@ def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:
 
 def settings(opts) -> tuple[DeviceConstants, int, Overlap]:
     """``(device constants, gpus_per_node, overlap)`` of the ``[projection]`` flags ``opts``
-    (``graph_trainer.config.Projection``).
-
-    Raises:
-        UserError: a bad value, naming its flag.
-    """
+    (``graph_trainer.config.Projection``). Raises UserError: a bad value, naming its flag."""
     gpn = opts.gpus_per_node
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise UserError(f"--projection.gpus_per_node must be a positive integer, got {gpn!r}.")

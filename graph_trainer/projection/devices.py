@@ -68,10 +68,7 @@ def _default_devices() -> dict[str, DeviceConstants]:
 def device_constants(name: str, path: str = "") -> DeviceConstants:
     """The constants of device kind ``name`` (``h100`` | ``h200``): datasheet defaults with the fields measured in
     ``path`` (a JSON of ``scripts/cost_constants.py``; empty: ``cost_constants/<name>.json`` if it exists) replaced.
-
-    Raises:
-        UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU.
-    """
+    Raises UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in DEVICES:
         raise UserError(f"--projection.device {name!r} is not known; use one of {', '.join(DEVICES)}.")
@@ -91,14 +88,10 @@ def device_constants(name: str, path: str = "") -> DeviceConstants:
 
 
 def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -> DeviceConstants:
-    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``, in
-    TFLOP/s, GB/s and µs): ``matmul_tflops`` and rows ``{m, n, k, tflops}``, ``attention_tflops`` and
-    rows ``{b, h, s, d, tflops}``, ``hbm_gbps``, ``nccl`` / ``nccl_network`` ``{kind: {alpha_us,
-    busbw_gbps[, gpus_per_node]}}`` inside one node / across nodes.
-
-    Raises:
-        UserError: ``data["device"]`` names another GPU than ``dev``.
-    """
+    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``, in TFLOP/s, GB/s and
+    µs): ``matmul_tflops`` and rows ``{m, n, k, tflops}``, ``attention_tflops`` and rows ``{b, h, s, d, tflops}``,
+    ``hbm_gbps``, ``nccl`` / ``nccl_network`` ``{kind: {alpha_us, busbw_gbps[, gpus_per_node]}}`` inside one node /
+    across nodes. Raises UserError: ``data["device"]`` names another GPU than ``dev``."""
     gpu = str(data.get("device", ""))
     if gpu and dev.name.upper() not in gpu.upper():
         raise UserError(f"--projection.cost_constants {path} was measured on {gpu!r}, not an {dev.name.upper()}.")

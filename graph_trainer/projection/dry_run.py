@@ -143,11 +143,8 @@ def fused_rms_norm_on_meta():
 
 
 def dry_run(cfg) -> dict:
-    """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; log and return the summary.
-
-    Raises:
-        UserError: invalid layout for NGPU; a bad ``[projection]`` flag.
-    """
+    """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; log and return the summary. Raises UserError:
+    invalid layout for NGPU; a bad ``[projection]`` flag."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers "fake"
 
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory

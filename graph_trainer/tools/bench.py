@@ -67,11 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """``["jit=--compile.mode jit", "plain="]`` -> ``[("jit", ["--compile.mode", "jit"]), ("plain", [])]``.
-
-    Raises:
-        CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets itself.
-    """
+    """``["jit=--compile.mode jit", "plain="]`` -> ``[("jit", ["--compile.mode", "jit"]), ("plain", [])]``. Raises
+    CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets itself."""
     out = []
     for spec in specs:
         name, sep, flags = spec.partition("=")
