@@ -5,8 +5,6 @@
 folders are loaded, so an interrupted save never replaces the last good one.
 """
 
-from __future__ import annotations
-
 import json
 import logging
 import os

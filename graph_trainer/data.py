@@ -2,8 +2,6 @@
 BPE tokenizer trained on it, built once under :func:`cache_dir`, and torchtitan dataset registration.
 """
 
-from __future__ import annotations
-
 import ast
 import difflib
 import fcntl

@@ -1,8 +1,6 @@
 """Seeding, deterministic kernels (``--debug.seed``, ``--debug.deterministic``, applied before the
 model is built) and sha256 of the training state (``--debug.state_hashes``)."""
 
-from __future__ import annotations
-
 import hashlib
 import logging
 import os

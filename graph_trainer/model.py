@@ -1,8 +1,6 @@
 """Model building: flavor arguments, tokenizer, the Llama3 model, its loss, its block layout; the one
 builder of training, the dry run, the scripts and the tests."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 from dataclasses import dataclass

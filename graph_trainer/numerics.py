@@ -7,8 +7,6 @@ graph is keyed before any pass (:func:`assign_keys`), eager in execution order b
 :class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
 """
 
-from __future__ import annotations
-
 import contextlib
 import operator
 import os

@@ -7,8 +7,6 @@ labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_modul
 the checkpointer see) and ``stats`` (for the run summary).
 """
 
-from __future__ import annotations
-
 import functools
 import logging
 import os

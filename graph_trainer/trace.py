@@ -6,8 +6,6 @@ for the backward (docs/design.md, "aot_fx_trace"). Op-level selective AC only ta
 ``sac_recompute`` pass recomputes. Node metadata written here: see :mod:`graph_trainer`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import time
 from dataclasses import dataclass, field

@@ -4,8 +4,6 @@ Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --j
 The step (:mod:`graph_trainer.step`) hides the mode; everything after the gradients is eager.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import os

@@ -9,8 +9,6 @@ Own code because torch's fake process group leaves a reduce-scatter's output as 
 on a GPU, which turned the losses into NaN.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree

@@ -6,8 +6,6 @@ reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_function
 because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any

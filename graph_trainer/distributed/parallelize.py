@@ -2,8 +2,6 @@
 ``parallelize_llama`` for ``eager`` / ``jit`` (:func:`parallelize_eager`), TP plan, AC wrappers and
 traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
-from __future__ import annotations
-
 import logging
 import os
 from collections.abc import Callable

@@ -15,8 +15,6 @@ halving FlashAttention-2's (arXiv:2307.08691, §4.1); ``β``: nccl-tests' busbw;
 torchtitan's ``get_nparams_and_flops``, so MFU is the one ``graph_trainer.metrics`` reports.
 """
 
-from __future__ import annotations
-
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping

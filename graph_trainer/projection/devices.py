@@ -2,8 +2,6 @@
 values, replaced field by field by the JSON that ``scripts/cost_constants.py`` measured
 (``graph_trainer/projection/cost_constants/<device>.json`` or ``--projection.cost_constants``)."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -6,8 +6,6 @@ policy's choice and the projected step (:mod:`graph_trainer.projection.cost_mode
 attention are traced as CUDA runs them, so the graph estimate is the GPU run's.
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import logging

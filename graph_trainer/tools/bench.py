@@ -18,8 +18,6 @@ Arguments after -- go to run_train.sh in every run; NGPU, CONFIG / CONFIG_FILE, 
 are inherited. Exit codes: 0 every run ok; 1 a run failed or was skipped; 2 bad input; 130 interrupted.
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import glob

@@ -4,8 +4,6 @@ step by kernel category, the step's timeline, each collective's time and exposed
 and ``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files. On CPU
 the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
-from __future__ import annotations
-
 import json
 import logging
 import os

@@ -1,7 +1,5 @@
 """One ``run_train.sh`` run of a side: command, progress line, log, timeout, process-tree stop, result."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import re

@@ -1,8 +1,6 @@
 """The two sides of a comparison and the tools' shared CLI: a side is a git ref (run from a temporary
 ``git worktree``), extra ``run_train.sh`` flags, or both; with neither, the working tree of ``--repo``."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import datetime

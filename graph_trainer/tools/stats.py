@@ -1,8 +1,6 @@
 """Statistics and tables of compared runs, from their ``metrics.jsonl`` rows and profile summaries:
 step 1 (trace and compile) and the warm-up steps are excluded from the medians; memory is the max."""
 
-from __future__ import annotations
-
 import json
 import os
 import statistics
