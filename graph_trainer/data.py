@@ -44,22 +44,19 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if final.is_dir():  # another process finished while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
-            if final.is_dir():  # another process finished while we waited
-                return final
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-            try:
-                build(tmp)
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():  # else: lost a race on a filesystem without working flock
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # else: lost a race on a filesystem without working flock
+                raise
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -182,9 +179,8 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
 def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
     """The tokenizer folder for ``--model.hf_assets_path``: None / "" / "embedded": the built-in one of
     ``vocab_size`` tokens, else the folder, checked (UserError: :func:`check_tokenizer_folder`)."""
-    if not hf_assets_path or hf_assets_path == "embedded":
-        return str(ensure_tokenizer(vocab_size))
-    return str(check_tokenizer_folder(hf_assets_path))
+    embedded = not hf_assets_path or hf_assets_path == "embedded"
+    return str(ensure_tokenizer(vocab_size) if embedded else check_tokenizer_folder(hf_assets_path))
 
 
 def _builder_for(file: Path) -> str | None:
