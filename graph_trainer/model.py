@@ -15,18 +15,13 @@ EMBEDDED_VOCAB_SIZE = 2048
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, dp_group: Any = None) -> torch.Tensor:
-    """This rank's share of the global-batch mean token cross-entropy, as torchtitan's Trainer computes it: the sum over
-    this rank's tokens over the valid tokens of the global batch, so summed gradients over the data-parallel ranks are
-    the global mean's.
-
-    ``logits``: ``[B, S, V]``, any float dtype (upcast to fp32; a DTensor under TP loss parallel);
-    ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks (ProcessGroup or 1-D
-    DeviceMesh; a functional all-reduce of the count) or None for one rank. Returns a 0-d fp32 tensor (a
-    replicated DTensor under loss parallel).
-    """
-    loss_sum = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100, reduction="sum"
-    )
+    """This rank's share of the global batch's mean token cross-entropy, as torchtitan's Trainer computes it: the sum
+    over this rank's tokens / the valid tokens of the global batch, so gradients summed over the data-parallel ranks
+    are the global mean's. ``logits``: ``[B, S, V]``, any float dtype (upcast to fp32; a DTensor under TP loss
+    parallel); ``labels``: ``[B, S]`` int64, ``-100`` ignored; ``dp_group``: the data-parallel ranks (ProcessGroup
+    or 1-D DeviceMesh) or None. Returns a 0-d fp32 tensor (a replicated DTensor under loss parallel)."""
+    loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=-100,
+                                                 reduction="sum")
     valid = (labels != -100).sum()
     if dp_group is not None:
         import torch.distributed._functional_collectives as funcol
@@ -106,7 +101,7 @@ def block_layout(model: torch.nn.Module) -> BlockLayout:
     """The :class:`BlockLayout` of a Llama3 ``Transformer`` (also on meta, after TP / AC wrapping)."""
 
     def count(module):
-        return sum(1 for p in module.parameters() if p.requires_grad)
+        return sum(p.requires_grad for p in module.parameters())
 
     layers = list(model.layers.values()) if hasattr(model.layers, "values") else list(model.layers)
     return BlockLayout(count(model.tok_embeddings), count(layers[0]) if layers else 0, len(layers))
