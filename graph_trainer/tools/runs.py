@@ -79,10 +79,7 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                                         stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         errors="replace", start_new_session=True)
             if timeout:
-                def _kill():
-                    timed_out.set()
-                    _terminate(proc)
-                timer = threading.Timer(timeout, _kill)
+                timer = threading.Timer(timeout, lambda: (timed_out.set(), _terminate(proc)))
                 timer.daemon = True
                 timer.start()
             for line in proc.stdout:
