@@ -2,6 +2,8 @@
 ``parallelize_llama`` for ``eager`` / ``jit`` (:func:`parallelize_eager`), TP plan, AC wrappers and
 traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
+import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graph_trainer.distributed import fsdp
 from graph_trainer.errors import UserError
 
 logger = logging.getLogger("graph_trainer")
@@ -172,8 +175,6 @@ def apply_ac_for_trace(model, cfg) -> None:
     """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's ``apply_ac``)."""
     if cfg.activation_checkpoint.mode == "none":
         return
-    import functools
-
     import torch.utils.checkpoint as ckpt
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
@@ -235,8 +236,6 @@ class TraceParallel:
     def trace(self, model, loss_fn, tokens, labels, param_dtype):
         """:func:`graph_trainer.trace.trace_train_step` with these placeholders, under
         ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""
-        import contextlib
-
         from torch.distributed.tensor.parallel import loss_parallel
 
         from graph_trainer.trace import trace_train_step
@@ -266,8 +265,6 @@ class TraceParallel:
 
             return clip_grad_norm_(self.params, max_norm, foreach=True)
         if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
-            from graph_trainer.distributed import fsdp
-
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
         from torch.distributed.tensor import DTensor
 
@@ -323,8 +320,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         return out
 
     from torch.distributed.tensor import DTensor, Replicate
-
-    from graph_trainer.distributed import fsdp
 
     tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named] if tp > 1 else None
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]
