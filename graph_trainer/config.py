@@ -14,7 +14,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
-from graph_trainer.compiler.memory_policy import FSDPOptions, SACOptions
+from graph_trainer.compiler import registry
+from graph_trainer.compiler.memory_policy import FSDPOptions, Levers, SACOptions
 from graph_trainer.errors import UserError
 
 CompileMode = Literal["eager", "jit", "aot_fx_trace"]
@@ -82,11 +83,9 @@ def _resolved(cls: type) -> type:
 
 def _compile_cls() -> type:
     """:class:`CompileBase` plus one field per pass with options, named by its section."""
-    from graph_trainer.compiler.registry import option_sections
-
     for cls in (SACOptions, FSDPOptions):
         _resolved(cls)
-    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in option_sections()]
+    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in registry.option_sections()]
     return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
 
 
@@ -325,7 +324,6 @@ def validate(cfg) -> list[str]:
     """Reject settings that cannot work, before anything is built; returns the pass names ``aot_fx_trace`` will run,
     in order (``[]`` for other modes). Raises UserError: an unknown choice, a bad pass list or option, values out of
     range, options of a pass that does not run, a bad profiling schedule, an unsupported ``--comm.mode`` use."""
-    from graph_trainer.compiler import registry
     from graph_trainer.llama3 import llama3_args
 
     if cfg.comm.mode == "local_tensor":
@@ -383,9 +381,7 @@ def validate(cfg) -> list[str]:
 
 def project_sections() -> list[str]:
     """``--help`` lists these sections first: ``[compile]``, its levers and one per pass with options."""
-    from graph_trainer.compiler.registry import option_sections
-
-    return ["compile", "compile.sac", "compile.fsdp", *(f"compile.{name}" for name, _ in option_sections())]
+    return ["compile", "compile.sac", "compile.fsdp", *(f"compile.{name}" for name, _ in registry.option_sections())]
 
 
 def _flag_doc(cls, name: str) -> str:
@@ -443,15 +439,12 @@ def help_text(merged_cls) -> str:
 
 def _pass_lines() -> list[str]:
     """One line per registered pass: name, default or opt-in, numerics, its module docstring's first sentence."""
-    from graph_trainer.compiler.memory_policy import Levers
-    from graph_trainer.compiler.registry import PassContext, registry
-
     lines = []
-    for name, spec in registry().items():
+    for name, spec in registry.registry().items():
         doc = (sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
-        state = ("default" if spec.enabled(PassContext(CompileBase())) else
-                 "default on CUDA" if spec.enabled(PassContext(CompileBase(), device_type="cuda")) else
-                 "memory policy" if spec.enabled(PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
+        state = ("default" if spec.enabled(registry.PassContext(CompileBase())) else
+                 "default on CUDA" if spec.enabled(registry.PassContext(CompileBase(), device_type="cuda")) else
+                 "memory policy" if spec.enabled(registry.PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
                  "opt-in/by flag")
         tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))
         lines.append(f"    {name:47s} [{tags}] {' '.join(x.strip() for x in doc)}")
