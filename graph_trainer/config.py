@@ -442,10 +442,9 @@ def _pass_lines() -> list[str]:
     lines = []
     for name, spec in registry.registry().items():
         doc = (sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
-        state = ("default" if spec.enabled(registry.PassContext(CompileBase())) else
-                 "default on CUDA" if spec.enabled(registry.PassContext(CompileBase(), device_type="cuda")) else
-                 "memory policy" if spec.enabled(registry.PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
-                 "opt-in/by flag")
+        on = lambda **kw: spec.enabled(registry.PassContext(CompileBase(), **kw))  # noqa: E731
+        state = ("default" if on() else "default on CUDA" if on(device_type="cuda") else
+                 "memory policy" if on(levers=Levers(cudagraph=True)) else "opt-in/by flag")
         tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))
         lines.append(f"    {name:47s} [{tags}] {' '.join(x.strip() for x in doc)}")
     return lines
