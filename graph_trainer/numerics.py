@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 
 from graph_trainer import MODULE_FQN_KEY, NUMERICS_KEY, PHASE_KEY
+from graph_trainer.metrics import keep_previous
 
 #: Tensors with at most this many elements are kept whole; larger ones as a strided sample.
 FULL_NUMEL = 1 << 20
@@ -143,8 +145,6 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self._fqn_of_seq: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch.fx.traceback as fx_traceback
-
         out = func(*args, **(kwargs or {}))
         if self.phase == "forward":
             fqn = (fx_traceback.current_meta.get("custom") or {}).get(MODULE_FQN_KEY, "")
@@ -162,8 +162,6 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 @contextlib.contextmanager
 def record_eager_forward(model: torch.nn.Module, recorder: EagerRecorder):
     """Module-FQN annotation (as tracing does) and ``recorder`` active around the forward."""
-    import torch.fx.traceback as fx_traceback
-
     from graph_trainer.trace import annotate_module_fqns
 
     with fx_traceback.preserve_node_meta(), annotate_module_fqns(model), recorder:
@@ -184,8 +182,6 @@ def add_step_outputs(records: dict, loss: torch.Tensor, named_grads: list[tuple[
 def save(folder: str, rank: int, records: dict, meta: dict) -> str:
     """Write ``records`` (in order) and ``meta`` to ``<folder>/rank<rank>.pt``; returns the path.
     Nothing is overwritten: an existing file is kept as ``rank<rank>.<N>.pt``."""
-    from graph_trainer.metrics import keep_previous
-
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank{rank}.pt")
     keep_previous(path)

@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed.tensor.experimental
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -39,7 +40,6 @@ def fused_attention_on_meta():
     (``aten._scaled_dot_product_flash_attention_for_cpu``, saved by selective AC), as a GPU runs
     it, instead of the math path's ``[batch, heads, seq, seq]`` scores. GQA keys and values keep
     their heads (FlashAttention reads them per query head group; no repeated copy)."""
-    import torch.nn.functional as F
     from torchtitan.models.llama3.infra import parallelize as tt_parallelize
 
     orig = F.scaled_dot_product_attention
@@ -124,8 +124,6 @@ class _FusedRMSNorm(torch.autograd.Function):
 def fused_rms_norm_on_meta():
     """Trace ``F.rms_norm`` on meta tensors as :class:`_FusedRMSNorm` (as a GPU runs it); after the
     trace, :func:`restore_fused_rms_norm` names its forward nodes ``aten._fused_rms_norm``."""
-    import torch.nn.functional as F
-
     orig = F.rms_norm
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
