@@ -14,8 +14,10 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from graph_trainer.errors import UserError
+from graph_trainer.metrics import keep_previous
 
 logger = logging.getLogger("graph_trainer")
 
@@ -160,7 +162,6 @@ class Checkpointer:
     ``--checkpoint.enable`` is off (``enabled`` False)."""
 
     def __init__(self, cfg, dataloader, model_part, optimizers, lr_schedulers, device, rank: int, meta: dict):
-        import torch.distributed as dist
         from torchtitan.components.checkpoint import CheckpointManager
 
         self.enabled = bool(cfg.checkpoint.enable)
@@ -216,10 +217,6 @@ class Checkpointer:
     def save(self, step: int, last_step: bool) -> None:
         """Save at ``step`` if torchtitan's policy says so; an earlier run's complete ``step-<step>`` is
         moved aside first (rank 0; UserError naming it if it cannot be)."""
-        import torch.distributed as dist
-
-        from graph_trainer.metrics import keep_previous
-
         if not self.enabled:
             return
         self.train_state.step = step
