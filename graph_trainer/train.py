@@ -11,17 +11,28 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from torchtitan.tools.logging import init_logger
 
+from graph_trainer import data
+from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import parse_args
+from graph_trainer.determinism import apply_determinism, state_hashes
+from graph_trainer.distributed import parallelize
 from graph_trainer.errors import UserError
+from graph_trainer.metrics import MetricsLogger
+from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
+from graph_trainer.step import build_train_step
+from graph_trainer.tools.profiling import maybe_start_profiler
 
 logger = logging.getLogger("graph_trainer")
 
 
 def setup_logging(rank: int = 0) -> None:
     """torchtitan's log format on stdout, for this project's and torchtitan's loggers."""
-    from torchtitan.tools.logging import init_logger
-
     init_logger()
     logger.handlers.clear()
     logger.addHandler(logging.StreamHandler(sys.stdout))
@@ -33,19 +44,6 @@ def setup_logging(rank: int = 0) -> None:
 def train(cfg) -> dict:
     """Train for ``cfg.training.steps`` steps; returns the metrics summary (rank 0). Raises UserError: bad data /
     layout / tokenizer, a non-finite loss or gradient norm."""
-    from torchtitan.components.lr_scheduler import build_lr_schedulers
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
-
-    from graph_trainer import data
-    from graph_trainer.checkpoint import Checkpointer
-    from graph_trainer.determinism import apply_determinism
-    from graph_trainer.distributed import parallelize
-    from graph_trainer.metrics import MetricsLogger
-    from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
-    from graph_trainer.step import build_train_step
-    from graph_trainer.tools.profiling import maybe_start_profiler
-
     # Data and layout first: both fail fast on bad input, before any memory is allocated.
     data.register_datasets()
     data.check_dataset(cfg.training.dataset, cfg.training.dataset_path)
@@ -145,8 +143,6 @@ def train(cfg) -> dict:
     if device.type == "cuda":  # next to the reserved peak of every row: the allocated one
         extra["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if cfg.debug.state_hashes:
-        from graph_trainer.determinism import state_hashes
-
         opts = getattr(optimizers, "optimizers", [optimizers])
         extra["state_hashes"] = hashes = state_hashes(step_fn.params, opts, step_fn.hash_view)
         logger.info("final state sha256: %s", hashes)
@@ -158,8 +154,6 @@ def train(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, train, report. Returns the exit code (2 for user errors)."""
-    import torch.distributed as dist
-
     setup_logging()
     try:
         cfg = parse_args(argv)
