@@ -24,7 +24,9 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
+from graph_trainer.compiler.collectives import collective_kind, is_collective
 from graph_trainer.compiler.graph_values import val_bytes
+from graph_trainer.compiler.ops import VIEW_OPS, returns_view
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -131,12 +133,11 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     packet = node.target.overloadpacket
-    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-    if formula is None:
+    if (formula := flop_registry.get(_FLOP_ALIASES.get(packet, packet))) is None:
         return None
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta)
-    out = node.meta.get("val")
-    if "attention" in packet.__name__ and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
+    out, attention = node.meta.get("val"), "attention" in packet.__name__
+    if attention and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
         # GQA: key / value (and their gradients) with fewer heads cost as the query's heads
         # (the same score matrix); torch's formulas assume equal heads
         def heads(t):
@@ -147,7 +148,7 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
 
         args = tuple(heads(a) for a in args)
     flops = formula(*args, out_val=out, **kwargs)
-    if "attention" in packet.__name__:
+    if attention:
         a = _args(node)
         return "attention", flops * (0.5 if a.get("is_causal") else 1.0), tuple(_meta(a["query"]).shape)
     if packet in _MM_KEYED and isinstance(out, torch.Tensor) and out.numel():
@@ -183,9 +184,6 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
 def memory_op_bytes(node: torch.fx.Node) -> int:
     """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its
     schema or the passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
-    from graph_trainer.compiler.collectives import is_collective
-    from graph_trainer.compiler.ops import VIEW_OPS, returns_view
-
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
     is_view = node.target in VIEW_OPS or returns_view(node.target)
@@ -229,8 +227,6 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
     """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with
     ``meta["val"]``); each collective is attributed to a mesh dim by its ``group_name``
     (``group_dims``; unknown: ``"?"``), size = the larger of its input and output bytes."""
-    from graph_trainer.compiler.collectives import collective_kind
-
     group_dims = group_dims or {}
     mm: dict[tuple, float] = defaultdict(float)
     attn: dict[tuple, float] = defaultdict(float)
@@ -366,14 +362,12 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
     ``layout`` (``"?"``)."""
     matmul_s = sum(f / dev.matmul_by_shape.get(k, dev.matmul_flops) for k, f in work.matmuls.items())
     attention_s = sum(f / dev.attention_by_shape.get(k, dev.attention_flops) for k, f in work.attention.items())
-    memory_s = work.memory_bytes / dev.hbm_Bps
-    optimizer_s = after_graph_bytes / dev.hbm_Bps
+    memory_s, optimizer_s = work.memory_bytes / dev.hbm_Bps, after_graph_bytes / dev.hbm_Bps
     compute_s = matmul_s + attention_s + memory_s + optimizer_s
 
     rows: dict[tuple, dict] = {}
     links: dict[str, tuple[str, Link, int]] = {}
-    dims = overlap.dims()
-    hidden, timed = [], []
+    dims, hidden, timed = overlap.dims(), [], []
     for c in [*work.collectives, *extra_collectives]:
         if c.dim not in links:
             try:
