@@ -18,14 +18,14 @@ import torch.nn.functional as F
 import torch.distributed.tensor.experimental
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer.compiler.collectives import collective_kind
+from graph_trainer.compiler.graph_values import val_bytes
+
 logger = logging.getLogger("graph_trainer")
 
 
 def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     """``{op name: {"count": n, "bytes": output bytes per rank}}`` of the collectives of ``gm``."""
-    from graph_trainer.compiler.collectives import collective_kind
-    from graph_trainer.compiler.graph_values import val_bytes
-
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for n in gm.graph.nodes:
         if (name := collective_kind(n)) is not None:
@@ -249,9 +249,9 @@ def layout_name(replicate: int, shard: int, tp: int) -> str:
 def group_dims(tpar) -> dict[str, str]:
     """``{process group name: mesh dim}`` of a ``TraceParallel``'s replicate, FSDP, TP and
     data-parallel (``dp``, where it is none of the others) groups."""
-    dims: dict[str, str] = {}
     groups = [(tpar.replicate_group, "dp_replicate"), (tpar.fsdp_group, "dp_shard"),
               (tpar.tp_mesh.get_group() if tpar.tp_mesh is not None else None, "tp"), (tpar.dp_group, "dp")]
+    dims: dict[str, str] = {}
     for group, dim in groups:
         if group is not None:
             dims.setdefault(group.group_name, dim)
