@@ -87,10 +87,9 @@ def check_resume_compatible(folder: str, step: int, meta: dict) -> None:
             hint = (f"Resharding a traced-FSDP checkpoint to another layout is not supported: resume with the "
                     f"saved layout ({saved.get(key)})" if key == "layout"
                     else f"Use --model.flavor/--compile.mode as saved ({saved.get(key)})")
-            raise UserError(
-                f"Checkpoint {os.path.dirname(path)} was saved with {what} {saved.get(key)!r} but this run "
-                f"uses {meta.get(key)!r}. {hint}, or point --checkpoint.folder / --job.dump_folder elsewhere."
-            )
+            raise UserError(f"Checkpoint {os.path.dirname(path)} was saved with {what} {saved.get(key)!r} but this "
+                            f"run uses {meta.get(key)!r}. {hint}, or point --checkpoint.folder / --job.dump_folder "
+                            f"elsewhere.")
 
 
 def verify_checkpoint_files(ckpt: str):
@@ -174,8 +173,7 @@ class Checkpointer:
         self.manager = CheckpointManager(
             dataloader=dataloader, model_parts=[model_part], optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={"train_state": self.train_state, f"rng_rank{rank}": RNGState(device)},
-            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=cfg.job.dump_folder,
-        )
+            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=cfg.job.dump_folder)
 
     def load_latest(self, load_step: int = -1) -> int:
         """Load ``step-<load_step>`` (-1: the latest complete one); returns the step loaded (0: none).

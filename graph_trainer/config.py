@@ -206,11 +206,9 @@ def resolve_config_file(argv: list[str]) -> list[str]:
         path = os.path.join(TRAIN_CONFIGS, fname)
         argv = ["--job.config_file", path] + argv
     if path is not None and not os.path.isfile(path):
-        raise UserError(
-            f"Config file '{path}' does not exist. Pass an existing TOML file with CONFIG_FILE=... (run_train.sh) "
-            f"or --job.config_file; the shipped ones are in {TRAIN_CONFIGS}: "
-            f"{', '.join(sorted(os.listdir(TRAIN_CONFIGS)))}."
-        )
+        raise UserError(f"Config file '{path}' does not exist. Pass an existing TOML file with CONFIG_FILE=... "
+                        f"(run_train.sh) or --job.config_file; the shipped ones are in {TRAIN_CONFIGS}: "
+                        f"{', '.join(sorted(os.listdir(TRAIN_CONFIGS)))}.")
     return argv
 
 

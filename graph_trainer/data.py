@@ -122,11 +122,9 @@ def ensure_tokenizer(vocab_size: int) -> Path:
     Raises UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
     """
     if vocab_size < 258:
-        raise UserError(
-            f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
-            f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at your "
-            f"own tokenizer folder."
-        )
+        raise UserError(f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
+                        f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at "
+                        f"your own tokenizer folder.")
 
     def build(tmp: Path) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -359,10 +357,9 @@ def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
     if key not in DATASET_NAMES:
         close = difflib.get_close_matches(key, DATASET_NAMES, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise UserError(
-            f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}.{hint}\n"
-            f"Use c4_test for the built-in offline corpus, or local with --training.dataset_path for your own files."
-        )
+        raise UserError(f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}."
+                        f"{hint}\nUse c4_test for the built-in offline corpus, or local with --training.dataset_path "
+                        f"for your own files.")
     if not path:
         if key == "local":
             load_local_text(None)  # raises the UserError explaining the fix

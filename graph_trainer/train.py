@@ -125,11 +125,10 @@ def train(cfg) -> dict:
             checked = (("loss", loss_val), ("grad norm", float(grad_norm)))
             bad = [f"{k} is {v}" for k, v in checked if not math.isfinite(v)]
             if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
-                raise UserError(
-                    f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this state is "
-                    f"written). Lower --optimizer.lr, check the data, or resume from the last good "
-                    f"checkpoint in {checkpointer.folder if checkpointer.enabled else '(checkpointing off)'}."
-                )
+                where = checkpointer.folder if checkpointer.enabled else "(checkpointing off)"
+                raise UserError(f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this "
+                                f"state is written). Lower --optimizer.lr, check the data, or resume from the last "
+                                f"good checkpoint in {where}.")
             lr = lr_schedulers.schedulers[0].get_last_lr()[0]
             metrics.log(step, loss_val, float(grad_norm), lr)
         checkpointer.save(step, last_step=last)

@@ -403,8 +403,7 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
     return Projection(
         device=dev.name, source=dev.source, layout=layout, matmul_s=matmul_s, attention_s=attention_s,
         memory_s=memory_s, optimizer_s=optimizer_s, comm=sorted(rows.values(), key=lambda r: (r["dim"], r["kind"])),
-        tokens_per_rank=tokens_per_rank, flops_per_token=flops_per_token, peak_flops=dev.peak_bf16_flops, work=work,
-    )
+        tokens_per_rank=tokens_per_rank, flops_per_token=flops_per_token, peak_flops=dev.peak_bf16_flops, work=work)
 
 
 def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:

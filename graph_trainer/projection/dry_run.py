@@ -175,10 +175,9 @@ def dry_run(cfg) -> dict:
     colls = collective_summary(gm)
     peak_before, _ = estimate_peak_memory(gm)
     # the memory policy for the configured budget, or for each device size of DRY_RUN_DEVICES_GIB
-    budgets = (
-        [(cfg.compile.memory_budget_gib * GiB, "--compile.memory_budget_gib")] if cfg.compile.memory_budget_gib > 0
-        else [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB]
-    )
+    given = cfg.compile.memory_budget_gib
+    budgets = ([(given * GiB, "--compile.memory_budget_gib")] if given > 0 else
+               [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB])
     policies, plans, estimates = [], [], {}  # the graph estimates do not depend on the budget
     for budget, source in budgets:
         logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
