@@ -6,7 +6,6 @@ folders are loaded, so an interrupted save never replaces the last good one.
 """
 
 import json
-import logging
 import os
 import pickle
 import random
@@ -16,10 +15,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from graph_trainer import logger
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import keep_previous
-
-logger = logging.getLogger("graph_trainer")
 
 META_FILE = "graph_trainer_meta.json"
 

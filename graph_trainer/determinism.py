@@ -2,13 +2,12 @@
 model is built) and sha256 of the training state (``--debug.state_hashes``)."""
 
 import hashlib
-import logging
 import os
 import random
 
 import torch
 
-logger = logging.getLogger("graph_trainer")
+from graph_trainer import logger
 
 
 def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> dict:

@@ -14,7 +14,6 @@ is imported lazily: the comparison tools read ``metrics.jsonl`` without it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import resource
@@ -23,10 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from graph_trainer import logger
+
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger("graph_trainer")
 
 # Dense bf16 peaks in FLOP/s (NVIDIA data sheets), first match wins. Own table: torchtitan's
 # get_peak_flops reads lspci and assumes an A100 for unknown GPUs.

@@ -8,7 +8,6 @@ the checkpointer see) and ``stats`` (for the run summary).
 """
 
 import functools
-import logging
 import os
 import time
 from collections import Counter
@@ -20,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer import numerics
+from graph_trainer import logger, numerics
 from graph_trainer.compiler import graph_cache
 from graph_trainer.compiler.graph_values import placeholder_vals
 from graph_trainer.compiler.memory_policy import GiB, default_budget_bytes, state_bytes
@@ -30,8 +29,6 @@ from graph_trainer.distributed import parallelize
 from graph_trainer.metrics import keep_previous
 from graph_trainer.model import block_layout, loss_fn
 from graph_trainer.trace import TracedStep
-
-logger = logging.getLogger("graph_trainer")
 
 
 class _Step:

@@ -17,7 +17,7 @@ from torchtitan.components.optimizer import build_optimizers
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 from torchtitan.tools.logging import init_logger
 
-from graph_trainer import data
+from graph_trainer import data, logger
 from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import parse_args
 from graph_trainer.determinism import apply_determinism, state_hashes
@@ -27,8 +27,6 @@ from graph_trainer.metrics import MetricsLogger
 from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
 from graph_trainer.step import build_train_step
 from graph_trainer.tools.profiling import maybe_start_profiler
-
-logger = logging.getLogger("graph_trainer")
 
 
 def setup_logging(rank: int = 0) -> None:

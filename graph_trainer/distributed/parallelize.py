@@ -13,10 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graph_trainer import logger
 from graph_trainer.distributed import fsdp
 from graph_trainer.errors import UserError
-
-logger = logging.getLogger("graph_trainer")
 
 #: ``--training.mixed_precision_*`` values -> dtypes.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -8,7 +8,6 @@ attention are traced as CUDA runs them, so the graph estimate is the GPU run's.
 
 import contextlib
 import functools
-import logging
 import os
 from collections import Counter, defaultdict
 
@@ -18,10 +17,9 @@ import torch.nn.functional as F
 import torch.distributed.tensor.experimental
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.graph_values import val_bytes
-
-logger = logging.getLogger("graph_trainer")
 
 
 def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
