@@ -247,9 +247,7 @@ class TraceParallel:
         """``t``, shaped like placeholder ``i`` (its shard, gradient or AdamW moment), as a view in
         FSDP2's local shape (unchanged without an FSDP2 layout, or for other shapes)."""
         lay = self.fsdp2_layouts[i] if self.fsdp2_layouts else None
-        if lay is None or t.numel() != lay.local_shape.numel() or t.dim() == 0:
-            return t
-        return t.view(lay.local_shape)
+        return t if lay is None or t.numel() != lay.local_shape.numel() or t.dim() == 0 else t.view(lay.local_shape)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
@@ -379,6 +377,4 @@ def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], 
 
 def _flat_group(mesh, dims: tuple[str, ...], name: str):
     """The process group of ``mesh``'s ``dims`` together (several: a flattened sub-mesh ``name``)."""
-    if len(dims) == 1:
-        return mesh[dims[0]].get_group()
-    return mesh[dims]._flatten(name).get_group()
+    return mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten(name).get_group()
