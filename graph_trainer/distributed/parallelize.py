@@ -137,10 +137,8 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
         elif not parallel_dims.tp_enabled:  # replicas alone (torchtitan's DDP refuses TP)
             mesh = parallel_dims._global_meshes["dense"]["dp_replicate", "fsdp"]
     if mesh is not None and parallel_dims.dp_replicate_enabled:  # torchtitan's steps without its DDP
-        model = parallelize_llama(model, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
-                                                      world_size=1), cfg)
-    else:
-        model = parallelize_llama(model, parallel_dims, cfg)
+        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = parallelize_llama(model, parallel_dims, cfg)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
         hsdp = "HSDP over the replicas, " if mesh.ndim > 1 else ""
