@@ -7,8 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from graph_trainer import data
 from graph_trainer.errors import UserError
+from graph_trainer.llama3 import Transformer, llama3_args
 
 #: The vocabulary size of the embedded tokenizer (graph_trainer.data).
 EMBEDDED_VOCAB_SIZE = 2048
@@ -24,16 +28,12 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, dp_group: Any = None) ->
                                                  reduction="sum")
     valid = (labels != -100).sum()
     if dp_group is not None:
-        import torch.distributed._functional_collectives as funcol
-
         valid = funcol.all_reduce(valid, "sum", dp_group)  # waited on at its first use
     return loss_sum / valid
 
 
 def flavors() -> dict[str, Any]:
     """``{flavor name: TransformerModelArgs}`` (torchtitan's Llama3 flavors and ``"1B"``)."""
-    from graph_trainer.llama3 import llama3_args
-
     return llama3_args
 
 
@@ -48,10 +48,6 @@ def model_args(flavor: str, **overrides: Any):
 def build_tokenizer(cfg):
     """torchtitan's ``HuggingFaceTokenizer`` from ``--model.hf_assets_path`` or the embedded one. Raises UserError:
     the folder holds no tokenizer (:func:`graph_trainer.data.resolve_tokenizer_path`)."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    from graph_trainer import data
-
     return HuggingFaceTokenizer(data.resolve_tokenizer_path(cfg.model.hf_assets_path, EMBEDDED_VOCAB_SIZE))
 
 
@@ -70,8 +66,6 @@ def build_model_args(cfg, tokenizer):
 def build_model(args, device: torch.device | str = "cpu", *, seed: int | None = None, init: bool = True):
     """torchtitan's Llama3 ``Transformer(args)`` on ``device`` (``"meta"``: nothing allocated), in
     train mode; ``torch.manual_seed(seed)`` first when given; ``init``: run ``init_weights`` (not on meta)."""
-    from graph_trainer.llama3 import Transformer
-
     device = torch.device(device)
     if seed is not None:
         torch.manual_seed(seed)

@@ -8,7 +8,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
 from graph_trainer.errors import UserError
+from graph_trainer.metrics import peak_bf16_for_name
 
 #: The device kinds ``--projection.device`` accepts.
 DEVICES = ("h100", "h200")
@@ -53,9 +55,6 @@ class DeviceConstants:
 def _default_devices() -> dict[str, DeviceConstants]:
     """NVIDIA H100 / H200 SXM datasheets: dense bf16 peak as matmul and attention rate, HBM,
     NVLink 4 at 450 GB/s per direction, ConnectX-7 at 50 GB/s per GPU; α assumed (10 µs / 20 µs)."""
-    from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
-    from graph_trainer.metrics import peak_bf16_for_name
-
     out = {}
     for name, hbm_Bps, memory_gib in zip(DEVICES, (3.35e12, 4.8e12), DRY_RUN_DEVICES_GIB):
         peak = peak_bf16_for_name(name.upper())
