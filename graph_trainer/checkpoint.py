@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import logger
+from graph_trainer.distributed.parallelize import _init_single_process_group
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import keep_previous
 
@@ -163,8 +164,6 @@ class Checkpointer:
 
         self.enabled = bool(cfg.checkpoint.enable)
         if self.enabled and not dist.is_initialized():  # DCP needs a process group, even of 1
-            from graph_trainer.distributed.parallelize import _init_single_process_group
-
             _init_single_process_group(device)
         self.folder, self.rank, self.meta = checkpoint_folder(cfg), rank, meta
         self.train_state = TrainState(0, meta)

@@ -19,6 +19,7 @@ import torch.fx.traceback as fx_traceback
 
 from graph_trainer import MODULE_FQN_KEY, NUMERICS_KEY, PHASE_KEY
 from graph_trainer.metrics import keep_previous
+from graph_trainer.trace import annotate_module_fqns
 
 #: Tensors with at most this many elements are kept whole; larger ones as a strided sample.
 FULL_NUMEL = 1 << 20
@@ -162,8 +163,6 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 @contextlib.contextmanager
 def record_eager_forward(model: torch.nn.Module, recorder: EagerRecorder):
     """Module-FQN annotation (as tracing does) and ``recorder`` active around the forward."""
-    from graph_trainer.trace import annotate_module_fqns
-
     with fx_traceback.preserve_node_meta(), annotate_module_fqns(model), recorder:
         yield
 
