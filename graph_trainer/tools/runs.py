@@ -251,11 +251,10 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
             longest[run.side] = max(longest.get(run.side, 0.0), run.wall_s or 0.0)
             if run.status == "ok":
                 st = run.stats
-                progress.done(
-                    f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
-                    f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
-                    f"{fmt_value('memory_gib', st['memory_gib'])} "
-                    f"(median of steps {st['steady_steps'][0]}..{st['steady_steps'][-1]})")
+                progress.done(f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
+                              f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
+                              f"{fmt_value('memory_gib', st['memory_gib'])} (median of steps "
+                              f"{st['steady_steps'][0]}..{st['steady_steps'][-1]})")
             else:
                 progress.done(f"{prefix} FAILED ({run.error}); last {LOG_TAIL_LINES} lines of {run.log}:")
                 print("\n".join("    | " + l for l in tail(run.log).rstrip("\n").splitlines()), flush=True)
