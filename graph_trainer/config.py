@@ -51,8 +51,9 @@ class CompileBase:
     graph_cache_dir: str = "auto"
     """Keep the traced step after its passes (full Inductor: its compiled step) in this folder, one entry per
     key (config less outputs and length, rank, world, device, torch, Inductor's config, graph_trainer's code):
-    a later run with that key skips trace, memory policy and passes. auto: on with inductor_compilation full,
-    in graph_trainer/ of Inductor's cache folder; off: off. Not with dump_graphs or --debug.record_numerics."""
+    a later run with that key skips trace, memory policy and passes (graph_trainer/compiler/graph_cache.py).
+    auto: on with --compile.inductor_compilation full, in graph_trainer/ of Inductor's cache folder, else off;
+    off: off. Not with --compile.dump_graphs or --debug.record_numerics."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it
