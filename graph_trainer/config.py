@@ -136,10 +136,10 @@ class Comm:
     """``[comm]``: torchtitan's ``mode`` with one more value (``COMM_MODE`` of run_train.sh)."""
 
     mode: Literal["default", "fake_backend", "local_tensor", "fake_collectives"] = "default"
-    """``default``: real collectives. ``fake_backend``: a dry run tracing one step of the NGPU-rank layout on a fake
-    process group (graph summary and projection). ``fake_collectives``: one process trains as rank 0 of that layout,
-    every collective a local copy (that rank's compute, host time and memory; losses meaningless, no checkpoints).
-    ``local_tensor``: not supported."""
+    """``default``: real collectives. ``fake_backend``: a dry run: one process traces one step of the NGPU-rank layout
+    on a fake process group and prints the graph summary and projection. ``fake_collectives``: one process trains as
+    rank 0 of that layout on one device, every collective a local copy: that rank's compute, host time and memory;
+    losses meaningless, no checkpoints. ``local_tensor``: not supported here."""
 
 
 @dataclass
