@@ -4,6 +4,11 @@ The modules in the order the data flows, and the node metadata :mod:`graph_train
 for the passes under the keys below: docs/design.md ("Layout", "Metadata passes can rely on").
 """
 
+import logging
+
+#: The logger of every module (train.setup_logging gives it torchtitan's format).
+logger = logging.getLogger("graph_trainer")
+
 PHASE_KEY = "phase"
 MODULE_FQN_KEY = "module_fqn"
 AC_REGION_KEY = "ac_region"

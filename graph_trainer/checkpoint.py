@@ -5,10 +5,7 @@
 folders are loaded, so an interrupted save never replaces the last good one.
 """
 
-from __future__ import annotations
-
 import json
-import logging
 import os
 import pickle
 import random
@@ -16,10 +13,12 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from graph_trainer import logger
+from graph_trainer.distributed.parallelize import _init_single_process_group
 from graph_trainer.errors import UserError
-
-logger = logging.getLogger("graph_trainer")
+from graph_trainer.metrics import keep_previous
 
 META_FILE = "graph_trainer_meta.json"
 
@@ -87,10 +86,9 @@ def check_resume_compatible(folder: str, step: int, meta: dict) -> None:
             hint = (f"Resharding a traced-FSDP checkpoint to another layout is not supported: resume with the "
                     f"saved layout ({saved.get(key)})" if key == "layout"
                     else f"Use --model.flavor/--compile.mode as saved ({saved.get(key)})")
-            raise UserError(
-                f"Checkpoint {os.path.dirname(path)} was saved with {what} {saved.get(key)!r} but this run "
-                f"uses {meta.get(key)!r}. {hint}, or point --checkpoint.folder / --job.dump_folder elsewhere."
-            )
+            raise UserError(f"Checkpoint {os.path.dirname(path)} was saved with {what} {saved.get(key)!r} but this "
+                            f"run uses {meta.get(key)!r}. {hint}, or point --checkpoint.folder / --job.dump_folder "
+                            f"elsewhere.")
 
 
 def verify_checkpoint_files(ckpt: str):
@@ -162,21 +160,17 @@ class Checkpointer:
     ``--checkpoint.enable`` is off (``enabled`` False)."""
 
     def __init__(self, cfg, dataloader, model_part, optimizers, lr_schedulers, device, rank: int, meta: dict):
-        import torch.distributed as dist
         from torchtitan.components.checkpoint import CheckpointManager
 
         self.enabled = bool(cfg.checkpoint.enable)
         if self.enabled and not dist.is_initialized():  # DCP needs a process group, even of 1
-            from graph_trainer.distributed.parallelize import _init_single_process_group
-
             _init_single_process_group(device)
         self.folder, self.rank, self.meta = checkpoint_folder(cfg), rank, meta
         self.train_state = TrainState(0, meta)
         self.manager = CheckpointManager(
             dataloader=dataloader, model_parts=[model_part], optimizers=optimizers, lr_schedulers=lr_schedulers,
             states={"train_state": self.train_state, f"rng_rank{rank}": RNGState(device)},
-            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=cfg.job.dump_folder,
-        )
+            checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=cfg.job.dump_folder)
 
     def load_latest(self, load_step: int = -1) -> int:
         """Load ``step-<load_step>`` (-1: the latest complete one); returns the step loaded (0: none).
@@ -218,10 +212,6 @@ class Checkpointer:
     def save(self, step: int, last_step: bool) -> None:
         """Save at ``step`` if torchtitan's policy says so; an earlier run's complete ``step-<step>`` is
         moved aside first (rank 0; UserError naming it if it cannot be)."""
-        import torch.distributed as dist
-
-        from graph_trainer.metrics import keep_previous
-
         if not self.enabled:
             return
         self.train_state.step = step

@@ -14,7 +14,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
 
-from graph_trainer.compiler.memory_policy import FSDPOptions, SACOptions
+from graph_trainer.compiler import registry
+from graph_trainer.compiler.memory_policy import FSDPOptions, Levers, SACOptions
 from graph_trainer.errors import UserError
 
 CompileMode = Literal["eager", "jit", "aot_fx_trace"]
@@ -48,12 +49,11 @@ class CompileBase:
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""
 
     graph_cache_dir: str = "auto"
-    """Keep the traced step after its passes, and with full Inductor its compiled step, in this folder, one
-    entry per key (the config less outputs and length, rank, world size, device, torch, Inductor's config,
-    graph_trainer's code): a later run with that key skips the trace, memory policy and passes
-    (graph_trainer/compiler/graph_cache.py). auto: on with --compile.inductor_compilation full, in
-    graph_trainer/ of Inductor's cache folder, else off; off: off. Not with --compile.dump_graphs or
-    --debug.record_numerics."""
+    """Keep the traced step after its passes (full Inductor: its compiled step) in this folder, one entry per
+    key (config less outputs and length, rank, world, device, torch, Inductor's config, graph_trainer's code):
+    a later run with that key skips trace, memory policy and passes (graph_trainer/compiler/graph_cache.py).
+    auto: on with --compile.inductor_compilation full, in graph_trainer/ of Inductor's cache folder, else off;
+    off: off. Not with --compile.dump_graphs or --debug.record_numerics."""
 
     memory_budget_gib: float = 0.0
     """Peak memory per rank (GiB, as torch.cuda.max_memory_reserved) the memory policy plans for when it
@@ -84,11 +84,9 @@ def _resolved(cls: type) -> type:
 
 def _compile_cls() -> type:
     """:class:`CompileBase` plus one field per pass with options, named by its section."""
-    from graph_trainer.compiler.registry import option_sections
-
     for cls in (SACOptions, FSDPOptions):
         _resolved(cls)
-    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in option_sections()]
+    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in registry.option_sections()]
     return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
 
 
@@ -174,20 +172,17 @@ class JobConfig:
     projection: Projection = field(default_factory=Projection)
 
 
+_ALIASES = (("--dataloader.dataset", "--training.dataset"), ("--profiler.", "--profiling."))
+
+
 def rewrite_aliases(argv: list[str]) -> list[str]:
     """``--dataloader.dataset[_path]`` -> ``--training.dataset[_path]``, ``--profiler.X`` -> ``--profiling.X``."""
-    out = []
-    for arg in argv:
-        for old, new in (("--dataloader.dataset", "--training.dataset"), ("--profiler.", "--profiling.")):
-            if arg.startswith(old):
-                arg = new + arg[len(old):]
-                break
-        out.append(arg)
-    return out
+    return [next((new + arg[len(old):] for old, new in _ALIASES if arg.startswith(old)), arg) for arg in argv]
 
 
-def _tables_as_json(values: dict) -> None:
-    """In place: a TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) -> JSON text."""
+def _tables_as_json(values: dict) -> dict:
+    """``values`` with each TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) made
+    JSON text, in place."""
     comp = values.get("compile")
     hints = typing.get_type_hints(Compile)
     for name, table in (comp.items() if isinstance(comp, dict) else ()):
@@ -196,6 +191,7 @@ def _tables_as_json(values: dict) -> None:
             for key, hint in typing.get_type_hints(cls).items():
                 if hint is str and isinstance(table.get(key), dict):
                     table[key] = json.dumps(table[key])
+    return values
 
 
 def resolve_config_file(argv: list[str]) -> list[str]:
@@ -211,11 +207,9 @@ def resolve_config_file(argv: list[str]) -> list[str]:
         path = os.path.join(TRAIN_CONFIGS, fname)
         argv = ["--job.config_file", path] + argv
     if path is not None and not os.path.isfile(path):
-        raise UserError(
-            f"Config file '{path}' does not exist. Pass an existing TOML file with CONFIG_FILE=... (run_train.sh) "
-            f"or --job.config_file; the shipped ones are in {TRAIN_CONFIGS}: "
-            f"{', '.join(sorted(os.listdir(TRAIN_CONFIGS)))}."
-        )
+        raise UserError(f"Config file '{path}' does not exist. Pass an existing TOML file with CONFIG_FILE=... "
+                        f"(run_train.sh) or --job.config_file; the shipped ones are in {TRAIN_CONFIGS}: "
+                        f"{', '.join(sorted(os.listdir(TRAIN_CONFIGS)))}.")
     return argv
 
 
@@ -227,11 +221,7 @@ def _config_manager_cls():
 
         def _maybe_load_toml(self, args):
             path = _config_path(args)
-            if path is None:
-                return None
-            values = _load_toml(path)
-            _tables_as_json(values)
-            return values
+            return None if path is None else _tables_as_json(_load_toml(path))
 
         def _validate_config(self):
             # torchtitan warns that hf_assets_path does not exist; "embedded" is not a path
@@ -278,12 +268,9 @@ def _merged_cls() -> type:
 
 
 def parse_args(argv: list[str] | None = None):
-    """Parse CLI (``argv`` without the program name; default ``sys.argv[1:]``) + TOML into the
-    merged JobConfig (torchtitan's + :class:`JobConfig`), validated (:func:`validate`).
-
-    Raises:
-        UserError: missing config file, bad value, and everything :func:`validate` rejects.
-    """
+    """Parse CLI (``argv`` without the program name; default ``sys.argv[1:]``) + TOML into the merged JobConfig
+    (torchtitan's + :class:`JobConfig`), validated (:func:`validate`). Raises UserError: missing config file, bad
+    value, and everything :func:`validate` rejects."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         sys.stdout.write(help_text(_merged_cls()))
@@ -333,14 +320,9 @@ def _choice_error(what: str, value: str, valid) -> UserError:
 
 
 def validate(cfg) -> list[str]:
-    """Reject settings that cannot work, before anything is built; returns the pass names
-    ``aot_fx_trace`` will run, in order (``[]`` for other modes).
-
-    Raises:
-        UserError: an unknown choice, a bad pass list or option, values out of range, options of a
-            pass that does not run, a bad profiling schedule, an unsupported ``--comm.mode`` use.
-    """
-    from graph_trainer.compiler import registry
+    """Reject settings that cannot work, before anything is built; returns the pass names ``aot_fx_trace`` will run,
+    in order (``[]`` for other modes). Raises UserError: an unknown choice, a bad pass list or option, values out of
+    range, options of a pass that does not run, a bad profiling schedule, an unsupported ``--comm.mode`` use."""
     from graph_trainer.llama3 import llama3_args
 
     if cfg.comm.mode == "local_tensor":
@@ -398,9 +380,7 @@ def validate(cfg) -> list[str]:
 
 def project_sections() -> list[str]:
     """``--help`` lists these sections first: ``[compile]``, its levers and one per pass with options."""
-    from graph_trainer.compiler.registry import option_sections
-
-    return ["compile", "compile.sac", "compile.fsdp", *(f"compile.{name}" for name, _ in option_sections())]
+    return ["compile", "compile.sac", "compile.fsdp", *(f"compile.{name}" for name, _ in registry.option_sections())]
 
 
 def _flag_doc(cls, name: str) -> str:
@@ -458,27 +438,20 @@ def help_text(merged_cls) -> str:
 
 def _pass_lines() -> list[str]:
     """One line per registered pass: name, default or opt-in, numerics, its module docstring's first sentence."""
-    from graph_trainer.compiler.memory_policy import Levers
-    from graph_trainer.compiler.registry import PassContext, registry
-
     lines = []
-    for name, spec in registry().items():
+    for name, spec in registry.registry().items():
         doc = (sys.modules[spec.fn.__module__].__doc__ or "").split(".")[0].split("\n")
-        state = ("default" if spec.enabled(PassContext(CompileBase())) else
-                 "default on CUDA" if spec.enabled(PassContext(CompileBase(), device_type="cuda")) else
-                 "memory policy" if spec.enabled(PassContext(CompileBase(), levers=Levers(cudagraph=True))) else
-                 "opt-in/by flag")
+        on = lambda **kw: spec.enabled(registry.PassContext(CompileBase(), **kw))  # noqa: E731
+        state = ("default" if on() else "default on CUDA" if on(device_type="cuda") else
+                 "memory policy" if on(levers=Levers(cudagraph=True)) else "opt-in/by flag")
         tags = ", ".join([state] + (["changes numerics"] if spec.changes_numerics else []))
         lines.append(f"    {name:47s} [{tags}] {' '.join(x.strip() for x in doc)}")
     return lines
 
 
 def preflight(cfg, world_size: int) -> None:
-    """Beyond :func:`validate`: data, tokenizer, parallel degrees and the checkpoint a resume would load.
-
-    Raises:
-        UserError: naming the flag or file and what to do.
-    """
+    """Beyond :func:`validate`: data, tokenizer, parallel degrees and the checkpoint a resume would load. Raises
+    UserError: naming the flag or file and what to do."""
     from graph_trainer import checkpoint, data
     from graph_trainer.distributed import parallelize
     from graph_trainer.llama3 import llama3_args
@@ -499,11 +472,8 @@ def preflight(cfg, world_size: int) -> None:
 
 
 def launch_world_size(env=None) -> int:
-    """``NNODES`` (default 1) x ``NGPU`` (default 1): the world run_train.sh starts.
-
-    Raises:
-        UserError: a value that is not a whole number >= 1 (``NODE_RANK``: 0..NNODES-1).
-    """
+    """``NNODES`` (default 1) x ``NGPU`` (default 1): the world run_train.sh starts. Raises UserError: a value that is
+    not a whole number >= 1 (``NODE_RANK``: 0..NNODES-1)."""
     env = os.environ if env is None else env
     vals = {}
     for name, default, low in (("NGPU", 1, 1), ("NNODES", 1, 1), ("NODE_RANK", 0, 0)):

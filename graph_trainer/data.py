@@ -2,8 +2,6 @@
 BPE tokenizer trained on it, built once under :func:`cache_dir`, and torchtitan dataset registration.
 """
 
-from __future__ import annotations
-
 import ast
 import difflib
 import fcntl
@@ -46,22 +44,19 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(final.parent / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if final.is_dir():  # another process finished while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         try:
-            if final.is_dir():  # another process finished while we waited
-                return final
-            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-            try:
-                build(tmp)
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():  # else: lost a race on a filesystem without working flock
-                    raise
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            build(tmp)
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # else: lost a race on a filesystem without working flock
+                raise
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -127,11 +122,9 @@ def ensure_tokenizer(vocab_size: int) -> Path:
     Raises UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
     """
     if vocab_size < 258:
-        raise UserError(
-            f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
-            f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at your "
-            f"own tokenizer folder."
-        )
+        raise UserError(f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
+                        f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at "
+                        f"your own tokenizer folder.")
 
     def build(tmp: Path) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -184,9 +177,8 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
 def resolve_tokenizer_path(hf_assets_path: str | None, vocab_size: int) -> str:
     """The tokenizer folder for ``--model.hf_assets_path``: None / "" / "embedded": the built-in one of
     ``vocab_size`` tokens, else the folder, checked (UserError: :func:`check_tokenizer_folder`)."""
-    if not hf_assets_path or hf_assets_path == "embedded":
-        return str(ensure_tokenizer(vocab_size))
-    return str(check_tokenizer_folder(hf_assets_path))
+    embedded = not hf_assets_path or hf_assets_path == "embedded"
+    return str(ensure_tokenizer(vocab_size) if embedded else check_tokenizer_folder(hf_assets_path))
 
 
 def _builder_for(file: Path) -> str | None:
@@ -357,21 +349,17 @@ def register_datasets() -> None:
 
 
 def check_dataset(name: str, path: str | None, preview: bool = False) -> None:
-    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built; ``preview``:
-    also stream the first records of a local path's first files through ``datasets``.
-
-    Raises:
-        UserError: an unknown name (with the closest valid one), ``local`` without a path, a missing
-            or unusable path; with ``preview``, ``<file>:<line>: ...`` for a bad record.
-    """
+    """Validate ``--training.dataset`` / ``--training.dataset_path`` before any model is built; ``preview``: also
+    stream the first records of a local path's first files through ``datasets``. Raises UserError: an unknown name
+    (with the closest valid one), ``local`` without a path, a missing or unusable path; with ``preview``,
+    ``<file>:<line>: ...`` for a bad record."""
     key = name.lower()
     if key not in DATASET_NAMES:
         close = difflib.get_close_matches(key, DATASET_NAMES, n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise UserError(
-            f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}.{hint}\n"
-            f"Use c4_test for the built-in offline corpus, or local with --training.dataset_path for your own files."
-        )
+        raise UserError(f"Unknown dataset '{name}' (--training.dataset). Valid names: {', '.join(DATASET_NAMES)}."
+                        f"{hint}\nUse c4_test for the built-in offline corpus, or local with --training.dataset_path "
+                        f"for your own files.")
     if not path:
         if key == "local":
             load_local_text(None)  # raises the UserError explaining the fix

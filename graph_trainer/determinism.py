@@ -1,16 +1,15 @@
 """Seeding, deterministic kernels (``--debug.seed``, ``--debug.deterministic``, applied before the
 model is built) and sha256 of the training state (``--debug.state_hashes``)."""
 
-from __future__ import annotations
-
 import hashlib
-import logging
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
-logger = logging.getLogger("graph_trainer")
+from graph_trainer import logger
 
 
 def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> dict:
@@ -61,8 +60,6 @@ def _one_sha256(t) -> bytes:
 def tensor_sha256(tensors, threads: int = 8) -> str:
     """sha256 over the per-tensor sha256 digests (bytes, dtype, shape) of ``tensors``, in order:
     equal digests <=> bitwise-equal lists. Hashed on ``threads`` threads, at most that many host copies."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         digests = list(pool.map(_one_sha256, list(tensors)))
     return hashlib.sha256(b"".join(digests)).hexdigest()
@@ -72,8 +69,6 @@ def state_hashes(params, optimizers, view=None, group=None) -> dict[str, str]:
     """``{"weights", "grads", "optimizer"}`` sha256 digests of ``params`` (local shards), their grads and the
     ``optimizers``' state of them; ``view(i, t)``: ``t`` shaped like param ``i`` as hashed (FSDP2's local shape, so
     traced and eager hash equal states equally). Several ranks: the sha256 of the per-rank digests in rank order."""
-    import torch.distributed as dist
-
     view = view or (lambda i, t: t)
     local = {"weights": tensor_sha256([view(i, p) for i, p in enumerate(params)]),
              "grads": tensor_sha256([None if p.grad is None else view(i, p.grad) for i, p in enumerate(params)]),

@@ -14,7 +14,6 @@ is imported lazily: the comparison tools read ``metrics.jsonl`` without it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import resource
@@ -23,10 +22,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+from graph_trainer import logger
+
 if TYPE_CHECKING:
     import torch
-
-logger = logging.getLogger("graph_trainer")
 
 # Dense bf16 peaks in FLOP/s (NVIDIA data sheets), first match wins. Own table: torchtitan's
 # get_peak_flops reads lspci and assumes an A100 for unknown GPUs.
@@ -181,12 +180,10 @@ class MetricsLogger:
         mfu = f"{m.mfu:.2f}%" if m.mfu is not None else "n/a"
         if not self._opened:
             self._open()
-        logger.info(
-            f"step: {m.step:2}  loss: {m.loss:8.5f}  grad_norm: {m.grad_norm:7.4f}  "
-            + (f"lr: {m.lr:.3e}  " if m.lr is not None else "")
-            + f"memory: {mem}  tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  "
-            f"step_time: {m.step_time_s:.3f}s  data: {m.data_time_s * 1e3:.1f}ms"
-        )
+        lr_text = f"lr: {m.lr:.3e}  " if m.lr is not None else ""
+        logger.info(f"step: {m.step:2}  loss: {m.loss:8.5f}  grad_norm: {m.grad_norm:7.4f}  {lr_text}memory: {mem}  "
+                    f"tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  step_time: {m.step_time_s:.3f}s  "
+                    f"data: {m.data_time_s * 1e3:.1f}ms")
         self._write(asdict(m))
         for k in ("loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "step_time_s") if self.tb else ():
             if getattr(m, k) is not None:
@@ -211,11 +208,9 @@ class MetricsLogger:
         }
         if s["tps"] is not None:
             mfu = f"{s['mfu']:.2f}%" if s["mfu"] is not None else "n/a"
-            logger.info(
-                f"summary (median of steps {s['steady_steps'][0]}..{s['steady_steps'][-1]}): "
-                f"tps: {round(s['tps']):,}  tflops: {s['tflops']:,.2f}  mfu: {mfu}  "
-                f"memory: {s['max_memory_gib']:.2f}GiB  step_time: {s['step_time_s']:.3f}s"
-            )
+            logger.info(f"summary (median of steps {s['steady_steps'][0]}..{s['steady_steps'][-1]}): "
+                        f"tps: {round(s['tps']):,}  tflops: {s['tflops']:,.2f}  mfu: {mfu}  "
+                        f"memory: {s['max_memory_gib']:.2f}GiB  step_time: {s['step_time_s']:.3f}s")
         self._write({"summary": s})
         return s
 

@@ -7,8 +7,6 @@ graph is keyed before any pass (:func:`assign_keys`), eager in execution order b
 :class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
 """
 
-from __future__ import annotations
-
 import contextlib
 import operator
 import os
@@ -17,8 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 
 from graph_trainer import MODULE_FQN_KEY, NUMERICS_KEY, PHASE_KEY
+from graph_trainer.metrics import keep_previous
+from graph_trainer.trace import annotate_module_fqns
 
 #: Tensors with at most this many elements are kept whole; larger ones as a strided sample.
 FULL_NUMEL = 1 << 20
@@ -145,8 +146,6 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         self._fqn_of_seq: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch.fx.traceback as fx_traceback
-
         out = func(*args, **(kwargs or {}))
         if self.phase == "forward":
             fqn = (fx_traceback.current_meta.get("custom") or {}).get(MODULE_FQN_KEY, "")
@@ -164,10 +163,6 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
 @contextlib.contextmanager
 def record_eager_forward(model: torch.nn.Module, recorder: EagerRecorder):
     """Module-FQN annotation (as tracing does) and ``recorder`` active around the forward."""
-    import torch.fx.traceback as fx_traceback
-
-    from graph_trainer.trace import annotate_module_fqns
-
     with fx_traceback.preserve_node_meta(), annotate_module_fqns(model), recorder:
         yield
 
@@ -186,8 +181,6 @@ def add_step_outputs(records: dict, loss: torch.Tensor, named_grads: list[tuple[
 def save(folder: str, rank: int, records: dict, meta: dict) -> str:
     """Write ``records`` (in order) and ``meta`` to ``<folder>/rank<rank>.pt``; returns the path.
     Nothing is overwritten: an existing file is kept as ``rank<rank>.<N>.pt``."""
-    from graph_trainer.metrics import keep_previous
-
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank{rank}.pt")
     keep_previous(path)
@@ -196,11 +189,8 @@ def save(folder: str, rank: int, records: dict, meta: dict) -> str:
 
 
 def load(path: str) -> tuple[dict[Any, Record], dict]:
-    """Read a file written by :func:`save`: ``({key: Record} in execution order, meta)``.
-
-    Raises:
-        ValueError: not a numerics record file.
-    """
+    """Read a file written by :func:`save`: ``({key: Record} in execution order, meta)``. Raises ValueError: not a
+    numerics record file."""
     try:
         data = torch.load(path, weights_only=False)
         recs = {k: Record(**r) for k, r in zip(data["keys"], data["records"])}

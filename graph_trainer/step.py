@@ -1,27 +1,34 @@
-"""The training step as an object: what one call of the train loop does to produce gradients.
+"""The training step as an object: one call of the train loop produces the gradients.
 
-``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into
-one FX graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit``
-(:class:`EagerTrainStep`): ``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized
-model. Every mode computes torchtitan's gradient (:func:`graph_trainer.model.loss_fn`). Both have
-``step(tokens, labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module``
-(what the optimizer builder and the checkpointer see) and ``stats`` (for the run summary).
+``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into one FX
+graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit`` (:class:`EagerTrainStep`):
+``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized model. Both have ``step(tokens,
+labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module`` (what the optimizer and
+the checkpointer see) and ``stats`` (for the run summary).
 """
 
-from __future__ import annotations
-
 import functools
-import logging
 import os
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer.model import loss_fn
-
-logger = logging.getLogger("graph_trainer")
+from graph_trainer import logger, numerics
+from graph_trainer.compiler import graph_cache
+from graph_trainer.compiler.graph_values import placeholder_vals
+from graph_trainer.compiler.memory_policy import GiB, default_budget_bytes, state_bytes
+from graph_trainer.compiler.pipeline import plan_pipeline, run_pipeline
+from graph_trainer.compiler.report import format_pass_table
+from graph_trainer.distributed import parallelize
+from graph_trainer.metrics import keep_previous
+from graph_trainer.model import block_layout, loss_fn
+from graph_trainer.trace import TracedStep
 
 
 class _Step:
@@ -38,10 +45,8 @@ class _Step:
 
     def _save_records(self, records: dict, loss, named_grads, mode: str) -> None:
         """Add loss and gradients to ``records``, write them and turn recording off (step 1 only)."""
-        from graph_trainer.numerics import add_step_outputs, save
-
-        add_step_outputs(records, loss, named_grads)
-        path = save(self.record_dir, self.rank, records, {"mode": mode, "rank": self.rank})
+        numerics.add_step_outputs(records, loss, named_grads)
+        path = numerics.save(self.record_dir, self.rank, records, {"mode": mode, "rank": self.rank})
         logger.info(f"Recorded {len(records)} op outputs of step 1 in {path}")
         self.record_dir = None
 
@@ -66,26 +71,18 @@ class TracedTrainStep(_Step):
     def compile(self, tokens: torch.Tensor, labels: torch.Tensor) -> None:
         """Trace the step for ``[B, S]`` int64 batches shaped like ``tokens`` / ``labels`` and run
         the pipeline over the graph (the first call does it)."""
-        from torch.fx._lazy_graph_module import _LazyGraphModule
-
-        from graph_trainer.compiler import graph_cache
-        from graph_trainer.compiler.graph_values import placeholder_vals
-        from graph_trainer.compiler.pipeline import run_pipeline
-        from graph_trainer.compiler.report import format_pass_table
-        from graph_trainer.trace import TracedStep
-
         t0 = time.perf_counter()
         cached = graph_cache.load(self.cache_path) if self.cache_path else None
         if cached is not None:
             self.pipeline, self.stats = cached["steps"], dict(cached["stats"])
-            steps = ", ".join(s.name for s in self.pipeline)
+            steps, names = ", ".join(s.name for s in self.pipeline), (cached["param_names"], cached["buffer_names"])
             if compiled := cached.get("compiled"):  # nothing left to run
-                traced = TracedStep(compiled, cached["param_names"], cached["buffer_names"], 0.0)
+                traced = TracedStep(compiled, *names, 0.0)
                 what = f"the compiled step {graph_cache.compiled_path(self.cache_path)}"
                 skipped = f"no trace, memory policy, passes or [{steps}]"
             else:
                 gm = cached["gm"]
-                traced = TracedStep(gm, cached["param_names"], cached["buffer_names"], 0.0, placeholder_vals(gm))
+                traced = TracedStep(gm, *names, 0.0, placeholder_vals(gm))
                 what = f"{self.cache_path} ({len(gm.graph.nodes)} nodes)"
                 skipped = f"no trace, memory policy or passes before [{steps}]"
             logger.info(f"graph cache: loaded {what} in {time.perf_counter() - t0:.2f}s: {skipped}; memory policy as "
@@ -104,9 +101,7 @@ class TracedTrainStep(_Step):
         traced = self.tpar.trace(self.model, loss, tokens, labels, self.param_dtype)
         n_nodes = len(traced.gm.graph.nodes)
         if self.record_dir:  # op identities, fixed before any pass moves a node
-            from graph_trainer.numerics import assign_keys
-
-            assign_keys(traced.gm)
+            numerics.assign_keys(traced.gm)
         ops = Counter(str(n.target) for n in traced.gm.graph.nodes if n.op == "call_function")
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(6))
         logger.info(f"Traced the training step in {traced.trace_time_s:.2f}s: one graph, {n_nodes} nodes "
@@ -119,8 +114,7 @@ class TracedTrainStep(_Step):
                 memory_policy=policy.levers.flags(), memory_budget_gib=round(policy.budget_bytes / gib, 2),
                 predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
                 graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2),
-                state_gib=round(policy.state_bytes / gib, 2),
-            )
+                state_gib=round(policy.state_bytes / gib, 2))
         records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
         # lazy: a pass's recompile() only marks the code stale; it is generated once, at the first call
         gm = _LazyGraphModule.from_graphmodule(traced.gm)
@@ -149,18 +143,14 @@ class TracedTrainStep(_Step):
             self.compile(tokens, labels)
         records: dict = {}  # a fully compiled graph (not a GraphModule) records its outputs only
         if self.record_dir and isinstance(self.graph.gm, torch.fx.GraphModule):
-            from graph_trainer.numerics import GraphRecorder
-
-            recorder = GraphRecorder(self.graph.gm)
+            recorder = numerics.GraphRecorder(self.graph.gm)
             with torch.no_grad():
                 out = recorder.run(*self.params, *self.buffers, tokens, labels)
             loss, grads, records = out[0], list(out[1:]), recorder.records
         else:
             loss, grads = self.graph(self.params, self.buffers, tokens, labels)
         if not self.tpar.sharded:
-            from graph_trainer.distributed.parallelize import all_reduce_grads
-
-            all_reduce_grads(grads)  # replicated DP: sum (no-op on one rank)
+            parallelize.all_reduce_grads(grads)  # replicated DP: sum (no-op on one rank)
         for p, g in zip(self.params, grads):
             p.grad = g
         if self.record_dir:
@@ -190,24 +180,15 @@ class EagerTrainStep(_Step):
 
     def __call__(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward, loss, backward (``p.grad`` accumulates); returns this rank's loss."""
-        from contextlib import nullcontext
-
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        fwd = bwd = nullcontext()
-        if self.record_dir:
-            from graph_trainer.numerics import EagerRecorder, record_eager_forward
-
-            recorder = EagerRecorder()
-            fwd, bwd = record_eager_forward(self.model, recorder), recorder
+        recorder = numerics.EagerRecorder() if self.record_dir else None
         with loss_parallel() if self.loss_parallel else nullcontext():  # as torchtitan's train_context
-            with fwd:
+            with numerics.record_eager_forward(self.model, recorder) if recorder else nullcontext():
                 loss = loss_fn(self.model(tokens), labels, self.dp_group)
-            if self.record_dir:
+            if recorder:
                 recorder.phase = "backward"
-            with bwd:
+            with recorder or nullcontext():
                 loss.backward()
-        if self.record_dir:
+        if recorder:
             grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.requires_grad]
             self._save_records(recorder.records, loss, grads, "eager")
         return loss
@@ -226,8 +207,6 @@ def global_loss(loss: torch.Tensor, dp_group=None) -> float:
     if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
         loss = loss.full_tensor()
     if dp_group is not None:
-        import torch.distributed._functional_collectives as funcol
-
         loss = funcol.wait_tensor(funcol.all_reduce(loss, "sum", dp_group))
     return float(loss)
 
@@ -241,8 +220,6 @@ def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: s
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
     """The step of ``cfg.compile.mode`` for ``model`` (weights initialised on ``device``):
     :class:`TracedTrainStep` or :class:`EagerTrainStep`."""
-    from graph_trainer.distributed import parallelize
-
     record_dir = cfg.debug.record_numerics or None
     if cfg.compile.mode != "aot_fx_trace":
         cfg.compile.enable = cfg.compile.mode == "jit"
@@ -251,10 +228,6 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
         dp = parallel_dims.get_optional_mesh("batch") if world_size > 1 and parallel_dims.dp_enabled else None
         loss_par = parallel_dims.tp > 1 and not cfg.parallelism.disable_loss_parallel
         return EagerTrainStep(model, dp, loss_parallel=loss_par, record_dir=record_dir, rank=rank)
-
-    from graph_trainer.compiler.memory_policy import GiB, default_budget_bytes, state_bytes
-    from graph_trainer.compiler.pipeline import plan_pipeline
-    from graph_trainer.model import block_layout
 
     layout = block_layout(model)
     tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
@@ -270,16 +243,12 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None
     if cfg.compile.dump_graphs and rank == 0:  # one rank writes the graphs; an older dump is kept
-        from graph_trainer.metrics import keep_previous
-
         dump = cfg.job.dump_folder
         if kept := keep_previous(os.path.join(dump, "graphs")):
             logger.info(f"The earlier {os.path.join(dump, 'graphs')} is kept as {kept}")
-    from graph_trainer.compiler.graph_cache import cache_dir, cache_key
-
-    cache_path, folder = None, cache_dir(cfg.compile.graph_cache_dir, cfg.compile.inductor_compilation)
+    cache_path, folder = None, graph_cache.cache_dir(cfg.compile.graph_cache_dir, cfg.compile.inductor_compilation)
     if folder and not (dump or record_dir):
-        cache_path = os.path.join(folder, f"{cache_key(cfg, rank, world_size, device)}.pkl")
+        cache_path = os.path.join(folder, f"{graph_cache.cache_key(cfg, rank, world_size, device)}.pkl")
     elif folder:
         logger.info("graph cache: off with --compile.dump_graphs / --debug.record_numerics")
     return TracedTrainStep(model, tpar, pipeline, None if pdtype == torch.float32 else pdtype, dump_folder=dump,

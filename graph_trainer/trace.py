@@ -6,8 +6,6 @@ for the backward (docs/design.md, "aot_fx_trace"). Op-level selective AC only ta
 ``sac_recompute`` pass recomputes. Node metadata written here: see :mod:`graph_trainer`.
 """
 
-from __future__ import annotations
-
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -24,8 +22,8 @@ from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY, PHASE_KEY
 
 
 def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
-    """Make backward nodes carry the ``seq_nr`` of the forward op they differentiate (AOTAutograd's
-    hooks for the same purpose; a no-op where this torch lacks them)."""
+    """Make backward nodes carry the ``seq_nr`` of the forward op they differentiate (AOTAutograd's hooks; a no-op
+    where this torch lacks them)."""
     try:
         from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
     except ImportError:  # pragma: no cover - older/newer torch
@@ -38,8 +36,7 @@ def _preserve_seq_nr_in_backward(loss: torch.Tensor) -> None:
 def annotate_module_fqns(model: torch.nn.Module):
     """Annotate every node made inside a submodule's forward with ``{"module_fqn": fqn}`` (innermost wins)
     and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}``, through forward hooks removed on exit."""
-    handles = []
-    stacks: list[contextlib.ExitStack] = []
+    handles, stacks = [], []
 
     def make_pre(annotation):
         def pre(_mod, _args):
@@ -105,28 +102,18 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, to
                      tokens: torch.Tensor, labels: torch.Tensor, param_dtype: torch.dtype | None = None,
                      params: list[torch.Tensor] | None = None, param_names: list[str] | None = None,
                      materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> TracedStep:
-    """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` into one graph.
+    """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` (AC-wrapped / parallelized, not
+    modified) into one graph: a :class:`TracedStep` ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
 
-    Args:
-        model: the (possibly AC-wrapped / parallelized) model, parameters requiring grad; not modified.
-        loss_fn: ``loss_fn(logits [B, S, V], labels [B, S] int64) -> 0-d tensor``.
-        tokens, labels: ``[B, S]`` int64 example batch (only shapes / dtypes are used).
-        param_dtype: compute dtype for floating parameters (``None``: keep theirs).
-        params / param_names: the graph inputs standing for the parameters and the FQNs they fill
-            (default: ``model.named_parameters()``; FSDP: the local shards).
-        materialize: maps ``params`` to the full compute parameters inside the graph (FSDP:
-            all-gather + cast). Default: cast to ``param_dtype``.
-
-    Returns:
-        A :class:`TracedStep` mapping ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
-
-    Raises:
-        Whatever make_fx raises for untraceable models (e.g. data-dependent control flow).
+    ``loss_fn(logits [B, S, V], labels [B, S] int64) -> 0-d tensor``; ``tokens`` / ``labels``: ``[B, S]`` int64
+    example batch (shapes and dtypes only); ``param_dtype``: compute dtype of floating parameters (None: theirs);
+    ``params`` / ``param_names``: the inputs standing for the parameters and the FQNs they fill (default
+    ``model.named_parameters()``; FSDP: the local shards); ``materialize``: ``params`` -> the full compute
+    parameters inside the graph (FSDP: all-gather + cast; default: cast to ``param_dtype``). Raises whatever
+    make_fx raises for an untraceable model (e.g. data-dependent control flow).
     """
     if params is None:
-        named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        param_names = [n for n, _ in named_params]
-        params = [p for _, p in named_params]
+        param_names, params = map(list, zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad]))
     named_bufs = list(model.named_buffers())
     buffer_names = [n for n, _ in named_bufs]
     n_p, n_b = len(param_names), len(buffer_names)

@@ -4,8 +4,6 @@ Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --j
 The step (:mod:`graph_trainer.step`) hides the mode; everything after the gradients is eager.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import os
@@ -13,17 +11,26 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from torchtitan.tools.logging import init_logger
 
+from graph_trainer import data, logger
+from graph_trainer.checkpoint import Checkpointer
 from graph_trainer.config import parse_args
+from graph_trainer.determinism import apply_determinism, state_hashes
+from graph_trainer.distributed import parallelize
 from graph_trainer.errors import UserError
-
-logger = logging.getLogger("graph_trainer")
+from graph_trainer.metrics import MetricsLogger
+from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
+from graph_trainer.step import build_train_step
+from graph_trainer.tools.profiling import maybe_start_profiler
 
 
 def setup_logging(rank: int = 0) -> None:
     """torchtitan's log format on stdout, for this project's and torchtitan's loggers."""
-    from torchtitan.tools.logging import init_logger
-
     init_logger()
     logger.handlers.clear()
     logger.addHandler(logging.StreamHandler(sys.stdout))
@@ -33,24 +40,8 @@ def setup_logging(rank: int = 0) -> None:
 
 
 def train(cfg) -> dict:
-    """Train for ``cfg.training.steps`` steps; returns the metrics summary (rank 0).
-
-    Raises:
-        UserError: bad data / layout / tokenizer, a non-finite loss or gradient norm.
-    """
-    from torchtitan.components.lr_scheduler import build_lr_schedulers
-    from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
-
-    from graph_trainer import data
-    from graph_trainer.checkpoint import Checkpointer
-    from graph_trainer.determinism import apply_determinism
-    from graph_trainer.distributed import parallelize
-    from graph_trainer.metrics import MetricsLogger
-    from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
-    from graph_trainer.step import build_train_step
-    from graph_trainer.tools.profiling import maybe_start_profiler
-
+    """Train for ``cfg.training.steps`` steps; returns the metrics summary (rank 0). Raises UserError: bad data /
+    layout / tokenizer, a non-finite loss or gradient norm."""
     # Data and layout first: both fail fast on bad input, before any memory is allocated.
     data.register_datasets()
     data.check_dataset(cfg.training.dataset, cfg.training.dataset_path)
@@ -132,11 +123,10 @@ def train(cfg) -> dict:
             checked = (("loss", loss_val), ("grad norm", float(grad_norm)))
             bad = [f"{k} is {v}" for k, v in checked if not math.isfinite(v)]
             if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
-                raise UserError(
-                    f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this state is "
-                    f"written). Lower --optimizer.lr, check the data, or resume from the last good "
-                    f"checkpoint in {checkpointer.folder if checkpointer.enabled else '(checkpointing off)'}."
-                )
+                where = checkpointer.folder if checkpointer.enabled else "(checkpointing off)"
+                raise UserError(f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this "
+                                f"state is written). Lower --optimizer.lr, check the data, or resume from the last "
+                                f"good checkpoint in {where}.")
             lr = lr_schedulers.schedulers[0].get_last_lr()[0]
             metrics.log(step, loss_val, float(grad_norm), lr)
         checkpointer.save(step, last_step=last)
@@ -150,8 +140,6 @@ def train(cfg) -> dict:
     if device.type == "cuda":  # next to the reserved peak of every row: the allocated one
         extra["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if cfg.debug.state_hashes:
-        from graph_trainer.determinism import state_hashes
-
         opts = getattr(optimizers, "optimizers", [optimizers])
         extra["state_hashes"] = hashes = state_hashes(step_fn.params, opts, step_fn.hash_view)
         logger.info("final state sha256: %s", hashes)
@@ -163,8 +151,6 @@ def train(cfg) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse, train, report. Returns the exit code (2 for user errors)."""
-    import torch.distributed as dist
-
     setup_logging()
     try:
         cfg = parse_args(argv)

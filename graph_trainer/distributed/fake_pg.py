@@ -9,8 +9,6 @@ Own code because torch's fake process group leaves a reduce-scatter's output as 
 on a GPU, which turned the losses into NaN.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
@@ -74,6 +72,13 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         event.record(side)
         return SideStreamWork(event, tensors)
 
+    def _each(self, outputs, inputs, copy_one) -> dist.Work:
+        """:meth:`_local` of ``copy_one(o, x)`` for each pair of ``outputs`` and ``inputs``."""
+        def copy():
+            for o, x in zip(outputs, inputs):
+                copy_one(o, x)
+        return self._local(outputs, inputs, copy)
+
     def _gather_into(self, output, x) -> None:
         """Every chunk of ``output`` a contiguous copy of ``x`` (an expanded source would be a
         strided, slower kernel)."""
@@ -128,35 +133,25 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         return self._local([output], [input], copy)
 
     def allgather(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            for outs, x in zip(outputs, inputs):
-                for o in outs:
-                    o.copy_(x)
-        return self._local(outputs, inputs, copy)
+        def copy_all(outs, x):
+            for o in outs:
+                o.copy_(x)
+        return self._each(outputs, inputs, copy_all)
 
     def all_gather_single(self, output, input, *args, **kwargs):
         return self._local([output], [input], lambda: self._gather_into(output, input))
 
     def all_gather_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            for o, x in zip(outputs, inputs):
-                self._gather_into(o, x)
-        return self._local(outputs, inputs, copy)
+        return self._each(outputs, inputs, self._gather_into)
 
     def reduce_scatter(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            for o, xs in zip(outputs, inputs):
-                o.copy_(xs[self._rank])
-        return self._local(outputs, inputs, copy)
+        return self._each(outputs, inputs, lambda o, xs: o.copy_(xs[self._rank]))
 
     def reduce_scatter_single(self, output, input, *args, **kwargs):
         return self._local([output], [input], lambda: self._scatter_from(output, input))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            for o, x in zip(outputs, inputs):
-                self._scatter_from(o, x)
-        return self._local(outputs, inputs, copy)
+        return self._each(outputs, inputs, self._scatter_from)
 
     # the names torch < 2.13 looks up
     alltoall_base = all_to_all_single

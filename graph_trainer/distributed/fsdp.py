@@ -6,8 +6,6 @@ reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_function
 because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -150,9 +148,8 @@ class ShardedParams(torch.nn.Module):
         self.add_module(f"rank{rank}of{world}", holder)
 
 
-def sharded_grad_norm_(
-    shards: list[torch.nn.Parameter], max_norm: float, group=None, weights: list[float] | None = None
-) -> torch.Tensor:
+def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group=None,
+                       weights: list[float] | None = None) -> torch.Tensor:
     """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm (0-d fp32):
     ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights``
     (default 1): ``1 / tp`` for TP-replicated tensors. Eager's norm, not its rounding.

@@ -2,8 +2,8 @@
 ``parallelize_llama`` for ``eager`` / ``jit`` (:func:`parallelize_eager`), TP plan, AC wrappers and
 traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
-from __future__ import annotations
-
+import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -13,21 +13,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graph_trainer import logger
+from graph_trainer.distributed import fsdp
 from graph_trainer.errors import UserError
-
-logger = logging.getLogger("graph_trainer")
 
 #: ``--training.mixed_precision_*`` values -> dtypes.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
-    """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK``
-    (NCCL), else ``cpu`` (gloo); ``fake_world > 0``: rank 0 of that many on :mod:`.fake_pg`.
-
-    Raises:
-        UserError: more local ranks than visible GPUs.
-    """
+    """``(device, rank, world_size)`` from torchrun's env, the process group started: ``cuda:LOCAL_RANK`` (NCCL), else
+    ``cpu`` (gloo); ``fake_world > 0``: rank 0 of that many on :mod:`.fake_pg`. Raises UserError: more local ranks
+    than visible GPUs."""
     if fake_world:  # one process, the first GPU
         world_size, rank, local_rank, local_world = fake_world, 0, 0, 1
     else:
@@ -50,9 +47,8 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
 
         fake_pg.init(fake_world)
     elif world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend=backend, **kwargs)
+        cuda = device.type == "cuda"
+        dist.init_process_group(backend="nccl" if cuda else "gloo", **({"device_id": device} if cuda else {}))
     return device, rank, world_size
 
 
@@ -68,13 +64,9 @@ def _patch_torchtitan_device_type(device_type: str) -> None:
 
 def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int, int]:
     """The ``(replicate, shard, tp)`` degrees of ``[parallelism]`` for ``world_size`` ranks
-    (``data_parallel_shard_degree = -1`` resolved).
-
-    Raises:
-        UserError: degrees whose product is not the world size, a TP degree that does not divide
-            the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP; replicas x TP
-            without FSDP for the eager / jit baselines (torchtitan's DDP refuses TP).
-    """
+    (``data_parallel_shard_degree = -1`` resolved). Raises UserError: degrees whose product is not the world size, a
+    TP degree that does not divide the (KV) heads, an FSDP degree larger than the world, or PP, CP, EP; replicas x TP
+    without FSDP for the eager / jit baselines (torchtitan's DDP refuses TP)."""
     p = cfg.parallelism
     for name in ("pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         if getattr(p, name) != 1:
@@ -145,10 +137,8 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
         elif not parallel_dims.tp_enabled:  # replicas alone (torchtitan's DDP refuses TP)
             mesh = parallel_dims._global_meshes["dense"]["dp_replicate", "fsdp"]
     if mesh is not None and parallel_dims.dp_replicate_enabled:  # torchtitan's steps without its DDP
-        model = parallelize_llama(model, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
-                                                      world_size=1), cfg)
-    else:
-        model = parallelize_llama(model, parallel_dims, cfg)
+        parallel_dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    model = parallelize_llama(model, parallel_dims, cfg)
     if mesh is not None:
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
         hsdp = "HSDP over the replicas, " if mesh.ndim > 1 else ""
@@ -182,8 +172,6 @@ def apply_ac_for_trace(model, cfg) -> None:
     """Wrap TransformerBlocks for activation checkpointing before tracing (torchtitan's ``apply_ac``)."""
     if cfg.activation_checkpoint.mode == "none":
         return
-    import functools
-
     import torch.utils.checkpoint as ckpt
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
@@ -245,8 +233,6 @@ class TraceParallel:
     def trace(self, model, loss_fn, tokens, labels, param_dtype):
         """:func:`graph_trainer.trace.trace_train_step` with these placeholders, under
         ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""
-        import contextlib
-
         from torch.distributed.tensor.parallel import loss_parallel
 
         from graph_trainer.trace import trace_train_step
@@ -259,9 +245,7 @@ class TraceParallel:
         """``t``, shaped like placeholder ``i`` (its shard, gradient or AdamW moment), as a view in
         FSDP2's local shape (unchanged without an FSDP2 layout, or for other shapes)."""
         lay = self.fsdp2_layouts[i] if self.fsdp2_layouts else None
-        if lay is None or t.numel() != lay.local_shape.numel() or t.dim() == 0:
-            return t
-        return t.view(lay.local_shape)
+        return t if lay is None or t.numel() != lay.local_shape.numel() or t.dim() == 0 else t.view(lay.local_shape)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
@@ -276,17 +260,13 @@ class TraceParallel:
 
             return clip_grad_norm_(self.params, max_norm, foreach=True)
         if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
-            from graph_trainer.distributed import fsdp
-
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
         from torch.distributed.tensor import DTensor
 
-        grads, dgrads = [], []
-        for p, lay in zip(self.params, self.fsdp2_layouts):
-            if p.grad is not None:
-                grads.append(p.grad)
-                dgrads.append(DTensor.from_local(p.grad.view(lay.local_shape), self.fsdp2_mesh, lay.placements,
-                                                 run_check=False, shape=lay.shape, stride=lay.stride))
+        pairs = [(p.grad, lay) for p, lay in zip(self.params, self.fsdp2_layouts) if p.grad is not None]
+        grads = [g for g, _ in pairs]
+        dgrads = [DTensor.from_local(g.view(lay.local_shape), self.fsdp2_mesh, lay.placements, run_check=False,
+                                     shape=lay.shape, stride=lay.stride) for g, lay in pairs]
         # DTensor warns that the norm's mesh dimensions are reduced one after the other: that order is eager's
         quiet = logging.getLogger("torch.distributed.tensor._redistribute")
         level = quiet.level
@@ -335,8 +315,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         return out
 
     from torch.distributed.tensor import DTensor, Replicate
-
-    from graph_trainer.distributed import fsdp
 
     tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named] if tp > 1 else None
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]
@@ -387,21 +365,14 @@ def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], 
     ones, the rest ``N(0, std)``; shards off the meta device unchanged."""
     out = []
     for name, p in zip(names, shards):
-        if not p.is_meta:
-            out.append(p)
-            continue
-        t = torch.empty(p.shape, dtype=p.dtype, device=device)
-        with torch.no_grad():
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            else:
-                t.normal_(0.0, std)
-        out.append(torch.nn.Parameter(t, requires_grad=p.requires_grad))
+        if p.is_meta:
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            t = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, std)
+            p = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+        out.append(p)
     return out
 
 
 def _flat_group(mesh, dims: tuple[str, ...], name: str):
     """The process group of ``mesh``'s ``dims`` together (several: a flattened sub-mesh ``name``)."""
-    if len(dims) == 1:
-        return mesh[dims[0]].get_group()
-    return mesh[dims]._flatten(name).get_group()
+    return mesh[dims[0]].get_group() if len(dims) == 1 else mesh[dims]._flatten(name).get_group()

@@ -15,8 +15,6 @@ halving FlashAttention-2's (arXiv:2307.08691, §4.1); ``β``: nccl-tests' busbw;
 torchtitan's ``get_nparams_and_flops``, so MFU is the one ``graph_trainer.metrics`` reports.
 """
 
-from __future__ import annotations
-
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -26,7 +24,9 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry
 
+from graph_trainer.compiler.collectives import collective_kind, is_collective
 from graph_trainer.compiler.graph_values import val_bytes
+from graph_trainer.compiler.ops import VIEW_OPS, returns_view
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -71,11 +71,8 @@ class Layout:
     gpus_per_node: int = 8
 
     def group_ranks(self, dim: str) -> list[int]:
-        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``.
-
-        Raises:
-            KeyError: ``dim`` is no mesh or flattened dimension.
-        """
+        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``. Raises KeyError: ``dim`` is no
+        mesh or flattened dimension."""
         dims = FLAT_DIMS.get(dim, (dim,))
         if any(d not in MESH_DIMS for d in dims):
             raise KeyError(dim)
@@ -98,12 +95,9 @@ def link_for(ranks: Iterable[int], gpus_per_node: int, dev: DeviceConstants) -> 
 
 
 def ring_bytes_on_wire(kind: str, size_bytes: float, n: int) -> float:
-    """Bytes each rank sends for one ring collective of size S on ``n`` ranks (0 for one rank):
-    ``(n−1)/n · S`` (all_gather: S = output, reduce_scatter: S = input), ``2(n−1)/n · S`` (all_reduce).
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
+    """Bytes each rank sends for one ring collective of size S on ``n`` ranks (0 for one rank): ``(n−1)/n · S``
+    (all_gather: S = output, reduce_scatter: S = input), ``2(n−1)/n · S`` (all_reduce). Raises ValueError: unknown
+    ``kind``."""
     if kind not in _RING_FACTOR:
         raise ValueError(f"no ring formula for collective {kind!r}")
     return 0.0 if n <= 1 else _RING_FACTOR[kind](n) * size_bytes
@@ -139,12 +133,11 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     packet = node.target.overloadpacket
-    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-    if formula is None:
+    if (formula := flop_registry.get(_FLOP_ALIASES.get(packet, packet))) is None:
         return None
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta)
-    out = node.meta.get("val")
-    if "attention" in packet.__name__ and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
+    out, attention = node.meta.get("val"), "attention" in packet.__name__
+    if attention and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
         # GQA: key / value (and their gradients) with fewer heads cost as the query's heads
         # (the same score matrix); torch's formulas assume equal heads
         def heads(t):
@@ -155,7 +148,7 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
 
         args = tuple(heads(a) for a in args)
     flops = formula(*args, out_val=out, **kwargs)
-    if "attention" in packet.__name__:
+    if attention:
         a = _args(node)
         return "attention", flops * (0.5 if a.get("is_causal") else 1.0), tuple(_meta(a["query"]).shape)
     if packet in _MM_KEYED and isinstance(out, torch.Tensor) and out.numel():
@@ -191,9 +184,6 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
 def memory_op_bytes(node: torch.fx.Node) -> int:
     """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its
     schema or the passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
-    from graph_trainer.compiler.collectives import is_collective
-    from graph_trainer.compiler.ops import VIEW_OPS, returns_view
-
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0
     is_view = node.target in VIEW_OPS or returns_view(node.target)
@@ -237,8 +227,6 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
     """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with
     ``meta["val"]``); each collective is attributed to a mesh dim by its ``group_name``
     (``group_dims``; unknown: ``"?"``), size = the larger of its input and output bytes."""
-    from graph_trainer.compiler.collectives import collective_kind
-
     group_dims = group_dims or {}
     mm: dict[tuple, float] = defaultdict(float)
     attn: dict[tuple, float] = defaultdict(float)
@@ -368,23 +356,18 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
             extra_collectives: Iterable[CollectiveOp] = (), overlap: Overlap = Overlap()) -> Projection:
     """Project one rank's step of ``work`` (:func:`graph_work`) on ``layout`` of ``dev`` GPUs.
 
-    ``tokens_per_rank``: ``local_batch_size · seq_len``; ``flops_per_token``: torchtitan's model
-    FLOPs (the MFU numerator); ``after_graph_bytes``: HBM bytes after the graph
-    (:func:`after_graph_bytes`); ``extra_collectives``: collectives after the graph (exposed).
-
-    Raises:
-        UserError: a collective of a group that is no mesh dimension of ``layout`` (``"?"``).
-    """
+    ``tokens_per_rank``: ``local_batch_size · seq_len``; ``flops_per_token``: torchtitan's model FLOPs (the MFU
+    numerator); ``after_graph_bytes``: HBM bytes after the graph (:func:`after_graph_bytes`); ``extra_collectives``:
+    collectives after the graph (exposed). Raises UserError: a collective of a group that is no mesh dimension of
+    ``layout`` (``"?"``)."""
     matmul_s = sum(f / dev.matmul_by_shape.get(k, dev.matmul_flops) for k, f in work.matmuls.items())
     attention_s = sum(f / dev.attention_by_shape.get(k, dev.attention_flops) for k, f in work.attention.items())
-    memory_s = work.memory_bytes / dev.hbm_Bps
-    optimizer_s = after_graph_bytes / dev.hbm_Bps
+    memory_s, optimizer_s = work.memory_bytes / dev.hbm_Bps, after_graph_bytes / dev.hbm_Bps
     compute_s = matmul_s + attention_s + memory_s + optimizer_s
 
     rows: dict[tuple, dict] = {}
     links: dict[str, tuple[str, Link, int]] = {}
-    dims = overlap.dims()
-    hidden, timed = [], []
+    dims, hidden, timed = overlap.dims(), [], []
     for c in [*work.collectives, *extra_collectives]:
         if c.dim not in links:
             try:
@@ -420,8 +403,7 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
     return Projection(
         device=dev.name, source=dev.source, layout=layout, matmul_s=matmul_s, attention_s=attention_s,
         memory_s=memory_s, optimizer_s=optimizer_s, comm=sorted(rows.values(), key=lambda r: (r["dim"], r["kind"])),
-        tokens_per_rank=tokens_per_rank, flops_per_token=flops_per_token, peak_flops=dev.peak_bf16_flops, work=work,
-    )
+        tokens_per_rank=tokens_per_rank, flops_per_token=flops_per_token, peak_flops=dev.peak_bf16_flops, work=work)
 
 
 def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:
@@ -432,11 +414,7 @@ def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:
 
 def settings(opts) -> tuple[DeviceConstants, int, Overlap]:
     """``(device constants, gpus_per_node, overlap)`` of the ``[projection]`` flags ``opts``
-    (``graph_trainer.config.Projection``).
-
-    Raises:
-        UserError: a bad value, naming its flag.
-    """
+    (``graph_trainer.config.Projection``). Raises UserError: a bad value, naming its flag."""
     gpn = opts.gpus_per_node
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise UserError(f"--projection.gpus_per_node must be a positive integer, got {gpn!r}.")

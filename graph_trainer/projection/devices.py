@@ -2,15 +2,15 @@
 values, replaced field by field by the JSON that ``scripts/cost_constants.py`` measured
 (``graph_trainer/projection/cost_constants/<device>.json`` or ``--projection.cost_constants``)."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
 from graph_trainer.errors import UserError
+from graph_trainer.metrics import peak_bf16_for_name
 
 #: The device kinds ``--projection.device`` accepts.
 DEVICES = ("h100", "h200")
@@ -55,9 +55,6 @@ class DeviceConstants:
 def _default_devices() -> dict[str, DeviceConstants]:
     """NVIDIA H100 / H200 SXM datasheets: dense bf16 peak as matmul and attention rate, HBM,
     NVLink 4 at 450 GB/s per direction, ConnectX-7 at 50 GB/s per GPU; α assumed (10 µs / 20 µs)."""
-    from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
-    from graph_trainer.metrics import peak_bf16_for_name
-
     out = {}
     for name, hbm_Bps, memory_gib in zip(DEVICES, (3.35e12, 4.8e12), DRY_RUN_DEVICES_GIB):
         peak = peak_bf16_for_name(name.upper())
@@ -68,10 +65,7 @@ def _default_devices() -> dict[str, DeviceConstants]:
 def device_constants(name: str, path: str = "") -> DeviceConstants:
     """The constants of device kind ``name`` (``h100`` | ``h200``): datasheet defaults with the fields measured in
     ``path`` (a JSON of ``scripts/cost_constants.py``; empty: ``cost_constants/<name>.json`` if it exists) replaced.
-
-    Raises:
-        UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU.
-    """
+    Raises UserError: unknown ``name``; the file is missing, not JSON, or measured another GPU."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in DEVICES:
         raise UserError(f"--projection.device {name!r} is not known; use one of {', '.join(DEVICES)}.")
@@ -91,14 +85,10 @@ def device_constants(name: str, path: str = "") -> DeviceConstants:
 
 
 def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -> DeviceConstants:
-    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``, in
-    TFLOP/s, GB/s and µs): ``matmul_tflops`` and rows ``{m, n, k, tflops}``, ``attention_tflops`` and
-    rows ``{b, h, s, d, tflops}``, ``hbm_gbps``, ``nccl`` / ``nccl_network`` ``{kind: {alpha_us,
-    busbw_gbps[, gpus_per_node]}}`` inside one node / across nodes.
-
-    Raises:
-        UserError: ``data["device"]`` names another GPU than ``dev``.
-    """
+    """``dev`` with the fields measured in ``data`` (the JSON of ``scripts/cost_constants.py``, in TFLOP/s, GB/s and
+    µs): ``matmul_tflops`` and rows ``{m, n, k, tflops}``, ``attention_tflops`` and rows ``{b, h, s, d, tflops}``,
+    ``hbm_gbps``, ``nccl`` / ``nccl_network`` ``{kind: {alpha_us, busbw_gbps[, gpus_per_node]}}`` inside one node /
+    across nodes. Raises UserError: ``data["device"]`` names another GPU than ``dev``."""
     gpu = str(data.get("device", ""))
     if gpu and dev.name.upper() not in gpu.upper():
         raise UserError(f"--projection.cost_constants {path} was measured on {gpu!r}, not an {dev.name.upper()}.")

@@ -6,27 +6,24 @@ policy's choice and the projected step (:mod:`graph_trainer.projection.cost_mode
 attention are traced as CUDA runs them, so the graph estimate is the GPU run's.
 """
 
-from __future__ import annotations
-
 import contextlib
 import functools
-import logging
 import os
 from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed.tensor.experimental
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-logger = logging.getLogger("graph_trainer")
+from graph_trainer import logger
+from graph_trainer.compiler.collectives import collective_kind
+from graph_trainer.compiler.graph_values import val_bytes
 
 
 def collective_summary(gm: torch.fx.GraphModule) -> dict[str, dict[str, int]]:
     """``{op name: {"count": n, "bytes": output bytes per rank}}`` of the collectives of ``gm``."""
-    from graph_trainer.compiler.collectives import collective_kind
-    from graph_trainer.compiler.graph_values import val_bytes
-
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "bytes": 0})
     for n in gm.graph.nodes:
         if (name := collective_kind(n)) is not None:
@@ -41,7 +38,6 @@ def fused_attention_on_meta():
     (``aten._scaled_dot_product_flash_attention_for_cpu``, saved by selective AC), as a GPU runs
     it, instead of the math path's ``[batch, heads, seq, seq]`` scores. GQA keys and values keep
     their heads (FlashAttention reads them per query head group; no repeated copy)."""
-    import torch.nn.functional as F
     from torchtitan.models.llama3.infra import parallelize as tt_parallelize
 
     orig = F.scaled_dot_product_attention
@@ -126,8 +122,6 @@ class _FusedRMSNorm(torch.autograd.Function):
 def fused_rms_norm_on_meta():
     """Trace ``F.rms_norm`` on meta tensors as :class:`_FusedRMSNorm` (as a GPU runs it); after the
     trace, :func:`restore_fused_rms_norm` names its forward nodes ``aten._fused_rms_norm``."""
-    import torch.nn.functional as F
-
     orig = F.rms_norm
 
     def rms_norm(x, normalized_shape, weight=None, eps=None):
@@ -143,11 +137,8 @@ def fused_rms_norm_on_meta():
 
 
 def dry_run(cfg) -> dict:
-    """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; log and return the summary.
-
-    Raises:
-        UserError: invalid layout for NGPU; a bad ``[projection]`` flag.
-    """
+    """Trace one step of ``cfg`` on a fake ``NGPU``-rank process group; log and return the summary. Raises UserError:
+    invalid layout for NGPU; a bad ``[projection]`` flag."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers "fake"
 
     from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -182,10 +173,9 @@ def dry_run(cfg) -> dict:
     colls = collective_summary(gm)
     peak_before, _ = estimate_peak_memory(gm)
     # the memory policy for the configured budget, or for each device size of DRY_RUN_DEVICES_GIB
-    budgets = (
-        [(cfg.compile.memory_budget_gib * GiB, "--compile.memory_budget_gib")] if cfg.compile.memory_budget_gib > 0
-        else [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB]
-    )
+    given = cfg.compile.memory_budget_gib
+    budgets = ([(given * GiB, "--compile.memory_budget_gib")] if given > 0 else
+               [(d * (1 - HEADROOM) * GiB, f"a {d:g} GiB device less {HEADROOM:.0%}") for d in DRY_RUN_DEVICES_GIB])
     policies, plans, estimates = [], [], {}  # the graph estimates do not depend on the budget
     for budget, source in budgets:
         logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
@@ -256,9 +246,9 @@ def layout_name(replicate: int, shard: int, tp: int) -> str:
 def group_dims(tpar) -> dict[str, str]:
     """``{process group name: mesh dim}`` of a ``TraceParallel``'s replicate, FSDP, TP and
     data-parallel (``dp``, where it is none of the others) groups."""
-    dims: dict[str, str] = {}
     groups = [(tpar.replicate_group, "dp_replicate"), (tpar.fsdp_group, "dp_shard"),
               (tpar.tp_mesh.get_group() if tpar.tp_mesh is not None else None, "tp"), (tpar.dp_group, "dp")]
+    dims: dict[str, str] = {}
     for group, dim in groups:
         if group is not None:
             dims.setdefault(group.group_name, dim)

@@ -18,8 +18,6 @@ Arguments after -- go to run_train.sh in every run; NGPU, CONFIG / CONFIG_FILE, 
 are inherited. Exit codes: 0 every run ok; 1 a run failed or was skipped; 2 bad input; 130 interrupted.
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import glob
@@ -67,11 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """``["jit=--compile.mode jit", "plain="]`` -> ``[("jit", ["--compile.mode", "jit"]), ("plain", [])]``.
-
-    Raises:
-        CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets itself.
-    """
+    """``["jit=--compile.mode jit", "plain="]`` -> ``[("jit", ["--compile.mode", "jit"]), ("plain", [])]``. Raises
+    CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets itself."""
     out = []
     for spec in specs:
         name, sep, flags = spec.partition("=")

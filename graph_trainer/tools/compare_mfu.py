@@ -19,8 +19,6 @@ repeats of a side that failed on a trainer input error are skipped); 2 bad input
 was run); 130 interrupted.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import datetime

@@ -12,8 +12,6 @@ Exit codes: 0 ok (and equal, with ``--assert-equal``); 1 a difference under
 ``--assert-equal``, a failed run, or a tolerance exceeded with ``--rtol``; 2 bad input.
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os

@@ -14,8 +14,6 @@ Examples::
 Exit codes: 0 nothing differs; 1 something differs (or a run failed); 2 bad input.
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os

@@ -4,10 +4,7 @@ step by kernel category, the step's timeline, each collective's time and exposed
 and ``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files. On CPU
 the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
-from __future__ import annotations
-
 import json
-import logging
 import os
 import re
 from collections import defaultdict
@@ -15,11 +12,10 @@ from typing import Any
 
 import torch
 
+from graph_trainer import logger
 from graph_trainer.metrics import keep_previous
 from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, collective_breakdown, draw_timeline,
                                           pack_step, timeline_breakdown)
-
-logger = logging.getLogger("graph_trainer")
 
 #: (category, regex over the kernel name), first match wins. Order matters: Inductor's generated
 #: kernels (but FlexAttention's), NCCL and attention kernels are matched before the generic

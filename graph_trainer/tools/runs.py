@@ -1,7 +1,5 @@
 """One ``run_train.sh`` run of a side: command, progress line, log, timeout, process-tree stop, result."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import re
@@ -81,10 +79,7 @@ def execute(run: Run, side: Side, steps: int, warmup: int, prefix: str, verbose:
                                         stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         errors="replace", start_new_session=True)
             if timeout:
-                def _kill():
-                    timed_out.set()
-                    _terminate(proc)
-                timer = threading.Timer(timeout, _kill)
+                timer = threading.Timer(timeout, lambda: (timed_out.set(), _terminate(proc)))
                 timer.daemon = True
                 timer.start()
             for line in proc.stdout:
@@ -256,11 +251,10 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
             longest[run.side] = max(longest.get(run.side, 0.0), run.wall_s or 0.0)
             if run.status == "ok":
                 st = run.stats
-                progress.done(
-                    f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
-                    f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
-                    f"{fmt_value('memory_gib', st['memory_gib'])} "
-                    f"(median of steps {st['steady_steps'][0]}..{st['steady_steps'][-1]})")
+                progress.done(f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
+                              f"{fmt_value('tflops', st['tflops'])}, MFU {fmt_value('mfu', st['mfu'])}, memory "
+                              f"{fmt_value('memory_gib', st['memory_gib'])} (median of steps "
+                              f"{st['steady_steps'][0]}..{st['steady_steps'][-1]})")
             else:
                 progress.done(f"{prefix} FAILED ({run.error}); last {LOG_TAIL_LINES} lines of {run.log}:")
                 print("\n".join("    | " + l for l in tail(run.log).rstrip("\n").splitlines()), flush=True)

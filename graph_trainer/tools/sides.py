@@ -1,8 +1,6 @@
 """The two sides of a comparison and the tools' shared CLI: a side is a git ref (run from a temporary
 ``git worktree``), extra ``run_train.sh`` flags, or both; with neither, the working tree of ``--repo``."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import datetime
@@ -228,27 +226,24 @@ def tool_parser(prog: str, description: str, doc: str, tool: str, two_sided: boo
     p = argparse.ArgumentParser(prog=prog, description=description, epilog="examples:" + doc.split("Examples::")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if two_sided:
-        _side_options(p)
+        p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
+        p.add_argument("--b", metavar="REF", help="git ref of side B")
+        p.add_argument("--a-flags", default=None, metavar="FLAGS",
+                       help='extra run_train.sh flags of side A, one shell-quoted string ("" for none)')
+        p.add_argument("--b-flags", default=None, metavar="FLAGS", help="extra run_train.sh flags of side B")
+        p.add_argument("--a-label", help="name of side A (default: ref@sha / working tree + flags)")
+        p.add_argument("--b-label", help="name of side B")
+        p.add_argument("--config-file",
+                       help="TOML config (default: $CONFIG_FILE, $CONFIG, train_configs/debug_model.toml)")
+        p.add_argument("--repo", help="git repository / tree to compare (default: the one holding this tool)")
+        p.add_argument("--allow-dirty", action="store_true",
+                       help="allow a ref side that is HEAD while the working tree has uncommitted changes "
+                       "(runs the committed HEAD, not your changes)")
     p.add_argument("--run-timeout", type=float, default=None, metavar="S",
                    help="kill a run after S seconds and record it as failed")
     p.add_argument("-v", "--verbose", action="store_true", help="stream every run's full output")
     p.add_argument("--out", help=f"output folder of the runs (default ./outputs/{tool}_<timestamp>)")
     return p
-
-
-def _side_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--a", metavar="REF", help="git ref of side A (run from a temporary worktree)")
-    p.add_argument("--b", metavar="REF", help="git ref of side B")
-    p.add_argument("--a-flags", default=None, metavar="FLAGS",
-                   help='extra run_train.sh flags of side A, one shell-quoted string ("" for none)')
-    p.add_argument("--b-flags", default=None, metavar="FLAGS", help="extra run_train.sh flags of side B")
-    p.add_argument("--a-label", help="name of side A (default: ref@sha / working tree + flags)")
-    p.add_argument("--b-label", help="name of side B")
-    p.add_argument("--config-file", help="TOML config (default: $CONFIG_FILE, $CONFIG, train_configs/debug_model.toml)")
-    p.add_argument("--repo", help="git repository / tree to compare (default: the one holding this tool)")
-    p.add_argument("--allow-dirty", action="store_true",
-                   help="allow a ref side that is HEAD while the working tree has uncommitted changes "
-                   "(runs the committed HEAD, not your changes)")
 
 
 def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None,

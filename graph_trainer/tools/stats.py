@@ -1,8 +1,6 @@
 """Statistics and tables of compared runs, from their ``metrics.jsonl`` rows and profile summaries:
 step 1 (trace and compile) and the warm-up steps are excluded from the medians; memory is the max."""
 
-from __future__ import annotations
-
 import json
 import os
 import statistics
@@ -108,10 +106,8 @@ def markdown_table(labels: dict, stats: dict, deltas: dict | None, runs_ok: dict
     successful run (default "not run")."""
     lines = ["| side | tps | tflops | MFU | memory |", "|---|" + "---|" * len(METRICS)]
     for side in ("A", "B"):
-        if runs_ok[side] == 0:
-            cells = [(no_result or {}).get(side, "not run")] * len(METRICS)
-        else:
-            cells = [_cell(k, stats[side][k]) for k in METRICS]
+        cells = ([_cell(k, stats[side][k]) for k in METRICS] if runs_ok[side] else
+                 [(no_result or {}).get(side, "not run")] * len(METRICS))
         lines.append(f"| {side}: {labels[side]} ({runs_ok[side]}/{repeats} runs) | " + " | ".join(cells) + " |")
     cells = [_delta_cell(deltas[k]) if deltas else "n/a" for k in METRICS]
     return "\n".join(lines + ["| Δ B vs A | " + " | ".join(cells) + " |"])

@@ -3,8 +3,6 @@ form (``rank<r>_kernels.json["step_intervals"]``) and its picture: kernels (on C
 coloured by category on a compute and a communication lane, and bands where only communication runs
 (exposed) and where nothing runs (idle). No torch; matplotlib only when drawing."""
 
-from __future__ import annotations
-
 import json
 
 Kernel = tuple[float, float, str]  # (start_us, end_us, category)
