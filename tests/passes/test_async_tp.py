@@ -248,6 +248,20 @@ def test_group_inference_fuse_option_and_modes(fake_group):
     assert gm.meta[SUMMARY].startswith("skipped: no all-gather of activations")
 
 
+def test_fake_collectives_skip():
+    """Rank 0 alone (``COMM_MODE=fake_collectives``) has no TP peers: skipped, not rewritten, whatever the device."""
+    from graph_trainer.distributed import fake_pg
+
+    fake_pg.init(2)
+    try:
+        gm = _block(1, 2)
+        code = gm.code
+        async_tp_pass(gm, None)
+        assert gm.code == code and gm.meta[SUMMARY].startswith("skipped: fake collectives"), gm.meta[SUMMARY]
+    finally:
+        dist.destroy_process_group()
+
+
 def _traced_tp(world: int, shard: int, batch: int = 2, *flags, layers: int = L, dtype=torch.bfloat16):
     """FSDP ``shard`` x TP, traced, through the passes before async_tp: ``(gm, TraceParallel, real inputs)``."""
     parallelize._patch_torchtitan_device_type("cpu")

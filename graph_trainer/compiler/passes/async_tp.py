@@ -9,7 +9,7 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
-group (the dry run) or on CUDA with symmetric memory; else skips. Numerics: not guaranteed bitwise."""
+group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips. Numerics: not guaranteed bitwise."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from graph_trainer.compiler.matmul_sums import (MM_OPS, Matmul, MatmulSum, call_
 from graph_trainer.compiler.node_meta import add_process_setup, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
+from graph_trainer.distributed.fake_pg import BACKEND as FAKE_COLLECTIVES
 
 aten = torch.ops.aten
 
@@ -461,6 +462,8 @@ def async_tp_pass(
             backend = None
         if backend == "fake":
             note = "; fake process group: rewritten for the dry run, symmetric memory not set up"
+        elif backend == FAKE_COLLECTIVES:  # one process, no peers: no symmetric memory to set up
+            skip = f"skipped: fake collectives (no TP peers for symmetric memory); would fuse {what}{left}"
         elif device != "cuda":
             skip = f"skipped: device {device} (the symm_mem fused ops are CUDA-only); would fuse {what}{left}"
         else:
