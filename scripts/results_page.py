@@ -8,7 +8,8 @@ group. A bench group is a (workload, device): its latest record (by date, UTC ``
 recorded, then file name); older
 records stay in docs/results/ and are only counted. A tier group is a model: each claim's latest
 result over the group's records on any device (tier calls often run a subset, ``TIER_K``), with the
-call and, when they differ, the device it came from. Tier groups come first, then bench groups by workload and device. Stdlib only; the
+call and, when they differ, the device it came from. Tier groups come first, then bench groups by workload and device. A bench group whose
+latest record lists, in ``superseded_by``, the later records that measured its variants again is only named. Stdlib only; the
 output holds no timestamp, so regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
@@ -190,7 +191,15 @@ def merge_tier(members: list[dict]) -> dict:
 def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]:
     """``(record, number of records not shown)`` per group, in page order: tier groups first, then
     bench groups, each by workload then device. Bench: the latest, greatest (date, time, file name);
-    tier: :func:`merge_tier` of the group (records none of whose claims is shown are counted)."""
+    tier: :func:`merge_tier` of the group (records none of whose claims is shown are counted). A bench
+    group whose latest record names, in ``superseded_by``, the later records that measured its variants
+    again is left out (:func:`superseded_line` names it)."""
+    names = {path.name for path, _ in records}
+    for path, record in records:
+        later = record.get("superseded_by", [])
+        if not isinstance(later, list) or not later or any(n not in names for n in later):
+            if "superseded_by" in record:
+                raise PageError(f"{shown(path)}: field 'superseded_by' must list record files in {shown(path.parent)}/")
     groups: dict[tuple[str, str, str], list[tuple[Path, dict]]] = {}
     for path, record in records:
         groups.setdefault(group_key(record), []).append((path, record))
@@ -200,8 +209,21 @@ def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]
         members = [r for _, r in sorted(groups[key], key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")),
                                                                       pr[0].name))]
         shown_record = merge_tier(members) if key[0] == "tier" else members[-1]
+        if key[0] == "bench" and shown_record.get("superseded_by"):
+            continue
         out.append((shown_record, len(members) - shown_record.get("calls", 1)))
     return out
+
+
+def superseded_line(records: list[tuple[Path, dict]]) -> list[str]:
+    """One line naming each bench group left out because its latest record was superseded."""
+    latest: dict[tuple, tuple[Path, dict]] = {}
+    for path, record in sorted(records, key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")), pr[0].name)):
+        if record["kind"] == "bench":
+            latest[group_key(record)] = (path, record)
+    gone = [f"`{p.name}` (by {', '.join(f'`{n}`' for n in r['superseded_by'])})"
+            for p, r in latest.values() if r.get("superseded_by")]
+    return [f"_Superseded, not shown: {'; '.join(gone)}._", ""] if gone else []
 
 
 # --------------------------------------------------------------------------- formatting
@@ -381,10 +403,11 @@ def header(results: Path) -> str:
 def render(results: Path, out: Path) -> str:
     """The whole page: header line, then the template with the sections in place of its placeholder."""
     template = load_template(results)
-    groups = latest_per_group(load_records(results))
+    records = load_records(results)
     body: list[str] = []
-    for record, earlier in groups:
+    for record, earlier in latest_per_group(records):
         body += section(record, earlier, results, out)
+    body += superseded_line(records)
     while body and body[-1] == "":
         body.pop()
     if not body:

@@ -340,3 +340,17 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
     put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
     assert generate(capsys)[0] == 0  # no collectives recorded: no column for them
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in (repo / "docs" / "perf.md").read_text()
+
+
+def test_superseded_group_left_out_and_named(repo, capsys):
+    """A bench group whose latest record names the records that measured it again is left out and named;
+    a ``superseded_by`` naming no record here is refused."""
+    put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["2026-11-27_new.json"]))
+    put(repo, "2026-11-27_new.json", bench("2026-11-27", workload="new"))
+    assert generate(capsys)[0] == 0
+    page = (repo / "docs" / "perf.md").read_text()
+    assert list(sections(page)) == ["Bench new — " + H100]
+    assert "_Superseded, not shown: `2026-11-26_old.json` (by `2026-11-27_new.json`)._" in page
+    put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["missing.json"]))
+    code, _, err = generate(capsys)
+    assert code == 2 and "2026-11-26_old.json: field 'superseded_by' must list record files" in err
