@@ -81,6 +81,15 @@ def fsdp_trace():
 
 
 @pytest.fixture
+def fake_group():
+    """``fake_group(world)``: this process is rank 0 of ``world`` on the fake backend until the test ends."""
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers the "fake" backend
+
+    yield lambda world: dist.init_process_group("fake", rank=0, world_size=world)
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def fsdp_step(fsdp_trace):
     """:func:`fsdp_trace` with parameters all-gathered as stored (fp32)."""
     return fsdp_trace()

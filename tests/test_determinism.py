@@ -149,20 +149,15 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint():
     assert latest_step(str(d / "checkpoint")) == 1  # step 1's checkpoint intact, none of step 2
 
 
-def test_state_hash_of_a_dtensor_is_its_local_shard():
+def test_state_hash_of_a_dtensor_is_its_local_shard(fake_group):
     """Eager FSDP2 parameters are DTensors: each rank hashes its own shard, without a collective."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("fake", rank=0, world_size=2)
-    try:
-        full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-        dt = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
-        assert tensor_sha256([dt]) == tensor_sha256([dt.to_local().clone()]) != tensor_sha256([full])
-    finally:
-        dist.destroy_process_group()
+    fake_group(2)
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    dt = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
+    assert tensor_sha256([dt]) == tensor_sha256([dt.to_local().clone()]) != tensor_sha256([full])
 
 
 def test_first_difference_and_a_failed_run_still_compares_logged_steps(tmp_path, monkeypatch, capsys):

@@ -15,7 +15,6 @@ from torch._inductor.fx_passes.micro_pipeline_tp import (
     find_all_gather_patterns, find_reduce_scatter_patterns, micro_pipeline_tp_pass)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers the "fake" backend
 
 from _launch import queue, spawn  # tests/ is on sys.path
 from _runs import DEBUG
@@ -40,13 +39,6 @@ FUSED_AG, FUSED_RS = "fused_all_gather_matmul", "fused_matmul_reduce_scatter"
 SUMMARY = "graph_trainer_pass_summary"  # the pass's gm.meta key
 SAC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 L = 2  # blocks of the traced tiny Llama
-
-
-@pytest.fixture
-def fake_group():
-    """``fake_group(world)``: this process is rank 0 of ``world`` on the fake backend until the test ends."""
-    yield lambda world: dist.init_process_group("fake", rank=0, world_size=world)
-    dist.destroy_process_group()
 
 
 def _kinds(gm, group_name=None) -> Counter:

@@ -171,8 +171,8 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
 @pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     """Without sac_recompute, full_inductor drops the SAC tags (compile_fx's remat rejected this graph)."""
+    from _runs import train_debug
     from graph_trainer.llama3 import llama3_args
-    from test_train import _train
 
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=1))
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
@@ -180,6 +180,6 @@ def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     # no cached compile (it would skip compile_fx's remat); the configs' own patch: pytest >= 9.2's monkeypatch
     # undoes such a module attribute with delattr, hiding a torch config for every later test
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
-        on, _ = _train(tmp_path, "on", *flags)
+        off, _ = train_debug(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
+        on, _ = train_debug(tmp_path, "on", *flags)
     assert [r["loss"] for r in off] == pytest.approx([r["loss"] for r in on], rel=1e-5)
