@@ -66,18 +66,33 @@ def fsdp4_flags():
             "--parallelism.data_parallel_shard_degree", "4", "--debug.deterministic", "--debug.state_hashes"]
 
 
-def dry_run_8b_8_ranks(*flags) -> dict:
-    """The dry run of train_configs/llama3_8b.toml with ``flags`` on 8 fake ranks, in this process."""
+def train_debug(tmp_path, name, *flags):
+    """The debug config trained in this process into ``tmp_path/name`` at seq 64, batch 2: ``read_metrics``'s."""
+    from graph_trainer.config import parse_args
+    from graph_trainer.metrics import read_metrics
+    from graph_trainer.train import train
+
+    out = tmp_path / name
+    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), "--training.seq_len", "64",
+                      "--training.local_batch_size", "2", *flags]))
+    return read_metrics(str(out / "metrics.jsonl"))
+
+
+def dry_run_in_process(ngpu, *flags, config=DEBUG) -> dict:
+    """The dry run of ``config`` (the debug one) with ``flags`` on ``ngpu`` fake ranks, in this process."""
     import torch.distributed as dist
 
     from graph_trainer.config import parse_args
     from graph_trainer.projection.dry_run import dry_run
 
-    os.environ.setdefault("CONFIG", "")
-    cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "llama3_8b.toml"), *flags])
     try:
-        with mock.patch.dict(os.environ, NGPU="8"):
-            return dry_run(cfg)
+        with mock.patch.dict(os.environ, NGPU=str(ngpu), CONFIG=os.environ.get("CONFIG", "")):
+            return dry_run(parse_args(["--job.config_file", config, *flags]))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def dry_run_8b_8_ranks(*flags) -> dict:
+    """The dry run of train_configs/llama3_8b.toml with ``flags`` on 8 fake ranks, in this process."""
+    return dry_run_in_process(8, *flags, config=os.path.join(REPO, "train_configs", "llama3_8b.toml"))

@@ -17,7 +17,7 @@ TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
 SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
 #: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
-EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run"})
+EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -78,6 +78,15 @@ def fsdp_trace():
         yield trace
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_group():
+    """``fake_group(world)``: this process is rank 0 of ``world`` on the fake backend until the test ends."""
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers the "fake" backend
+
+    yield lambda world: dist.init_process_group("fake", rank=0, world_size=world)
+    dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -146,9 +155,7 @@ def log_lines():
         yield lines
 
 
-@pytest.fixture(scope="session")
-def dry_runs_8b():
-    """Llama3 8B dry runs on 8 fake ranks, side by side: ``"fsdp4_tp2"`` (summary, log lines), ``"fsdp8"``."""
+def _dry_runs_8b(tmp, env):
     from _launch import fork_call
     from _runs import dry_run_8b_8_ranks
 
@@ -159,6 +166,15 @@ def dry_runs_8b():
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp",
                                      "--compile.async_tp.merge_matmul_sums", "--compile.numerics_changing_optim")
     return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
+
+
+_early.job("dry_runs_8b", _dry_runs_8b)
+
+
+@pytest.fixture(scope="session")
+def dry_runs_8b():
+    """The 8B dry runs on 8 fake ranks, side by side, started early: ``"fsdp4_tp2"`` (summary, logs), ``"fsdp8"``."""
+    return _early.result("dry_runs_8b")
 
 
 @pytest.fixture(scope="session")

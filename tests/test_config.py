@@ -13,40 +13,37 @@ from graph_trainer.errors import UserError
 from _runs import DEBUG, REPO  # tests/ is on sys.path
 
 
-@pytest.mark.parametrize(
-    "flags, needle",
-    [
-        (["--compile.mode", "fast"], "Valid values: eager, jit, aot_fx_trace"),
-        (["--compile.mode=fast"], "Valid values: eager, jit, aot_fx_trace"),
-        (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
-        (["--compile.inductor_compilation", "partial"], "regional, full, none"),
-        (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
-        (["--compile.full_inductor.configs", '{"a": 1}', "--compile.mode", "jit"],
-         "[compile.full_inductor] is set, but full_inductor does not run"),
-        (["--compile.rmsnorm.no-tune"],
-         "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
-        (["--compile.annotate_exact_pointwise.no-lone_casts", "--compile.inductor_compilation", "full"],
-         "[compile.annotate_exact_pointwise] is set, but annotate_exact_pointwise_for_regional_inductor does not run"),
-        (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
-         "--compile.full_inductor.configs must be a JSON object"),
-        (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
-        (["--compile.passes", "annotate_pointwise"], "add --compile.numerics_changing_optim"),
-        (["--compile.numerics_changing_optim", "--compile.inductor_compilation", "none",
-          "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor"),
-        (["--compile.passes", "full_inductor"], "cannot run together"),
-        (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
-        (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
-        (["--compile.fsdp.reduce_scatter_in_flight", "-1"], "reduce_scatter_in_flight must be >= 0"),
-        (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
-        (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
-        (["--compile.sac.save", "some"], "recompute, matmuls, all_but_cheap, all"),
-        (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
-        (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", "{oops"],
-         "rmsnorm.inductor_configs must be a JSON object"),
-        (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", '{"not_a_config": 1}'],
-         "not_a_config"),
-    ],
-)
+@pytest.mark.parametrize("flags, needle", [
+    (["--compile.mode", "fast"], "Valid values: eager, jit, aot_fx_trace"),
+    (["--compile.mode=fast"], "Valid values: eager, jit, aot_fx_trace"),
+    (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
+    (["--compile.inductor_compilation", "partial"], "regional, full, none"),
+    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
+    (["--compile.full_inductor.configs", '{"a": 1}', "--compile.mode", "jit"],
+     "[compile.full_inductor] is set, but full_inductor does not run"),
+    (["--compile.rmsnorm.no-tune"],
+     "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
+    (["--compile.annotate_exact_pointwise.no-lone_casts", "--compile.inductor_compilation", "full"],
+     "[compile.annotate_exact_pointwise] is set, but annotate_exact_pointwise_for_regional_inductor does not run"),
+    (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
+     "--compile.full_inductor.configs must be a JSON object"),
+    (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
+    (["--compile.passes", "annotate_pointwise"], "add --compile.numerics_changing_optim"),
+    (["--compile.numerics_changing_optim", "--compile.inductor_compilation", "none",
+      "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor"),
+    (["--compile.passes", "full_inductor"], "cannot run together"),
+    (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
+    (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
+    (["--compile.fsdp.reduce_scatter_in_flight", "-1"], "reduce_scatter_in_flight must be >= 0"),
+    (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
+    (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
+    (["--compile.sac.save", "some"], "recompute, matmuls, all_but_cheap, all"),
+    (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
+    (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", "{oops"],
+     "rmsnorm.inductor_configs must be a JSON object"),
+    (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", '{"not_a_config": 1}'],
+     "not_a_config"),
+])
 def test_bad_config_is_rejected(flags, needle):
     with pytest.raises(UserError) as e:
         parse_args(["--job.config_file", DEBUG, *flags])
@@ -55,10 +52,8 @@ def test_bad_config_is_rejected(flags, needle):
 
 def test_aliases_and_config_names(monkeypatch):
     monkeypatch.setenv("CONFIG", "graph_trainer_llama3_8b")
-    cfg = parse_args(
-        ["--dataloader.dataset", "c4_test", "--profiler.no-enable_profiling",
-         "--metrics.no-enable_tensorboard", "--comm.trace_buf_size=0"]
-    )
+    cfg = parse_args(["--dataloader.dataset", "c4_test", "--profiler.no-enable_profiling",
+                      "--metrics.no-enable_tensorboard", "--comm.trace_buf_size=0"])
     assert cfg.model.flavor == "8B" and cfg.training.seq_len == 8192
     assert cfg.training.dataset == "c4_test" and cfg.profiling.enable_profiling is False
     assert cfg.compile.mode == "aot_fx_trace"
@@ -67,11 +62,8 @@ def test_aliases_and_config_names(monkeypatch):
 def test_nested_groups_from_toml_and_cli(tmp_path):
     """[compile.<group>] in TOML and on the CLI (CLI wins); Inductor config tables read as JSON text."""
     toml = tmp_path / "c.toml"
-    toml.write_text(
-        open(DEBUG).read()
-        + '\n[compile.fsdp]\nbucket_blocks = 2\nkeep_last_blocks = 1\n'
-        + '[compile.full_inductor]\nconfigs = { "max_autotune" = false }\n'
-    )
+    toml.write_text(open(DEBUG).read() + '\n[compile.fsdp]\nbucket_blocks = 2\nkeep_last_blocks = 1\n'
+                    '[compile.full_inductor]\nconfigs = { "max_autotune" = false }\n')
     cfg = parse_args(["--job.config_file", str(toml), "--compile.inductor_compilation", "full",
                       "--compile.fsdp.keep_last_blocks", "3", "--compile.full_inductor.no-pin_collectives"])
     assert (cfg.compile.fsdp.bucket_blocks, cfg.compile.fsdp.keep_last_blocks) == (2, 3)

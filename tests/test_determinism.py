@@ -1,5 +1,6 @@
 """Bitwise determinism on CPU: run-to-run and resume with the RMSNorm pass; bad checkpoints, divergence."""
 
+import functools
 import json
 import os
 import shutil
@@ -41,31 +42,35 @@ def _bitwise_runs(tmp, ngpu, steps, config, extra, env=None):
     a, b = tmp / "a", tmp / "b"
     launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
     launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
-    # on one CPU rank, a and the first half of b side by side: each process uses one core
-    with ThreadPoolExecutor(2 if ngpu == 1 and config is None else 1) as pool:
-        runs = [pool.submit(_train, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
-                pool.submit(_train, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
+    runs = [functools.partial(_train, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
+            functools.partial(_train, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
+    if ngpu == 1 and config is None:  # on one CPU rank, a and the first half of b side by side: one core each
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda run: run(), runs))  # a run's failure raised here
+    else:  # in this thread: ranks forked from a thread other than the main one may fail at their exit
         for run in runs:
-            run.result()
+            run()
     assert latest_step(str(b / "checkpoint")) == half
     return a, b, _train(b, *same, *ckpt, steps=steps, config=config, env=env, **launch)
 
 
-_early.job("bitwise_1rank", lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], env))
+EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: tests/_early.py
+_early.job(EARLY[1], lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], env))
+_early.job(EARLY[2], lambda tmp, env: _bitwise_runs(tmp, 2, 4, None, [], env))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ngpu, steps, config, extra, flavor", [
-    pytest.param(1, 4, None, [], "debugmodel", id="1rank", marks=_early.uses("bitwise_1rank")),  # started early
-    pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp"),
+    pytest.param(1, 4, None, [], "debugmodel", id="1rank", marks=_early.uses(EARLY[1])),
+    pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp", marks=_early.uses(EARLY[2])),
     pytest.param(1, 10, "train_configs/llama3_1b.toml", ["--debug.deterministic"], "1B", id="gpu_1b",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
 def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, extra, flavor):
     """Run b stopped at steps/2 and resumed in a new process equals run a bitwise (losses, norms, state)."""
     half = steps // 2
-    one = (ngpu, steps, config, extra) == (1, 4, None, [])
-    a, b, r = _early.result("bitwise_1rank") if one else _bitwise_runs(tmp_path, ngpu, steps, config, extra)
+    early = config is None and (steps, extra) == (4, [])
+    a, b, r = _early.result(EARLY[ngpu]) if early else _bitwise_runs(tmp_path, ngpu, steps, config, extra)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
@@ -149,20 +154,15 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint():
     assert latest_step(str(d / "checkpoint")) == 1  # step 1's checkpoint intact, none of step 2
 
 
-def test_state_hash_of_a_dtensor_is_its_local_shard():
+def test_state_hash_of_a_dtensor_is_its_local_shard(fake_group):
     """Eager FSDP2 parameters are DTensors: each rank hashes its own shard, without a collective."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("fake", rank=0, world_size=2)
-    try:
-        full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
-        dt = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
-        assert tensor_sha256([dt]) == tensor_sha256([dt.to_local().clone()]) != tensor_sha256([full])
-    finally:
-        dist.destroy_process_group()
+    fake_group(2)
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    dt = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
+    assert tensor_sha256([dt]) == tensor_sha256([dt.to_local().clone()]) != tensor_sha256([full])
 
 
 def test_first_difference_and_a_failed_run_still_compares_logged_steps(tmp_path, monkeypatch, capsys):

@@ -9,9 +9,9 @@ import torch
 from graph_trainer.compiler.graph_cache import cache_key, compile_index
 from graph_trainer.compiler.pipeline import build_pipeline
 from graph_trainer.config import Compile, parse_args
-from graph_trainer.metrics import read_metrics
 
-DEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "debug_model.toml")
+from _runs import DEBUG, train_debug  # tests/ is on sys.path
+
 CPU = torch.device("cpu")
 
 
@@ -49,12 +49,7 @@ def test_split_before_the_first_compiling_pass():
 
 
 def _train(tmp_path, name, *flags):
-    from graph_trainer.train import train
-
-    out = tmp_path / name
-    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), "--training.seq_len", "64",
-                      "--training.local_batch_size", "2", "--training.steps", "3", "--debug.deterministic", *flags]))
-    return read_metrics(str(out / "metrics.jsonl"))
+    return train_debug(tmp_path, name, "--training.steps", "3", "--debug.deterministic", *flags)
 
 
 @pytest.mark.slow  # four short trainings

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -14,10 +13,9 @@ from graph_trainer.metrics import peak_bf16_for_name
 from graph_trainer.model import build_model, flavors, loss_fn, model_args
 from graph_trainer.projection import cost_model as P
 from graph_trainer.projection import devices as D
-from graph_trainer.projection.dry_run import (dry_run, fused_attention_on_meta, fused_rms_norm_on_meta,
-                                             restore_fused_rms_norm)
+from graph_trainer.projection.dry_run import fused_attention_on_meta, fused_rms_norm_on_meta, restore_fused_rms_norm
 
-from _runs import DEBUG  # tests/ is on sys.path
+from _runs import DEBUG, dry_run_in_process  # tests/ is on sys.path
 from _scripts import load_script
 
 aten = torch.ops.aten
@@ -208,25 +206,18 @@ def test_cost_constants_device_constants_and_flags(tmp_path):
         assert "\n" not in str(e.value)
 
 
-def test_dry_run_prints_the_projection(monkeypatch, log_lines):
+def test_dry_run_prints_the_projection(log_lines):
     """Debug model, FSDP2 x TP2 on 4 fake ranks, nodes of 2: TP on NVLink, FSDP on the network; consistent figures."""
-    monkeypatch.setenv("NGPU", "4")
     seq = 64
-    cfg = parse_args(["--job.config_file", DEBUG, "--training.seq_len", str(seq), "--compile.sac.save", "all",
-                      "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                      "--projection.device", "h200", "--projection.gpus_per_node", "2"])
-    try:
-        s = dry_run(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    p = s["projection"]
+    p = dry_run_in_process(4, "--training.seq_len", str(seq), "--compile.sac.save", "all",
+                           "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                           "--projection.device", "h200", "--projection.gpus_per_node", "2")["projection"]
     assert p["device"] == "h200" and p["gpus_per_node"] == 2
     links = {c["dim"]: c["link"] for c in p["comm"] if c["kind"] == "all_gather_into_tensor"}
     assert (links["tp"], links["dp_shard"]) == ("nvlink", "network")
     assert all(c["exposed_ms"] <= c["time_ms"] + 1e-9 for c in p["comm"])
     assert p["step_ms"] == pytest.approx(p["compute_ms"] + p["exposed_comm_ms"], abs=0.02)
-    tokens = cfg.training.local_batch_size * seq
+    tokens = parse_args(["--job.config_file", DEBUG]).training.local_batch_size * seq
     assert p["tps_per_gpu"] == pytest.approx(tokens / (p["step_ms"] * 1e-3 * 2), rel=2e-2)  # step_ms is rounded
     # no recompute: torchtitan's 6N + 12·L·H·D·S attention (non-causal, 2x backward), halved, FA2's 2.5x backward
     f = flavors()["debugmodel"]

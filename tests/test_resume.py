@@ -64,8 +64,7 @@ _early.job("resume_chain", _chain, needs=("finished_run",))
 @_early.uses("finished_run")
 @_early.uses("resume_chain")
 def test_resume_chain():
-    """Failed resumes change nothing; a model-only last checkpoint is named, never overwritten; a resume appends;
-    a rerun after the finish is reported complete, writing nothing; a fresh run moves metrics.jsonl aside."""
+    """Failed resumes change nothing; model-only step named, kept; resume appends; rerun writes nothing; fresh moves."""
     d, runs = _early.result("resume_chain")
     (r, r2, r3, r4, r5, r6), readings = [r for r, _ in runs[1:]], [_early.reading(x) for _, x in runs]
     (first, files), after_missing, after_resume, after_again, after_load2, after_rerun, _ = readings

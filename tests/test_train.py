@@ -5,19 +5,7 @@ import sys
 
 import pytest
 
-from graph_trainer.config import parse_args
-from graph_trainer.metrics import read_metrics
-
-from _runs import DEBUG  # tests/ is on sys.path
-
-
-def _train(tmp_path, name, *flags):
-    from graph_trainer.train import train
-
-    out = tmp_path / name
-    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), "--training.seq_len", "64",
-                      "--training.local_batch_size", "2", *flags]))
-    return read_metrics(str(out / "metrics.jsonl"))
+from _runs import train_debug as _train  # tests/ is on sys.path
 
 
 @pytest.mark.parametrize(

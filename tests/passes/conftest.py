@@ -77,6 +77,17 @@ def trace_step_generic(model):
     return traced.gm, traced.example_inputs, [*model.parameters(), *model.buffers(), x, torch.zeros(1)]
 
 
+def run_no_grad(gm, inputs):
+    """``gm(*inputs)`` without autograd."""
+    with torch.no_grad():
+        return gm(*inputs)
+
+
+def assert_bitwise(outs, refs):
+    """Same number of outputs, each bitwise equal to its reference."""
+    assert len(outs) == len(refs) and all(torch.equal(a, b) for a, b in zip(outs, refs))
+
+
 def assert_close(outs, refs, rtol=1e-4, atol=1e-5):
     """Same number of outputs, each close to its reference."""
     assert len(outs) == len(refs)

@@ -15,7 +15,6 @@ from torch._inductor.fx_passes.micro_pipeline_tp import (
     find_all_gather_patterns, find_reduce_scatter_patterns, micro_pipeline_tp_pass)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.testing._internal.distributed import fake_pg  # noqa: F401  registers the "fake" backend
 
 from _launch import queue, spawn  # tests/ is on sys.path
 from _runs import DEBUG
@@ -40,13 +39,6 @@ FUSED_AG, FUSED_RS = "fused_all_gather_matmul", "fused_matmul_reduce_scatter"
 SUMMARY = "graph_trainer_pass_summary"  # the pass's gm.meta key
 SAC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 L = 2  # blocks of the traced tiny Llama
-
-
-@pytest.fixture
-def fake_group():
-    """``fake_group(world)``: this process is rank 0 of ``world`` on the fake backend until the test ends."""
-    yield lambda world: dist.init_process_group("fake", rank=0, world_size=world)
-    dist.destroy_process_group()
 
 
 def _kinds(gm, group_name=None) -> Counter:
@@ -156,8 +148,7 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
 
 
 def _sums_block(x, wq, wk, wv, w1, w3, gq, gk, gv, g1, g3):
-    """The backward's input gradients of q/k/v (three matmuls of 3-D gradients, nested adds) and of
-    w1/w3 (2-D), each reduce-scattered on the sequence dimension, as sequence-parallel TP does."""
+    """q/k/v's (3-D, nested adds) and w1/w3's (2-D) input gradients, reduce-scattered on the sequence dimension."""
     flat = lambda g: g.reshape(-1, g.shape[-1])  # noqa: E731
     dx = (torch.mm(flat(gq), wq).view(*gq.shape[:-1], -1) + torch.mm(flat(gk), wk).view(*gk.shape[:-1], -1)
           + torch.mm(flat(gv), wv).view(*gv.shape[:-1], -1))
@@ -171,8 +162,7 @@ _SUM_SHAPES = [(2, 8, 16), (12, 16), (4, 16), (4, 16), (10, 16), (10, 16),
 
 
 def test_sums_of_matmuls_merged_then_fused(fake_group):
-    """add(mm, mm, ..) before a reduce-scatter: one mm of concatenated operands, then fused; the
-    merge alone is allclose (not bitwise) to the adds; merge_matmul_sums=False: left as before."""
+    """add(mm, mm, ..) before a reduce-scatter: one mm of concatenated operands, fused; allclose; off: unchanged."""
     fake_group(2)
     gm, tp = _trace(_sums_block, *_SUM_SHAPES), dist.group.WORLD.group_name  # no all-gather to infer it from
     for n in gm.graph.nodes:
@@ -314,8 +304,7 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
 
 
 def test_pipeline_place_options_and_flag():
-    """On with full Inductor on CUDA, else opt-in by name (alias micro_pipeline_tp); build_pipeline hands it
-    --compile.async_tp.fuse / merge_matmul_sums and the TP group."""
+    """On with full Inductor on CUDA, else opt-in (alias micro_pipeline_tp); its flags and the TP group reach it."""
     def runs(*flags, device_type="cuda"):
         cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
         return "async_tp" in [s.name for s in build_pipeline(cfg, device_type=device_type)]
@@ -361,8 +350,7 @@ def _gloo_worker(rank, world, store_path, q):
 
 @pytest.mark.slow
 def test_cpu_run_skips_bitwise_and_rewrite_matches_reference_gloo(tmp_path):
-    """TP2 on gloo: skipped on CPU, bitwise unchanged; forced, with torch's reference kernels: bitwise equal
-    without merged sums of matmuls, allclose with them (summed in one matmul)."""
+    """TP2 on gloo: skipped on CPU; forced, torch's reference kernels: bitwise, allclose with merged sums."""
     q = queue()
     spawn(_gloo_worker, (2, str(tmp_path / "store"), q), 2)
     for rank, (summary, bitwise, same_code), (off, on) in [q.get(timeout=60) for _ in range(2)]:

@@ -11,6 +11,8 @@ from graph_trainer.compiler.passes.overlap_collectives import overlap_collective
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
 from graph_trainer.projection.cost_model import ring_bytes_on_wire
 
+from .conftest import assert_bitwise, run_no_grad
+
 AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"
 
 
@@ -31,17 +33,10 @@ def _mms_hidden(gm, issue):
     return sum(n.target == torch.ops.aten.mm.default for n in nodes[nodes.index(issue):nodes.index(wait)])
 
 
-def _bitwise(gm, inputs, ref):
-    with torch.no_grad():
-        out = gm(*inputs)
-    assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
-
-
 @pytest.mark.parametrize("bucket_size", [4, 9])
 def test_buckets_bitwise(fsdp_step, bucket_size):
     traced, inputs, n_params = fsdp_step
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     gm = _overlapped(traced)
     ag0, rs0 = _count(gm, AG), _count(gm, RS)
     assert rs0 == n_params and ag0 == 2 * n_params - 1  # forward gathers + backward re-gathers
@@ -64,14 +59,13 @@ def test_buckets_bitwise(fsdp_step, bucket_size):
     rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
     assert sum(_mms_hidden(gm, n) > 0 for n in rs) > len(rs) // 2
     for _ in range(2):
-        _bitwise(gm, inputs, ref)
+        assert_bitwise(run_no_grad(gm, inputs), ref)
 
 
 def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
     """The bf16 casts of the shards (read by all-gather and hold) move to the bucket's issue; bitwise."""
     traced, inputs, n_params = fsdp_trace(param_dtype=torch.bfloat16)
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
     assert all(len(n.args[0].users) == 2 for n in gm.graph.nodes if collective_kind(n) == AG)
     before = [n.name for n in gm.graph.nodes]
@@ -81,7 +75,7 @@ def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
     gm = bucket_collectives_pass(gm, None, bucket_size=9)
     assert _count(gm, AG) == -(-n_params // 9)
     gm.graph.lint()
-    _bitwise(gm, inputs, ref)
+    assert_bitwise(run_no_grad(gm, inputs), ref)
 
 
 def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
@@ -130,8 +124,7 @@ def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
     from graph_trainer.model import BlockLayout
 
     traced, inputs, n_params = fsdp_step
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
     assert n_params == 1 + 9 * 2 + 2
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=1, fsdp2_units=units)
@@ -143,7 +136,7 @@ def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
         if n.args[0].target is torch.ops.aten.cat.default:
             grads = [outputs.index(user) for user in _bucket_outputs(n, outputs)]
             assert grads == sorted(grads)
-    _bitwise(gm, inputs, ref)
+    assert_bitwise(run_no_grad(gm, inputs), ref)
 
 
 def _bucket_outputs(issue, outputs):
@@ -162,8 +155,7 @@ def _bucket_outputs(issue, outputs):
 def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
     """reduce_scatter_in_flight=1: bucket waits move later (before the next issue), hiding more matmuls."""
     traced, inputs, _ = fsdp_step
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
     assert plain.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] == 0
@@ -176,6 +168,6 @@ def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
         (wait,) = [u for u in issue.users if is_wait(u)]
         assert hidden[1][i] == hidden[0][i] or pos[wait] < pos[nxt]  # a moved wait: before the next issue
     for _ in range(2):
-        _bitwise(gm, inputs, ref)
+        assert_bitwise(run_no_grad(gm, inputs), ref)
     with pytest.raises(ValueError, match="reduce_scatter_in_flight must be >= 0"):
         bucket_collectives_pass(_overlapped(traced), None, reduce_scatter_in_flight=-1)

@@ -1,15 +1,10 @@
 """The memory policy: choices for hand-built estimates, calibration, the dry run's plan."""
 
-import os
-
 import pytest
-import torch.distributed as dist
 
 from graph_trainer.compiler.memory_policy import (
     BUCKET_BLOCKS, CALIBRATION, CUDAGRAPH_GIB, SAVE_LEVELS, GiB, Levers, calibration, choose_levers, predict_peak,
 )
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: A hand-built 8B-like graph: estimates per save level with no kept block (GiB), one block's
 #: gathered weights, 32 blocks, fp32 shards + AdamW state.
@@ -141,25 +136,14 @@ def test_dry_run_plans_from_the_traced_graph(monkeypatch):
     """Debug model (2 blocks), op SAC, FSDP2 on fake ranks: a large budget keeps, a tiny one recomputes."""
     import dataclasses
 
-    from graph_trainer.config import parse_args
+    from _runs import dry_run_in_process
     from graph_trainer.llama3 import llama3_args
-    from graph_trainer.projection.dry_run import dry_run
 
-    monkeypatch.setenv("NGPU", "2")
     blocks = 2
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=blocks))
-
-    def run(budget):
-        cfg = parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
-                          "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",
-                          "--activation_checkpoint.selective_ac_option", "op", "--compile.memory_budget_gib", budget])
-        try:
-            return dry_run(cfg)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-    big, tiny = run("64"), run("0.0001")
+    big, tiny = (dry_run_in_process(2, "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "op", "--compile.memory_budget_gib",
+                                    budget) for budget in ("64", "0.0001"))
     assert [p["levers"] for p in big["memory_policies"]] == [Levers("all_but_cheap", blocks, BUCKET_BLOCKS).flags()]
     assert [p["levers"] for p in tiny["memory_policies"]] == [Levers("recompute", 0, 0).flags()]
     assert "bucket_collectives" in big["graph_passes"] and "bucket_collectives" not in tiny["graph_passes"]

@@ -9,6 +9,8 @@ import torch
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, strip_holds
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 
+from .conftest import assert_bitwise, run_no_grad
+
 AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"
 _VIEWS = (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default)
 
@@ -34,8 +36,7 @@ def _rs_before_last_mm(gm):
 def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step):
     traced, inputs, n_params = fsdp_step
     gm = copy.deepcopy(traced.gm)
-    with torch.no_grad():
-        ref = gm(*inputs)
+    ref = run_no_grad(gm, inputs)
     waits = [n for n in gm.graph.nodes if is_wait(n)]
     # as traced, every wait follows its collective and every reduce-scatter the last matmul
     assert len(waits) == 2 * n_params and all(w.prev is w.args[0] for w in waits)
@@ -57,10 +58,8 @@ def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step)
     assert 2 <= _pending_max(gm, AG) <= 3  # the window of 2 + the one in use
     assert 2 <= _pending_max(gm, RS) <= 3  # max_in_flight + the one just issued
     assert sum(1 for n in gm.graph.nodes if n.target is hold) == stats["moved"]
-    with torch.no_grad():
-        for _ in range(3):  # repeated runs: freed-buffer reuse would show up here
-            out = gm(*inputs)
-            assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+    for _ in range(3):  # repeated runs: freed-buffer reuse would show up here
+        assert_bitwise(run_no_grad(gm, inputs), ref)
     assert strip_holds(gm) == stats["moved"]
     gm.graph.lint()
     gm = overlap_collectives_pass(copy.deepcopy(traced.gm))  # default on CPU: hoisted, never left in flight

@@ -10,6 +10,8 @@ from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.pin_collectives import _is_anchor, collective_pin_deps
 
+from .conftest import run_no_grad
+
 _ISSUE = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)")
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
 _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(|aten\.mm\.default\(")
@@ -70,8 +72,7 @@ def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
     from torch._inductor.utils import run_and_get_code
 
     traced, inputs, _ = fsdp_step
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
     fx_worst, fx_overlapped = _stats(_schedule(gm.code))
     assert fx_overlapped > 0

@@ -10,6 +10,8 @@ from graph_trainer.compiler.node_meta import phase_of
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
 
+from .conftest import assert_bitwise, run_no_grad
+
 AG = torch.ops._c10d_functional.all_gather_into_tensor.default
 _CLOSURE = ("wait_tensor", "slice", "view", "t", "_unsafe_view", "transpose")
 
@@ -36,8 +38,7 @@ def _regathers(gm):
 def test_regather_for_backward_bitwise(fsdp_step):
     traced, inputs, n_params = fsdp_step
     gm = traced.gm
-    with torch.no_grad():
-        ref = gm(*inputs)
+    ref = run_no_grad(gm, inputs)
     assert sum(1 for n in gm.graph.nodes if n.target is AG) == n_params
     # as traced, the backward reads the forward's gathered parameters (kept alive all step)
     assert sum(_backward_reads(gm)) >= n_params - 1
@@ -53,23 +54,20 @@ def test_regather_for_backward_bitwise(fsdp_step):
     gm.graph.lint()
     gm = overlap_collectives_pass(gm, cpu_async=True)
     assert estimate_peak_memory(gm)[0] <= peak_traced * 1.01
-    with torch.no_grad():
-        for _ in range(2):
-            assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), ref))
+    for _ in range(2):
+        assert_bitwise(run_no_grad(gm, inputs), ref)
 
 
 def test_first_params_prefetch_validation_and_no_fsdp(fsdp_step):
     """first_params=10 reshards the embedding and layer 0 only; values unchanged; prefetch 0, validation, no FSDP."""
     traced, inputs, n_params = fsdp_step
-    with torch.no_grad():
-        ref = traced.gm(*inputs)
+    ref = run_no_grad(traced.gm, inputs)
     gm = reshard_after_forward_pass(copy.deepcopy(traced.gm), None, prefetch=2, first_params=10)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == len(_regathers(gm)) == 9
     read = [r > 0 for r in _backward_reads(gm)]
     assert len(read) == n_params and not any(read[:10]) and all(read[10:])
-    with torch.no_grad():
-        assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), ref))
+    assert_bitwise(run_no_grad(gm, inputs), ref)
     with pytest.raises(ValueError, match="first_params"):
         reshard_after_forward_pass(gm, None, first_params=-1)
     gm = reshard_after_forward_pass(copy.deepcopy(traced.gm), None, prefetch=0)

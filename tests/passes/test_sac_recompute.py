@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -15,7 +16,10 @@ from graph_trainer.compiler.node_meta import custom_meta, phase_of
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac_recompute_pass, saved_for_backward
 
-MM = torch.ops.aten.mm.default
+from .conftest import assert_bitwise, run_no_grad
+
+aten = torch.ops.aten
+MM = aten.mm.default
 N_LAYERS = 3
 
 
@@ -41,12 +45,24 @@ def _n_mm(gm):
     return sum(n.target is MM for n in gm.graph.nodes)
 
 
+def _node(g, target, args, phase, val=None, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
+    """A node of ``g`` in AC region ``region`` (None: outside any block) with its SAC policy and ``val``."""
+    n = g.call_function(target, args)
+    n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, recompute=policy,
+                  val=torch.empty(4) if val is None else val)
+    return n
+
+
+def _copies(gm):
+    """``{name of the recomputed node: its copy}``."""
+    return {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
+
+
 def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_path):
     n_mm_none = _n_mm(_traced(tiny_llama, tmp_path / "none", "none")[0])
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path / "op", "selective")
     assert _n_mm(gm) == n_mm_none  # as traced, op-level SAC recomputes nothing
-    with torch.no_grad():
-        ref = gm(*flat)
+    ref = run_no_grad(gm, flat)
     peak_before, _ = estimate_peak_memory(gm)
     saved_before = len(saved_for_backward(gm.graph))
     gm_mm = sac_recompute_pass(copy.deepcopy(gm), example_inputs, save_ops=[MM])
@@ -69,50 +85,38 @@ def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_
     mm_stats = gm_mm.meta["graph_trainer_pass_stats"]
     assert mm_stats["recomputed_mm"] == 0 and 0 < mm_stats["recomputed"] < stats["recomputed"]
     assert stats["saved_bytes_after"] < mm_stats["saved_bytes_after"] < mm_stats["saved_bytes_before"]
-    with torch.no_grad():  # same ops on the same inputs: loss and every gradient bit for bit
-        for g in (gm, gm_mm):
-            out = g(*flat)
-            assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+    for g in (gm, gm_mm):  # same ops on the same inputs: loss and every gradient bit for bit
+        assert_bitwise(run_no_grad(g, flat), ref)
 
 
 def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
     """``all_but_cheap``: silu and mul recomputed from kept matmuls, nothing new kept, bitwise."""
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path, "selective")
-    with torch.no_grad():
-        ref = gm(*flat)
+    ref = run_no_grad(gm, flat)
     saved_before = set(saved_for_backward(gm.graph))
     gm = sac_recompute_pass(gm, example_inputs, cheap_only=True)
     stats = gm.meta["graph_trainer_pass_stats"]
     copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
     assert stats["recomputed_mm"] == 0 and stats["recomputed"] == len(copies) > 0
     targets = {c.target for c in copies}
-    assert {torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor} <= targets
-    assert all(torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default
+    assert {aten.silu.default, aten.mul.Tensor} <= targets
+    assert all(torch.Tag.pointwise in t.tags or t is aten._to_copy.default
                or t._schema.returns[0].alias_info is not None for t in targets)  # or a view of one
     saved_after = set(saved_for_backward(gm.graph))
     assert saved_after < saved_before  # fewer values kept, none added
     assert stats["saved_bytes_after"] < stats["saved_bytes_before"]
-    with torch.no_grad():
-        out = gm(*flat)
-    assert len(out) == len(ref) and all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert_bitwise(run_no_grad(gm, flat), ref)
 
 
 def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
+    import functools
     import operator
 
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    c10d = torch.ops._c10d_functional
     g = torch.fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
-
-    def node(target, args, phase, val, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
-        n = g.call_function(target, args)
-        n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, val=val,
-                      recompute=policy)
-        return n
-
+    node = functools.partial(_node, g)
     half, full, rows = torch.empty(4, 8), torch.empty(8, 8), torch.empty(4, 1)
     h = node(aten.relu.default, (x,), "forward", half, policy=CheckpointPolicy.MUST_SAVE)
     norm = node(aten._fused_rms_norm.default, (h, [8], None, 1e-5), "forward", (half, rows))
@@ -129,7 +133,7 @@ def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     grad_h = node(aten.mul.Tensor, (h, rstd), "backward", half, region=None)  # the norm's backward reads both
     g.output((out, grad_w, grad_h))
     gm = sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g), cheap_only=True)
-    copies = {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
+    copies = _copies(gm)
     assert set(copies) == {norm.name, act.name, rstd.name, *(n.name for n in gathered.all_input_nodes),
                            gathered.all_input_nodes[0].args[0].name, gathered.name}
     ag = copies[gathered.all_input_nodes[0].args[0].name]
@@ -148,28 +152,17 @@ def test_no_op_without_op_level_sac(tiny_llama, tmp_path, mode, option):
 
 
 def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    aten = torch.ops.aten
     g = torch.fx.Graph()
     x = g.placeholder("x")
-
-    def node(target, args, phase, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
-        n = g.call_function(target, args)
-        n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, recompute=policy,
-                      val=torch.empty(4))
-        return n
-
-    a = node(aten.relu.default, (x,), "forward")
-    b = node(aten.add_.Tensor, (a, a), "forward")  # in-place: saved
-    c = node(aten.neg.default, (x,), "forward", region=None)  # outside any block: saved
-    d = node(aten.sin.default, (x,), "forward", policy=CheckpointPolicy.MUST_SAVE)
-    e = node(aten.cos.default, (d,), "forward", region="layers.1")
-    out = node(aten.mul.Tensor, (b, c), "backward", region=None)
-    out2 = node(aten.mul.Tensor, (e, out), "backward", region=None)
+    a = _node(g, aten.relu.default, (x,), "forward")
+    b = _node(g, aten.add_.Tensor, (a, a), "forward")  # in-place: saved
+    c = _node(g, aten.neg.default, (x,), "forward", region=None)  # outside any block: saved
+    d = _node(g, aten.sin.default, (x,), "forward", policy=CheckpointPolicy.MUST_SAVE)
+    e = _node(g, aten.cos.default, (d,), "forward", region="layers.1")
+    out = _node(g, aten.mul.Tensor, (b, c), "backward", region=None)
+    out2 = _node(g, aten.mul.Tensor, (e, out), "backward", region=None)
     g.output((out2,))
-    gm = sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g))
-    copies = {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
+    copies = _copies(sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g)))
     assert set(copies) == {e.name}  # only cos; its MUST_SAVE input d is used as saved
     assert copies[e.name].args == (d,)
     assert out.args == (b, c) and out2.args == (copies[e.name], out)
@@ -178,8 +171,8 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
 @pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     """Without sac_recompute, full_inductor drops the SAC tags (compile_fx's remat rejected this graph)."""
+    from _runs import train_debug
     from graph_trainer.llama3 import llama3_args
-    from test_train import _train
 
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=1))
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
@@ -187,6 +180,6 @@ def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     # no cached compile (it would skip compile_fx's remat); the configs' own patch: pytest >= 9.2's monkeypatch
     # undoes such a module attribute with delattr, hiding a torch config for every later test
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        off, _ = _train(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
-        on, _ = _train(tmp_path, "on", *flags)
+        off, _ = train_debug(tmp_path, "off", *flags, "--compile.disable_passes", "sac_recompute")
+        on, _ = train_debug(tmp_path, "on", *flags)
     assert [r["loss"] for r in off] == pytest.approx([r["loss"] for r in on], rel=1e-5)
