@@ -8,9 +8,10 @@ group. A bench group is a (workload, device): its latest record (by date, UTC ``
 recorded, then file name); older
 records stay in docs/results/ and are only counted. A tier group is a model: each claim's latest
 result over the group's records on any device (tier calls often run a subset, ``TIER_K``), with the
-call and, when they differ, the device it came from. Tier groups come first, then bench groups by workload and device. A bench group whose
-latest record lists, in ``superseded_by``, the later records that measured its variants again is only named. Stdlib only; the
-output holds no timestamp, so regenerating is idempotent.
+call and, when they differ, the device it came from. Tier groups come first, then bench groups by
+workload and device. A bench group whose latest record lists, in ``superseded_by``, the later records
+that measured its variants again is only named. Stdlib only; the output holds no timestamp, so
+regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
     python3 scripts/results_page.py --check           # exit 1 if docs/perf.md is stale, write nothing
@@ -181,7 +182,8 @@ def merge_tier(members: list[dict]) -> dict:
         return used[0]
     model, devices = members[-1].get("model"), {r["device"] for r in used}
     return {**members[-1], "title": f"GPU tier, {model}" if model else members[-1]["title"],
-            "device": members[-1]["device"] if len(devices) == 1 else f"{len(devices)} devices", "devices": len(devices),
+            "device": members[-1]["device"] if len(devices) == 1 else f"{len(devices)} devices",
+            "devices": len(devices),
             "claims": [latest[k][1] for k in sorted(latest)], "calls": len(used),
             "command": "\n".join(dict.fromkeys(r["command"] for r in used)),
             "note": " ".join(dict.fromkeys(f"`{r['git_sha'][:8]}`: {r['note']}" for r in used if r.get("note")))
@@ -196,10 +198,9 @@ def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]
     again is left out (:func:`superseded_line` names it)."""
     names = {path.name for path, _ in records}
     for path, record in records:
-        later = record.get("superseded_by", [])
-        if not isinstance(later, list) or not later or any(n not in names for n in later):
-            if "superseded_by" in record:
-                raise PageError(f"{shown(path)}: field 'superseded_by' must list record files in {shown(path.parent)}/")
+        later = record.get("superseded_by")
+        if later is not None and not (isinstance(later, list) and later and all(n in names for n in later)):
+            raise PageError(f"{shown(path)}: field 'superseded_by' must list record files in {shown(path.parent)}/")
     groups: dict[tuple[str, str, str], list[tuple[Path, dict]]] = {}
     for path, record in records:
         groups.setdefault(group_key(record), []).append((path, record))
@@ -332,8 +333,8 @@ def tier_table(record: dict) -> list[str]:
     header = ["claim", "what", "result"] + (["call"] if calls else []) + (["detail"] if detail else [])
     lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
     for c in claims:
-        cells = [f"`{c['claim']}`", c["what"], c["result"]] + ([f"`{c['call']}`" + (f", {c['device']}" if record.get("devices", 1) > 1 else "")] if calls else []) \
-            + ([c.get("detail") or MISSING] if detail else [])
+        call = [f"`{c['call']}`" + (f", {c['device']}" if record.get("devices", 1) > 1 else "")] if calls else []
+        cells = [f"`{c['claim']}`", c["what"], c["result"], *call] + ([c.get("detail") or MISSING] if detail else [])
         lines.append(row(cells))
     return lines
 

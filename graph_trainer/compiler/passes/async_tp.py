@@ -9,7 +9,8 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
-group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips. Numerics: not guaranteed bitwise."""
+group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
+Numerics: not guaranteed bitwise."""
 
 from __future__ import annotations
 
