@@ -190,12 +190,12 @@ def merge_tier(members: list[dict]) -> dict:
             or None}
 
 
-def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]:
+def latest_per_group(records: list[tuple[Path, dict]]) -> tuple[list[tuple[dict, int]], list[str]]:
     """``(record, number of records not shown)`` per group, in page order: tier groups first, then
     bench groups, each by workload then device. Bench: the latest, greatest (date, time, file name);
     tier: :func:`merge_tier` of the group (records none of whose claims is shown are counted). A bench
     group whose latest record names, in ``superseded_by``, the later records that measured its variants
-    again is left out (:func:`superseded_line` names it)."""
+    again is left out; the second list names each such record and its successors (markdown)."""
     names = {path.name for path, _ in records}
     for path, record in records:
         later = record.get("superseded_by")
@@ -204,27 +204,16 @@ def latest_per_group(records: list[tuple[Path, dict]]) -> list[tuple[dict, int]]
     groups: dict[tuple[str, str, str], list[tuple[Path, dict]]] = {}
     for path, record in records:
         groups.setdefault(group_key(record), []).append((path, record))
-    order = sorted(groups, key=lambda k: (k[0] != "tier", k[1], k[2]))
-    out = []
-    for key in order:
-        members = [r for _, r in sorted(groups[key], key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")),
-                                                                      pr[0].name))]
-        shown_record = merge_tier(members) if key[0] == "tier" else members[-1]
-        if key[0] == "bench" and shown_record.get("superseded_by"):
+    out, superseded = [], []
+    for key in sorted(groups, key=lambda k: (k[0] != "tier", k[1], k[2])):
+        members = sorted(groups[key], key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")), pr[0].name))
+        path, latest = members[-1]
+        if key[0] == "bench" and latest.get("superseded_by"):
+            superseded.append(f"`{path.name}` (by {', '.join(f'`{n}`' for n in latest['superseded_by'])})")
             continue
+        shown_record = merge_tier([r for _, r in members]) if key[0] == "tier" else latest
         out.append((shown_record, len(members) - shown_record.get("calls", 1)))
-    return out
-
-
-def superseded_line(records: list[tuple[Path, dict]]) -> list[str]:
-    """One line naming each bench group left out because its latest record was superseded."""
-    latest: dict[tuple, tuple[Path, dict]] = {}
-    for path, record in sorted(records, key=lambda pr: (pr[1]["date"], str(pr[1].get("time", "")), pr[0].name)):
-        if record["kind"] == "bench":
-            latest[group_key(record)] = (path, record)
-    gone = [f"`{p.name}` (by {', '.join(f'`{n}`' for n in r['superseded_by'])})"
-            for p, r in latest.values() if r.get("superseded_by")]
-    return [f"_Superseded, not shown: {'; '.join(gone)}._", ""] if gone else []
+    return out, superseded
 
 
 # --------------------------------------------------------------------------- formatting
@@ -404,11 +393,11 @@ def header(results: Path) -> str:
 def render(results: Path, out: Path) -> str:
     """The whole page: header line, then the template with the sections in place of its placeholder."""
     template = load_template(results)
-    records = load_records(results)
+    groups, superseded = latest_per_group(load_records(results))
     body: list[str] = []
-    for record, earlier in latest_per_group(records):
+    for record, earlier in groups:
         body += section(record, earlier, results, out)
-    body += superseded_line(records)
+    body += [f"_Superseded, not shown: {'; '.join(superseded)}._", ""] if superseded else []
     while body and body[-1] == "":
         body.pop()
     if not body:
