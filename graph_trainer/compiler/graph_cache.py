@@ -17,6 +17,7 @@ import logging
 import operator
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
+    t0 = time.perf_counter()
     swapped = _own_targets_by_name(gm)
     try:
         entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)),
@@ -147,7 +149,7 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     except OSError as e:
         logger.warning(f"graph cache: not saved in {path.parent} ({e.strerror or e})")
         return False
-    logger.info(f"graph cache: saved {path} ({len(data) / 2**20:.1f} MiB)")
+    logger.info(f"graph cache: saved {path} ({len(data) / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f}s")
     return True
 
 

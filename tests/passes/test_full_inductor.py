@@ -43,3 +43,18 @@ def test_cpu_scalars_move_to_the_inputs_device():
     out = meta_gm(x.to("meta"), mask.to("meta"))
     assert out.device.type == "meta" and out.shape == x.shape
     assert gm(x, mask).tolist() == [0, 7, 0, 7, 0, 7]
+
+
+def test_inductor_phases_count_the_compiles_inside_only():
+    from torch._inductor.compile_fx import compile_fx
+
+    from graph_trainer.compiler.passes.full_inductor import inductor_phases
+
+    gm = torch.fx.symbolic_trace(lambda x: (torch.relu(x) * 2).sum(0))
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with inductor_phases() as phases:
+            compile_fx(gm, [torch.randn(8, 8)])
+        with inductor_phases() as nothing:
+            pass
+    assert {"lowering", "fusion", "codegen"} <= set(phases) and all(v >= 0 for v in phases.values())
+    assert nothing == {}

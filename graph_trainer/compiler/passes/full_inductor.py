@@ -24,6 +24,30 @@ from graph_trainer.compiler.node_meta import fusion_group_of, json_object, set_p
 from graph_trainer.compiler.registry import GraphPass
 
 
+#: Inductor's own phase timers (``torch._dynamo.utils.compilation_time_metrics``, filled by ``dynamo_timed``) that
+#: :func:`inductor_phases` reports, by a short name.
+INDUCTOR_PHASES = {"post-grad passes": "_recursive_post_grad_passes", "lowering": "GraphLowering.run",
+                   "fusion": "Scheduler.__init__", "codegen": "Scheduler.codegen",
+                   "kernel compile wait": "async_compile.wait", "module load": "PyCodeCache.load_by_key_path"}
+
+
+@contextlib.contextmanager
+def inductor_phases():
+    """Time Inductor's phases of the compiles run under this: yields a dict, filled on exit with seconds (float) per
+    phase of :data:`INDUCTOR_PHASES` that ran (nothing on a cache hit). The timers are torch's, read before and
+    after, so compiles outside the block do not count."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    before = {name: len(metrics.get(key, ())) for name, key in INDUCTOR_PHASES.items()}
+    phases: dict[str, float] = {}
+    try:
+        yield phases
+    finally:
+        for name, key in INDUCTOR_PHASES.items():
+            if spent := sum(metrics.get(key, [])[before[name]:]):
+                phases[name] = round(spent, 2)
+
+
 def move_cpu_scalars(gm: torch.fx.GraphModule, device: torch.device | None) -> int:
     """Put the graph's one-element CPU tensors (constants, ``device=cpu`` factory calls and copies of those) on
     ``device`` (Inductor would copy them to the device on every call); nothing for ``device`` None or CPU. Returns
@@ -110,7 +134,7 @@ def full_inductor_pass(
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``. ``inductor_configs``:
     ``torch._inductor.config`` overrides (unknown keys raise ``AttributeError``); ``pin_collectives``: keep each
     collective's issue / wait between the same two matmuls (:mod:`graph_trainer.compiler.pin_collectives`). Stats:
-    ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
+    ``compile_s``, ``inductor_phases_s`` (:func:`inductor_phases`), ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
     strip_holds(gm)
@@ -135,7 +159,7 @@ def full_inductor_pass(
     t0 = time.perf_counter()
     tracing = contextlib.nullcontext() if fake_mode is None else torch._guards.tracing(
         torch._guards.TracingContext(fake_mode))
-    with fusion_group_guard(gm) as (group_patches, groups), tracing, \
+    with fusion_group_guard(gm) as (group_patches, groups), tracing, inductor_phases() as phases, \
             torch._inductor.config.patch({**patches, **group_patches}):
         compiled = compile_fx(flat_gm, fake_inputs)
     compile_s = time.perf_counter() - t0
@@ -164,12 +188,14 @@ def full_inductor_pass(
                                  *dict(flat_gm.named_buffers(remove_duplicate=False)).values()]
     set_pass_summary(
         new_gm, f"compiled the whole graph ({len(gm.graph.nodes)} nodes) with Inductor in {compile_s:.1f}s"
+        + (f" ({', '.join(f'{k} {v:.1f}s' for k, v in phases.items())})" if phases else "")
         + (" (collective schedule pinned)" if pin_collectives else "")
         + (f"; {moved} CPU scalar(s) moved to the device" if moved else "")
         + (f"; {groups['groups']} fusion groups kept apart ({groups['refused']} fusions refused, "
            f"{groups['realized']} boundary values realized)" if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
-        compile_s=round(compile_s, 3), nodes_compiled=len(gm.graph.nodes), fusion_groups=groups["groups"],
+        compile_s=round(compile_s, 3), inductor_phases_s=phases, nodes_compiled=len(gm.graph.nodes),
+        fusion_groups=groups["groups"],
         fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
     )
     return new_gm
