@@ -6,7 +6,9 @@ import operator
 import pytest
 import torch
 import torch.fx
+from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
+from graph_trainer.compiler import graph_cache
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 
 from .conftest import assert_close, fake_prop, trace_step
@@ -43,8 +45,6 @@ def _targets(gm):
 
 def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
     """Inductor's pass breaks a clone before an in-place update and keeps detaches; ours does neither."""
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-
     xin = torch.randn(4, 6)
     ref = _graph()(xin.clone())
     ours = remove_noop_views_pass(_graph(), None)
@@ -101,8 +101,6 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
 
 def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, tmp_path):
     """A cat made a view on a traced step pickles into the graph cache."""
-    from graph_trainer.compiler import graph_cache
-
     gm, _, _ = trace_step(tiny_llama(1), batch=1)
     x = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default)
     out = gm.graph.output_node()
