@@ -180,11 +180,6 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
     assert not _alive(int(open(os.path.join(b["dump_folder"], "worker.pid")).read()))
 
 
-def _ctrl_c_as_in_a_terminal():
-    """SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl-C, and `timeout` around the script
 def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
@@ -192,8 +187,8 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     out = tmp_path / "cmp"
     p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "", "--b-flags",
                           "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0", "--out", str(out)],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=_ctrl_c_as_in_a_terminal)
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # SIGINT's default
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background suite: off)
     bound = threading.Timer(240, p.kill)  # for a broken tool only
     bound.start()
     lines = []
@@ -226,7 +221,7 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
             signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(runs.subprocess, "Popen", PopenThenCtrlC)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see _ctrl_c_as_in_a_terminal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     side = Side(name="B", ref=None, flags=[], root=str(tmp_path), config_file="none.toml")
     run = runs.Run(side="B", repeat=1, index=1, dump_folder=str(tmp_path / "B1"), log=str(tmp_path / "B1.log"),

@@ -134,22 +134,16 @@ def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
         if n.args[0].target is torch.ops.aten.cat.default:
-            grads = [outputs.index(user) for user in _bucket_outputs(n, outputs)]
+            (wait,) = [u for u in n.users if is_wait(u)]
+            grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
+            while stack:
+                m = stack.pop(0)
+                if m in outputs:
+                    grads.append(outputs.index(m))
+                else:
+                    stack.extend(u for u in m.users if u.op != "output")
             assert grads == sorted(grads)
     assert_bitwise(run_no_grad(gm, inputs), ref)
-
-
-def _bucket_outputs(issue, outputs):
-    """The graph outputs a reduce-scatter bucket's result reaches, in the order its slices are read."""
-    (wait,) = [u for u in issue.users if is_wait(u)]
-    found, stack = [], list(wait.users)
-    while stack:
-        n = stack.pop(0)
-        if n in outputs:
-            found.append(n)
-        else:
-            stack.extend(u for u in n.users if u.op != "output")
-    return found
 
 
 def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
