@@ -187,8 +187,8 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     out = tmp_path / "cmp"
     p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "", "--b-flags",
                           "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0", "--out", str(out)],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # SIGINT's default
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background suite: off)
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # a terminal's SIGINT
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background suite's: off)
     bound = threading.Timer(240, p.kill)  # for a broken tool only
     bound.start()
     lines = []
