@@ -185,10 +185,11 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
 def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     """Signalled at B1's step 1 (its worker.pid is written before): A1 is reported, B1 stopped."""
     out = tmp_path / "cmp"
+    # SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)
     p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "", "--b-flags",
                           "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0", "--out", str(out)],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # a terminal's SIGINT
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (a background suite's: off)
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     bound = threading.Timer(240, p.kill)  # for a broken tool only
     bound.start()
     lines = []
