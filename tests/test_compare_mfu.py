@@ -344,17 +344,16 @@ def test_run_stats_delta_verdicts_and_table():
     assert s["mfu"] is None and s["memory_gib"] == 2.0  # max over all steps
     s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export
     assert s["steady_steps"] == [5] and s["tps"] == 110.0 and stats.profiler_steps(None) == ()
-    a = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0},
-                          {"tps": 102.0, "tflops": 1.02, "mfu": 10.2, "memory_gib": 30.0}])
-    b = stats.side_stats([{"tps": 110.0, "tflops": 1.1, "mfu": 10.0, "memory_gib": 30.0},
-                          {"tps": 111.0, "tflops": 1.11, "mfu": 10.4, "memory_gib": 30.0}])
+    def side(*runs):  # (tps, tflops, mfu) per run, 30 GiB each
+        return stats.side_stats([dict(tps=t, tflops=f, mfu=m, memory_gib=30.0) for t, f, m in runs])
+
+    a, b = side((100.0, 1.0, 10.0), (102.0, 1.02, 10.2)), side((110.0, 1.1, 10.0), (111.0, 1.11, 10.4))
     assert a["tps"]["spread_pct"] == pytest.approx(2 / 101 * 100)
     d = stats.delta(a, b)
     assert d["tps"]["verdict"] == "real" and d["tps"]["pct"] == pytest.approx((110.5 - 101) / 101 * 100)
     assert d["mfu"]["verdict"] == "within noise"  # +0.99% vs a 3.9% spread
     assert d["memory_gib"]["verdict"] == "no change"
-    one = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0}])
-    assert stats.delta(one, b)["tps"]["verdict"] == "spread unknown: a side has 1 successful run"
+    assert stats.delta(side((100.0, 1.0, 10.0)), b)["tps"]["verdict"] == "spread unknown: a side has 1 successful run"
     md = stats.markdown_table({"A": "main", "B": "pr"}, {"A": a, "B": b}, d, {"A": 2, "B": 2}, 2)
     assert ("| A: main (2/2 runs) | 101 (100–102) | 1.01 (1.00–1.02) | 10.10% (10.00–10.20) "
             "| 30.00 GiB (30.00–30.00) |") in md
