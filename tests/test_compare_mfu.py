@@ -345,7 +345,7 @@ def test_run_stats_delta_verdicts_and_table():
     s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export
     assert s["steady_steps"] == [5] and s["tps"] == 110.0 and stats.profiler_steps(None) == ()
     def side(*runs):  # (tps, tflops, mfu) per run, 30 GiB each
-        return stats.side_stats([dict(tps=t, tflops=f, mfu=m, memory_gib=30.0) for t, f, m in runs])
+        return stats.side_stats([{"tps": t, "tflops": f, "mfu": m, "memory_gib": 30.0} for t, f, m in runs])
 
     a, b = side((100.0, 1.0, 10.0), (102.0, 1.02, 10.2)), side((110.0, 1.1, 10.0), (111.0, 1.11, 10.4))
     assert a["tps"]["spread_pct"] == pytest.approx(2 / 101 * 100)
