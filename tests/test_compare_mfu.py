@@ -251,7 +251,6 @@ _early.job("compare_mfu_real_bad_flag", _real_bad_flag)
                  marks=[pytest.mark.slow, _early.uses("compare_mfu_real_bad_flag")]),  # the real config parser
 ])
 def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, a_side, b_flags, needle, tmp_path, request):
-    """Exit 2 naming side B (not A), nothing run, no output folder."""
     if tree == "real":  # on both sides
         r, out = _early.result("compare_mfu_real_bad_flag")
     else:

@@ -30,7 +30,6 @@ pytestmark = pytest.mark.multigpu
 
 
 def _gpus(layout: str):
-    """Skip unless the layout's GPUs are visible."""
     n = LAYOUTS[layout][0]
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} CUDA GPUs, {torch.cuda.device_count()} visible")

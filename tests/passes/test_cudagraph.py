@@ -16,7 +16,6 @@ def test_cudagraph_pass_requires_cuda():
 
 
 def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
-    """A lazy GraphModule's wrapper calls its generated forward, never itself."""
     class AddOne(torch.nn.Module):
         def forward(self, x):
             return x + 1

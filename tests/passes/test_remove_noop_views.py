@@ -92,7 +92,6 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
 
 
 def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, tmp_path):
-    """A cat made a view on a traced step pickles into the graph cache."""
     gm, _, _ = trace_step(tiny_llama(1), batch=1)
     x = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default)
     out = gm.graph.output_node()
