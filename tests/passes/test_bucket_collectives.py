@@ -9,6 +9,7 @@ from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
 from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
+from graph_trainer.model import BlockLayout
 from graph_trainer.projection.cost_model import ring_bytes_on_wire
 
 from .conftest import assert_bitwise, run_no_grad
@@ -119,10 +120,9 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     assert _count(ours, AG) < ag0 // 4 and _count(ours, RS) < rs0 // 4
 
 
-def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
-    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; bitwise the same step."""
-    from graph_trainer.model import BlockLayout
-
+def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
+    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; ``reduce_scatter_in_flight=1``:
+    bucket waits move later (before the next issue), hiding more matmuls. Both bitwise the same step."""
     traced, inputs, n_params = fsdp_step
     ref = run_no_grad(traced.gm, inputs)
     units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
@@ -144,12 +144,6 @@ def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
                     stack.extend(u for u in m.users if u.op != "output")
             assert grads == sorted(grads)
     assert_bitwise(run_no_grad(gm, inputs), ref)
-
-
-def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
-    """reduce_scatter_in_flight=1: bucket waits move later (before the next issue), hiding more matmuls."""
-    traced, inputs, _ = fsdp_step
-    ref = run_no_grad(traced.gm, inputs)
     plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
     assert plain.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] == 0
