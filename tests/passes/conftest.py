@@ -1,7 +1,5 @@
 """Helpers shared by the pass tests (``from .conftest import ...``)."""
 
-from __future__ import annotations
-
 import operator
 
 import torch

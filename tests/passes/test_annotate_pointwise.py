@@ -1,7 +1,5 @@
 """annotate_pointwise_for_regional_inductor: what it matches, the cycle cut, numerics."""
 
-from __future__ import annotations
-
 import pytest
 import torch
 import torch.fx

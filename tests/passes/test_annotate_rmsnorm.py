@@ -1,7 +1,5 @@
 """annotate_rmsnorm_for_regional_inductor_pass: fused and decomposed norms, one region each, end to end."""
 
-from __future__ import annotations
-
 import json
 import logging
 import operator

@@ -1,7 +1,5 @@
 """sac_recompute: op-level SAC under make_fx only tags nodes; the pass recomputes them in the backward."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import functools
