@@ -15,12 +15,16 @@ from _launch import run_script  # tests/ is on sys.path
 from _runs import launch_env
 
 
-def test_parse_variants():
+def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
     assert parse_variants(["jit=--compile.mode jit", "plain="]) == [("jit", ["--compile.mode", "jit"]), ("plain", [])]
     for bad, msg in [(["plain"], "NAME=FLAGS"), (["a=", "a=--x 1"], "twice"), (["a=--x '1"], "shell-quoted"),
                      (["a=--training.steps 3"], "training.steps")]:
         with pytest.raises(CompareError, match=msg):
             parse_variants(bad)
+    assert bench.main(["--variant", "plain", "--out", str(tmp_path / "o")]) == 2
+    assert "NAME=FLAGS" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert bench.main(["--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record"]) == 2
+    assert "fast" in capsys.readouterr().err
 
 
 def _run(name, rnd, tps, status="ok", predicted=None):
@@ -54,13 +58,6 @@ def test_write_record_never_overwrites(tmp_path):
     assert json.loads(open(paths[0]).read()) == rec
     timed = write_record(str(tmp_path), {**rec, "time": "23:05"})
     assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"
-
-
-def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
-    assert bench.main(["--variant", "plain", "--out", str(tmp_path / "o")]) == 2
-    assert "NAME=FLAGS" in capsys.readouterr().err and not (tmp_path / "o").exists()
-    assert bench.main(["--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record"]) == 2
-    assert "fast" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from graph_trainer.tools import compare_mfu, profiling, runs, stats
+from graph_trainer.tools import compare_mfu, profiling, runs, stats, timeline
 from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
@@ -374,8 +374,6 @@ def test_flag_values_that_look_like_options_and_step_line_regex():
 
 def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monkeypatch):
     """--profile-step's picture: per side the run with the median wall of the step (from its kernels.json)."""
-    from graph_trainer.tools import timeline
-
     all_runs = []
     for side, repeat, wall in (("A", 3, 1100), ("B", 1, 500), ("A", 1, 900), ("B", 2, None), ("A", 2, 1000)):
         all_runs.append(runs.Run(side=side, repeat=repeat, index=repeat, dump_folder=str(tmp_path / f"{side}{repeat}"),

@@ -13,6 +13,8 @@ from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.compiler.node_meta import tag_for_inductor
 from graph_trainer.compiler.passes.annotate_exact_pointwise import annotate_exact_pointwise_pass
 from graph_trainer.compiler.pipeline import run_pipeline
+from graph_trainer.compiler.registry import PassContext, resolve
+from graph_trainer.config import Compile
 
 from .conftest import assert_bitwise, fake_prop, inductor_tag, tagged_nodes
 
@@ -143,9 +145,6 @@ def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
 
 
 def test_default_on_cuda_under_regional_inductor_only():
-    from graph_trainer.compiler.registry import PassContext, resolve
-    from graph_trainer.config import Compile
-
     name = "annotate_exact_pointwise_for_regional_inductor"
     on = {(dev, mode): name in resolve(PassContext(Compile(inductor_compilation=mode), device_type=dev))
           for dev in ("cuda", "cpu", None) for mode in ("regional", "full")}

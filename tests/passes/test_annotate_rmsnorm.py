@@ -7,6 +7,7 @@ import operator
 import pytest
 import torch
 import torch.fx
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from graph_trainer.config import Compile
 from graph_trainer.compiler.matching import find_rmsnorm_instances
@@ -133,8 +134,6 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog, tiny_llama):
 
 def test_activation_checkpointing_recomputed_norms_get_own_regions(tiny_llama):
     """With AC, recomputed forward norms and norm backwards become separate regions (no cycle)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     model = tiny_llama(1)
     for key, block in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)

@@ -5,6 +5,8 @@ import operator
 import pytest
 import torch
 import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import create_op_support
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
@@ -98,9 +100,6 @@ def test_forward_and_backward_each_own_region():
 
 def test_independent_norms_not_merged():
     """Two independent norms: torch 2.11's partitioner merges them; region ids keep them apart."""
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-    from torch.fx.passes.operator_support import create_op_support
-
     g = torch.fx.Graph()
     x, y, w = g.placeholder("x"), g.placeholder("y"), g.placeholder("w")
     norms = [g.call_function(aten._fused_rms_norm.default, (inp, [D], w, 1e-6)) for inp in (x, y)]
