@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from graph_trainer.tools import bench
 from graph_trainer.tools.bench import parse_variants, table, variant_results, write_record
 from graph_trainer.tools.runs import Run
 from graph_trainer.tools.sides import CompareError
@@ -14,12 +15,16 @@ from _launch import run_script  # tests/ is on sys.path
 from _runs import launch_env
 
 
-def test_parse_variants():
+def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
     assert parse_variants(["jit=--compile.mode jit", "plain="]) == [("jit", ["--compile.mode", "jit"]), ("plain", [])]
     for bad, msg in [(["plain"], "NAME=FLAGS"), (["a=", "a=--x 1"], "twice"), (["a=--x '1"], "shell-quoted"),
                      (["a=--training.steps 3"], "training.steps")]:
         with pytest.raises(CompareError, match=msg):
             parse_variants(bad)
+    assert bench.main(["--variant", "plain", "--out", str(tmp_path / "o")]) == 2
+    assert "NAME=FLAGS" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert bench.main(["--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record"]) == 2
+    assert "fast" in capsys.readouterr().err
 
 
 def _run(name, rnd, tps, status="ok", predicted=None):
@@ -55,15 +60,6 @@ def test_write_record_never_overwrites(tmp_path):
     assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"
 
 
-def test_bad_input_exits_2_before_any_run(tmp_path, capsys):
-    from graph_trainer.tools.bench import main
-
-    assert main(["--variant", "plain", "--out", str(tmp_path / "o")]) == 2
-    assert "NAME=FLAGS" in capsys.readouterr().err and not (tmp_path / "o").exists()
-    assert main(["--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record"]) == 2
-    assert "fast" in capsys.readouterr().err
-
-
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
     """One eager variant on the CPU, step 2 profiled: the table, a record naming its command, its picture."""
@@ -93,8 +89,6 @@ def test_bench_debug_model_writes_a_record(tmp_path):
 
 def test_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):
     """SIGTERM / Ctrl-C after the first run: exit 130, the table and a record of the finished run, noted."""
-    from graph_trainer.tools import bench
-
     def first_ok_then_interrupted(runs, *args, **kwargs):
         runs[0].status, runs[0].wall_s = "ok", 1.0
         runs[0].stats = run_stats([{"step": s, "tps": 100.0, "mfu": 1.0, "memory_gib": 1.0} for s in (1, 2, 3)], 1)

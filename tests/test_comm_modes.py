@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+from graph_trainer.distributed.parallelize import materialize_meta_shards
 from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
@@ -121,8 +122,6 @@ def test_local_copy_process_group_copies_on_a_side_stream():
 
 def test_materialize_meta_shards_norms_ones_others_normal():
     """Meta shards become fp32: norm weights ones, others N(0, 0.02); an allocated shard is kept."""
-    from graph_trainer.distributed.parallelize import materialize_meta_shards
-
     names = ["layers.0.attention_norm.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight"]
     kept = torch.nn.Parameter(torch.full((4,), 3.0))
     shards = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in (8, 4096, 8)] + [kept]

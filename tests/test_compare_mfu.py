@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from graph_trainer.tools import compare_mfu, profiling, runs, stats
+from graph_trainer.tools import compare_mfu, profiling, runs, stats, timeline
 from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
@@ -180,20 +180,16 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
     assert not _alive(int(open(os.path.join(b["dump_folder"], "worker.pid")).read()))
 
 
-def _ctrl_c_as_in_a_terminal():
-    """SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl-C, and `timeout` around the script
 def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     """Signalled at B1's step 1 (its worker.pid is written before): A1 is reported, B1 stopped."""
     out = tmp_path / "cmp"
+    # SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)
     p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "", "--b-flags",
                           "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0", "--out", str(out)],
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=_ctrl_c_as_in_a_terminal)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     bound = threading.Timer(240, p.kill)  # for a broken tool only
     bound.start()
     lines = []
@@ -226,7 +222,7 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
             signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(runs.subprocess, "Popen", PopenThenCtrlC)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see _ctrl_c_as_in_a_terminal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal
     request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     side = Side(name="B", ref=None, flags=[], root=str(tmp_path), config_file="none.toml")
     run = runs.Run(side="B", repeat=1, index=1, dump_folder=str(tmp_path / "B1"), log=str(tmp_path / "B1.log"),
@@ -255,7 +251,6 @@ _early.job("compare_mfu_real_bad_flag", _real_bad_flag)
                  marks=[pytest.mark.slow, _early.uses("compare_mfu_real_bad_flag")]),  # the real config parser
 ])
 def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, a_side, b_flags, needle, tmp_path, request):
-    """Exit 2 naming side B (not A), nothing run, no output folder."""
     if tree == "real":  # on both sides
         r, out = _early.result("compare_mfu_real_bad_flag")
     else:
@@ -348,17 +343,16 @@ def test_run_stats_delta_verdicts_and_table():
     assert s["mfu"] is None and s["memory_gib"] == 2.0  # max over all steps
     s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export
     assert s["steady_steps"] == [5] and s["tps"] == 110.0 and stats.profiler_steps(None) == ()
-    a = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0},
-                          {"tps": 102.0, "tflops": 1.02, "mfu": 10.2, "memory_gib": 30.0}])
-    b = stats.side_stats([{"tps": 110.0, "tflops": 1.1, "mfu": 10.0, "memory_gib": 30.0},
-                          {"tps": 111.0, "tflops": 1.11, "mfu": 10.4, "memory_gib": 30.0}])
+    def side(*runs):  # (tps, tflops, mfu) per run, 30 GiB each
+        return stats.side_stats([{"tps": t, "tflops": f, "mfu": m, "memory_gib": 30.0} for t, f, m in runs])
+
+    a, b = side((100.0, 1.0, 10.0), (102.0, 1.02, 10.2)), side((110.0, 1.1, 10.0), (111.0, 1.11, 10.4))
     assert a["tps"]["spread_pct"] == pytest.approx(2 / 101 * 100)
     d = stats.delta(a, b)
     assert d["tps"]["verdict"] == "real" and d["tps"]["pct"] == pytest.approx((110.5 - 101) / 101 * 100)
     assert d["mfu"]["verdict"] == "within noise"  # +0.99% vs a 3.9% spread
     assert d["memory_gib"]["verdict"] == "no change"
-    one = stats.side_stats([{"tps": 100.0, "tflops": 1.0, "mfu": 10.0, "memory_gib": 30.0}])
-    assert stats.delta(one, b)["tps"]["verdict"] == "spread unknown: a side has 1 successful run"
+    assert stats.delta(side((100.0, 1.0, 10.0)), b)["tps"]["verdict"] == "spread unknown: a side has 1 successful run"
     md = stats.markdown_table({"A": "main", "B": "pr"}, {"A": a, "B": b}, d, {"A": 2, "B": 2}, 2)
     assert ("| A: main (2/2 runs) | 101 (100–102) | 1.01 (1.00–1.02) | 10.10% (10.00–10.20) "
             "| 30.00 GiB (30.00–30.00) |") in md
@@ -380,8 +374,6 @@ def test_flag_values_that_look_like_options_and_step_line_regex():
 
 def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monkeypatch):
     """--profile-step's picture: per side the run with the median wall of the step (from its kernels.json)."""
-    from graph_trainer.tools import timeline
-
     all_runs = []
     for side, repeat, wall in (("A", 3, 1100), ("B", 1, 500), ("A", 1, 900), ("B", 2, None), ("A", 2, 1000)):
         all_runs.append(runs.Run(side=side, repeat=repeat, index=repeat, dump_folder=str(tmp_path / f"{side}{repeat}"),

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from graph_trainer.config import parse_args, validate
+from graph_trainer.config import _merged_cls, help_text, parse_args, validate
 from graph_trainer.errors import UserError
 
 from _runs import DEBUG, REPO  # tests/ is on sys.path
@@ -127,8 +127,6 @@ def test_documented_commands_parse(path, monkeypatch):
 @pytest.mark.parametrize("path", DOCS + SCRIPTS)
 def test_every_flag_spelling_is_known(path):
     """Flags in docs and GPU scripts are spelled as --help lists them (new spellings)."""
-    from graph_trainer.config import _merged_cls, help_text
-
     known = {f for pair in re.findall(r"^  (--\S+)(?: / (--\S+))?", help_text(_merged_cls()), re.M) for f in pair}
     flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", open(os.path.join(REPO, path)).read()))
     aliases = ("--dataloader.", "--profiler.", "--section.key")  # newer torchtitan spellings; a placeholder

@@ -20,17 +20,16 @@ LAYOUTS = {
     "tp2": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
     "fsdp2tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
-#: name: flags of a numerics-changing setting (async TP added where the layout has TP)
+#: name: (flags, passes) of a numerics-changing setting (async TP added to the passes where the layout has TP)
 OPTIONS = {
-    "regional": ["--compile.numerics_changing_optim", "--compile.passes", "annotate_residual_rmsnorm"],
-    "full": ["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"],
+    "regional": (["--compile.numerics_changing_optim"], ["annotate_residual_rmsnorm"]),
+    "full": (["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"], []),
 }
 
 pytestmark = pytest.mark.multigpu
 
 
 def _gpus(layout: str):
-    """Skip unless the layout's GPUs are visible."""
     n = LAYOUTS[layout][0]
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} CUDA GPUs, {torch.cuda.device_count()} visible")
@@ -42,16 +41,6 @@ def _env(ngpu: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "COMM_MODE", "NNODES", "NODE_RANK")}
     return {**env, "NGPU": str(ngpu), "CONFIG_FILE": os.path.join(REPO, CONFIG),
             "LOG_RANK": ",".join(map(str, range(ngpu)))}
-
-
-def _options(layout: str, option: str) -> list[str]:
-    flags = list(OPTIONS[option])
-    if "tp" in layout:
-        if "--compile.passes" in flags:
-            flags[flags.index("--compile.passes") + 1] += ",async_tp"
-        else:
-            flags += ["--compile.passes", "async_tp"]
-    return flags
 
 
 def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> dict:
@@ -78,7 +67,9 @@ def test_eager_equals_traced(tmp_path, layout):
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):
     """Two runs of the same numerics-changing setting: bitwise, 6 steps and the final state."""
-    flags = _options(layout, option)
+    flags, passes = OPTIONS[option]
+    passes = passes + ["async_tp"] * ("tp" in layout)
+    flags = [*flags, *(["--compile.passes", ",".join(passes)] if passes else [])]
     _loss_compare(tmp_path, layout, flags, flags, 6)
 
 

@@ -1,14 +1,22 @@
 """--compile.graph_cache_dir: the key, the split, and warm runs that load and train bitwise like cold."""
 
 import dataclasses
+import functools
 import os
 
 import pytest
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graph_trainer.compiler.graph_cache import cache_key, compile_index
+from graph_trainer.compiler import graph_cache
+from graph_trainer.compiler.collectives import hold
+from graph_trainer.compiler.graph_cache import cache_dir, cache_key, compile_index
+from graph_trainer.compiler.graph_values import placeholder_vals
+from graph_trainer.compiler.node_meta import add_process_setup
 from graph_trainer.compiler.pipeline import build_pipeline
 from graph_trainer.config import Compile, parse_args
+from graph_trainer.llama3 import llama3_args
 
 from _runs import DEBUG, train_debug  # tests/ is on sys.path
 
@@ -29,8 +37,6 @@ def test_key_follows_what_decides_the_graph():
 
 
 def test_auto_is_on_with_full_inductor_in_inductors_cache_folder(tmp_path, monkeypatch):
-    from graph_trainer.compiler.graph_cache import cache_dir
-
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert Compile().graph_cache_dir == "auto"
     assert cache_dir("auto", "full") == str(tmp_path / "graph_trainer")
@@ -48,19 +54,14 @@ def test_split_before_the_first_compiling_pass():
     assert compile_index(steps) == len(steps)
 
 
-def _train(tmp_path, name, *flags):
-    return train_debug(tmp_path, name, "--training.steps", "3", "--debug.deterministic", *flags)
-
-
 @pytest.mark.slow  # four short trainings
 def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_path, caplog, monkeypatch):
-    from graph_trainer.llama3 import llama3_args
-
     # the debug model at two blocks: every run traces or loads, and trains, a smaller graph
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=2))
     cache = tmp_path / "cache"
-    flags = ("--compile.graph_cache_dir", str(cache), "--compile.inductor_compilation", "full")
-    cold, cold_summary = _train(tmp_path, "cold", *flags)
+    flags = ("--compile.graph_cache_dir", str(cache), "--compile.inductor_compilation", "full", "--training.steps", "3",
+             "--debug.deterministic")
+    cold, cold_summary = train_debug(tmp_path, "cold", *flags)
     entry = next(cache.glob("*.pkl"))
     assert sorted(p.name for p in cache.iterdir()) == sorted(entry.with_suffix(s).name
                                                              for s in (".pkl", ".inductor", ".constants"))
@@ -68,7 +69,7 @@ def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_pa
     def warm(name):
         caplog.clear()
         with caplog.at_level("INFO", logger="graph_trainer"):
-            records, summary = _train(tmp_path, name, *flags)
+            records, summary = train_debug(tmp_path, name, *flags)
         assert [r["loss"] for r in records] == [r["loss"] for r in cold]
         assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in cold]
         return summary
@@ -89,16 +90,6 @@ def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_pa
 
 def test_own_functions_shape_env_and_process_setup_survive_the_cache(tmp_path, caplog):
     """``hold`` and the shape env survive save / load; the process setup is redone on load (raising: entry unused)."""
-    import functools
-
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graph_trainer.compiler import graph_cache
-    from graph_trainer.compiler.collectives import hold
-    from graph_trainer.compiler.graph_values import placeholder_vals
-    from graph_trainer.compiler.node_meta import add_process_setup
-
     g = torch.fx.Graph()
     x = g.placeholder("x")
     y = g.call_function(torch.ops.aten.add.Tensor, (x, x))

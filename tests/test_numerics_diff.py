@@ -11,23 +11,12 @@ from graph_trainer.model import build_model, loss_fn, model_args
 from graph_trainer.numerics import (EagerRecorder, GraphRecorder, assign_keys, fingerprint, key_text, load, record,
                                     record_eager_forward, save)
 from graph_trainer.tools.numerics_diff import compare, main
+from graph_trainer.trace import trace_train_step
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _traced_step():
-    """The debug model (2 layers, vocabulary 64), its traced step with keys, and the step's flat inputs."""
-    from graph_trainer.trace import trace_train_step
-
-    model = build_model(model_args("debugmodel", n_layers=2, vocab_size=64), seed=0)
-    g = torch.Generator().manual_seed(1)
-    tokens, labels = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
-    traced = trace_train_step(model, loss_fn, tokens, labels)
-    assign_keys(traced.gm)
-    return model, tokens, labels, traced, [*model.parameters(), *model.buffers(), tokens, labels]
 
 
 def _record_graph(gm, flat):
@@ -58,7 +47,12 @@ def test_fingerprint_is_bitwise():
 
 def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     """Replays and eager agree op by op; 1 ulp added to one backward matmul is named first, 1e-5 accepts it."""
-    model, tokens, labels, traced, flat = _traced_step()
+    model = build_model(model_args("debugmodel", n_layers=2, vocab_size=64), seed=0)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    traced = trace_train_step(model, loss_fn, tokens, labels)
+    assign_keys(traced.gm)
+    flat = [*model.parameters(), *model.buffers(), tokens, labels]
     a = _record_graph(traced.gm, flat)
     cmp = compare(a, _record_graph(traced.gm, flat))
     assert cmp.matched == len(a) > 300 and not cmp.divergent

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from graph_trainer.config import Compile
+from graph_trainer.config import Compile, _flag_doc, project_sections
 from graph_trainer.model import BlockLayout, block_layout, build_model, model_args
 from graph_trainer.compiler.memory_policy import Levers
 from graph_trainer.compiler import registry as reg
@@ -72,8 +72,6 @@ def test_rmsnorm_options_and_deterministic_pick():
 def test_registry_and_order():
     """Every ORDER module declares a PASS; option fields are flags with help; cleanup first, CUDA graphs last."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
-    from graph_trainer.config import _flag_doc, project_sections
-
     for section, cls in reg.option_sections():
         assert isinstance(getattr(Compile(), section), cls)
         assert f"compile.{section}" in project_sections()

@@ -121,7 +121,6 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
 
 
 def test_timeline_imports_no_profiling_nor_torch():
-    """A profile's timeline is read and drawn without torch and without the profiler module."""
     code = ("import sys, graph_trainer.tools.timeline; "
             "print([m for m in ('torch', 'graph_trainer.tools.profiling') if m in sys.modules])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -180,7 +179,6 @@ def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path)
 
 
 def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
-    """Collectives by kind, dtype and stream, with their time while no compute kernel runs."""
     assert [collective_label(n) for n in (
         "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
         "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",

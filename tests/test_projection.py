@@ -7,6 +7,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
+from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.config import Projection, parse_args
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import peak_bf16_for_name
@@ -135,8 +136,6 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
 
 def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
     """The dry run traces CUDA's fused RMSNorm on meta: fewer bytes live, same shapes."""
-    from graph_trainer.compiler.memory_estimate import estimate_peak_memory
-
     x = torch.empty(2, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
     w = torch.empty(32, dtype=torch.bfloat16, device="meta", requires_grad=True)
 

@@ -94,6 +94,20 @@ def generate(capsys, *args):
     return code, out.out, out.err
 
 
+def written(root, capsys):
+    """The page the script writes (exit 0) under ``root``."""
+    assert generate(capsys)[0] == 0
+    return (root / "docs" / "perf.md").read_text()
+
+
+def tier_call(root, name, time, sha, results, model="llama3_1b", device=H100):
+    """A tier call's record, its claims ``{claim: result}``."""
+    record = {**tier("2026-11-27"), "model": model, "workload": name, "time": time, "device": device, "git_sha": sha,
+              "command": f"TIER_K={name} bash scripts/gpu/tier.sh", "note": None}
+    record["claims"] = [{"claim": c, "what": c, "result": r} for c, r in results.items()]
+    put(root, f"2026-11-27_{name}.json", record)
+
+
 def test_page(records, capsys):
     """Header, template prose, latest record per group only, order, tables, command, link, note."""
     code, out, err = generate(capsys)
@@ -119,8 +133,7 @@ def test_page(records, capsys):
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
     assert "2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3)\n" in main
     assert f"```bash\n{COMMAND}\n```\n" in main
-    assert ("Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)"
-            in main)
+    assert "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)" in main
     assert "\nOne line note.\n" in main
     assert "_1 earlier record in docs/results/._" in main
     assert "earlier" not in sections(page)["Bench llama3_1b fsdp2 — " + H200]
@@ -140,8 +153,7 @@ def test_latest_by_date_then_file_name(repo, capsys):
     put(repo, "2026-11-27_a.json", bench("2026-11-27", tps_jit=11111.0))
     put(repo, "2026-11-27_b.json", bench("2026-11-27", tps_jit=22222.0))
     put(repo, "2026-11-28_0old_name.json", bench("2026-11-01", tps_jit=33333.0))  # the date field decides
-    assert generate(capsys)[0] == 0
-    page = (repo / "docs" / "perf.md").read_text()
+    page = written(repo, capsys)
     assert "22,222" in page and "11,111" not in page and "33,333" not in page
     assert "_2 earlier records in docs/results/._" in page
 
@@ -150,62 +162,45 @@ def test_profile_pictures_beside_the_record(repo, capsys):
     """Per-variant pictures link into the results folder (missing ones named); a dirty tree is said."""
     put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"], git_dirty=True))
     (repo / "docs" / "results" / "r_jit.png").write_bytes(b"png")  # r_plain.png was not kept: named, not linked
-    assert generate(capsys)[0] == 0
-    page = (repo / "docs" / "perf.md").read_text()
+    page = written(repo, capsys)
     assert "\nProfile: [r_jit.png](results/r_jit.png), r_plain.png (not kept)\n" in page
     assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     """Tier calls of one model and device merge claim by claim, latest result first."""
-    def call(name, time, sha, results, model="llama3_1b"):
-        record = {**tier("2026-11-27"), "model": model, "workload": name, "time": time, "git_sha": sha,
-                  "command": f"TIER_K={name} bash scripts/gpu/tier.sh", "note": None}
-        record["claims"] = [{"claim": c, "what": c, "result": r} for c, r in results.items()]
-        put(repo, f"2026-11-27_{name}.json", record)
-
-    call("a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
-    call("b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})
-    call("c_superseded", "21:00", "aaaaaaaaaa", {"tp2-full": "FAILED"})  # b_first's sha: still not shown
-    call("d_other_model", "23:00", "dddddddddd", {"tp2-full": "FAILED"}, model="llama3_8b")
-    assert generate(capsys)[0] == 0
-    page = sections((repo / "docs" / "perf.md").read_text())
+    tier_call(repo, "a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
+    tier_call(repo, "b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})
+    tier_call(repo, "c_superseded", "21:00", "aaaaaaaaaa", {"tp2-full": "FAILED"})  # b_first's sha: still not shown
+    tier_call(repo, "d_other_model", "23:00", "dddddddddd", {"tp2-full": "FAILED"}, model="llama3_8b")
+    page = sections(written(repo, capsys))
     assert list(page) == ["GPU tier, llama3_1b — " + H100, "GPU tier — " + H100]
-    header, rows = table(page["GPU tier, llama3_1b — " + H100])
-    assert header == "| claim | what | result | call |"
-    assert rows == {"`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"],
-                    "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]}
-    assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in page["GPU tier, llama3_1b — " + H100]
-    assert "_1 earlier record in docs/results/._" in page["GPU tier, llama3_1b — " + H100]
-    assert "c_superseded" not in page["GPU tier, llama3_1b — " + H100]
+    merged = page["GPU tier, llama3_1b — " + H100]
+    assert table(merged) == ("| claim | what | result | call |", {
+        "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]})
+    assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in merged
+    assert "_1 earlier record in docs/results/._" in merged and "c_superseded" not in merged
 
 
 def test_tier_claims_merge_across_devices_naming_each(repo, capsys):
     """A claim's latest result counts on any device; each row then names its call's device."""
     for name, time, device, result in (("h100", "21:00", H100, "FAILED"), ("h200", "22:00", H200, "PASSED")):
-        record = {**tier("2026-11-27"), "model": "llama3_1b", "workload": name, "time": time, "device": device,
-                  "git_sha": name * 2, "note": None}
-        record["claims"] = [{"claim": "tp2-full", "what": "w", "result": result}] + \
-            [{"claim": f"only-{name}", "what": "w", "result": "PASSED"}]
-        put(repo, f"2026-11-27_{name}.json", record)
-    assert generate(capsys)[0] == 0
-    page = sections((repo / "docs" / "perf.md").read_text())
+        tier_call(repo, name, time, name * 2, {"tp2-full": result, f"only-{name}": "PASSED"}, device=device)
+    page = sections(written(repo, capsys))
     assert list(page) == ["GPU tier, llama3_1b — 2 devices"]
     _, rows = table(page["GPU tier, llama3_1b — 2 devices"])
-    assert rows == {"`only-h100`": ["w", "PASSED", f"`h100h100`, {H100}"],
-                    "`only-h200`": ["w", "PASSED", f"`h200h200`, {H200}"],
-                    "`tp2-full`": ["w", "PASSED", f"`h200h200`, {H200}"]}
+    assert rows == {"`only-h100`": ["only-h100", "PASSED", f"`h100h100`, {H100}"],
+                    "`only-h200`": ["only-h200", "PASSED", f"`h200h200`, {H200}"],
+                    "`tp2-full`": ["tp2-full", "PASSED", f"`h200h200`, {H200}"]}
 
 
 def test_edge_cases_accepted(repo, capsys):
     """No records; a tier record without details (three columns); a template of 60 lines."""
-    assert generate(capsys)[0] == 0
-    assert "_No records in docs/results/._" in (repo / "docs" / "perf.md").read_text()
+    assert "_No records in docs/results/._" in written(repo, capsys)
     record = tier("2026-11-27")
     record["claims"][1].pop("detail")
     put(repo, "t.json", record)
-    assert generate(capsys)[0] == 0
-    assert table((repo / "docs" / "perf.md").read_text())[0] == "| claim | what | result |"
+    assert table(written(repo, capsys))[0] == "| claim | what | result |"
     (repo / "docs" / "results" / "template.md").write_text("line\n" * 59 + "{{records}}\n")
     assert generate(capsys)[0] == 0
 
@@ -263,10 +258,6 @@ def _record(name, edit, make=bench):
     return setup
 
 
-def _claim_without_result(r):
-    del r["claims"][0]["result"]
-
-
 T = "docs/results/template.md"
 #: id: (fixture, setup of the bad input, what the one-line message names)
 REFUSALS = {
@@ -280,7 +271,7 @@ REFUSALS = {
         "docs/results/2026-11-28_partial.json", "missing required field", f"'{field}'"]) for field, edit in [
         ("device", lambda r: r.pop("device")), ("variants", lambda r: r.pop("variants")),
         ("variants[1].name", lambda r: r["variants"][1].pop("name")), ("git_sha", lambda r: r.update(git_sha=None))]},
-    "claim_missing_field": ("repo", _record("t.json", _claim_without_result, tier),
+    "claim_missing_field": ("repo", _record("t.json", lambda r: r["claims"][0].pop("result"), tier),
                             ["docs/results/t.json", "'claims[0].result'"]),
     **{f"bad_{field}": ("repo", _record("r.json", lambda r, kw=kw: r.update(kw)), ["docs/results/r.json", f"'{field}'"])
        for field, kw in [("schema", {"schema": 2}), ("kind", {"kind": "other"}), ("date", {"date": "27.11.2026"}),
@@ -331,15 +322,13 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
     jit0 = {"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5, "idle_ms": 18.3}
     prof = {"step": 10, "variants": {"jit": [jit0], "plain": [plain0, plain3]}}
     put(repo, "r.json", bench("2026-11-27", profile=prof))
-    assert generate(capsys)[0] == 0
-    page = (repo / "docs" / "perf.md").read_text()
+    page = written(repo, capsys)
     assert "\n| step 10 profiled, ms | rank | wall | compute | exposed comm | idle |" in page
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 | – |\n" in page
     assert "\n| plain | 0 | 503.8 | 391.7 | 98.3 | 13.8 | ReduceScatter f32 40.0, AllGather 30.0 |\n" in page
     assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 | – |\n" in page
     put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
-    assert generate(capsys)[0] == 0  # no collectives recorded: no column for them
-    assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in (repo / "docs" / "perf.md").read_text()
+    assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in written(repo, capsys)  # no collectives: no column
 
 
 def test_superseded_group_left_out_and_named(repo, capsys):
@@ -347,8 +336,7 @@ def test_superseded_group_left_out_and_named(repo, capsys):
     a ``superseded_by`` naming no record here is refused."""
     put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["2026-11-27_new.json"]))
     put(repo, "2026-11-27_new.json", bench("2026-11-27", workload="new"))
-    assert generate(capsys)[0] == 0
-    page = (repo / "docs" / "perf.md").read_text()
+    page = written(repo, capsys)
     assert list(sections(page)) == ["Bench new — " + H100]
     assert "_Superseded, not shown: `2026-11-26_old.json` (by `2026-11-27_new.json`)._" in page
     put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["missing.json"]))

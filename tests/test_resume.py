@@ -5,9 +5,13 @@ import shutil
 from unittest import mock
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-from graph_trainer.checkpoint import is_model_only, latest_step
+from graph_trainer.checkpoint import Checkpointer, TrainState, is_model_only, latest_step
+from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
@@ -98,13 +102,6 @@ def test_resume_chain():
 
 def test_load_failure_names_the_first_real_error(tmp_path):
     """A DCP load failure names the first real error and the older checkpoint to resume from."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
-
-    from graph_trainer.checkpoint import Checkpointer, TrainState
-    from graph_trainer.errors import UserError
-
     folder = tmp_path / "checkpoint"
     for step in (2, 4):
         dcp.save({"train_state": {"step": torch.tensor(step)}, "w": torch.ones(3)},

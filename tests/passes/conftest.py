@@ -1,7 +1,5 @@
 """Helpers shared by the pass tests (``from .conftest import ...``)."""
 
-from __future__ import annotations
-
 import operator
 
 import torch
@@ -19,12 +17,10 @@ D = 16
 
 
 def tagged_nodes(gm):
-    """The nodes of ``gm`` tagged for Inductor, in graph order."""
     return [n for n in gm.graph.nodes if inductor_tag(n) is not None]
 
 
 def region_ids(gm):
-    """The set of ``inductor_region`` ids of ``gm``'s tagged nodes."""
     return {inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}
 
 
@@ -70,26 +66,16 @@ def trace_step(model, batch=2, seq=8, vocab=64):
     return traced.gm, traced.example_inputs, [*model.parameters(), *model.buffers(), tokens, labels]
 
 
-def trace_step_generic(model):
-    """Like :func:`trace_step` for a ``model`` of ``[2, 4, D]`` inputs with the loss ``mean(out ** 2)``."""
-    x = torch.randn(2, 4, D)
-    traced = trace_train_step(model, lambda out, _labels: out.square().mean(), x, torch.zeros(1))
-    return traced.gm, traced.example_inputs, [*model.parameters(), *model.buffers(), x, torch.zeros(1)]
-
-
 def run_no_grad(gm, inputs):
-    """``gm(*inputs)`` without autograd."""
     with torch.no_grad():
         return gm(*inputs)
 
 
 def assert_bitwise(outs, refs):
-    """Same number of outputs, each bitwise equal to its reference."""
     assert len(outs) == len(refs) and all(torch.equal(a, b) for a, b in zip(outs, refs))
 
 
 def assert_close(outs, refs, rtol=1e-4, atol=1e-5):
-    """Same number of outputs, each close to its reference."""
     assert len(outs) == len(refs)
     for a, b in zip(outs, refs):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol)

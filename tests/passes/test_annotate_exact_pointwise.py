@@ -1,7 +1,5 @@
 """annotate_exact_pointwise: which ops join, and fused regions that keep eager's bits in bf16."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 
@@ -15,13 +13,16 @@ from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.compiler.node_meta import tag_for_inductor
 from graph_trainer.compiler.passes.annotate_exact_pointwise import annotate_exact_pointwise_pass
 from graph_trainer.compiler.pipeline import run_pipeline
+from graph_trainer.compiler.registry import PassContext, resolve
+from graph_trainer.config import Compile
 
-from .conftest import fake_prop, inductor_tag, tagged_nodes
+from .conftest import assert_bitwise, fake_prop, inductor_tag, tagged_nodes
 
 aten = torch.ops.aten
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # torch 2.11's C++ backend folds the bf16 round trip that emulate_precision_casts inserts
-OLD_CPU = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                             reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="eager CUDA's kernels")
 
 
 def _op(g, target, *args, **kwargs):
@@ -58,10 +59,10 @@ def test_only_exact_ops_join():
     assert len({inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}) == 1
     assert all(inductor_tag(n)["inductor_configs"]["emulate_precision_casts"] for n in tagged_nodes(gm))
     stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["nodes"] == 9
     # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2, mul
     # 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1, * 0.5 1+1; fused: a, b, c in, out, half, f out
-    assert (stats["eager_bytes"], stats["fused_bytes"]) == (128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2 + 2), 128 * (3 + 2 + 2))
+    assert (stats["nodes"], stats["eager_bytes"], stats["fused_bytes"]) == (
+        9, 128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2 + 2), 128 * (3 + 2 + 2))
     with pytest.raises(ValueError, match="min_ops"):
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
@@ -109,21 +110,8 @@ def test_silu_joins_on_cuda_only_and_a_large_widening_cuda_cast_is_a_region():
     assert _regions("cuda", activations=False, lone_casts=False) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="eager CUDA's SiLU kernels")
-def test_silu_regions_and_casts_are_bitwise_eager_on_cuda():
-    torch.manual_seed(0)
-    xs = [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
-    ref = _silu_graph(xs[0].device)(*xs)
-    gm = _silu_graph(xs[0].device)
-    fakes = fake_prop(gm, xs)
-    out = run_pipeline(annotate_exact_pointwise_pass(gm), fakes, ["regional_inductor"])(*xs)
-    assert all(torch.equal(a, b) for a, b in zip(out, ref))
-
-
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=OLD_CPU), pytest.param("cuda", marks=CUDA)])
 def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device):
-    if device == "cpu" and OLD_CPU:
-        pytest.skip("torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
     torch.manual_seed(0)
     xs = [torch.randn(256, 256, device=device).to(torch.bfloat16) for _ in range(3)]
     ref = _graph()(*xs)
@@ -134,8 +122,7 @@ def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device)
         tag(gm)
         return run_pipeline(gm, fakes, ["regional_inductor"])(*xs)
 
-    exact = compiled(annotate_exact_pointwise_pass)
-    assert all(torch.equal(x, y) for x, y in zip(exact, ref))
+    assert_bitwise(compiled(annotate_exact_pointwise_pass), ref)
 
     def plain(gm):  # the same nodes, Inductor's default numerics: the test can tell them apart
         annotate_exact_pointwise_pass(gm)
@@ -146,28 +133,22 @@ def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device)
     assert not all(torch.equal(x, y) for x, y in zip(compiled(plain), ref))
 
 
+@OLD_CPU
 def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
     """A traced FSDP step gathering bf16 parameters: the exact regions give the uncompiled step's bits."""
-    if OLD_CPU:
-        pytest.skip("torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
     traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
     ref = traced.gm(*inputs)
     gm = annotate_exact_pointwise_pass(traced.gm, traced.example_inputs)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["forward_regions"] > 0 and stats["backward_regions"] > 0
-    out = run_pipeline(gm, traced.example_inputs, ["regional_inductor"])(*inputs)
-    assert len(out) == len(ref) and all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert_bitwise(run_pipeline(gm, traced.example_inputs, ["regional_inductor"])(*inputs), ref)
 
 
 def test_default_on_cuda_under_regional_inductor_only():
-    from graph_trainer.compiler.registry import PassContext, resolve
-    from graph_trainer.config import Compile
-
     name = "annotate_exact_pointwise_for_regional_inductor"
     on = {(dev, mode): name in resolve(PassContext(Compile(inductor_compilation=mode), device_type=dev))
           for dev in ("cuda", "cpu", None) for mode in ("regional", "full")}
-    assert on == {("cuda", "regional"): True, ("cuda", "full"): False, ("cpu", "regional"): False,
-                  ("cpu", "full"): False, (None, "regional"): False, (None, "full"): False}
+    assert on == {key: key == ("cuda", "regional") for key in on} and len(on) == 6
     off = Compile(disable_passes="exact_pointwise")
     assert name not in resolve(PassContext(off, device_type="cuda"))
     assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))
@@ -208,14 +189,19 @@ def test_a_cat_of_casts_on_cuda_is_one_region():
     assert _bucket_regions("cpu")[0] == chains  # CPU casts and cats stay eager
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA regions")
-def test_a_cat_of_casts_is_bitwise_eager_on_cuda():
+@CUDA
+@pytest.mark.parametrize("graph", ["silu", "bucket"])
+def test_cuda_regions_are_bitwise_eager(graph):
+    """The SiLU regions and lone casts, and a cat of casts (of fp32 values that bf16 must round)."""
     torch.manual_seed(0)
-    xs = _bucket_inputs("cuda", fake=False)
-    xs[2] = xs[2] * 1e3  # fp32 values that bf16 must round
-    ref = _bucket_graph(xs[0].device)(*xs)
-    gm = _bucket_graph(xs[0].device)
+    if graph == "silu":
+        graph, xs = _silu_graph, [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
+    else:
+        graph, xs = _bucket_graph, _bucket_inputs("cuda", fake=False)
+        xs[2] = xs[2] * 1e3
+    ref = graph(xs[0].device)(*xs)
+    gm = graph(xs[0].device)
     fakes = fake_prop(gm, xs)
-    assert annotate_exact_pointwise_pass(gm).meta["graph_trainer_pass_stats"]["cast_cats"] == 2
-    out = run_pipeline(gm, fakes, ["regional_inductor"])(*xs)
-    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    stats = annotate_exact_pointwise_pass(gm).meta["graph_trainer_pass_stats"]
+    assert stats["cast_cats"] == (2 if graph is _bucket_graph else 0)
+    assert_bitwise(run_pipeline(gm, fakes, ["regional_inductor"])(*xs), ref)

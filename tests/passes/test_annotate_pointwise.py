@@ -1,7 +1,5 @@
 """annotate_pointwise_for_regional_inductor: what it matches, the cycle cut, numerics."""
 
-from __future__ import annotations
-
 import pytest
 import torch
 import torch.fx
@@ -52,7 +50,7 @@ def _node(g, target, args, phase="forward", fqn="block"):
     return n
 
 
-def test_residual_cycle_is_cut_into_levels():
+def test_residual_cycle_is_cut_into_levels_and_mutating_and_random_ops_never_join():
     """h = x + relu(x); h2 = h * 2; out = h2 + h2 @ w: one region would be a cycle."""
     g = torch.fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
@@ -71,10 +69,7 @@ def test_residual_cycle_is_cut_into_levels():
     assert find_pointwise_regions(g, min_ops=2) == regions[:2]
     with pytest.raises(ValueError, match="min_ops"):
         annotate_pointwise_for_regional_inductor_pass(torch.fx.GraphModule(torch.nn.Module(), g), None, min_ops=0)
-
-
-def test_mutating_and_random_ops_never_join_a_region():
-    """In-place / out= ops and seeded random ops cut a chain."""
+    # in-place / out= ops and seeded random ops cut a chain
     g = torch.fx.Graph()
     x = g.placeholder("x")
     r = _node(g, aten.relu.default, (x,))

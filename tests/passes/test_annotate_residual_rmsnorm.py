@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
+from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
 from .conftest import assert_close, inductor_tag, region_ids, trace_step
@@ -51,7 +52,5 @@ def test_compiled_step_matches_and_needs_the_flag(tiny_llama, caplog):
         cgm = run_pipeline(gm, example_inputs, _pipeline(compile_=True))
     assert any("joined 2 forward" in r.getMessage() for r in caplog.records)
     assert_close(cgm(*inputs), ref)
-    from graph_trainer.compiler.registry import PassContext, resolve
-
     with pytest.raises(ValueError, match="numerics_changing_optim"):
         resolve(PassContext(Compile(passes="residual_rmsnorm")))

@@ -1,7 +1,5 @@
 """annotate_rmsnorm_for_regional_inductor_pass: fused and decomposed norms, one region each, end to end."""
 
-from __future__ import annotations
-
 import json
 import logging
 import operator
@@ -9,18 +7,17 @@ import operator
 import pytest
 import torch
 import torch.fx
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from graph_trainer.config import Compile
 from graph_trainer.compiler.matching import find_rmsnorm_instances
-from graph_trainer.compiler.passes.annotate_rmsnorm import (
-    DEFAULT_RMSNORM_CANDIDATE_CONFIGS,
-    annotate_rmsnorm_for_regional_inductor_pass as annotate,
-)
+from graph_trainer.compiler.passes.annotate_rmsnorm import DEFAULT_RMSNORM_CANDIDATE_CONFIGS as DEFAULTS
+from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass as annotate
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
+from graph_trainer.trace import trace_train_step
 
 from .conftest import D, assert_close, fused_norm_graph, inductor_tag, region_ids, tagged_nodes, trace_step
-from .conftest import trace_step_generic
 
 aten = torch.ops.aten
 FUSED = (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
@@ -52,28 +49,26 @@ def test_existing_custom_preserved_and_not_aliased():
     assert "x" not in inductor_tag(b)["inductor_configs"]
 
 
-@pytest.mark.parametrize("kwargs,configs,candidates", [
+@pytest.mark.parametrize("kwargs, configs, candidates", [
     ({}, {}, None),  # default: Inductor's defaults, nothing timed
-    ({"candidate_configs": DEFAULT_RMSNORM_CANDIDATE_CONFIGS}, {}, DEFAULT_RMSNORM_CANDIDATE_CONFIGS),
+    ({"candidate_configs": DEFAULTS}, {}, DEFAULTS),
     ({"inductor_configs": {"max_autotune": True, "triton.cudagraphs": False}},
      {"max_autotune": True, "triton.cudagraphs": False}, None),
+    ({"inductor_configs": {"max_autotun": True}}, ValueError, None),  # an unknown key: refused, nothing tagged
+    ({"candidate_configs": [{"max_autotun": True}]}, ValueError, None),
 ])
-def test_configs_reach_the_annotation(kwargs, configs, candidates):
-    gm, fakes = fused_norm_graph(n_norms=1, with_backward=False)
-    annotate(gm, fakes, **kwargs)
+def test_configs_reach_the_annotation_unknown_keys_refused(kwargs, configs, candidates):
+    gm, fakes = fused_norm_graph(n_norms=1)
+    if configs is ValueError:
+        with pytest.raises(ValueError, match=r"max_autotun.*did you mean 'max_autotune'"):
+            annotate(gm, fakes, **kwargs)
+    else:
+        annotate(gm, fakes, **kwargs)
+        assert gm.meta["graph_trainer_pass_stats"]["inductor_configs"] == configs
+    assert len(tagged_nodes(gm)) == (0 if configs is ValueError else 6)
     for n in tagged_nodes(gm):
         assert inductor_tag(n)["inductor_configs"] == configs
         assert inductor_tag(n).get("candidate_inductor_configs") == candidates
-    assert gm.meta["graph_trainer_pass_stats"]["inductor_configs"] == configs
-
-
-@pytest.mark.parametrize("kwargs", [{"inductor_configs": {"max_autotun": True}},
-                                    {"candidate_configs": [{"max_autotun": True}]}])
-def test_unknown_inductor_config_key_rejected(kwargs):
-    gm, fakes = fused_norm_graph(n_norms=1)
-    with pytest.raises(ValueError, match=r"max_autotun.*did you mean 'max_autotune'"):
-        annotate(gm, fakes, **kwargs)
-    assert not tagged_nodes(gm)
 
 
 def test_empty_graph_is_noop():
@@ -110,7 +105,8 @@ def test_pattern_matched_norm_without_norm_name():
     model = torch.nn.Sequential()
     model.add_module("pre", torch.nn.RMSNorm(D))  # the name does not end with "norm"
     model.add_module("proj", torch.nn.Linear(D, D))
-    gm, _, _ = trace_step_generic(model)
+    x = torch.randn(2, 4, D)
+    gm = trace_train_step(model, lambda out, _labels: out.square().mean(), x, torch.zeros(1)).gm
     instances = find_rmsnorm_instances(gm.graph)
     assert [(i["module_fqn"], i["phase"]) for i in instances] == [("pre", "forward"), ("pre", "backward")]
 
@@ -138,8 +134,6 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, caplog, tiny_llama):
 
 def test_activation_checkpointing_recomputed_norms_get_own_regions(tiny_llama):
     """With AC, recomputed forward norms and norm backwards become separate regions (no cycle)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     model = tiny_llama(1)
     for key, block in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)

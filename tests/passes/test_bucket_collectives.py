@@ -9,6 +9,7 @@ from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
 from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
+from graph_trainer.model import BlockLayout
 from graph_trainer.projection.cost_model import ring_bytes_on_wire
 
 from .conftest import assert_bitwise, run_no_grad
@@ -119,10 +120,9 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     assert _count(ours, AG) < ag0 // 4 and _count(ours, RS) < rs0 // 4
 
 
-def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
-    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; bitwise the same step."""
-    from graph_trainer.model import BlockLayout
-
+def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
+    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; ``reduce_scatter_in_flight=1``:
+    bucket waits move later (before the next issue), hiding more matmuls. Both bitwise the same step."""
     traced, inputs, n_params = fsdp_step
     ref = run_no_grad(traced.gm, inputs)
     units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
@@ -134,28 +134,16 @@ def test_fsdp2_units_bucket_reduce_scatters_as_fsdp2(fsdp_step):
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
         if n.args[0].target is torch.ops.aten.cat.default:
-            grads = [outputs.index(user) for user in _bucket_outputs(n, outputs)]
+            (wait,) = [u for u in n.users if is_wait(u)]
+            grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
+            while stack:
+                m = stack.pop(0)
+                if m in outputs:
+                    grads.append(outputs.index(m))
+                else:
+                    stack.extend(u for u in m.users if u.op != "output")
             assert grads == sorted(grads)
     assert_bitwise(run_no_grad(gm, inputs), ref)
-
-
-def _bucket_outputs(issue, outputs):
-    """The graph outputs a reduce-scatter bucket's result reaches, in the order its slices are read."""
-    (wait,) = [u for u in issue.users if is_wait(u)]
-    found, stack = [], list(wait.users)
-    while stack:
-        n = stack.pop(0)
-        if n in outputs:
-            found.append(n)
-        else:
-            stack.extend(u for u in n.users if u.op != "output")
-    return found
-
-
-def test_reduce_scatter_buckets_waited_before_the_next_bucket(fsdp_step):
-    """reduce_scatter_in_flight=1: bucket waits move later (before the next issue), hiding more matmuls."""
-    traced, inputs, _ = fsdp_step
-    ref = run_no_grad(traced.gm, inputs)
     plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
     assert plain.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] == 0

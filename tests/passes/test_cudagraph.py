@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer.compiler.passes.cudagraph import cudagraph_pass
+from graph_trainer.compiler.passes.cudagraph import cudagraph_pass, generated_forward
 
 from .conftest import fused_norm_graph
 
@@ -15,11 +16,6 @@ def test_cudagraph_pass_requires_cuda():
 
 
 def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
-    """A lazy GraphModule's wrapper calls its generated forward, never itself."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    from graph_trainer.compiler.passes.cudagraph import generated_forward
-
     class AddOne(torch.nn.Module):
         def forward(self, x):
             return x + 1

@@ -1,8 +1,10 @@
 """full_inductor_pass end to end on CPU through the pipeline (with collectives: test_pin_collectives.py)."""
 
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.config import Compile
+from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 
 from .conftest import assert_close, trace_step
@@ -23,10 +25,6 @@ def test_end_to_end_full_inductor_cpu(tiny_llama):
 
 def test_cpu_scalars_move_to_the_inputs_device():
     """CPU ``0`` scalars of ``index_put_`` move to the inputs' device; a CPU graph stays."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars
-
     def f(x, mask):
         y = x.index_put((mask,), torch.tensor(0))
         return y.index_put((~mask,), torch.scalar_tensor(7, dtype=torch.int64, device="cpu"))

@@ -19,33 +19,29 @@ def _node(g, target, args, val):
 
 def test_peak_counts_views_waits_and_holds_once():
     """x -> all_reduce -> wait -> hold -> view -> sum: one 64-byte buffer, peak 68 bytes at the sum."""
-    with FakeTensorMode():
-        vx, vi, vw, vs = torch.empty(4, 4), torch.empty(4, 4), torch.empty(4, 4), torch.empty(())
     g = torch.fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = vx
-    ar = _node(g, c10d.all_reduce.default, (x, "sum", "0"), vi)
-    w = _node(g, c10d.wait_tensor.default, (ar,), vw)
-    h = _node(g, hold, (w, x), vw)
-    v = _node(g, aten.view.default, (h, [16]), vw.view(16))
-    s = _node(g, aten.sum.default, (v,), vs)
+    with FakeTensorMode():
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(4, 4)
+        ar = _node(g, c10d.all_reduce.default, (x, "sum", "0"), torch.empty(4, 4))
+        w = _node(g, c10d.wait_tensor.default, (ar,), waited := torch.empty(4, 4))
+        v = _node(g, aten.view.default, (_node(g, hold, (w, x), waited), [16]), waited.view(16))
+        s = _node(g, aten.sum.default, (v,), torch.empty(()))
     g.output((s,))
     assert estimate_peak_memory(torch.fx.GraphModule(torch.nn.Module(), g)) == (68, s.name)
 
 
 def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
     """Unfused peak: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm."""
-    with FakeTensorMode():
-        vx, vy, vm, va, ve, vmm, vs = (torch.empty(4, 4), torch.empty(8, 8), torch.empty(8, 8), torch.empty(8, 8),
-                                       torch.empty(4, 4), torch.empty(4, 4), torch.empty(()))
     g = torch.fx.Graph()
-    x, y = g.placeholder("x"), g.placeholder("y")
-    x.meta["val"], y.meta["val"] = vx, vy
-    mul = _node(g, aten.mul.Tensor, (y, y), vm)
-    add = _node(g, aten.add.Tensor, (mul, y), va)
-    s = _node(g, aten.sum.default, (add,), vs)
-    e = _node(g, aten.exp.default, (x,), ve)
-    mm = _node(g, aten.mm.default, (e, x), vmm)
+    with FakeTensorMode():
+        x, y = g.placeholder("x"), g.placeholder("y")
+        x.meta["val"], y.meta["val"] = torch.empty(4, 4), torch.empty(8, 8)
+        mul = _node(g, aten.mul.Tensor, (y, y), torch.empty(8, 8))
+        add = _node(g, aten.add.Tensor, (mul, y), torch.empty(8, 8))
+        s = _node(g, aten.sum.default, (add,), torch.empty(()))
+        e = _node(g, aten.exp.default, (x,), torch.empty(4, 4))
+        mm = _node(g, aten.mm.default, (e, x), torch.empty(4, 4))
     g.output((s, mm))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     assert estimate_peak_memory(gm) == (512, add.name)

@@ -1,10 +1,18 @@
 """The memory policy: choices for hand-built estimates, calibration, the dry run's plan."""
 
-import pytest
+import dataclasses
 
+import pytest
+import torch
+
+from _runs import dry_run_in_process  # tests/ is on sys.path
 from graph_trainer.compiler.memory_policy import (
     BUCKET_BLOCKS, CALIBRATION, CUDAGRAPH_GIB, SAVE_LEVELS, GiB, Levers, calibration, choose_levers, predict_peak,
 )
+from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
+from graph_trainer.config import Compile
+from graph_trainer.llama3 import llama3_args
+from graph_trainer.step import may_replay_as_cuda_graph
 
 #: A hand-built 8B-like graph: estimates per save level with no kept block (GiB), one block's
 #: gathered weights, 32 blocks, fp32 shards + AdamW state.
@@ -111,12 +119,6 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
 
 
 def test_cuda_graphs_only_for_one_process_on_a_gpu_named_by_the_config():
-    import torch
-
-    from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
-    from graph_trainer.config import Compile
-    from graph_trainer.step import may_replay_as_cuda_graph
-
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert may_replay_as_cuda_graph(cuda, 1, "default", None)
     assert may_replay_as_cuda_graph(cuda, 8, "fake_collectives", None)  # rank 0 of 8, alone
@@ -134,11 +136,6 @@ def test_cuda_graphs_only_for_one_process_on_a_gpu_named_by_the_config():
 
 def test_dry_run_plans_from_the_traced_graph(monkeypatch):
     """Debug model (2 blocks), op SAC, FSDP2 on fake ranks: a large budget keeps, a tiny one recomputes."""
-    import dataclasses
-
-    from _runs import dry_run_in_process
-    from graph_trainer.llama3 import llama3_args
-
     blocks = 2
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=blocks))
     big, tiny = (dry_run_in_process(2, "--training.seq_len", "64", "--activation_checkpoint.mode", "selective",

@@ -19,24 +19,20 @@ def _ops(gm):
     return [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def test_remove_dead_code_keeps_collectives():
-    def build(g, x):
+def test_dead_code_and_in_place_ops_on_dead_temporaries_go_collectives_stay():
+    def collective(g, x):
         g.call_function(aten.sin.default, (x,))  # dead
         g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))  # dead but kept
         return g.call_function(aten.cos.default, (x,))
 
-    gm = _graph(build)
-    assert _ops(gm) == ["all_reduce", "cos"] and gm.meta["graph_trainer_pass_stats"]["removed"] == 1
-
-
-def test_in_place_op_on_a_dead_temporary_goes_with_its_chain():
-    """As the CPU RMSNorm copy in a TP trace: ``mean(pow(x)).add_(eps)`` read by nothing."""
-    def build(g, x):
+    def dead_temporary(g, x):  # as the CPU RMSNorm copy in a TP trace: ``mean(pow(x)).add_(eps)`` read by nothing
         mean = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (x, 2)), [1], True))
         g.call_function(aten.add_.Scalar, (mean, 1e-5))
         return g.call_function(aten.cos.default, (x,))
 
-    gm = _graph(build)
+    gm = _graph(collective)
+    assert _ops(gm) == ["all_reduce", "cos"] and gm.meta["graph_trainer_pass_stats"]["removed"] == 1
+    gm = _graph(dead_temporary)
     assert _ops(gm) == ["cos"]
     assert gm.meta["graph_trainer_pass_stats"]["dead_mutations"] == 1
     x = torch.randn(4, 8)

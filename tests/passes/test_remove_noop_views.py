@@ -6,7 +6,9 @@ import operator
 import pytest
 import torch
 import torch.fx
+from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
+from graph_trainer.compiler import graph_cache
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 
 from .conftest import assert_close, fake_prop, trace_step
@@ -43,8 +45,6 @@ def _targets(gm):
 
 def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
     """Inductor's pass breaks a clone before an in-place update and keeps detaches; ours does neither."""
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-
     xin = torch.randn(4, 6)
     ref = _graph()(xin.clone())
     ours = remove_noop_views_pass(_graph(), None)
@@ -69,19 +69,6 @@ def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
     assert remove_noop_views_pass(gm, None).meta["graph_trainer_pass_stats"]["removed_detach"] == detaches
 
 
-def _cat_graph(shape, order=(0, 1), dim=0):
-    """``cat([split(x, 4, dim=1)[i] for i in order], dim)`` of a placeholder ``x`` of ``shape``, then ``* 2``."""
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    s = g.call_function(aten.split.Tensor, (x, 4, 1))
-    pieces = [g.call_function(operator.getitem, (s, i)) for i in order]
-    c = g.call_function(aten.cat.default, (pieces, dim))
-    g.output((g.call_function(aten.mul.Tensor, (c, 2.0)),))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    fake_prop(gm, [shape])
-    return gm
-
-
 @pytest.mark.parametrize("shape, order, dim, removed", [
     ((1, 8, 3), (0, 1), 0, True),    # a sequence-parallel reduce-scatter's input: x's bytes in order
     ((1, 8, 3), (0, 1), 1, True),    # cat along the split dimension: x itself
@@ -90,7 +77,12 @@ def _cat_graph(shape, order=(0, 1), dim=0):
     ((1, 12, 3), (0, 1), 0, False),  # a piece left out
 ])
 def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, dim, removed):
-    gm = _cat_graph(shape, order, dim)
+    g = torch.fx.Graph()  # cat([split(x, 4, dim=1)[i] for i in order], dim) * 2
+    s = g.call_function(aten.split.Tensor, (g.placeholder("x"), 4, 1))
+    c = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (s, i)) for i in order], dim))
+    g.output((g.call_function(aten.mul.Tensor, (c, 2.0)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    fake_prop(gm, [shape])
     x = torch.randn(shape)
     ref = gm(x)
     remove_noop_views_pass(gm, None)
@@ -100,9 +92,6 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
 
 
 def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, tmp_path):
-    """A cat made a view on a traced step pickles into the graph cache."""
-    from graph_trainer.compiler import graph_cache
-
     gm, _, _ = trace_step(tiny_llama(1), batch=1)
     x = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default)
     out = gm.graph.output_node()

@@ -35,33 +35,10 @@ def _regathers(gm):
     return [n for n in gm.graph.nodes if n.target is AG and phase_of(n) == "backward"]
 
 
-def test_regather_for_backward_bitwise(fsdp_step):
-    traced, inputs, n_params = fsdp_step
-    gm = traced.gm
-    ref = run_no_grad(gm, inputs)
-    assert sum(1 for n in gm.graph.nodes if n.target is AG) == n_params
-    # as traced, the backward reads the forward's gathered parameters (kept alive all step)
-    assert sum(_backward_reads(gm)) >= n_params - 1
-    peak_traced, _ = estimate_peak_memory(gm)
-
-    gm = reshard_after_forward_pass(gm, None, prefetch=2, cpu_async=True)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    # every parameter but the embedding (its backward needs no weight) is re-gathered
-    assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == n_params - 1
-    assert sum(1 for n in gm.graph.nodes if n.target is AG) == 2 * n_params - 1
-    assert sum(_backward_reads(gm)) == 0
-    assert all(n.meta["custom"]["reshard"] == "regather" for n in _regathers(gm))
-    gm.graph.lint()
-    gm = overlap_collectives_pass(gm, cpu_async=True)
-    assert estimate_peak_memory(gm)[0] <= peak_traced * 1.01
-    for _ in range(2):
-        assert_bitwise(run_no_grad(gm, inputs), ref)
-
-
-def test_first_params_prefetch_validation_and_no_fsdp(fsdp_step):
-    """first_params=10 reshards the embedding and layer 0 only; values unchanged; prefetch 0, validation, no FSDP."""
+def test_regather_for_backward_bitwise_first_params_prefetch_and_no_fsdp(fsdp_step):
     traced, inputs, n_params = fsdp_step
     ref = run_no_grad(traced.gm, inputs)
+    # first_params=10 reshards the embedding and layer 0 only; values unchanged
     gm = reshard_after_forward_pass(copy.deepcopy(traced.gm), None, prefetch=2, first_params=10)
     stats = gm.meta["graph_trainer_pass_stats"]
     assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == len(_regathers(gm)) == 9
@@ -76,7 +53,25 @@ def test_first_params_prefetch_validation_and_no_fsdp(fsdp_step):
         assert pos[next(iter(ag.users))] - pos[ag] <= 3
     with pytest.raises(ValueError, match="prefetch"):
         reshard_after_forward_pass(gm, None, prefetch=-1)
-    gm = torch.fx.symbolic_trace(lambda x: (x.cos() + 1).sum())
+    gm = torch.fx.symbolic_trace(lambda x: (x.cos() + 1).sum())  # no FSDP: nothing to do
     before = [n.name for n in gm.graph.nodes]
     gm = reshard_after_forward_pass(gm)
     assert [n.name for n in gm.graph.nodes] == before and gm.meta["graph_trainer_pass_stats"]["resharded"] == 0
+
+    gm = traced.gm
+    assert sum(1 for n in gm.graph.nodes if n.target is AG) == n_params
+    # as traced, the backward reads the forward's gathered parameters (kept alive all step)
+    assert sum(_backward_reads(gm)) >= n_params - 1
+    peak_traced, _ = estimate_peak_memory(gm)
+    gm = reshard_after_forward_pass(gm, None, prefetch=2, cpu_async=True)
+    stats = gm.meta["graph_trainer_pass_stats"]
+    # every parameter but the embedding (its backward needs no weight) is re-gathered
+    assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == n_params - 1
+    assert sum(1 for n in gm.graph.nodes if n.target is AG) == 2 * n_params - 1
+    assert sum(_backward_reads(gm)) == 0
+    assert all(n.meta["custom"]["reshard"] == "regather" for n in _regathers(gm))
+    gm.graph.lint()
+    gm = overlap_collectives_pass(gm, cpu_async=True)
+    assert estimate_peak_memory(gm)[0] <= peak_traced * 1.01
+    for _ in range(2):
+        assert_bitwise(run_no_grad(gm, inputs), ref)

@@ -1,20 +1,26 @@
 """sac_recompute: op-level SAC under make_fx only tags nodes; the pass recomputes them in the backward."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
+import functools
+import operator
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
+from torchtitan.config import ActivationCheckpoint
 
+from _runs import train_debug  # tests/ is on sys.path
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.node_meta import custom_meta, phase_of
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac_recompute_pass, saved_for_backward
+from graph_trainer.distributed.parallelize import apply_ac_for_trace
+from graph_trainer.llama3 import llama3_args
+from graph_trainer.model import loss_fn
+from graph_trainer.trace import trace_train_step
 
 from .conftest import assert_bitwise, run_no_grad
 
@@ -24,12 +30,6 @@ N_LAYERS = 3
 
 
 def _traced(tiny_llama, tmp_path, mode, option="op"):
-    from torchtitan.config import ActivationCheckpoint
-
-    from graph_trainer.distributed.parallelize import apply_ac_for_trace
-    from graph_trainer.model import loss_fn
-    from graph_trainer.trace import trace_train_step
-
     model = tiny_llama(N_LAYERS)
     cfg = SimpleNamespace(activation_checkpoint=ActivationCheckpoint(mode=mode, selective_ac_option=option),
                           job=SimpleNamespace(dump_folder=str(tmp_path)))
@@ -58,14 +58,17 @@ def _copies(gm):
     return {n.meta[RECOMPUTED_FROM_KEY]: n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta}
 
 
-def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_path):
+def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_llama, tmp_path):
+    """Recomputed copies in the backward; saving matmuls keeps in between; ``all_but_cheap`` recomputes silu and mul
+    from kept matmuls and keeps nothing new. Each bitwise."""
     n_mm_none = _n_mm(_traced(tiny_llama, tmp_path / "none", "none")[0])
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path / "op", "selective")
     assert _n_mm(gm) == n_mm_none  # as traced, op-level SAC recomputes nothing
     ref = run_no_grad(gm, flat)
     peak_before, _ = estimate_peak_memory(gm)
-    saved_before = len(saved_for_backward(gm.graph))
+    saved_before = {n.name for n in saved_for_backward(gm.graph)}
     gm_mm = sac_recompute_pass(copy.deepcopy(gm), example_inputs, save_ops=[MM])
+    gm_cheap = sac_recompute_pass(copy.deepcopy(gm), example_inputs, cheap_only=True)
     gm = sac_recompute_pass(gm, example_inputs)
     stats = gm.meta["graph_trainer_pass_stats"]
     copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
@@ -80,39 +83,27 @@ def test_op_sac_recomputes_in_backward_bitwise_and_save_matmuls(tiny_llama, tmp_
         assert all(custom_meta(a)[AC_REGION_KEY] == custom_meta(c)[AC_REGION_KEY]
                    for a in c.all_input_nodes if RECOMPUTED_FROM_KEY in a.meta)
     assert stats["saved_bytes_after"] < stats["saved_bytes_before"]  # fewer activations kept, a lower peak
-    assert len(saved_for_backward(gm.graph)) < saved_before and estimate_peak_memory(gm)[0] < peak_before
+    assert len(saved_for_backward(gm.graph)) < len(saved_before) and estimate_peak_memory(gm)[0] < peak_before
     # save matmuls: no mm recomputed, the other tagged ops still are; it keeps in between
     mm_stats = gm_mm.meta["graph_trainer_pass_stats"]
     assert mm_stats["recomputed_mm"] == 0 and 0 < mm_stats["recomputed"] < stats["recomputed"]
     assert stats["saved_bytes_after"] < mm_stats["saved_bytes_after"] < mm_stats["saved_bytes_before"]
-    for g in (gm, gm_mm):  # same ops on the same inputs: loss and every gradient bit for bit
-        assert_bitwise(run_no_grad(g, flat), ref)
-
-
-def test_cheap_only_frees_silu_and_mul_and_keeps_nothing_new(tiny_llama, tmp_path):
-    """``all_but_cheap``: silu and mul recomputed from kept matmuls, nothing new kept, bitwise."""
-    gm, example_inputs, flat = _traced(tiny_llama, tmp_path, "selective")
-    ref = run_no_grad(gm, flat)
-    saved_before = set(saved_for_backward(gm.graph))
-    gm = sac_recompute_pass(gm, example_inputs, cheap_only=True)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
-    assert stats["recomputed_mm"] == 0 and stats["recomputed"] == len(copies) > 0
+    # all_but_cheap: silu and mul recomputed from the kept matmuls, nothing new kept
+    cheap = gm_cheap.meta["graph_trainer_pass_stats"]
+    copies = [n for n in gm_cheap.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
     targets = {c.target for c in copies}
+    assert cheap["recomputed_mm"] == 0 and cheap["recomputed"] == len(copies) > 0
     assert {aten.silu.default, aten.mul.Tensor} <= targets
     assert all(torch.Tag.pointwise in t.tags or t is aten._to_copy.default
                or t._schema.returns[0].alias_info is not None for t in targets)  # or a view of one
-    saved_after = set(saved_for_backward(gm.graph))
-    assert saved_after < saved_before  # fewer values kept, none added
-    assert stats["saved_bytes_after"] < stats["saved_bytes_before"]
-    assert_bitwise(run_no_grad(gm, flat), ref)
+    assert {n.name for n in saved_for_backward(gm_cheap.graph)} < saved_before  # fewer values kept, none added
+    assert cheap["saved_bytes_after"] < cheap["saved_bytes_before"]
+    for g in (gm, gm_mm, gm_cheap):  # same ops on the same inputs: loss and every gradient bit for bit
+        assert_bitwise(run_no_grad(g, flat), ref)
 
 
 def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
-    import functools
-    import operator
-
     c10d = torch.ops._c10d_functional
     g = torch.fx.Graph()
     x, w = g.placeholder("x"), g.placeholder("w")
@@ -171,9 +162,6 @@ def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
 @pytest.mark.slow
 def test_full_inductor_ignores_sac_tags_without_the_pass(tmp_path, monkeypatch):
     """Without sac_recompute, full_inductor drops the SAC tags (compile_fx's remat rejected this graph)."""
-    from _runs import train_debug
-    from graph_trainer.llama3 import llama3_args
-
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=1))
     flags = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op",
              "--training.steps", "2", "--compile.inductor_compilation", "full", "--compile.graph_cache_dir", "off"]
