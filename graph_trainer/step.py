@@ -121,12 +121,17 @@ class TracedTrainStep(_Step):
         if self.cache_path:  # the passes before the first compiling one, the cache entry, the rest
             cut = graph_cache.compile_index(self.pipeline)
             gm = run_pipeline(gm, traced.example_inputs, self.pipeline[:cut], records=records)
-            graph_cache.save(self.cache_path, gm, traced.param_names, traced.buffer_names, self.pipeline[cut:],
-                             {**self.stats, "trace_time_s": traced.trace_time_s, "graph_nodes": n_nodes,
-                              "passes": list(records)})
-            with graph_cache.recording():
-                traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline[cut:], records=records)
-                graph_cache.save_compiled(self.cache_path, traced.gm, self.pipeline[cut:])
+            rest, names = self.pipeline[cut:], (traced.param_names, traced.buffer_names)
+            entry = {**self.stats, "trace_time_s": traced.trace_time_s, "graph_nodes": n_nodes, "passes": list(records)}
+            if [s.name for s in rest] != graph_cache.COMPILED_STEPS:
+                graph_cache.save(self.cache_path, gm, *names, rest, entry)
+                traced.gm = run_pipeline(gm, traced.example_inputs, rest, records=records)
+            else:  # the compiled step is the entry: no graph pickled
+                with graph_cache.recording():
+                    traced.gm = run_pipeline(gm, traced.example_inputs, rest, records=records)
+                    saved = graph_cache.save_compiled(self.cache_path, traced.gm, rest)
+                if saved:
+                    graph_cache.save(self.cache_path, traced.gm, *names, rest, entry, graph=False)
         else:
             traced.gm = run_pipeline(gm, traced.example_inputs, self.pipeline, dump_folder=self.dump_folder,
                                      records=records)

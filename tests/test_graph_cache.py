@@ -54,38 +54,40 @@ def test_split_before_the_first_compiling_pass():
     assert compile_index(steps) == len(steps)
 
 
-@pytest.mark.slow  # four short trainings
+@pytest.mark.slow  # five short trainings
 def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_path, caplog, monkeypatch):
     # the debug model at two blocks: every run traces or loads, and trains, a smaller graph
     monkeypatch.setitem(llama3_args, "debugmodel", dataclasses.replace(llama3_args["debugmodel"], n_layers=2))
     cache = tmp_path / "cache"
-    flags = ("--compile.graph_cache_dir", str(cache), "--compile.inductor_compilation", "full", "--training.steps", "3",
-             "--debug.deterministic")
-    cold, cold_summary = train_debug(tmp_path, "cold", *flags)
+    flags = ("--compile.graph_cache_dir", str(cache), "--training.steps", "3", "--debug.deterministic")
+    full = (*flags, "--compile.inductor_compilation", "full")
+    cold, cold_summary = train_debug(tmp_path, "cold", *full)
     entry = next(cache.glob("*.pkl"))
     assert sorted(p.name for p in cache.iterdir()) == sorted(entry.with_suffix(s).name
                                                              for s in (".pkl", ".inductor", ".constants"))
 
-    def warm(name):
+    def warm(name, reference, *run_flags):
         caplog.clear()
         with caplog.at_level("INFO", logger="graph_trainer"):
-            records, summary = train_debug(tmp_path, name, *flags)
-        assert [r["loss"] for r in records] == [r["loss"] for r in cold]
-        assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in cold]
+            records, summary = train_debug(tmp_path, name, *run_flags)
+        assert [r["loss"] for r in records] == [r["loss"] for r in reference]
+        assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in reference]
         return summary
 
     # the compiled step: no graph loaded, nothing traced or compiled
-    summary = warm("compiled")
+    summary = warm("compiled", cold, *full)
     assert "graph cache: loaded the compiled step" in caplog.text and "graph pass full_inductor" not in caplog.text
     assert summary["graph_cache"] == "compiled" and summary["trace_time_s"] == 0.0 and "graph_cache" not in cold_summary
-    # an unreadable compiled step: a warning, then the graph is loaded and compiled
+    # the entry holds no graph: an unreadable compiled step makes a warning and a cold run, which saves it again
     entry.with_suffix(".inductor").write_bytes(b"not an artifact")
-    summary = warm("graph")
-    assert "not used" in caplog.text and "Tracing the training step" not in caplog.text
-    assert "graph pass full_inductor" in caplog.text and summary["graph_cache"] == "hit"
-    entry.write_bytes(b"not a cache entry")  # unreadable: a warning, then a cold run
-    warm("again")
+    warm("again", cold, *full)
     assert "not used" in caplog.text and "Tracing the training step" in caplog.text
+    assert "graph cache: saved the compiled step" in caplog.text
+    # a regional pipeline: the entry is the graph, loaded and compiled
+    regional, _ = train_debug(tmp_path, "regional", *flags)
+    summary = warm("graph", regional, *flags)
+    assert "Tracing the training step" not in caplog.text and "graph pass regional_inductor" in caplog.text
+    assert summary["graph_cache"] == "hit"
 
 
 def test_own_functions_shape_env_and_process_setup_survive_the_cache(tmp_path, caplog):

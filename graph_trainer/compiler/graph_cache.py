@@ -3,8 +3,8 @@
 The cache stores the graph after the passes up to the first one that compiles (torch's ``GraphPickler``) with the
 remaining pipeline steps, the run's statistics and the passes' process setup, under a key of everything that decides
 the graph (:func:`cache_key`); a later run with the same key loads it and runs only the remaining steps. When that is
-``full_inductor`` alone, Inductor's compiled step is stored beside the entry too (``<key>.inductor``) and called
-directly."""
+``full_inductor`` alone, the entry holds Inductor's compiled step instead of the graph (``<key>.inductor`` beside it),
+called directly; one that does not load makes the next run a cold one."""
 
 from __future__ import annotations
 
@@ -123,14 +123,16 @@ def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
 
 
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
-         steps: list, stats: dict[str, Any]) -> bool:
-    """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written."""
+         steps: list, stats: dict[str, Any], graph: bool = True) -> bool:
+    """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written.
+    ``graph=False``: the entry holds no graph (``gm`` gives only its outputs and process setup), for a compiled step
+    saved beside it (:func:`save_compiled`): pickling the graph took seconds of every cold start."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     t0 = time.perf_counter()
-    swapped = _own_targets_by_name(gm)
+    swapped = _own_targets_by_name(gm) if graph else {}
     try:
-        entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)),
+        entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)) if graph else None,
                  "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats,
                  "outputs": _output_layout(gm), "setup": process_setup(gm)}
         data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
@@ -180,6 +182,7 @@ def save_compiled(path: Path, gm: Any, steps: list) -> bool:
                              "AOTAutograd cache entries recorded, expected 1")
         module = importlib.import_module("torch._inductor.standalone_compile")  # the package's name is the function
         artifact_cls = getattr(module, "CacheCompiledArtifact", module.CompiledArtifact)  # torch >= 2.12: split
+        path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(gm.compiled_constants, compiled_path(path).with_suffix(".constants"))
         artifact_cls(gm.compiled_fn, artifacts).save(path=str(compiled_path(path)), format="binary")
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
@@ -221,8 +224,8 @@ def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
 
 
 def load(path: Path) -> dict[str, Any] | None:
-    """The entry at ``path``, or None (no file, or a warning: unreadable, or its process setup raised). The setup is
-    called first. With a compiled step stored ``entry["compiled"]`` is that :class:`CompiledStep` and ``gm`` None;
+    """The entry at ``path``, or None (no file, or a warning: unreadable, its process setup raised, or it holds only a
+    compiled step that does not load). The setup is called first. With a compiled step stored ``entry["compiled"]`` is that :class:`CompiledStep` and ``gm`` None;
     otherwise ``gm`` is unpickled into a new fake mode with a shape env (else Inductor bypasses its cache)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
@@ -239,6 +242,8 @@ def load(path: Path) -> dict[str, Any] | None:
         if (compiled := _load_compiled(path, entry)) is not None:
             entry.update(compiled=compiled, gm=None)
             return entry
+        if entry["gm"] is None:
+            raise ValueError("it holds no graph and its compiled step is not usable")
         entry["gm"] = GraphPickler.loads(entry["gm"], FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
         _own_targets_back(entry["gm"])
         entry["gm"].recompile()
