@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import logging
 import operator
 import os
 import pickle
@@ -23,10 +22,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from graph_trainer import logger
 from graph_trainer.compiler.node_meta import process_setup
 from graph_trainer.compiler.registry import registry
-
-logger = logging.getLogger("graph_trainer")
 
 FORMAT = 1
 #: ``[section]`` or ``(section, field)`` of the config that do not change the graph.

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import logging
 
 import torch
 import torch.fx
 
+from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.ops import packet_name
-
-logger = logging.getLogger("graph_trainer")
 
 _ANCHORS = ("mm", "addmm", "bmm", "_scaled_mm")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer import logger
 from graph_trainer.compiler import report
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -23,8 +23,6 @@ from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPol
 from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
 from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
-
-logger = logging.getLogger("graph_trainer")
 
 
 def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:

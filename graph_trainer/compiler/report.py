@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -15,12 +14,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
 from graph_trainer.compiler.ops import fx_graph, op_namespace, packet_name, target_name
-
-logger = logging.getLogger("graph_trainer")
 
 NODE_KINDS: tuple[str, ...] = ("compute", "collective", "wait", "view", "getitem", "region", "other")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import time
 import timeit
 from collections import Counter
@@ -19,15 +18,13 @@ from typing import Any
 import torch
 import torch.fx
 
-from graph_trainer import NUMERICS_KEY
+from graph_trainer import NUMERICS_KEY, logger
 from graph_trainer.numerics import output_key
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, split_acyclic
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import is_getitem, packet_name
 from graph_trainer.compiler.registry import GraphPass
 from graph_trainer.compiler.report import REGION_SUBMOD_PREFIX
-
-logger = logging.getLogger("graph_trainer")
 
 _DEFAULT_REGION = object()
 
