@@ -1,7 +1,5 @@
 """Collectives and their waits: which nodes communicate, their kind and group, the keep-alive :func:`hold`."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Container
 
 import torch

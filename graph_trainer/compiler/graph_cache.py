@@ -6,8 +6,6 @@ the graph (:func:`cache_key`); a later run with the same key loads it and runs o
 ``full_inductor`` alone, Inductor's compiled step is stored beside the entry too (``<key>.inductor``) and called
 directly."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import hashlib

@@ -1,7 +1,5 @@
 """The values of graph nodes (fake tensors, shapes, storages, bytes, device, fake mode) and graph structure helpers."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch

@@ -1,7 +1,5 @@
 """Pattern matching over the traced graph: chains of pointwise ops and RMSNorm instances (plus :func:`tag_regions`)."""
 
-from __future__ import annotations
-
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any

@@ -5,8 +5,6 @@ dtype (the backward's input gradients of the q/k/v and w1/w3 projections) become
 ``post(mm(pre(cat([A_1, .., A_n], -1)), cat([B_1, .., B_n], 0)))``, so that TP's reduce-scatter of it pairs with one
 matmul: the same products, summed inside one matmul's reduction (not bitwise equal to the adds)."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any

@@ -1,8 +1,6 @@
 """Node and graph metadata the passes read and write: pass summaries, per-process setup, phase, module FQN,
 Inductor region tags, fusion groups and selective AC's recompute tags."""
 
-from __future__ import annotations
-
 import json
 from collections.abc import Callable
 from typing import Any

@@ -5,8 +5,6 @@ True)``; without it Inductor's ``reorder_for_peak_memory`` issues each collectiv
 collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors ``A1 .. Ak`` (matmuls: extern kernels Inductor
 never fuses), Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak``."""
 
-from __future__ import annotations
-
 import bisect
 import hashlib
 

@@ -1,8 +1,6 @@
 """The pipeline: build it from the config and the registry (:func:`build_pipeline`), let the memory policy pick
 the levers left on ``auto`` (:func:`plan_pipeline`), run it and record what each pass did (:func:`run_pipeline`)."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import json

@@ -1,8 +1,6 @@
 """What each pass of the pipeline did, in numbers (:func:`pass_record` from the :class:`GraphSnapshot` s before and
 after it; :func:`format_pass_table`) and text (readable dumps, structured-trace artifacts)."""
 
-from __future__ import annotations
-
 import difflib
 import json
 import operator

@@ -6,8 +6,6 @@ FQN joins the run before it. Changes: ``compile_with_inductor = {"inductor_confi
 "block_<block>_<phase>_<run>"}``, replacing the tags (and eager-rounding marks) of the annotation passes before it.
 Changes numerics as the whole-graph compile does."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 

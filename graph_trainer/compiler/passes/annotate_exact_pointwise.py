@@ -13,8 +13,6 @@ Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inducto
 op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula. On by
 default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``."""
 
-from __future__ import annotations
-
 import copy
 from dataclasses import dataclass
 from typing import Any

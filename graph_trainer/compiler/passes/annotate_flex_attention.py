@@ -5,8 +5,6 @@ Tags each ``flex_attention`` / ``flex_attention_backward`` call, its ``getitem``
 its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
 "flex_attention_<phase>_<i>"}``, one region per call."""
 
-from __future__ import annotations
-
 import torch
 import torch.fx
 

@@ -5,8 +5,6 @@ two fused kernels, with slightly different numerics (reduction order). Changes: 
 {"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when
 tuning) on every node of a norm."""
 
-from __future__ import annotations
-
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass

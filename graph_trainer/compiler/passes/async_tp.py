@@ -12,8 +12,6 @@ Everything else stays, with the reason in the summary. Not Inductor's ``micro_pi
 group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
 Numerics: not guaranteed bitwise."""
 
-from __future__ import annotations
-
 import functools
 import math
 import operator

@@ -11,8 +11,6 @@ member's issue, waited at the last member wait. The same bits, except NCCL's sum
 graph; ``OverlapPreservingBucketer`` merges almost nothing with our prefetch windows
 (tests/passes/test_bucket_collectives.py)."""
 
-from __future__ import annotations
-
 import contextlib
 import operator
 from typing import Any

@@ -6,8 +6,6 @@ process on a CUDA device, no whole-graph Inductor) unless a flag names it. Numer
 place; other tensor inputs are copied into static buffers on each call. The outputs are static tensors overwritten
 by the next call; the input structure must not change."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 

@@ -5,8 +5,6 @@ Removes the ``hold`` nodes and selective AC's recompute tags, moves one-element 
 group fused only within itself (:func:`fusion_group_guard`). The result is called like the input; the compiled
 callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import operator

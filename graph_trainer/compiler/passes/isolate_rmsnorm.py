@@ -5,8 +5,6 @@ The ``full_inductor`` counterpart of ``annotate_rmsnorm``: the nodes of every
 which ``full_inductor`` fuses only among itself. Changes numerics (the norm's output is rounded at the kernel
 boundary). Opt-in."""
 
-from __future__ import annotations
-
 from collections import Counter
 
 import torch

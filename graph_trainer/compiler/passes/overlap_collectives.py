@@ -10,8 +10,6 @@ CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
 end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
-from __future__ import annotations
-
 import torch
 import torch.fx
 

@@ -6,8 +6,6 @@ split only to avoid a dependency cycle, never merged across ids (torch's scooper
 ``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
 (:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
-from __future__ import annotations
-
 import contextlib
 import copy
 import time

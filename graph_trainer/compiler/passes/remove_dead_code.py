@@ -3,8 +3,6 @@ impure nodes (mutating, random, effectful ops), with every collective kept too s
 
 An unused in-place op on fresh temporaries nothing else reads (:func:`mutates_only_dead_temporaries`) goes too."""
 
-from __future__ import annotations
-
 import torch
 import torch.fx
 

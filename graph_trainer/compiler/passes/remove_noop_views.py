@@ -7,8 +7,6 @@ replaced by its input. A ``cat`` that rewrites a contiguous tensor's bytes in th
 (:func:`identity_cat_source`) becomes ``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional
 graph."""
 
-from __future__ import annotations
-
 import operator
 from collections import Counter
 from typing import Any

@@ -8,8 +8,6 @@ Changes: backward-phase uses of the closure are rewired to a copy of it (the sha
 wait and the views they need), placed before the first backward use, the all-gather ``prefetch`` re-gathers earlier
 in backward order. Same bits, one more all-gather per parameter and step."""
 
-from __future__ import annotations
-
 import contextlib
 from typing import Any
 

@@ -5,8 +5,6 @@ Under make_fx SAC only tags the nodes (``meta["recompute"]``). Each backward use
 or a collective) is rewired to a copy placed before the first backward node that needs it, with the copy's tagged
 inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC."""
 
-from __future__ import annotations
-
 import contextlib
 import operator
 from typing import Any
