@@ -3,7 +3,6 @@
 from collections.abc import Callable, Container
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import tensor_val
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace

@@ -3,7 +3,6 @@
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 

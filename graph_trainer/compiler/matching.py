@@ -5,7 +5,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import is_collective
 from graph_trainer.compiler.graph_values import DisjointSet, positions, split_acyclic

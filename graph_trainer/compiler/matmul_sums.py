@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.graph_values import shape_of, tensor_val

@@ -6,7 +6,6 @@ values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.colle
 buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import hold, is_wait
 from graph_trainer.compiler.graph_values import DisjointSet, storages

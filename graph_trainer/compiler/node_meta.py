@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
 

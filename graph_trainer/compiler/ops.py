@@ -6,7 +6,6 @@ from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
-import torch.fx
 
 aten = torch.ops.aten
 

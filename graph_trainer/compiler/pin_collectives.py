@@ -9,7 +9,6 @@ import bisect
 import hashlib
 
 import torch
-import torch.fx
 
 from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait

@@ -21,7 +21,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.compiler.collectives import collective_kind, is_collective

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import hold, is_collective, is_wait, sole_wait, strip_holds
 from graph_trainer.compiler.graph_values import accelerator_of

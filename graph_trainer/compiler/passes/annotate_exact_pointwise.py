@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import positions, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions

@@ -6,7 +6,6 @@ its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"induct
 "flex_attention_<phase>_<i>"}``, one region per call."""
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.node_meta import set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.ops import is_getitem

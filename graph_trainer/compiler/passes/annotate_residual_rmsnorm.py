@@ -6,7 +6,6 @@ such add reading a region node with the shape of one of the region's activation 
 numerics like the RMSNorm pass."""
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import shape_of
 from graph_trainer.compiler.node_meta import inductor_tag, set_pass_summary, tag_for_inductor

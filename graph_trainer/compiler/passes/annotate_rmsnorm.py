@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import logger
 from graph_trainer.compiler.matching import find_rmsnorm_instances

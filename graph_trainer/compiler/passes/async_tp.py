@@ -22,7 +22,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.fx
 
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.collectives import collective_kind, group_name_of, shard_chain, sole_wait

@@ -16,7 +16,6 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.collectives import collective_kind, strip_holds

@@ -8,7 +8,6 @@ boundary). Opt-in."""
 from collections import Counter
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.matching import find_rmsnorm_instances
 from graph_trainer.compiler.node_meta import set_pass_summary, tag_fusion_group

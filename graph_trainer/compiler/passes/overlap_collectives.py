@@ -11,7 +11,6 @@ end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compar
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
 from graph_trainer.compiler.graph_values import positions

@@ -14,7 +14,6 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import NUMERICS_KEY, logger
 from graph_trainer.numerics import output_key

@@ -12,7 +12,6 @@ from collections import Counter
 from typing import Any
 
 import torch
-import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from graph_trainer.compiler.collectives import is_collective

@@ -12,7 +12,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_wait, read_through, shard_chain

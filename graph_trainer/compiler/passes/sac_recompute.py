@@ -10,7 +10,6 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
