@@ -14,9 +14,7 @@ import torch
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.graph_values import shape_of, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, phase_of
-from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call
-
-aten = torch.ops.aten
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_call
 
 MM_OPS = frozenset({aten.mm.default})
 

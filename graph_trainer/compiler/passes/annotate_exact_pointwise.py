@@ -22,10 +22,8 @@ import torch
 from graph_trainer.compiler.graph_values import positions, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, packet_name
+from graph_trainer.compiler.ops import RESHAPE_OPS, aten, packet_name
 from graph_trainer.compiler.registry import GraphPass
-
-aten = torch.ops.aten
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
 EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",

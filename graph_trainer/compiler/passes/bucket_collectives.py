@@ -20,10 +20,9 @@ import torch
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
-from graph_trainer.compiler.ops import VIEW_OPS
+from graph_trainer.compiler.ops import VIEW_OPS, aten
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
-aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 

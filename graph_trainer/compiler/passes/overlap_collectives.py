@@ -15,10 +15,8 @@ import torch
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
-from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, only_user
+from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, aten, only_user
 from graph_trainer.compiler.registry import GraphPass
-
-aten = torch.ops.aten
 
 # The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
 _HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,
