@@ -41,14 +41,14 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
 
 def build_pipeline(
     compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
-    uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
+    tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
     """The passes ``compile_cfg`` runs, in the default order, with the arguments their declarations derive from
     it and the :class:`~.registry.PassContext` of the other arguments (``layout``: the model's ``BlockLayout``;
     ``levers``: the memory policy's choice, None: the leanest). ``ValueError`` as :func:`~.registry.resolve`, and
     for kept or bucketed blocks without ``layout``."""
     chosen, _ = configured_levers(compile_cfg, levers)
-    ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
+    ctx = PassContext(compile_cfg, layout, chosen, deterministic, tp_group_name=tp_group_name, device_type=device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
 
 
@@ -66,8 +66,7 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 def plan_pipeline(
     compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
-    deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
-    cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
+    deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
     left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
@@ -75,7 +74,7 @@ def plan_pipeline(
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
     ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
-    ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
+    ctx = PassContext(compile_cfg, layout, None, deterministic, device_type=device_type)
     names = resolve(ctx)
     trial = [n for n in names if registry()[n].in_memory_trial]
     # the trial passes before the first lever's pass do not depend on the candidate: run them once
@@ -108,7 +107,6 @@ def plan_pipeline(
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
                        "the step may run out of memory")
     steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
-                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name,
                            device_type=device_type)
     return steps, policy
 
