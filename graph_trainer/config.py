@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import sys
+import textwrap
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
@@ -402,8 +403,6 @@ def _type_name(hint) -> str:
 def help_text(merged_cls) -> str:
     """``--help``: every flag of the merged JobConfig by section, this project's first, each with its
     type or allowed values, default and description."""
-    import textwrap
-
     sections: dict[str, tuple[list[str], list[str]]] = {}  # section -> (own flags, torchtitan's)
 
     def walk(cls, prefix, own_cls):

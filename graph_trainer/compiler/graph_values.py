@@ -4,6 +4,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
@@ -115,8 +116,6 @@ def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torc
 
 def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):
     """The FakeTensorMode of the placeholders' ``meta["val"]``, else of ``example_inputs``, else None."""
-    from torch._guards import detect_fake_mode
-
     for vals in (placeholder_vals(gm), pytree.tree_leaves(example_inputs)):
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         mode = detect_fake_mode(tensors) if tensors else None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._logging._internal import trace_log
 
 from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait
@@ -225,8 +226,6 @@ def graph_diff(before: str, after: str, before_name: str = "before", after_name:
 
 def trace_enabled() -> bool:
     """Whether torch's structured trace has a handler (``TORCH_TRACE`` set when torch was imported)."""
-    from torch._logging._internal import trace_log
-
     return any(getattr(h, "root_dir", "") is not None for h in trace_log.handlers)
 
 

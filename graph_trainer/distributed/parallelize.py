@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import init_device_mesh
 
 from graph_trainer import logger
 from graph_trainer.distributed import fsdp
@@ -127,8 +129,6 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
     mesh = None
     if cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled:
         if parallel_dims.world_size == 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             if not dist.is_initialized():
                 _init_single_process_group(device)
             mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
@@ -191,8 +191,6 @@ def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
     """Sum-all-reduce gradients in place over ``group`` as one flat buffer (replicated DP)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -294,8 +292,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     out = TraceParallel()
     mesh = None
     if tp > 1 or shard > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         dims = {"dp_replicate": rep, "dp_shard": shard, "tp": tp} if rep > 1 else {"dp_shard": shard, "tp": tp}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     if tp > 1:

@@ -14,6 +14,12 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import create_op_support
+from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
 from graph_trainer import NUMERICS_KEY, logger
 from graph_trainer.numerics import output_key
@@ -40,9 +46,6 @@ def _region_id(node: torch.fx.Node) -> Any:
 
 def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.Node, None]]:
     """The partitions the tagged top-level nodes of ``gm`` will be cut into (module docstring); reads only."""
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-    from torch.fx.passes.operator_support import create_op_support
-
     regions: dict[Any, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if _needs_inductor_compile(node):
@@ -71,8 +74,6 @@ def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.No
 def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
     """Cut the tagged regions of ``gm`` (and of nested sub-graphs) into ``__marked_inductor_submod*``
     call_module nodes, without compiling them; returns ``(gm, number of top-level regions)``."""
-    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
-
     with torch.fx.traceback.preserve_node_meta(enable=False):
         seen: set[int] = set()
         for node in gm.graph.find_nodes(op="get_attr"):
@@ -235,8 +236,6 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 @contextlib.contextmanager
 def _static_shape_env(fake_mode):
     """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     if fake_mode.shape_env is not None:
         yield
         return
@@ -253,9 +252,6 @@ def regional_inductor_pass(
     """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
     calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`. Stats:
     ``regions``, ``tagged_nodes``, ``distinct_compiles``, ``selections``, ``compiles``, ``compile_s``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
-
     tagged = sum(1 for n in gm.graph.nodes if _needs_inductor_compile(n))
     if tagged == 0:
         set_pass_summary(gm, "no compile_with_inductor nodes: nothing compiled", regions=0, tagged_nodes=0)
