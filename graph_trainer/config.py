@@ -75,19 +75,9 @@ class CompileBase:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
 
 
-def _resolved(cls: type) -> type:
-    """``cls`` with its text annotations evaluated (torchtitan's merged copy, in another module, reads them)."""
-    cls.__annotations__ = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        f.type = cls.__annotations__[f.name]
-    return cls
-
-
 def _compile_cls() -> type:
     """:class:`CompileBase` plus one field per pass with options, named by its section."""
-    for cls in (SACOptions, FSDPOptions):
-        _resolved(cls)
-    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in registry.option_sections()]
+    fields = [(name, cls, field(default_factory=cls)) for name, cls in registry.option_sections()]
     return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
 
 
