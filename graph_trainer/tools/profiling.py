@@ -216,8 +216,3 @@ class StepProfiler:
             _write_picture(png, kernels, steps[-1], f"rank {self.rank}, step {prof.step_num} ({unit})")
         if self.rank == 0:
             logger.info(f"profile at step {prof.step_num} ({folder}):\n{md}")
-
-
-def maybe_start_profiler(cfg, dump_folder: str, rank: int, start_step: int = 0) -> StepProfiler | None:
-    """A started :class:`StepProfiler` when ``cfg.enable_profiling``, else None (ValueError: a bad schedule)."""
-    return StepProfiler(cfg, dump_folder, rank, start_step) if cfg.enable_profiling else None
