@@ -103,9 +103,7 @@ def reshard_after_forward_pass(
 
         for n in chain + [ag]:  # cast of the shard + the all-gather: issued early
             copy_node(n, issue_at)
-        needed = set()
-        for u in bwd_users:
-            needed.update(a for a in u.all_input_nodes if a in closure)
+        needed = {a for u in bwd_users for a in u.all_input_nodes if a in closure}
         # every closure node on a path from the all-gather to a needed one, in graph order
         keep = set()
         for n in sorted(needed, key=pos.__getitem__, reverse=True):
