@@ -5,7 +5,7 @@ from collections.abc import Callable, Container
 import torch
 
 from graph_trainer.compiler.graph_values import tensor_val
-from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, is_call, op_name, op_namespace
+from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
 
 #: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
 #: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
@@ -76,7 +76,7 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The views / casts / waits from a placeholder to ``all_gather``'s input, earliest first; None if none."""
     chain = []
     cur = all_gather.args[0] if all_gather.args else None
-    while is_call(cur, _CHAIN_OPS):
+    while isinstance(cur, torch.fx.Node) and cur.op == "call_function" and cur.target in _CHAIN_OPS:
         chain.append(cur)
         cur = cur.args[0] if cur.args else None
     return chain[::-1] if isinstance(cur, torch.fx.Node) and cur.op == "placeholder" else None

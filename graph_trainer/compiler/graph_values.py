@@ -1,5 +1,6 @@
 """The values of graph nodes (fake tensors, shapes, storages, bytes, device, fake mode) and graph structure helpers."""
 
+import contextlib
 from typing import Any
 
 import torch
@@ -92,10 +93,8 @@ def val_bytes(val: Any) -> int:
     """Bytes of a tensor (at most its storage's) or of a list / tuple of them; else 0."""
     if isinstance(val, torch.Tensor):
         n = val.numel() * val.element_size()
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
             n = min(n, val.untyped_storage().nbytes())
-        except (RuntimeError, NotImplementedError):
-            pass
         return n
     if isinstance(val, (list, tuple)):
         return sum(val_bytes(v) for v in val)

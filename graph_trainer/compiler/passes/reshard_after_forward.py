@@ -32,10 +32,8 @@ def _fresh_val(new: torch.fx.Node, val):
     if is_wait(new) and isinstance(args[0], torch.Tensor):
         return args[0]  # a wait returns its collective's buffer
     if new.target in _VIEW_OR_CAST:
-        try:  # views / casts of the copied parent, computed by the fake mode
+        with contextlib.suppress(Exception):  # views / casts of the copied parent, computed by the fake mode
             return new.target(*args, **kwargs)
-        except Exception:
-            pass
     with getattr(val, "fake_mode", None) or contextlib.nullcontext():
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
