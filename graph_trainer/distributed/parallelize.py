@@ -120,6 +120,7 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
 
     With bf16 parameters the baseline trains in bf16 in every layout: where torchtitan would leave
     it fp32 (no FSDP), FSDP2 over a 1-rank shard dimension casts (docs/design.md, "Mixed precision")."""
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
@@ -146,8 +147,6 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
                     "mixed precision")
     # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
     # factor is already 1 (forced to a plain SUM on gloo, which lacks PREMUL_SUM); DDP: a SUM hook
-    from torch.distributed.fsdp import FSDPModule
-
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
         if dist.get_backend() == "gloo":
@@ -253,14 +252,13 @@ class TraceParallel:
         "Eager == traced, bit for bit, with NCCL"); without it, or where a shard is not FSDP2's chunk,
         :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce).
         """
-        if not self.sharded:
-            from torchtitan.distributed.utils import clip_grad_norm_
+        from torch.distributed.tensor import DTensor
+        from torchtitan.distributed.utils import clip_grad_norm_
 
+        if not self.sharded:
             return clip_grad_norm_(self.params, max_norm, foreach=True)
         if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
-        from torch.distributed.tensor import DTensor
-
         pairs = [(p.grad, lay) for p, lay in zip(self.params, self.fsdp2_layouts) if p.grad is not None]
         grads = [g for g, _ in pairs]
         dgrads = [DTensor.from_local(g.view(lay.local_shape), self.fsdp2_mesh, lay.placements, run_check=False,
@@ -285,6 +283,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     ``mixed_precision_param`` before the all-gather, reduce-scatters in ``mixed_precision_reduce``.
     Under ``COMM_MODE=fake_collectives`` ``model`` is on meta and this rank's shards go on ``device``.
     """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
     pdtype = None if pdtype == torch.float32 else pdtype
@@ -295,8 +296,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         dims = {"dp_replicate": rep, "dp_shard": shard, "tp": tp} if rep > 1 else {"dp_shard": shard, "tp": tp}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     if tp > 1:
-        from torchtitan.models.llama3.infra.parallelize import apply_tp
-
         out.tp_mesh = mesh["tp"]
         out.loss_parallel = not cfg.parallelism.disable_loss_parallel
         apply_tp(model, out.tp_mesh, loss_parallel=out.loss_parallel, enable_float8_tensorwise_tp=False)
@@ -309,8 +308,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         out.params = [p for _, p in named]
         out.opt_module = model
         return out
-
-    from torch.distributed.tensor import DTensor, Replicate
 
     tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named] if tp > 1 else None
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]

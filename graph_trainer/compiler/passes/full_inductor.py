@@ -110,6 +110,8 @@ def full_inductor_pass(
     ``compile_s``, ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
+    from graph_trainer.compiler.pin_collectives import PinCollectivesPass
+
     strip_holds(gm)
     moved = move_cpu_scalars(gm, accelerator_of(gm, example_inputs))
     strip_recompute_tags(gm.graph)
@@ -124,8 +126,6 @@ def full_inductor_pass(
     patches = dict(inductor_configs or {})
     pin_collectives = pin_collectives and any(collective_kind(n) for n in gm.graph.nodes)
     if pin_collectives:
-        from graph_trainer.compiler.pin_collectives import PinCollectivesPass
-
         patches["post_grad_custom_post_pass"] = PinCollectivesPass()
         # for inference graphs (the traced step) reorder_for_locality moves each wait to its first user
         patches.setdefault("reorder_for_locality", False)

@@ -167,6 +167,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
     region, inputs, ops, seconds and cache outcome)."""
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
+    from torch._dynamo.testing import rand_strided
     from torch._dynamo.utils import counters
 
     orig = inductor.standalone_compile
@@ -199,8 +200,6 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
             gm_copy = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
             with inductor_config.patch(cand):
                 variants.append(timed(gm_copy, example_inputs, *args, **kwargs))
-        from torch._dynamo.testing import rand_strided
-
         inputs = [rand_strided(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
                   for v in example_inputs]
         ms = [timer(v, inputs) for v in variants]
