@@ -16,8 +16,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import init_device_mesh
 
 from graph_trainer import logger
-from graph_trainer.distributed import fsdp
+from graph_trainer.distributed import fake_pg, fsdp
 from graph_trainer.errors import UserError
+from graph_trainer.trace import trace_train_step
 
 #: ``--training.mixed_precision_*`` values -> dtypes.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -45,8 +46,6 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
         device = torch.device("cpu")
     _patch_torchtitan_device_type(device.type)
     if fake_world and not dist.is_initialized():
-        from graph_trainer.distributed import fake_pg
-
         fake_pg.init(fake_world)
     elif world_size > 1 and not dist.is_initialized():
         cuda = device.type == "cuda"
@@ -231,8 +230,6 @@ class TraceParallel:
         """:func:`graph_trainer.trace.trace_train_step` with these placeholders, under
         ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""
         from torch.distributed.tensor.parallel import loss_parallel
-
-        from graph_trainer.trace import trace_train_step
 
         kwargs = dict(params=self.params, param_names=self.names, materialize=self.materialize) if self.sharded else {}
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
