@@ -5,6 +5,7 @@
 folders are loaded, so an interrupted save never replaces the last good one.
 """
 
+import contextlib
 import json
 import os
 import pickle
@@ -137,11 +138,9 @@ def _full_steps(folder: str, below: int) -> list[int]:
 
     out = []
     for s in (s for s in range(below) if _complete(folder, s)):
-        try:
+        with contextlib.suppress(Exception):  # an unreadable one is no resume point
             if not is_model_only(FileSystemReader(os.path.join(folder, f"step-{s}")).read_metadata()):
                 out.append(s)
-        except Exception:  # an unreadable one is no resume point
-            pass
     return out
 
 

@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import sys
+import textwrap
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Literal, get_args
@@ -74,19 +75,9 @@ class CompileBase:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
 
 
-def _resolved(cls: type) -> type:
-    """``cls`` with its text annotations evaluated (torchtitan's merged copy, in another module, reads them)."""
-    cls.__annotations__ = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        f.type = cls.__annotations__[f.name]
-    return cls
-
-
 def _compile_cls() -> type:
     """:class:`CompileBase` plus one field per pass with options, named by its section."""
-    for cls in (SACOptions, FSDPOptions):
-        _resolved(cls)
-    fields = [(name, _resolved(cls), field(default_factory=cls)) for name, cls in registry.option_sections()]
+    fields = [(name, cls, field(default_factory=cls)) for name, cls in registry.option_sections()]
     return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
 
 
@@ -402,8 +393,6 @@ def _type_name(hint) -> str:
 def help_text(merged_cls) -> str:
     """``--help``: every flag of the merged JobConfig by section, this project's first, each with its
     type or allowed values, default and description."""
-    import textwrap
-
     sections: dict[str, tuple[list[str], list[str]]] = {}  # section -> (own flags, torchtitan's)
 
     def walk(cls, prefix, own_cls):

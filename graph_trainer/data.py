@@ -5,6 +5,7 @@ BPE tokenizer trained on it, built once under :func:`cache_dir`, and torchtitan 
 import ast
 import difflib
 import fcntl
+import functools
 import gzip
 import json
 import logging
@@ -320,14 +321,9 @@ def _has_data_files(p: Path) -> bool:
     return p.is_file() or (p.is_dir() and any(_builder_for(f) for f in p.iterdir()))
 
 
-def _local_or(hub_loader: Callable[[str], Any]) -> Callable[[str], Any]:
-    """Wrap a hub loader so that a local data file / folder is loaded locally."""
-
-    def loader(path: str):
-        return load_local_text(path) if _has_data_files(Path(path).expanduser()) else hub_loader(path)
-
-    loader._graph_trainer_local = True
-    return loader
+def _local_or_hub(hub_loader: Callable[[str], Any], path: str):
+    """A local data file / folder ``path`` loaded locally, else ``hub_loader(path)``."""
+    return load_local_text(path) if _has_data_files(Path(path).expanduser()) else hub_loader(path)
 
 
 def _text(sample: dict[str, Any]) -> str:  # a module function: dataloader workers pickle it
@@ -342,8 +338,8 @@ def register_datasets() -> None:
 
     for name in ("c4", "c4_validation"):
         cfg = DATASETS[name]
-        if not getattr(cfg.loader, "_graph_trainer_local", False):
-            DATASETS[name] = DatasetConfig(cfg.path, _local_or(cfg.loader), cfg.sample_processor)
+        if getattr(cfg.loader, "func", None) is not _local_or_hub:
+            DATASETS[name] = DatasetConfig(cfg.path, functools.partial(_local_or_hub, cfg.loader), cfg.sample_processor)
     DATASETS["c4_test"] = DatasetConfig(str(corpus_dir()), _load_embedded_or_local, _text)
     DATASETS["local"] = DatasetConfig(None, load_local_text, _text)
 

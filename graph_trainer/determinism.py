@@ -6,6 +6,7 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -19,12 +20,7 @@ def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = F
     """
     seed = 0 if seed is None else int(seed)
     random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover
-        pass
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
     os.environ["PYTHONHASHSEED"] = str(seed % 2**32)
     applied = {"seed": seed, "deterministic": bool(deterministic), "inductor_deterministic": None}

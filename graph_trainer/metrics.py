@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from graph_trainer import logger
+from graph_trainer.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -111,8 +112,6 @@ class MetricsLogger:
         self._reset_window()
 
     def _open(self) -> None:
-        from graph_trainer.errors import UserError
-
         self._opened = True
         for path in (self.jsonl_path, self.tb_path) if not self.resume_step else ():
             try:

@@ -109,12 +109,11 @@ class TracedTrainStep(_Step):
         t0 = time.perf_counter()
         if callable(self.pipeline):
             self.pipeline, policy = self.pipeline(traced.gm)
-            gib = 2**30
             self.stats.update(
-                memory_policy=policy.levers.flags(), memory_budget_gib=round(policy.budget_bytes / gib, 2),
-                predicted_peak_gib=round(policy.predicted_peak_bytes / gib, 2),
-                graph_estimate_gib=round(policy.graph_peak_bytes / gib, 2),
-                state_gib=round(policy.state_bytes / gib, 2))
+                memory_policy=policy.levers.flags(), memory_budget_gib=round(policy.budget_bytes / GiB, 2),
+                predicted_peak_gib=round(policy.predicted_peak_bytes / GiB, 2),
+                graph_estimate_gib=round(policy.graph_peak_bytes / GiB, 2),
+                state_gib=round(policy.state_bytes / GiB, 2))
         records: list[dict] = []  # one per pass (graph_trainer.compiler.report.pass_record)
         # lazy: a pass's recompile() only marks the code stale; it is generated once, at the first call
         gm = _LazyGraphModule.from_graphmodule(traced.gm)

@@ -26,7 +26,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.metrics import MetricsLogger
 from graph_trainer.model import build_model, build_model_args, build_tokenizer, flavors
 from graph_trainer.step import build_train_step
-from graph_trainer.tools.profiling import maybe_start_profiler
+from graph_trainer.tools.profiling import StepProfiler
 
 
 def setup_logging(rank: int = 0) -> None:
@@ -102,7 +102,8 @@ def train(cfg) -> dict:
                    **({"resumed_from_step": start_step} if start_step else {})}
 
     data_iter = iter(dataloader)
-    profiler = maybe_start_profiler(cfg.profiling, cfg.job.dump_folder, rank, start_step)
+    prof = cfg.profiling
+    profiler = StepProfiler(prof, cfg.job.dump_folder, rank, start_step) if prof.enable_profiling else None
     for step in range(start_step + 1, cfg.training.steps + 1):
         t_data = time.perf_counter()
         input_dict, labels = next(data_iter)

@@ -1,11 +1,8 @@
 """Collectives and their waits: which nodes communicate, their kind and group, the keep-alive :func:`hold`."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Container
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import tensor_val
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
@@ -17,6 +14,7 @@ COLLECTIVE_NAMESPACES = frozenset(
 )
 _FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
 _WAITS = (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)
+_CHAIN_OPS = VIEW_OPS | CAST_OPS | frozenset(_WAITS)  # of shard_chain
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -78,15 +76,10 @@ def shard_chain(all_gather: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The views / casts / waits from a placeholder to ``all_gather``'s input, earliest first; None if none."""
     chain = []
     cur = all_gather.args[0] if all_gather.args else None
-    while (
-        isinstance(cur, torch.fx.Node) and cur.op == "call_function"
-        and (cur.target in VIEW_OPS or cur.target in CAST_OPS or is_wait(cur))
-    ):
+    while isinstance(cur, torch.fx.Node) and cur.op == "call_function" and cur.target in _CHAIN_OPS:
         chain.append(cur)
         cur = cur.args[0] if cur.args else None
-    if not isinstance(cur, torch.fx.Node) or cur.op != "placeholder":
-        return None
-    return chain[::-1]
+    return chain[::-1] if isinstance(cur, torch.fx.Node) and cur.op == "placeholder" else None
 
 
 def read_through(node: torch.fx.Node, views: Container,

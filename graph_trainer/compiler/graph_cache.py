@@ -6,14 +6,11 @@ the graph (:func:`cache_key`); a later run with the same key loads it and runs o
 ``full_inductor`` alone, the entry holds Inductor's compiled step instead of the graph (``<key>.inductor`` beside it),
 called directly; one that does not load makes the next run a cold one."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import hashlib
 import importlib
 import json
-import logging
 import operator
 import os
 import pickle
@@ -24,10 +21,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from graph_trainer import logger
 from graph_trainer.compiler.node_meta import process_setup
 from graph_trainer.compiler.registry import registry
-
-logger = logging.getLogger("graph_trainer")
 
 FORMAT = 1
 #: ``[section]`` or ``(section, field)`` of the config that do not change the graph.

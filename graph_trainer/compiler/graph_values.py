@@ -1,12 +1,11 @@
 """The values of graph nodes (fake tensors, shapes, storages, bytes, device, fake mode) and graph structure helpers."""
 
-from __future__ import annotations
-
+import contextlib
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 
@@ -94,10 +93,8 @@ def val_bytes(val: Any) -> int:
     """Bytes of a tensor (at most its storage's) or of a list / tuple of them; else 0."""
     if isinstance(val, torch.Tensor):
         n = val.numel() * val.element_size()
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
             n = min(n, val.untyped_storage().nbytes())
-        except (RuntimeError, NotImplementedError):
-            pass
         return n
     if isinstance(val, (list, tuple)):
         return sum(val_bytes(v) for v in val)
@@ -118,8 +115,6 @@ def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torc
 
 def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):
     """The FakeTensorMode of the placeholders' ``meta["val"]``, else of ``example_inputs``, else None."""
-    from torch._guards import detect_fake_mode
-
     for vals in (placeholder_vals(gm), pytree.tree_leaves(example_inputs)):
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         mode = detect_fake_mode(tensors) if tensors else None

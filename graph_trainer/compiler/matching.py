@@ -1,20 +1,15 @@
 """Pattern matching over the traced graph: chains of pointwise ops and RMSNorm instances (plus :func:`tag_regions`)."""
 
-from __future__ import annotations
-
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import is_collective
 from graph_trainer.compiler.graph_values import DisjointSet, positions, split_acyclic
 from graph_trainer.compiler.node_meta import is_tagged_for_inductor, module_fqn_of, phase_of, tag_for_inductor
-from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, is_getitem, packet_name, packet_names
-
-aten = torch.ops.aten
+from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, aten, is_getitem, packet_name, packet_names
 
 
 _POINTWISE_EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"}

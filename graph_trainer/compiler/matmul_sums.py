@@ -5,21 +5,16 @@ dtype (the backward's input gradients of the q/k/v and w1/w3 projections) become
 ``post(mm(pre(cat([A_1, .., A_n], -1)), cat([B_1, .., B_n], 0)))``, so that TP's reduce-scatter of it pairs with one
 matmul: the same products, summed inside one matmul's reduction (not bitwise equal to the adds)."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.graph_values import shape_of, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, phase_of
-from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call
-
-aten = torch.ops.aten
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_call
 
 MM_OPS = frozenset({aten.mm.default})
 

@@ -5,10 +5,7 @@ it and freed after the last node using it, as the FX-generated code does. Graph 
 values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
 buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
 
-from __future__ import annotations
-
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import hold, is_wait
 from graph_trainer.compiler.graph_values import DisjointSet, storages

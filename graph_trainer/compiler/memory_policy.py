@@ -8,8 +8,6 @@ full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. Th
 (:func:`predict_peak`) fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs come first and
 go only when even the leanest rung would not fit with them."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal

@@ -1,14 +1,12 @@
 """Node and graph metadata the passes read and write: pass summaries, per-process setup, phase, module FQN,
 Inductor region tags, fusion groups and selective AC's recompute tags."""
 
-from __future__ import annotations
-
 import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY, MODULE_FQN_KEY, PHASE_KEY
 
@@ -108,8 +106,6 @@ def untag_for_inductor(node: torch.fx.Node) -> None:
 
 def is_tagged_recompute(node: torch.fx.Node) -> bool:
     """Whether ``node`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (``meta["recompute"]``)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return node.meta.get("recompute") in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 

@@ -1,14 +1,11 @@
 """Op names, op sets and op counts of FX graphs, and small accessors of a node's arguments and users."""
 
-from __future__ import annotations
-
 import operator
 from collections import Counter
 from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
-import torch.fx
 
 aten = torch.ops.aten
 

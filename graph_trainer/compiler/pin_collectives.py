@@ -5,20 +5,15 @@ True)``; without it Inductor's ``reorder_for_peak_memory`` issues each collectiv
 collective ``C`` whose ``wait_tensor`` ``W`` follows the anchors ``A1 .. Ak`` (matmuls: extern kernels Inductor
 never fuses), Inductor's ``control_deps`` put ``A1`` after ``C`` and ``W`` after ``Ak``."""
 
-from __future__ import annotations
-
 import bisect
 import hashlib
-import logging
 
 import torch
-import torch.fx
 
+from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.ops import packet_name
-
-logger = logging.getLogger("graph_trainer")
 
 _ANCHORS = ("mm", "addmm", "bmm", "_scaled_mm")
 

@@ -1,12 +1,9 @@
 """The pipeline: build it from the config and the registry (:func:`build_pipeline`), let the memory policy pick
 the levers left on ``auto`` (:func:`plan_pipeline`), run it and record what each pass did (:func:`run_pipeline`)."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -16,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer import logger
 from graph_trainer.compiler import report
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
@@ -23,8 +21,6 @@ from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPol
 from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
 from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
-
-logger = logging.getLogger("graph_trainer")
 
 
 def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[Levers, set[str]]:
@@ -45,14 +41,14 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
 
 def build_pipeline(
     compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
-    uses_flex_attention: bool = False, tp_group_name: str | None = None, device_type: str | None = None,
+    tp_group_name: str | None = None, device_type: str | None = None,
 ) -> list[PipelineStep]:
     """The passes ``compile_cfg`` runs, in the default order, with the arguments their declarations derive from
     it and the :class:`~.registry.PassContext` of the other arguments (``layout``: the model's ``BlockLayout``;
     ``levers``: the memory policy's choice, None: the leanest). ``ValueError`` as :func:`~.registry.resolve`, and
     for kept or bucketed blocks without ``layout``."""
     chosen, _ = configured_levers(compile_cfg, levers)
-    ctx = PassContext(compile_cfg, layout, chosen, deterministic, uses_flex_attention, tp_group_name, device_type)
+    ctx = PassContext(compile_cfg, layout, chosen, deterministic, tp_group_name=tp_group_name, device_type=device_type)
     return [pass_step(name, ctx) for name in resolve(ctx)]
 
 
@@ -70,8 +66,7 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 def plan_pipeline(
     compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
-    deterministic: bool = False, uses_flex_attention: bool = False, tp_group_name: str | None = None,
-    cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
+    deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
 ) -> tuple[list[PipelineStep], MemoryPolicy]:
     """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
     left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
@@ -79,7 +74,7 @@ def plan_pipeline(
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
     ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
-    ctx = PassContext(compile_cfg, layout, None, deterministic, uses_flex_attention, tp_group_name, device_type)
+    ctx = PassContext(compile_cfg, layout, None, deterministic, device_type=device_type)
     names = resolve(ctx)
     trial = [n for n in names if registry()[n].in_memory_trial]
     # the trial passes before the first lever's pass do not depend on the candidate: run them once
@@ -112,7 +107,6 @@ def plan_pipeline(
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
                        "the step may run out of memory")
     steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
-                           uses_flex_attention=uses_flex_attention, tp_group_name=tp_group_name,
                            device_type=device_type)
     return steps, policy
 

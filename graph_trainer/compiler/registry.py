@@ -1,8 +1,6 @@
 """The pass registry: what every graph pass declares (a module of :mod:`graph_trainer.compiler.passes` with its
 function ``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS``), and the one place that reads it."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import importlib

@@ -1,11 +1,8 @@
 """What each pass of the pipeline did, in numbers (:func:`pass_record` from the :class:`GraphSnapshot` s before and
 after it; :func:`format_pass_table`) and text (readable dumps, structured-trace artifacts)."""
 
-from __future__ import annotations
-
 import difflib
 import json
-import logging
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -13,14 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx
+from torch._logging._internal import trace_log
 
+from graph_trainer import logger
 from graph_trainer.compiler.collectives import collective_kind, is_wait
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor
 from graph_trainer.compiler.ops import fx_graph, op_namespace, packet_name, target_name
-
-logger = logging.getLogger("graph_trainer")
 
 NODE_KINDS: tuple[str, ...] = ("compute", "collective", "wait", "view", "getitem", "region", "other")
 
@@ -230,8 +226,6 @@ def graph_diff(before: str, after: str, before_name: str = "before", after_name:
 
 def trace_enabled() -> bool:
     """Whether torch's structured trace has a handler (``TORCH_TRACE`` set when torch was imported)."""
-    from torch._logging._internal import trace_log
-
     return any(getattr(h, "root_dir", "") is not None for h in trace_log.handlers)
 
 

@@ -96,10 +96,6 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
     def group_name(self) -> str:
         return dist.distributed_c10d._world.pg_names[self]
 
-    @property
-    def pg_name(self) -> str:
-        return self.group_name
-
     def getBackendName(self) -> str:
         return BACKEND
 

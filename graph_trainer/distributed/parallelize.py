@@ -12,10 +12,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import init_device_mesh
 
 from graph_trainer import logger
-from graph_trainer.distributed import fsdp
+from graph_trainer.distributed import fake_pg, fsdp
 from graph_trainer.errors import UserError
+from graph_trainer.trace import trace_train_step
 
 #: ``--training.mixed_precision_*`` values -> dtypes.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -43,8 +46,6 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
         device = torch.device("cpu")
     _patch_torchtitan_device_type(device.type)
     if fake_world and not dist.is_initialized():
-        from graph_trainer.distributed import fake_pg
-
         fake_pg.init(fake_world)
     elif world_size > 1 and not dist.is_initialized():
         cuda = device.type == "cuda"
@@ -118,6 +119,7 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
 
     With bf16 parameters the baseline trains in bf16 in every layout: where torchtitan would leave
     it fp32 (no FSDP), FSDP2 over a 1-rank shard dimension casts (docs/design.md, "Mixed precision")."""
+    from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import ParallelDims
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp, parallelize_llama
 
@@ -127,8 +129,6 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
     mesh = None
     if cfg.training.mixed_precision_param == "bfloat16" and not parallel_dims.fsdp_enabled:
         if parallel_dims.world_size == 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             if not dist.is_initialized():
                 _init_single_process_group(device)
             mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
@@ -146,8 +146,6 @@ def parallelize_eager(model, parallel_dims, cfg, device: torch.device):
                     "mixed precision")
     # sum the gradients over the DP ranks, as the loss and the traced step expect: FSDP2's divide
     # factor is already 1 (forced to a plain SUM on gloo, which lacks PREMUL_SUM); DDP: a SUM hook
-    from torch.distributed.fsdp import FSDPModule
-
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
         if dist.get_backend() == "gloo":
@@ -191,8 +189,6 @@ def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
     """Sum-all-reduce gradients in place over ``group`` as one flat buffer (replicated DP)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -235,8 +231,6 @@ class TraceParallel:
         ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from graph_trainer.trace import trace_train_step
-
         kwargs = dict(params=self.params, param_names=self.names, materialize=self.materialize) if self.sharded else {}
         with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
             return trace_train_step(model, loss_fn, tokens, labels, param_dtype=param_dtype, **kwargs)
@@ -255,14 +249,13 @@ class TraceParallel:
         "Eager == traced, bit for bit, with NCCL"); without it, or where a shard is not FSDP2's chunk,
         :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce).
         """
-        if not self.sharded:
-            from torchtitan.distributed.utils import clip_grad_norm_
+        from torch.distributed.tensor import DTensor
+        from torchtitan.distributed.utils import clip_grad_norm_
 
+        if not self.sharded:
             return clip_grad_norm_(self.params, max_norm, foreach=True)
         if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
-        from torch.distributed.tensor import DTensor
-
         pairs = [(p.grad, lay) for p, lay in zip(self.params, self.fsdp2_layouts) if p.grad is not None]
         grads = [g for g, _ in pairs]
         dgrads = [DTensor.from_local(g.view(lay.local_shape), self.fsdp2_mesh, lay.placements, run_check=False,
@@ -287,6 +280,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     ``mixed_precision_param`` before the all-gather, reduce-scatters in ``mixed_precision_reduce``.
     Under ``COMM_MODE=fake_collectives`` ``model`` is on meta and this rank's shards go on ``device``.
     """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torchtitan.models.llama3.infra.parallelize import apply_tp
+
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
     pdtype = DTYPES[cfg.training.mixed_precision_param]
     pdtype = None if pdtype == torch.float32 else pdtype
@@ -294,13 +290,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     out = TraceParallel()
     mesh = None
     if tp > 1 or shard > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
         dims = {"dp_replicate": rep, "dp_shard": shard, "tp": tp} if rep > 1 else {"dp_shard": shard, "tp": tp}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     if tp > 1:
-        from torchtitan.models.llama3.infra.parallelize import apply_tp
-
         out.tp_mesh = mesh["tp"]
         out.loss_parallel = not cfg.parallelism.disable_loss_parallel
         apply_tp(model, out.tp_mesh, loss_parallel=out.loss_parallel, enable_float8_tensorwise_tp=False)
@@ -313,8 +305,6 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
         out.params = [p for _, p in named]
         out.opt_module = model
         return out
-
-    from torch.distributed.tensor import DTensor, Replicate
 
     tp_specs = [(p.placements, p.shape, p.stride()) for _, p in named] if tp > 1 else None
     local = [p.to_local().detach() if tp > 1 else p.detach() for _, p in named]

@@ -21,12 +21,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.compiler.collectives import collective_kind, is_collective
 from graph_trainer.compiler.graph_values import val_bytes
-from graph_trainer.compiler.ops import VIEW_OPS, returns_view
+from graph_trainer.compiler.ops import VIEW_OPS, aten, returns_view
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -47,7 +46,6 @@ _RING_FACTOR = {
     "broadcast": lambda n: 1.0,
 }
 
-aten = torch.ops.aten
 #: The dry run's CPU flash op (:func:`graph_trainer.projection.dry_run.fused_attention_on_meta`) has
 #: no formula in torch's registry: counted by the GPU flash op's.
 _FLOP_ALIASES = {

@@ -217,16 +217,15 @@ def dry_run(cfg) -> dict:
         "graph_passes": names, "peak_graph_bytes_traced": peak_before, "peak_graph_bytes": peak_after,
         "memory_policies": policies, "projection": {**proj.to_dict(), "memory_policy": policies[chosen]},
     }
-    gib = 2**30
     lines = [
         f"dry run: llama3 {cfg.model.flavor}, {summary['layout']} on {world} fake ranks, "
         f"seq {s} x batch {b}; traced in {traced.trace_time_s:.1f}s",
         f"  graph: {summary['nodes']} nodes ({', '.join(f'{k} {v}' for k, v in phases.items())})",
-        *(f"  {k}: {v['count']} ops, {v['bytes'] / gib:.3f} GiB per rank per step" for k, v in sorted(colls.items())),
-        f"  per rank: params {shard_bytes / gib:.2f} GiB, grads {shard_bytes / gib:.2f} GiB, "
-        f"AdamW state {2 * shard_bytes / gib:.2f} GiB (fp32)",
+        *(f"  {k}: {v['count']} ops, {v['bytes'] / GiB:.3f} GiB per rank per step" for k, v in sorted(colls.items())),
+        f"  per rank: params {shard_bytes / GiB:.2f} GiB, grads {shard_bytes / GiB:.2f} GiB, "
+        f"AdamW state {2 * shard_bytes / GiB:.2f} GiB (fp32)",
         f"  graph estimate (live intermediates in graph order, exact sizes; the prediction's input, not a "
-        f"peak): {peak_before / gib:.2f} GiB as traced, {peak_after / gib:.2f} GiB after [{', '.join(names)}] "
+        f"peak): {peak_before / GiB:.2f} GiB as traced, {peak_after / GiB:.2f} GiB after [{', '.join(names)}] "
         f"(peak at {peak_node})",
         *(f"  predicted peak per rank ({cfg.compile.inductor_compilation} Inductor): {p['predicted_peak_gib']:.1f} GiB "
           f"of a {p['budget_gib']:.1f} GiB budget with {p['levers']}" for p in policies),

@@ -117,11 +117,8 @@ def _counted(evt, name: str, on_device: bool) -> bool:
 def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
     """``(name, self_time_us, calls)`` rows for :func:`summarize_events`, and the unit."""
     on_device = torch.cuda.is_available()
-    out = []
-    for evt in prof.key_averages():
-        if _counted(evt, evt.key, on_device):
-            us = evt.self_device_time_total if on_device else evt.self_cpu_time_total
-            out.append((evt.key, float(us), int(evt.count)))
+    out = [(evt.key, float(evt.self_device_time_total if on_device else evt.self_cpu_time_total), int(evt.count))
+           for evt in prof.key_averages() if _counted(evt, evt.key, on_device)]
     return out, ("device" if on_device else "CPU")
 
 
@@ -216,8 +213,3 @@ class StepProfiler:
             _write_picture(png, kernels, steps[-1], f"rank {self.rank}, step {prof.step_num} ({unit})")
         if self.rank == 0:
             logger.info(f"profile at step {prof.step_num} ({folder}):\n{md}")
-
-
-def maybe_start_profiler(cfg, dump_folder: str, rank: int, start_step: int = 0) -> StepProfiler | None:
-    """A started :class:`StepProfiler` when ``cfg.enable_profiling``, else None (ValueError: a bad schedule)."""
-    return StepProfiler(cfg, dump_folder, rank, start_step) if cfg.enable_profiling else None

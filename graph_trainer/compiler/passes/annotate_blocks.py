@@ -6,13 +6,10 @@ FQN joins the run before it. Changes: ``compile_with_inductor = {"inductor_confi
 "block_<block>_<phase>_<run>"}``, replacing the tags (and eager-rounding marks) of the annotation passes before it.
 Changes numerics as the whole-graph compile does."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import hold, is_collective, is_wait, sole_wait, strip_holds
 from graph_trainer.compiler.graph_values import accelerator_of

@@ -13,22 +13,17 @@ Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inducto
 op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes the ops of eager's formula. On by
 default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``."""
 
-from __future__ import annotations
-
 import copy
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import positions, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, packet_name
+from graph_trainer.compiler.ops import RESHAPE_OPS, aten, packet_name
 from graph_trainer.compiler.registry import GraphPass
-
-aten = torch.ops.aten
 
 #: aten op packets computed as one correctly rounded operation per element (or exactly).
 EXACT_OPS = frozenset({"add", "sub", "mul", "neg", "abs", "_to_copy", "clone", "copy", "where",

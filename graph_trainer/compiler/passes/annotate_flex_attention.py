@@ -5,10 +5,7 @@ Tags each ``flex_attention`` / ``flex_attention_backward`` call, its ``getitem``
 its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"inductor_configs": {}, "inductor_region":
 "flex_attention_<phase>_<i>"}``, one region per call."""
 
-from __future__ import annotations
-
 import torch
-import torch.fx
 
 from graph_trainer.compiler.node_meta import set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.ops import is_getitem

@@ -4,8 +4,6 @@ Matches the regions of :func:`graph_trainer.compiler.matching.find_pointwise_reg
 ``compile_with_inductor = {"inductor_configs": {}, "inductor_region": "pointwise_<phase>_<i>"}``. Changes numerics
 (fused bf16 chains in fp32): opt-in."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch.fx

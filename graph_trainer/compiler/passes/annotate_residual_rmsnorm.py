@@ -5,10 +5,7 @@ exactly one input is an untagged ``aten.add.Tensor`` of two tensors, and into a 
 such add reading a region node with the shape of one of the region's activation inputs (2-D or more). Changes
 numerics like the RMSNorm pass."""
 
-from __future__ import annotations
-
 import torch
-import torch.fx
 
 from graph_trainer.compiler.graph_values import shape_of
 from graph_trainer.compiler.node_meta import inductor_tag, set_pass_summary, tag_for_inductor

@@ -5,23 +5,18 @@ two fused kernels, with slightly different numerics (reduction order). Changes: 
 {"inductor_configs": {...}, "inductor_region": "rmsnorm_<kind>_<i>"}`` (plus ``"candidate_inductor_configs"`` when
 tuning) on every node of a norm."""
 
-from __future__ import annotations
-
 import difflib
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 
+from graph_trainer import logger
 from graph_trainer.compiler.matching import find_rmsnorm_instances
 from graph_trainer.compiler.node_meta import json_object, set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.ops import is_getitem
 from graph_trainer.compiler.registry import GraphPass, PassContext
-
-logger = logging.getLogger("graph_trainer")
 
 #: Inductor configs of every RMSNorm region: Inductor's defaults (the baseline of the timed selection).
 DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}

@@ -12,8 +12,6 @@ Everything else stays, with the reason in the summary. Not Inductor's ``micro_pi
 group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
 Numerics: not guaranteed bitwise."""
 
-from __future__ import annotations
-
 import functools
 import math
 import operator
@@ -24,7 +22,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.fx
 
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.collectives import collective_kind, group_name_of, shard_chain, sole_wait
@@ -32,11 +29,9 @@ from graph_trainer.compiler.graph_values import detect_graph_fake_mode, position
 from graph_trainer.compiler.matmul_sums import (MM_OPS, Matmul, MatmulSum, call_like, fake_call, matmul_of,
                                                 matmul_sum_of, merge_matmul_sum)
 from graph_trainer.compiler.node_meta import add_process_setup, phase_of, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_call, is_getitem, only_user
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
 from graph_trainer.distributed.fake_pg import BACKEND as FAKE_COLLECTIVES
-
-aten = torch.ops.aten
 
 #: Values of ``--compile.async_tp.fuse``: both kinds of pair, or one.
 FUSE_CHOICES = ("all", "all_gather_matmul", "matmul_reduce_scatter")

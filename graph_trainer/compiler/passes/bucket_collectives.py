@@ -11,22 +11,18 @@ member's issue, waited at the last member wait. The same bits, except NCCL's sum
 graph; ``OverlapPreservingBucketer`` merges almost nothing with our prefetch windows
 (tests/passes/test_bucket_collectives.py)."""
 
-from __future__ import annotations
-
 import contextlib
 import operator
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, sole_wait
 from graph_trainer.compiler.graph_values import positions, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
-from graph_trainer.compiler.ops import VIEW_OPS
+from graph_trainer.compiler.ops import VIEW_OPS, aten
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
-aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 

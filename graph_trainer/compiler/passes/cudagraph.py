@@ -6,9 +6,6 @@ process on a CUDA device, no whole-graph Inductor) unless a flag names it. Numer
 place; other tensor inputs are copied into static buffers on each call. The outputs are static tensors overwritten
 by the next call; the input structure must not change."""
 
-from __future__ import annotations
-
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +13,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
+from graph_trainer import logger
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
-
-logger = logging.getLogger("graph_trainer")
 
 
 class CUDAGraphWrapper:

@@ -5,8 +5,6 @@ Removes the ``hold`` nodes and selective AC's recompute tags, moves one-element 
 group fused only within itself (:func:`fusion_group_guard`). The result is called like the input; the compiled
 callable is ``gm.compiled_fn``, the tensors it holds as graph constants ``gm.compiled_constants``."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import operator
@@ -15,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer.compiler.collectives import collective_kind, strip_holds
@@ -137,6 +134,8 @@ def full_inductor_pass(
     ``compile_s``, ``inductor_phases_s`` (:func:`inductor_phases`), ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
+    from graph_trainer.compiler.pin_collectives import PinCollectivesPass
+
     strip_holds(gm)
     moved = move_cpu_scalars(gm, accelerator_of(gm, example_inputs))
     strip_recompute_tags(gm.graph)
@@ -151,8 +150,6 @@ def full_inductor_pass(
     patches = dict(inductor_configs or {})
     pin_collectives = pin_collectives and any(collective_kind(n) for n in gm.graph.nodes)
     if pin_collectives:
-        from graph_trainer.compiler.pin_collectives import PinCollectivesPass
-
         patches["post_grad_custom_post_pass"] = PinCollectivesPass()
         # for inference graphs (the traced step) reorder_for_locality moves each wait to its first user
         patches.setdefault("reorder_for_locality", False)

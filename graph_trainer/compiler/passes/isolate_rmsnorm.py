@@ -5,12 +5,9 @@ The ``full_inductor`` counterpart of ``annotate_rmsnorm``: the nodes of every
 which ``full_inductor`` fuses only among itself. Changes numerics (the norm's output is rounded at the kernel
 boundary). Opt-in."""
 
-from __future__ import annotations
-
 from collections import Counter
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.matching import find_rmsnorm_instances
 from graph_trainer.compiler.node_meta import set_pass_summary, tag_fusion_group

@@ -10,18 +10,13 @@ CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
 end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
-from __future__ import annotations
-
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
-from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, only_user
+from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, aten, only_user
 from graph_trainer.compiler.registry import GraphPass
-
-aten = torch.ops.aten
 
 # The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
 _HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,

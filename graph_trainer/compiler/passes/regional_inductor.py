@@ -6,28 +6,28 @@ split only to avoid a dependency cycle, never merged across ids (torch's scooper
 ``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
 (:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
-from __future__ import annotations
-
 import contextlib
 import copy
-import logging
 import time
 import timeit
 from collections import Counter
 from typing import Any
 
 import torch
-import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import create_op_support
+from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from graph_trainer import NUMERICS_KEY
+from graph_trainer import NUMERICS_KEY, logger
 from graph_trainer.numerics import output_key
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, split_acyclic
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import is_getitem, packet_name
 from graph_trainer.compiler.registry import GraphPass
 from graph_trainer.compiler.report import REGION_SUBMOD_PREFIX
-
-logger = logging.getLogger("graph_trainer")
 
 _DEFAULT_REGION = object()
 
@@ -46,9 +46,6 @@ def _region_id(node: torch.fx.Node) -> Any:
 
 def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.Node, None]]:
     """The partitions the tagged top-level nodes of ``gm`` will be cut into (module docstring); reads only."""
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-    from torch.fx.passes.operator_support import create_op_support
-
     regions: dict[Any, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if _needs_inductor_compile(node):
@@ -77,8 +74,6 @@ def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.No
 def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
     """Cut the tagged regions of ``gm`` (and of nested sub-graphs) into ``__marked_inductor_submod*``
     call_module nodes, without compiling them; returns ``(gm, number of top-level regions)``."""
-    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
-
     with torch.fx.traceback.preserve_node_meta(enable=False):
         seen: set[int] = set()
         for node in gm.graph.find_nodes(op="get_attr"):
@@ -172,6 +167,7 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
     region, inputs, ops, seconds and cache outcome)."""
     import torch._inductor as inductor
     import torch._inductor.config as inductor_config
+    from torch._dynamo.testing import rand_strided
     from torch._dynamo.utils import counters
 
     orig = inductor.standalone_compile
@@ -204,8 +200,6 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
             gm_copy = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
             with inductor_config.patch(cand):
                 variants.append(timed(gm_copy, example_inputs, *args, **kwargs))
-        from torch._dynamo.testing import rand_strided
-
         inputs = [rand_strided(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
                   for v in example_inputs]
         ms = [timer(v, inputs) for v in variants]
@@ -241,8 +235,6 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 @contextlib.contextmanager
 def _static_shape_env(fake_mode):
     """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     if fake_mode.shape_env is not None:
         yield
         return
@@ -259,9 +251,6 @@ def regional_inductor_pass(
     """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
     calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`. Stats:
     ``regions``, ``tagged_nodes``, ``distinct_compiles``, ``selections``, ``compiles``, ``compile_s``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.regional_inductor import _compile_inductor_marked_regions
-
     tagged = sum(1 for n in gm.graph.nodes if _needs_inductor_compile(n))
     if tagged == 0:
         set_pass_summary(gm, "no compile_with_inductor nodes: nothing compiled", regions=0, tagged_nodes=0)

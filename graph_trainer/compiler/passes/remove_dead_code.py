@@ -3,10 +3,7 @@ impure nodes (mutating, random, effectful ops), with every collective kept too s
 
 An unused in-place op on fresh temporaries nothing else reads (:func:`mutates_only_dead_temporaries`) goes too."""
 
-from __future__ import annotations
-
 import torch
-import torch.fx
 
 from graph_trainer.compiler.collectives import is_collective
 from graph_trainer.compiler.node_meta import set_pass_summary

@@ -7,23 +7,18 @@ replaced by its input. A ``cat`` that rewrites a contiguous tensor's bytes in th
 (:func:`identity_cat_source`) becomes ``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional
 graph."""
 
-from __future__ import annotations
-
 import operator
 from collections import Counter
 from typing import Any
 
 import torch
-import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from graph_trainer.compiler.collectives import is_collective
 from graph_trainer.compiler.graph_values import DisjointSet, tensor_val
 from graph_trainer.compiler.node_meta import custom_meta, set_pass_summary
-from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, is_getitem, op_name
+from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_getitem, op_name
 from graph_trainer.compiler.registry import GraphPass
-
-aten = torch.ops.aten
 
 _KINDS = {op: op_name(op) for op in RESHAPE_OPS | {aten.alias.default, aten.clone.default, aten.detach.default}}
 

@@ -8,13 +8,10 @@ Changes: backward-phase uses of the closure are rewired to a copy of it (the sha
 wait and the views they need), placed before the first backward use, the all-gather ``prefetch`` re-gathers earlier
 in backward order. Same bits, one more all-gather per parameter and step."""
 
-from __future__ import annotations
-
 import contextlib
 from typing import Any
 
 import torch
-import torch.fx
 
 from graph_trainer import PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_wait, read_through, shard_chain
@@ -35,10 +32,8 @@ def _fresh_val(new: torch.fx.Node, val):
     if is_wait(new) and isinstance(args[0], torch.Tensor):
         return args[0]  # a wait returns its collective's buffer
     if new.target in _VIEW_OR_CAST:
-        try:  # views / casts of the copied parent, computed by the fake mode
+        with contextlib.suppress(Exception):  # views / casts of the copied parent, computed by the fake mode
             return new.target(*args, **kwargs)
-        except Exception:
-            pass
     with getattr(val, "fake_mode", None) or contextlib.nullcontext():
         return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
@@ -106,9 +101,7 @@ def reshard_after_forward_pass(
 
         for n in chain + [ag]:  # cast of the shard + the all-gather: issued early
             copy_node(n, issue_at)
-        needed = set()
-        for u in bwd_users:
-            needed.update(a for a in u.all_input_nodes if a in closure)
+        needed = {a for u in bwd_users for a in u.all_input_nodes if a in closure}
         # every closure node on a path from the all-gather to a needed one, in graph order
         keep = set()
         for n in sorted(needed, key=pos.__getitem__, reverse=True):

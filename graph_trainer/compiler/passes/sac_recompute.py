@@ -5,14 +5,11 @@ Under make_fx SAC only tags the nodes (``meta["recompute"]``). Each backward use
 or a collective) is rewired to a copy placed before the first backward node that needs it, with the copy's tagged
 inputs of the same block copied the same way; then the tags are removed. The same bits as eager SAC."""
 
-from __future__ import annotations
-
 import contextlib
 import operator
 from typing import Any
 
 import torch
-import torch.fx
 import torch.utils._pytree as pytree
 
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
@@ -164,10 +161,9 @@ def sac_recompute_pass(
         gm.recompile()
     saved_after = _saved_bytes(graph)
     n_mm = sum(n.target is torch.ops.aten.mm.default for n in copies)
-    gib = 2**30
     set_pass_summary(
         gm, f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
-        f"forward values kept for the backward {saved_before / gib:.2f} -> {saved_after / gib:.2f} GiB"
+        f"forward values kept for the backward {saved_before / 2**30:.2f} -> {saved_after / 2**30:.2f} GiB"
         if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
                         "nothing tagged for recompute (no op-level selective AC)"),
         recomputed=len(copies), tags_removed=n_tags, recomputed_mm=n_mm,
@@ -179,11 +175,8 @@ def sac_recompute_pass(
 def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     """``[compile.sac] save`` as the memory policy resolved it (``ctx.levers.save``)."""
     save = ctx.levers.save if ctx.levers is not None else "recompute"
-    if save == "matmuls":
-        return {"save_ops": [torch.ops.aten.mm.default]}
-    if save == "all_but_cheap":
-        return {"cheap_only": True}
-    return {"save_all": True} if save == "all" else {}
+    return {"matmuls": {"save_ops": [torch.ops.aten.mm.default]}, "all_but_cheap": {"cheap_only": True},
+            "all": {"save_all": True}}.get(save, {})
 
 
 PASS = GraphPass(
