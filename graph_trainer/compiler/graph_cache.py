@@ -221,8 +221,9 @@ def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
 
 def load(path: Path) -> dict[str, Any] | None:
     """The entry at ``path``, or None (no file, or a warning: unreadable, its process setup raised, or it holds only a
-    compiled step that does not load). The setup is called first. With a compiled step stored ``entry["compiled"]`` is that :class:`CompiledStep` and ``gm`` None;
-    otherwise ``gm`` is unpickled into a new fake mode with a shape env (else Inductor bypasses its cache)."""
+    compiled step that does not load). The setup is called first. With a compiled step stored ``entry["compiled"]``
+    is that :class:`CompiledStep` and ``gm`` None; otherwise ``gm`` is unpickled into a new fake mode with a shape env
+    (else Inductor bypasses its cache)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -131,7 +131,8 @@ def full_inductor_pass(
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``. ``inductor_configs``:
     ``torch._inductor.config`` overrides (unknown keys raise ``AttributeError``); ``pin_collectives``: keep each
     collective's issue / wait between the same two matmuls (:mod:`graph_trainer.compiler.pin_collectives`). Stats:
-    ``compile_s``, ``inductor_phases_s`` (:func:`inductor_phases`), ``nodes_compiled``, ``fusion_groups``, ``fusions_refused``, ``boundary_values_realized``."""
+    ``compile_s``, ``inductor_phases_s`` (:func:`inductor_phases`), ``nodes_compiled``, ``fusion_groups``,
+    ``fusions_refused``, ``boundary_values_realized``."""
     from torch._inductor.compile_fx import compile_fx
 
     from graph_trainer.compiler.pin_collectives import PinCollectivesPass
@@ -192,8 +193,7 @@ def full_inductor_pass(
            f"{groups['realized']} boundary values realized)" if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3), inductor_phases_s=phases, nodes_compiled=len(gm.graph.nodes),
-        fusion_groups=groups["groups"],
-        fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
+        fusion_groups=groups["groups"], fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
     )
     return new_gm
 
