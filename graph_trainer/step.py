@@ -122,7 +122,7 @@ class TracedTrainStep(_Step):
             gm = run_pipeline(gm, traced.example_inputs, self.pipeline[:cut], records=records)
             rest, names = self.pipeline[cut:], (traced.param_names, traced.buffer_names)
             entry = {**self.stats, "trace_time_s": traced.trace_time_s, "graph_nodes": n_nodes, "passes": list(records)}
-            if [s.name for s in rest] != graph_cache.COMPILED_STEPS:
+            if not graph_cache.stores_compiled(rest):
                 graph_cache.save(self.cache_path, gm, *names, rest, entry)
                 traced.gm = run_pipeline(gm, traced.example_inputs, rest, records=records)
             else:  # the compiled step is the entry: no graph pickled

@@ -108,8 +108,13 @@ def _own_targets_back(gm: torch.fx.GraphModule) -> None:
             node.target = getattr(importlib.import_module(module), name)
 
 
-#: The remaining steps whose result the cache can also hold compiled (:func:`save_compiled`).
+#: The remaining steps whose result the cache holds compiled, instead of the graph (:func:`save_compiled`).
 COMPILED_STEPS = ["full_inductor"]
+
+
+def stores_compiled(steps: list) -> bool:
+    """Whether the entry for remaining ``steps`` holds their compiled step (:data:`COMPILED_STEPS`), not the graph."""
+    return [s.name for s in steps] == COMPILED_STEPS
 
 
 def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
@@ -169,7 +174,7 @@ def save_compiled(path: Path, gm: Any, steps: list) -> bool:
     """After ``steps`` (:data:`COMPILED_STEPS`) ran under :func:`recording` and gave ``gm``, write its
     ``compiled_fn`` to :func:`compiled_path` and its ``compiled_constants`` beside it. Returns whether it was
     written; a failure is a warning."""
-    if [s.name for s in steps] != COMPILED_STEPS or not hasattr(gm, "compiled_constants"):
+    if not stores_compiled(steps) or not hasattr(gm, "compiled_constants"):
         return False
     try:
         artifacts = torch.compiler.save_cache_artifacts()
@@ -206,7 +211,7 @@ class CompiledStep:
 def _load_compiled(path: Path, entry: dict[str, Any]) -> CompiledStep | None:
     """The entry's compiled step (:func:`save_compiled`), or None (none stored, or a warning: it failed to load)."""
     constants = compiled_path(path).with_suffix(".constants")
-    if [s.name for s in entry["steps"]] != COMPILED_STEPS or "outputs" not in entry \
+    if not stores_compiled(entry["steps"]) or "outputs" not in entry \
             or not compiled_path(path).is_file() or not constants.is_file():
         return None
     try:
