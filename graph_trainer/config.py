@@ -43,8 +43,8 @@ class CompileBase:
 
     inductor_compilation: InductorCompilation = "regional"
     """aot_fx_trace only. regional: compile regions tagged ``compile_with_inductor``;
-    full: the whole graph through Inductor, and on CUDA async TP in TP layouts (the fastest setting; off:
-    --compile.disable_passes async_tp); none: run the traced graph uncompiled."""
+    full: the whole graph through Inductor (the fastest setting); none: run the traced graph uncompiled.
+    On CUDA async TP runs in TP layouts with either (off: --compile.disable_passes async_tp)."""
 
     numerics_changing_optim: bool = False
     """Enable the passes that change numerics (the RMSNorm annotation pass)."""

@@ -304,13 +304,14 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
 
 
 def test_pipeline_place_options_and_flag():
-    """On with full Inductor on CUDA, else opt-in (alias micro_pipeline_tp); its flags and the TP group reach it."""
+    """On by default on CUDA (regional and full Inductor), else opt-in (alias micro_pipeline_tp); its flags and the
+    TP group reach it."""
     def runs(*flags, device_type="cuda"):
         cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
         return "async_tp" in [s.name for s in build_pipeline(cfg, device_type=device_type)]
 
-    assert not runs() and not runs("--compile.inductor_compilation", "full", device_type="cpu")
-    assert runs("--compile.inductor_compilation", "full")
+    assert not runs(device_type="cpu") and not runs("--compile.inductor_compilation", "full", device_type="cpu")
+    assert runs() and runs("--compile.inductor_compilation", "full")
     assert not runs("--compile.inductor_compilation", "full", "--compile.disable_passes", "async_tp")
     cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "micro_pipeline_tp",
                       "--compile.inductor_compilation", "full", "--compile.async_tp.fuse", "all_gather_matmul"])

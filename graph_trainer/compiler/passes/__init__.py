@@ -6,7 +6,7 @@ ORDER = [
     "remove_noop_views",
     "sac_recompute",            # op-level SAC: what the backward recomputes   [compile.sac]
     "reshard_after_forward",    # FSDP: re-gather in the backward               [compile.fsdp]
-    "async_tp",                 # TP: all-gather/reduce-scatter + matmul fused   (CUDA: full; else opt-in)
+    "async_tp",                 # TP: all-gather/reduce-scatter + matmul fused   (CUDA; else opt-in)
     "overlap_collectives",
     "bucket_collectives",       # FSDP: collectives of N blocks as one          [compile.fsdp]
     "annotate_flex_attention",

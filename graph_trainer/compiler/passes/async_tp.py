@@ -10,7 +10,9 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
 group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
-Numerics: not guaranteed bitwise."""
+On by default on CUDA. Numerics: not changed where checked, eager == traced bitwise with it under NCCL at TP
+degree 2 (the GPU tier, ``docs/perf.md``; there a reduce-scatter sums two terms, in either order the same); larger TP
+degrees are unchecked. ``--compile.async_tp.merge_matmul_sums`` changes numerics."""
 
 import functools
 import math
@@ -507,14 +509,14 @@ def _left_text(plan: AsyncTPPlan, ags: list[AllGatherMatch], rss: list[ReduceSca
 
 @dataclass
 class AsyncTPOptions:
-    """``[compile.async_tp]``: options of ``async_tp`` (on with ``--compile.inductor_compilation full`` on
-    CUDA, else ``--compile.passes async_tp``; off: ``--compile.disable_passes async_tp``)."""
+    """``[compile.async_tp]``: options of ``async_tp`` (on by default on CUDA, elsewhere
+    ``--compile.passes async_tp``; off: ``--compile.disable_passes async_tp``)."""
 
     fuse: Literal["all", "all_gather_matmul", "matmul_reduce_scatter"] = "all"
     """Which TP pairs the async_tp pass replaces with torch's symmetric-memory ops: all (both),
     all_gather_matmul (symm_mem.fused_all_gather_matmul) or matmul_reduce_scatter
     (symm_mem.fused_matmul_reduce_scatter). CUDA only (the pass skips elsewhere). The fused
-    matmuls run in per-rank row chunks: not guaranteed bitwise equal to the unfused step."""
+    matmuls run in per-rank row chunks; at TP degree 2 the step stayed bitwise equal to the unfused one."""
     merge_matmul_sums: bool = False
     """Fuse the reduce-scatters of a sum of matmuls too (the backward's input gradients of the q/k/v and
     w1/w3 projections): where the pass rewrites, add(mm(A_1, B_1), mm(A_2, B_2), ..) becomes one
@@ -525,7 +527,7 @@ class AsyncTPOptions:
 
 PASS = GraphPass(
     name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
-    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full" and ctx.device_type == "cuda",
+    enabled=lambda ctx: ctx.device_type == "cuda",
     kwargs=lambda options, ctx: {"fuse": options.fuse, "merge_matmul_sums": options.merge_matmul_sums,
                                  "tp_group_name": ctx.tp_group_name},
     aliases=("micro_pipeline_tp",),
