@@ -23,7 +23,8 @@ from graph_trainer.compiler.registry import GraphPass
 
 #: Inductor's own phase timers (``torch._dynamo.utils.compilation_time_metrics``, filled by ``dynamo_timed``) that
 #: :func:`inductor_phases` reports, by a short name.
-INDUCTOR_PHASES = {"post-grad passes": "_recursive_post_grad_passes", "lowering": "GraphLowering.run",
+INDUCTOR_PHASES = {"AOT metadata": "aot_collect_metadata", "joint-graph passes": "_recursive_joint_graph_passes",
+                   "post-grad passes": "_recursive_post_grad_passes", "lowering": "GraphLowering.run",
                    "fusion": "Scheduler.__init__", "codegen": "Scheduler.codegen",
                    "kernel compile wait": "async_compile.wait", "module load": "PyCodeCache.load_by_key_path"}
 
