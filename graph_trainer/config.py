@@ -75,14 +75,9 @@ class CompileBase:
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
 
 
-def _compile_cls() -> type:
-    """:class:`CompileBase` plus one field per pass with options, named by its section."""
-    fields = [(name, cls, field(default_factory=cls)) for name, cls in registry.option_sections()]
-    return dataclasses.make_dataclass("Compile", fields, bases=(CompileBase,))
-
-
-#: ``[compile]``: :class:`CompileBase` and the passes' option sections.
-Compile = _compile_cls()
+#: ``[compile]``: :class:`CompileBase` plus one field per pass with options, named by its section.
+Compile = dataclasses.make_dataclass("Compile", [(name, cls, field(default_factory=cls))
+                                                 for name, cls in registry.option_sections()], bases=(CompileBase,))
 
 
 @dataclass
@@ -384,12 +379,6 @@ def _flag_doc(cls, name: str) -> str:
         return ""
 
 
-def _type_name(hint) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "{" + ",".join(map(str, get_args(hint))) + "}"
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
-
-
 def help_text(merged_cls) -> str:
     """``--help``: every flag of the merged JobConfig by section, this project's first, each with its
     type or allowed values, default and description."""
@@ -406,7 +395,9 @@ def help_text(merged_cls) -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            flag = f"--{key} / --{prefix}.no-{f.name}" if hint is bool else f"--{key} {_type_name(hint)}"
+            kind = ("{" + ",".join(map(str, get_args(hint))) + "}" if typing.get_origin(hint) is Literal
+                    else getattr(hint, "__name__", None) or str(hint).replace("typing.", ""))
+            flag = f"--{key} / --{prefix}.no-{f.name}" if hint is bool else f"--{key} {kind}"
             doc = _flag_doc(own_cls if f.name in own else cls, f.name)
             body = textwrap.fill(f"{doc} (default: {default!r})".strip(), 96, initial_indent="      ",
                                  subsequent_indent="      ")

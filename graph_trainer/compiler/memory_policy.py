@@ -1,12 +1,7 @@
 """The memory policy: from the traced graph and a memory budget, pick the options the config leaves on ``auto``
 (``--compile.sac.save``, ``--compile.fsdp.keep_last_blocks`` / ``bucket_blocks``, and the ``cudagraph`` pass where
-no flag names it). None changes numerics.
-
-Rule (:func:`choose_levers`): a ladder from the leanest setting (``recompute``, no kept block) to the fattest in the
-order of the levers' gain per GiB: ``matmuls`` with kept blocks one by one, then ``all_but_cheap`` likewise, under
-full Inductor last ``all``; every rung with buckets of :data:`BUCKET_BLOCKS`. The highest rung whose predicted peak
-(:func:`predict_peak`) fits wins; when even the leanest does not fit, the buckets go too. CUDA graphs come first and
-go only when even the leanest rung would not fit with them."""
+no flag names it) by the ladder of :func:`choose_levers` (docs/design.md, "The memory policy"). None changes
+numerics."""
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -124,7 +119,8 @@ class MemoryPolicy:
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
-    """Predicted peak reserved bytes per rank (module docstring; ``state_bytes``: :func:`state_bytes`)."""
+    """Predicted peak reserved bytes per rank: ``state_bytes`` (:func:`state_bytes`) + :func:`calibration` x
+    ``graph_peak_bytes`` (+ :data:`CUDAGRAPH_GIB` with ``cudagraph``)."""
     return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
@@ -147,11 +143,14 @@ def choose_levers(
     fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
     cudagraph: bool = False,
 ) -> MemoryPolicy:
-    """Pick the levers by the ladder of the module docstring, searched from the top; a pure function of its
-    arguments. Levers named in ``fixed_fields`` keep ``fixed``'s value. ``estimate(save)``: graph peak bytes with no
-    kept block and no buckets (called once per level); a kept block and each block of a bucket add ``block_bytes``.
-    ``state``: :func:`state_bytes`; ``budget``: bytes per rank; ``inductor`` selects the calibration. Without FSDP
-    keep / bucket stay 0; without SAC tags ``save`` is ``all``. ``cudagraph``: the step may replay as a CUDA graph.
+    """Pick the levers, a pure function of its arguments: the highest rung of the ladder recompute -> matmuls with
+    0 .. n kept blocks -> all_but_cheap likewise (-> all, full Inductor only), each with buckets of
+    :data:`BUCKET_BLOCKS`, whose :func:`predict_peak` fits; none fitting, the buckets go too; CUDA graphs first, gone
+    only when even the leanest rung would not fit with them. Levers named in ``fixed_fields`` keep ``fixed``'s value.
+    ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level); a kept block and
+    each block of a bucket add ``block_bytes``. ``state``: :func:`state_bytes`; ``budget``: bytes per rank;
+    ``inductor`` selects the calibration. Without FSDP keep / bucket stay 0; without SAC tags ``save`` is ``all``.
+    ``cudagraph``: the step may replay as a CUDA graph.
     Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget)."""
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)

@@ -1,18 +1,9 @@
 """Scale projection: step time, tps/GPU and MFU of one rank's traced step on a layout of GPUs.
 
-Per rank per step (the formula, its sources and what it leaves out: docs/design.md,
-"Scale projection: the cost model")::
-
-    step    = compute + exposed communication
-    compute = Σ_matmul F_mm / R_mm(shape) + Σ_attention F_attn / R_attn(shape)
-            + Σ_other (bytes read + written) / B_hbm + optimizer bytes / B_hbm
-    F_mm    = 2·M·N·K (·B batched); F_attn = 4·B·H·S_q·S_k·D, ·½ causal; backward 2.5× forward
-    t_coll  = α_link + f·S / β_link, f = (n−1)/n all_gather / reduce_scatter, 2(n−1)/n all_reduce
-    tps/GPU = local_batch · seq_len / (step · tp);  MFU = flops_per_token · tps/GPU / peak_bf16
-
-FLOPs: ``torch.utils.flop_counter``'s formulas, the attention backward's 2.5× and the causal
-halving FlashAttention-2's (arXiv:2307.08691, §4.1); ``β``: nccl-tests' busbw; ``flops_per_token``:
-torchtitan's ``get_nparams_and_flops``, so MFU is the one ``graph_trainer.metrics`` reports.
+``step = compute + exposed communication``, per rank per step; the formula, its sources (FLOPs:
+``torch.utils.flop_counter``'s formulas with FlashAttention-2's causal halving and 2.5x backward; ``beta``:
+nccl-tests' busbw; MFU as ``graph_trainer.metrics`` reports it) and what it leaves out: docs/design.md,
+"Scale projection: the cost model".
 """
 
 import math
