@@ -59,8 +59,12 @@ def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str],
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_eager_equals_traced(tmp_path, layout):
-    """torchtitan's eager step and the traced step (the plain command): bitwise, STEPS steps and the final state."""
+    """torchtitan's eager step and the traced step (the plain command): bitwise, STEPS steps and the final state;
+    with TP the traced step ran async TP (on by default on CUDA) and it rewrote the graph."""
     _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], [], STEPS)
+    if "tp" in layout:
+        passes = {p["pass"]: p for p in read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]}
+        assert "async_tp" in passes and passes["async_tp"]["nodes_after"] < passes["async_tp"]["nodes_before"]
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
