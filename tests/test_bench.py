@@ -7,7 +7,7 @@ import pytest
 
 from graph_trainer.tools import bench
 from graph_trainer.tools.bench import parse_variants, table, variant_results, write_record
-from graph_trainer.tools.runs import Run
+from graph_trainer.tools.runs import Run, next_run_s
 from graph_trainer.tools.sides import CompareError
 from graph_trainer.tools.stats import run_stats
 
@@ -48,6 +48,15 @@ def test_variant_results_ratio_verdict_and_table():
     text = table(list(v.values()))
     assert "| plain (2 runs) | 120 (120–121) | 1.193× | real | 40.0 % | 12.00 | 9.60 | 30 | 90 / 50 |" in text
     assert "| bad (0 runs) | failed |" in text
+
+
+def test_deadline_estimate_of_a_variant_next_run():
+    """A first, cold run is scaled by the later/first ratio of the variants that ran twice (never up); later: the last."""
+    walls = {"jit": [85.0, 72.0], "plain": [117.0], "full": [174.0]}
+    assert next_run_s(walls, "plain") == pytest.approx(117.0 * 72.0 / 85.0)
+    assert next_run_s(walls, "jit") == 72.0 and next_run_s(walls, "new") == 0.0
+    assert next_run_s({"a": [50.0, 60.0], "b": [100.0]}, "b") == 100.0  # a slower second run never raises it
+    assert next_run_s({"a": [50.0], "b": [100.0]}, "b") == 100.0  # nothing ran twice yet
 
 
 def test_write_record_never_overwrites(tmp_path):

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="--training.steps of every run (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="steps 1..W excluded from the medians (default 3)")
     p.add_argument("--deadline-s", type=float, default=None, metavar="S",
-                   help="start no run that would end more than S seconds after the first started")
+                   help="start no run that would end more than S seconds after the first started (a variant's next "
+                        "run is taken as long as its last; its first, cold one scaled by the later/first ratio "
+                        "of the variants that ran twice)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (kernel categories and a timeline in its dump folder; "
                         "each variant's first timeline picture goes beside the record); steps N-1..N+1 "

@@ -226,11 +226,23 @@ def plan_runs(order: list[tuple[str, int]], sides: dict, extra: list[str], steps
     return runs
 
 
+def next_run_s(walls: dict[str, list[float]], side: str) -> float:
+    """Seconds the next run of ``side`` is expected to take, from ``walls`` (side -> its runs' wall seconds, in
+    order): 0 before its first run; after one run, that run scaled by the smallest later-to-first ratio of the sides
+    that ran twice (the first run of a call fills the compile caches the later ones read), never above it; after
+    more, its last run."""
+    own = walls.get(side, [])
+    if len(own) != 1:
+        return own[-1] if own else 0.0
+    ratios = [w[-1] / w[0] for w in walls.values() if len(w) > 1 and w[0] > 0]
+    return own[0] * min([1.0, *ratios])
+
+
 def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repeat}", after_each=None) -> bool:
     """Run ``runs`` in order (``args``: steps, warmup, verbose, run_timeout, deadline_s if any), calling
     ``after_each()`` after each; a side's later runs are skipped after an input error of the trainer, or
-    when its longest run says they would end past the deadline. True when interrupted (Ctrl-C, SIGTERM)."""
-    progress, start, longest, skip, current = Progress(), time.monotonic(), {}, {}, None
+    when :func:`next_run_s` says they would end past the deadline. True when interrupted (Ctrl-C, SIGTERM)."""
+    progress, start, walls, skip, current = Progress(), time.monotonic(), {}, {}, None
     deadline = getattr(args, "deadline_s", None)
     # SIGTERM (`timeout`, a job scheduler) raises KeyboardInterrupt: the finished runs are reported as on Ctrl-C
     previous_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -238,7 +250,7 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
         for run in runs:
             prefix = f"[{run.index}/{len(runs)}] {name(run)}:"
             reason = skip.get(run.side)
-            if not reason and deadline and time.monotonic() - start + longest.get(run.side, 0.0) > deadline:
+            if not reason and deadline and time.monotonic() - start + next_run_s(walls, run.side) > deadline:
                 reason = f"--deadline-s {deadline:.0f} would be passed"
             if reason:
                 run.status, run.error = "skipped", reason
@@ -248,7 +260,7 @@ def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repe
             current = run
             execute(run, sides[run.side], args.steps, args.warmup, prefix, args.verbose, args.run_timeout, progress)
             current = None
-            longest[run.side] = max(longest.get(run.side, 0.0), run.wall_s or 0.0)
+            walls.setdefault(run.side, []).append(run.wall_s or 0.0)
             if run.status == "ok":
                 st = run.stats
                 progress.done(f"{prefix} ok in {run.wall_s:.0f}s — tps {fmt_value('tps', st['tps'])}, tflops "
