@@ -15,9 +15,9 @@ import _early  # noqa: E402  tests/ is on sys.path
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
-SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
+SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "bitwise_gloo2", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
 #: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
-EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b"})
+EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run", "bitwise_gloo2", "dry_runs_8b"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -97,11 +97,13 @@ def fsdp_step(fsdp_trace):
 
 def _fsdp4_run(tmp, env):
     from _launch import train_ranks
-    from _runs import fsdp4_flags, launch_env
+    from _runs import SMALL, launch_env
     from graph_trainer.metrics import read_metrics
 
     dump = tmp / "out"
-    r = train_ranks(4, [*fsdp4_flags(), "--job.dump_folder", str(dump)], f"{dump}.logs", base_env=launch_env(env))
+    flags = ["--training.steps", "2", *SMALL, "--parallelism.data_parallel_shard_degree", "4", "--debug.deterministic",
+             "--debug.state_hashes", "--job.dump_folder", str(dump)]
+    r = train_ranks(4, flags, f"{dump}.logs", base_env=launch_env(env))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
     assert summary["final_loss"] > 0
@@ -117,14 +119,32 @@ def _finished_run(tmp, env):
     return dump
 
 
+def _bitwise(ngpu):
+    """:func:`_runs.bitwise_runs` of the debug model for 4 steps on ``ngpu`` ranks."""
+    def run(tmp, env):
+        from _runs import bitwise_runs
+
+        return bitwise_runs(tmp, ngpu, 4, env=env)
+
+    return run
+
+
 _early.job("fsdp4_run", _fsdp4_run)
 _early.job("finished_run", _finished_run)
+_early.job("bitwise_1rank", _bitwise(1))
+_early.job("bitwise_gloo2", _bitwise(2))
 
 
 @pytest.fixture(scope="session")
 def fsdp4_run():
     """The FSDP4 run on 4 forked gloo ranks, started early: ``(stdout, losses, grad norms, state hashes)``."""
     return _early.result("fsdp4_run")
+
+
+@pytest.fixture(scope="session")
+def bitwise_gloo2():
+    """:func:`_runs.bitwise_runs` on 2 gloo ranks (FSDP2), 4 steps, started early: ``(a, b, b's resume)``."""
+    return _early.result("bitwise_gloo2")
 
 
 @pytest.fixture(scope="session")
