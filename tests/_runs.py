@@ -7,13 +7,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
-#: The ``finished_run`` fixture: 4 steps at seq 64, batch 2, no Inductor, a full checkpoint every 2 steps.
-FINISHED = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
-            "--checkpoint.enable", "--checkpoint.interval", "2"]
-#: Small shapes of the determinism runs: seq 64, batch 2.
+from _launch import DEBUG, REPO
+
+#: Small shapes of the shared runs: seq 64, batch 2.
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+#: The ``finished_run`` fixture: 4 steps at :data:`SMALL`, no Inductor, a full checkpoint every 2 steps.
+FINISHED = [*SMALL, "--compile.inductor_compilation", "none", "--checkpoint.enable", "--checkpoint.interval", "2"]
 #: The numerics-changing RMSNorm pass.
 PASS = "--compile.numerics_changing_optim"
 #: The launcher's variables: not inherited by a test's run_train.sh.
