@@ -34,6 +34,7 @@ def _run(tmp, layout, mode, env=None):
                            "--debug.state_hashes", *FLAGS.get(layout, [])], f"{dump}.logs", n_layers=2, base_env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+    assert summary["final_loss"] > 0
     return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows], summary["state_hashes"]
 
 
