@@ -75,9 +75,11 @@ def start(items, tmp_factory) -> None:
         advance()
 
 
-def advance() -> None:
-    """Start the next queued run when no started run is still going (called after each test)."""
-    if _QUEUE and not any(r.waiter is not None and r.outcome is None and not r.waiter.done() for r in _RUNS.values()):
+def advance(at_most: int = 1) -> None:
+    """Start the next queued run while fewer than ``at_most`` started runs are still going (called after each
+    test, and with 2 while a test waits for a run: the core the tests leave idle runs the next one)."""
+    going = sum(r.waiter is not None and r.outcome is None and not r.waiter.done() for r in _RUNS.values())
+    if _QUEUE and going < at_most:
         _start(_QUEUE[0])
 
 
@@ -97,6 +99,7 @@ def result(name: str, tmp_factory=None) -> Any:
     if run.outcome is None:
         if run.waiter is None:
             _start(name)
+        advance(at_most=2)
         try:
             run.outcome = (True, run.waiter())
         except RuntimeError as e:

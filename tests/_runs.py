@@ -1,15 +1,20 @@
-"""Runs of the debug model for the tests; the flags of tests/conftest.py's shared runs (not a test module)."""
+"""Runs of the debug model for the tests, and those of tests/conftest.py's shared runs (not a test module)."""
 
+import functools
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
-#: The ``finished_run`` fixture: 4 steps at seq 64, batch 2, no Inductor, a full checkpoint every 2 steps.
-FINISHED = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
-            "--checkpoint.enable", "--checkpoint.interval", "2"]
+from _launch import DEBUG, REPO
+
+#: Small shapes of the shared runs: seq 64, batch 2.
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+#: The ``finished_run`` fixture: 4 steps at :data:`SMALL`, no Inductor, a full checkpoint every 2 steps.
+FINISHED = [*SMALL, "--compile.inductor_compilation", "none", "--checkpoint.enable", "--checkpoint.interval", "2"]
+#: The numerics-changing RMSNorm pass.
+PASS = "--compile.numerics_changing_optim"
 #: The launcher's variables: not inherited by a test's run_train.sh.
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE", "LOG_RANK")
 
@@ -31,6 +36,42 @@ def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=Fa
     elif config:
         env["CONFIG_FILE"] = config
     return subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def train_hashed(dump, *flags, check=True, config=None, **launch):
+    """:func:`run_debug` at :data:`SMALL` shapes (or ``config`` as is) with state hashes, launched by ``launch``."""
+    r = run_debug(dump, [] if config else SMALL, "--debug.state_hashes", *flags, config=config, **launch)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def bitwise_flags(steps, extra=()):
+    """The flags of both runs of :func:`bitwise_runs`: the RMSNorm pass, the whole run's LR schedule, ``extra``."""
+    return [PASS, "--lr_scheduler.total_steps", str(steps), *extra]
+
+
+def bitwise_runs(tmp, ngpu, steps, config=None, extra=(), env=None):
+    """Run a (uninterrupted) and b (stopped at steps/2, resumed in a new process): ``(a, b, b's resume)``."""
+    from graph_trainer.checkpoint import latest_step
+
+    half, same = steps // 2, bitwise_flags(steps, extra)
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
+    if ngpu == 1 and config is None:
+        ckpt += ["--training.dataloader.num_workers", "1"]
+    a, b = tmp / "a", tmp / "b"
+    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
+    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
+    runs = [functools.partial(train_hashed, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
+            functools.partial(train_hashed, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
+    if ngpu == 1 and config is None:  # on one CPU rank, a and the first half of b side by side: one core each
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda run: run(), runs))  # a run's failure raised here
+    else:  # in this thread: ranks forked from a thread other than the main one may fail at their exit
+        for run in runs:
+            run()
+    assert latest_step(str(b / "checkpoint")) == half
+    return a, b, train_hashed(b, *same, *ckpt, steps=steps, config=config, env=env, **launch)
 
 
 def launch_env(base=None, **launch):
@@ -58,12 +99,6 @@ def fixed_port() -> int:
             except OSError:
                 continue
     raise RuntimeError("no free port below the ephemeral range")
-
-
-def fsdp4_flags():
-    """The debug model's FSDP4 run: 2 steps, seq 64, batch 2 per rank, deterministic, final state hashes."""
-    return ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--parallelism.data_parallel_shard_degree", "4", "--debug.deterministic", "--debug.state_hashes"]
 
 
 def train_debug(tmp_path, name, *flags):

@@ -11,13 +11,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _early  # noqa: E402  tests/ is on sys.path
+from _launch import fork_call  # noqa: E402
+from _runs import FINISHED, bitwise_runs, dry_run_8b_8_ranks, run_debug  # noqa: E402
 
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 #: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
-SLOW_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
+SLOW_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
 #: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
-EARLY_FIXTURES = frozenset({"finished_run", "fsdp4_run", "dry_runs_8b"})
+EARLY_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
@@ -95,36 +97,22 @@ def fsdp_step(fsdp_trace):
     return fsdp_trace()
 
 
-def _fsdp4_run(tmp, env):
-    from _launch import train_ranks
-    from _runs import fsdp4_flags, launch_env
-    from graph_trainer.metrics import read_metrics
-
-    dump = tmp / "out"
-    r = train_ranks(4, [*fsdp4_flags(), "--job.dump_folder", str(dump)], f"{dump}.logs", base_env=launch_env(env))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
-    assert summary["final_loss"] > 0
-    return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows], summary["state_hashes"]
-
-
 def _finished_run(tmp, env):
-    from _runs import FINISHED, run_debug
-
     dump = tmp / "run"
     r = run_debug(dump, FINISHED, steps=4, forked=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return dump
 
 
-_early.job("fsdp4_run", _fsdp4_run)
 _early.job("finished_run", _finished_run)
+_early.job("bitwise_1rank", lambda tmp, env: bitwise_runs(tmp, 1, 4, env=env))  # tests/test_determinism.py
+_early.job("bitwise_gloo2", lambda tmp, env: bitwise_runs(tmp, 2, 4, env=env))
 
 
 @pytest.fixture(scope="session")
-def fsdp4_run():
-    """The FSDP4 run on 4 forked gloo ranks, started early: ``(stdout, losses, grad norms, state hashes)``."""
-    return _early.result("fsdp4_run")
+def bitwise_gloo2():
+    """:func:`_runs.bitwise_runs` on 2 gloo ranks (FSDP2), 4 steps, started early: ``(a, b, b's resume)``."""
+    return _early.result("bitwise_gloo2")
 
 
 @pytest.fixture(scope="session")
@@ -156,9 +144,6 @@ def log_lines():
 
 
 def _dry_runs_8b(tmp, env):
-    from _launch import fork_call
-    from _runs import dry_run_8b_8_ranks
-
     fsdp8 = fork_call(dry_run_8b_8_ranks, "--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
                       "--compile.memory_budget_gib", "71")
     with graph_trainer_logs() as messages:

@@ -14,15 +14,15 @@ from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
 from _launch import fork_call
-from _runs import REPO, launch_env
+from _runs import REPO, SMALL, launch_env
 
 
 def _fake_collectives_run(tmp, env):
     """COMM_MODE=fake_collectives NGPU=64 ./run_train.sh, FSDP32 x TP2: ``(its dump folder, its result)``."""
     dump = tmp / "out"
-    flags = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--compile.inductor_compilation", "none",
-             "--training.steps", "3", "--parallelism.data_parallel_shard_degree", "32",
-             "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(dump)]
+    flags = [*SMALL, "--compile.inductor_compilation", "none", "--training.steps", "3",
+             "--parallelism.data_parallel_shard_degree", "32", "--parallelism.tensor_parallel_degree", "2",
+             "--job.dump_folder", str(dump)]
     return dump, subprocess.run(["bash", "run_train.sh", *flags], cwd=REPO, capture_output=True, text=True,
                                 timeout=600, env=launch_env(env, COMM_MODE="fake_collectives", NGPU="64"))
 

@@ -16,9 +16,8 @@ from graph_trainer.tools.sides import Side, parse_cli
 from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
 import _early  # tests/ is on sys.path
-from _launch import run_script
+from _launch import REPO, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
 TINY = ["--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,10 +1,8 @@
 """Bitwise determinism on CPU: run-to-run and resume with the RMSNorm pass; bad checkpoints, divergence."""
 
-import functools
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -18,45 +16,10 @@ from graph_trainer.tools.loss_compare import first_difference
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
-from _runs import REPO, run_debug
-
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
-PASS = "--compile.numerics_changing_optim"
+from _runs import PASS, REPO, SMALL, bitwise_runs, train_hashed
 
 
-def _train(dump, *flags, check=True, config=None, **launch):
-    """``_runs.run_debug`` at SMALL shapes (or ``config`` as is) with state hashes, launched by ``launch``."""
-    r = run_debug(dump, [] if config else SMALL, "--debug.state_hashes", *flags, config=config, **launch)
-    if check:
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
-
-
-def _bitwise_runs(tmp, ngpu, steps, config, extra, env=None):
-    """Run a (uninterrupted) and b (stopped at steps/2, resumed in a new process): ``(a, b, b's resume)``."""
-    half = steps // 2
-    same = [PASS, "--lr_scheduler.total_steps", str(steps), *extra]  # both: the whole run's LR schedule
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
-    if ngpu == 1 and config is None:
-        ckpt += ["--training.dataloader.num_workers", "1"]
-    a, b = tmp / "a", tmp / "b"
-    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
-    launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
-    runs = [functools.partial(_train, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
-            functools.partial(_train, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
-    if ngpu == 1 and config is None:  # on one CPU rank, a and the first half of b side by side: one core each
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda run: run(), runs))  # a run's failure raised here
-    else:  # in this thread: ranks forked from a thread other than the main one may fail at their exit
-        for run in runs:
-            run()
-    assert latest_step(str(b / "checkpoint")) == half
-    return a, b, _train(b, *same, *ckpt, steps=steps, config=config, env=env, **launch)
-
-
-EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: tests/_early.py
-_early.job(EARLY[1], lambda tmp, env: _bitwise_runs(tmp, 1, 4, None, [], env))
-_early.job(EARLY[2], lambda tmp, env: _bitwise_runs(tmp, 2, 4, None, [], env))
+EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: conftest.py
 
 
 @pytest.mark.slow
@@ -70,7 +33,7 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     """Run b stopped at steps/2 and resumed in a new process equals run a bitwise (losses, norms, state)."""
     half = steps // 2
     early = config is None and (steps, extra) == (4, [])
-    a, b, r = _early.result(EARLY[ngpu]) if early else _bitwise_runs(tmp_path, ngpu, steps, config, extra)
+    a, b, r = _early.result(EARLY[ngpu]) if early else bitwise_runs(tmp_path, ngpu, steps, config, extra)
     assert "Resumed from" in r.stdout and f"(step {half})" in r.stdout
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
@@ -128,7 +91,7 @@ def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
     shutil.rmtree(d / "checkpoint" / "step-4")
     path = next((d / "checkpoint" / "step-2").glob("*.distcp"))
     path.write_bytes(path.read_bytes()[:100])  # truncate
-    r = _train(d, "--checkpoint.enable", "--checkpoint.interval", "2", check=False, forked=True)
+    r = train_hashed(d, "--checkpoint.enable", "--checkpoint.interval", "2", check=False, forked=True)
     assert r.returncode != 0
     assert f"step-2 is truncated: data file {path} has 100 bytes" in r.stderr
     assert os.path.exists(path)  # nothing deleted
@@ -137,7 +100,7 @@ def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
 def _nan_run(tmp, env):
     """run_train.sh at a diverging learning rate, a checkpoint every step: ``(its dump folder, its result)``."""
     d = tmp / "run"
-    return d, _train(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
+    return d, train_hashed(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
                      "--checkpoint.interval", "1", steps=6, check=False, env=env)
 
 

@@ -11,7 +11,7 @@ import torch
 from graph_trainer.metrics import read_metrics
 from graph_trainer.tools.loss_compare import first_difference
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import REPO  # tests/ is on sys.path
 CONFIG = os.environ.get("GPU_TIER_CONFIG", "train_configs/llama3_1b.toml")
 STEPS = int(os.environ.get("GPU_TIER_STEPS", "20"))
 #: name: (GPUs, layout flags)

@@ -14,9 +14,8 @@ from graph_trainer.tools.numerics_diff import compare, main
 from graph_trainer.trace import trace_train_step
 
 import _early  # tests/ is on sys.path
-from _launch import run_script
+from _launch import REPO, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _record_graph(gm, flat):

@@ -8,10 +8,11 @@ from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
 from _launch import train_ranks
+from _runs import SMALL
 
-pytestmark = [pytest.mark.slow, _early.uses("fsdp4_run")]  # every test starts gloo ranks; fsdp4_run started early
+pytestmark = [pytest.mark.slow, _early.uses("traced_fsdp4")]  # every test starts gloo ranks; one run early
 
-STEPS = 2  # as the fsdp4_run fixture
+STEPS = 2
 #: name: (ranks, data_parallel_shard_degree, tensor_parallel_degree, data_parallel_replicate_degree)
 LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fsdp2tp2": (4, 2, 2, 1),
            "rep2tp2": (4, 1, 2, 2), "fsdp4": (4, 4, 1, 1), "hsdp": (4, 2, 1, 2), "tp2bf16": (2, 1, 2, 1),
@@ -19,33 +20,37 @@ LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fs
 #: Flags of a layout beyond its degrees: bf16 parameters, the GPU configs' setting
 FLAGS = {k: ["--training.mixed_precision_param", "bfloat16"] for k in ("tp2bf16", "rep2bf16")}
 REPLICAS = "Replicate degree 2: gradients all-reduced over the replicas inside the graph"
-#: Blocks of the debug model per layout: 2, or the flavor's (None) where compared with the fixture.
-BLOCKS = {"fsdp4": None, "hsdp": None}
+
+
+def _run(tmp, layout, mode, env=None):
+    """``layout`` in ``mode`` on forked gloo ranks, the debug model at 2 blocks: ``(stdout, losses, grad norms,
+    state hashes)``."""
+    ngpu, shard, tp, replicate = LAYOUTS[layout]
+    dump = tmp / "out"
+    r = train_ranks(ngpu, [*SMALL, "--training.steps", str(STEPS), "--job.dump_folder", str(dump), "--compile.mode",
+                           mode, "--parallelism.data_parallel_shard_degree", str(shard),
+                           "--parallelism.tensor_parallel_degree", str(tp),
+                           "--parallelism.data_parallel_replicate_degree", str(replicate), "--debug.deterministic",
+                           "--debug.state_hashes", *FLAGS.get(layout, [])], f"{dump}.logs", n_layers=2, base_env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+    assert summary["final_loss"] > 0
+    return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows], summary["state_hashes"]
+
+
+_early.job("traced_fsdp4", lambda tmp, env: _run(tmp, "fsdp4", "aot_fx_trace", env))
 
 
 @pytest.fixture(scope="module")
-def runs(request, tmp_path_factory):
+def runs(tmp_path_factory):
     """``runs(layout, mode)``: ``(stdout, losses, grad norms, state hashes)``, each run once per module."""
     done = {}
 
     def run(layout, mode):
-        if (layout, mode) == ("fsdp4", "aot_fx_trace"):
-            return request.getfixturevalue("fsdp4_run")
         if (layout, mode) not in done:
-            ngpu, shard, tp, replicate = LAYOUTS[layout]
-            dump = tmp_path_factory.mktemp(f"{layout}_{mode}") / "out"
-            r = train_ranks(ngpu, ["--training.seq_len", "64", "--training.local_batch_size", "2", "--training.steps",
-                                   str(STEPS), "--job.dump_folder", str(dump), "--compile.mode", mode,
-                                   "--parallelism.data_parallel_shard_degree", str(shard),
-                                   "--parallelism.tensor_parallel_degree", str(tp),
-                                   "--parallelism.data_parallel_replicate_degree", str(replicate),
-                                   "--debug.deterministic", "--debug.state_hashes", *FLAGS.get(layout, [])],
-                            f"{dump}.logs",
-                            n_layers=BLOCKS.get(layout, 2))
-            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-            rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
-            done[layout, mode] = (r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows],
-                                  summary["state_hashes"])
+            early = (layout, mode) == ("fsdp4", "aot_fx_trace")  # tests/_early.py's run
+            done[layout, mode] = (_early.result("traced_fsdp4") if early else
+                                  _run(tmp_path_factory.mktemp(f"{layout}_{mode}"), layout, mode))
         return done[layout, mode]
 
     return run
@@ -69,7 +74,7 @@ def runs(request, tmp_path_factory):
         "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
     """Loss and grad norm every step; against eager (rtol 0) also the final state."""
-    _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while fsdp4_run runs early
+    _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while traced_fsdp4 runs early
     out, loss, norm, hashes = runs(layout, "aot_fx_trace")
     assert line in out and len(loss) == len(ref_loss) == len(norm) == len(ref_norm) == STEPS
     for x, y, rtol in [*zip(loss, ref_loss, [loss_rtol] * STEPS), *zip(norm, ref_norm, [norm_rtol] * STEPS)]:

@@ -14,7 +14,7 @@ import torch.fx
 from torch._logging._internal import trace_log
 
 import _early  # tests/ is on sys.path
-from _runs import run_debug
+from _runs import SMALL, run_debug
 from passes.conftest import fused_norm_graph, tagged_nodes
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
@@ -128,8 +128,7 @@ def _traced_run(tmp, env):
     """The 2-step debug run with TORCH_TRACE into ``tmp/trace``: ``(tmp, its result)``; None without tlparse."""
     if shutil.which("tlparse") is None:
         return None
-    small = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
-    return tmp, run_debug(tmp / "run", small, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
+    return tmp, run_debug(tmp / "run", SMALL, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
                           direct=True,  # the trainer's entry point, without run_train.sh's pre-check and torchrun
                           env={**env, "TORCH_TRACE": str(tmp / "trace")})
 
