@@ -12,7 +12,7 @@ from graph_trainer.tools.sides import CompareError
 from graph_trainer.tools.stats import run_stats
 
 from _launch import run_script  # tests/ is on sys.path
-from _runs import launch_env
+from _runs import SMALL, launch_env
 
 
 def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
@@ -75,7 +75,7 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "4",
                     "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
                     str(tmp_path / "results"), "--out",
-                    str(tmp_path / "o"), "--", "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                    str(tmp_path / "o"), "--", *SMALL],
                    env=launch_env(), timeout=900)  # forked from tests/_launch.py's server, CPU only
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| eager (1 runs) |" in r.stdout

@@ -17,9 +17,10 @@ from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
 import _early  # tests/ is on sys.path
 from _launch import REPO, run_script
+from _runs import SMALL
 
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
-TINY = ["--compile.mode", "eager", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+TINY = ["--compile.mode", "eager", *SMALL]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

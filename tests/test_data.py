@@ -18,7 +18,7 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset, build_text_dataloader
 
 import _early  # tests/ is on sys.path
-from _runs import LAUNCH_VARS, run_debug
+from _runs import LAUNCH_VARS, SMALL, run_debug
 from graph_trainer import config, data
 from graph_trainer.errors import UserError
 
@@ -272,8 +272,7 @@ def _bad_line_runs(tmp, env):
     """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [results])``."""
     path = tmp / "docs.jsonl"
     path.write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
-    small = ["--training.dataset_path", str(path), "--training.seq_len", "64", "--training.local_batch_size", "2",
-             "--compile.inductor_compilation", "none"]
+    small = ["--training.dataset_path", str(path), *SMALL, "--compile.inductor_compilation", "none"]
     return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, env=env) for forked in (True, False)]
 
 
