@@ -295,8 +295,9 @@ def bench_table(record: dict) -> list[str]:
 
 def profile_table(record: dict) -> list[str]:
     """Where a bench record's profiled step went per variant and rank (``profile``, written by
-    ``graph_trainer.tools.bench.profile_summary``): wall = compute + exposed communication + idle,
-    ms, and (when recorded) the most exposed collectives; nothing when the record has none."""
+    ``graph_trainer.tools.bench.profile_summary``): wall = compute + exposed communication + idle (of it,
+    when recorded, the part that waited for the host's launch), ms, and (when recorded) the most exposed
+    collectives; nothing when the record has none."""
     prof = record.get("profile")
     if not isinstance(prof, dict) or not prof.get("variants"):
         return []
@@ -306,7 +307,9 @@ def profile_table(record: dict) -> list[str]:
         + ["most exposed collectives (ms)"] * colls
     lines = [row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
     for name, r in ranks:
-        times = (fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms"))
+        times = [fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")]
+        if r.get("idle_host_ms") is not None:  # the idle that waited for the host's launch
+            times[-1] += f" (host {r['idle_host_ms']:.1f})"
         cells = [name, r["rank"], *times]
         if colls:
             worst = (r.get("collectives") or {}).items()

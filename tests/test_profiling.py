@@ -10,10 +10,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from graph_trainer.tools.profiling import (_intervals_of, _json_text, _write_picture, collective_label,
+from graph_trainer.tools.profiling import (_intervals_of, _json_text, _launches_of, _write_picture, collective_label,
                                            kernel_category, summarize_events, summary_markdown)
-from graph_trainer.tools.timeline import (collective_breakdown, draw_timeline, pack_step, read_step, timeline_a_vs_b,
-                                          timeline_breakdown, unpack_step)
+from graph_trainer.tools.timeline import (collective_breakdown, draw_timeline, idle_causes, pack_step, read_step,
+                                          timeline_a_vs_b, timeline_breakdown, unpack_step)
 
 SUM_KEYS = ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")
 # 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped (30-40),
@@ -94,9 +94,9 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     assert "| (of it: after the last matmul) | 0.01 | 10.0 % |" in md
 
 
-def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7):
+def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7, id=0, parent=None):
     return NS(name=name, time_range=NS(start=a, end=b), device_type=getattr(torch.autograd.DeviceType, dev),
-              is_user_annotation=ann, thread=thread, device_resource_id=stream)
+              is_user_annotation=ann, thread=thread, device_resource_id=stream, id=id, cpu_parent=parent)
 
 
 def test_profiler_events_to_intervals_on_cuda_and_cpu():
@@ -203,3 +203,47 @@ def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
     assert timeline_breakdown(kernels, steps)["exposed_comm_ms"] == pytest.approx(0.025)
     md = summary_markdown({**summarize_events([("nvjet_a", 60.0, 2)], steps=1), "collectives": got})
     assert "| ReduceScatter f32 | 0.02 | 0.01 | 1 |" in md and "exposed: while no compute kernel runs" in md
+
+
+def test_idle_is_charged_to_the_host_or_to_a_queue_by_the_kernel_that_ends_it():
+    """Each idle gap goes by its closing kernel's launch: after the gap began -> host-late (by the launching op),
+    before -> queued; a gap up to the step's end -> tail; a kernel without a recorded launch -> unknown."""
+    kernels = [(0, 10, "matmul"), (20, 30, "matmul"), (35, 40, "communication"), (50, 60, "matmul"),
+               (70, 80, "matmul")]
+    launches = [(0, -5, "aten::mm"), (20, 15, "symm_mem::fused_all_gather_matmul"),  # 10-20: host-late
+                (35, 25, "nccl"), (50, 30, "aten::mm")]  # 30-35, 40-50: queued; 60-70: unknown; 80-100: tail
+    got = idle_causes(kernels, launches, [(0, 100)])
+    assert {k: got[k] for k in ("host_ms", "queued_ms", "tail_ms", "unknown_ms")} == pytest.approx(
+        {"host_ms": 0.01, "queued_ms": 0.015, "tail_ms": 0.02, "unknown_ms": 0.01})
+    assert sum(got[k] for k in ("host_ms", "queued_ms", "tail_ms", "unknown_ms")) == pytest.approx(
+        timeline_breakdown(kernels, [(0, 100)])["idle_ms"])
+    assert got["by_host_op"] == pytest.approx({"symm_mem::fused_all_gather_matmul": 0.01})
+    assert got["lead_ms"] == pytest.approx(0.01)  # leads 5, 5, 10, 20 us: the median
+    two = idle_causes(kernels, launches, [(0, 100), (100, 200)])  # the second step idles whole: tail
+    assert two["host_ms"] == pytest.approx(0.005) and two["tail_ms"] == pytest.approx(0.06)
+    assert idle_causes(kernels, launches, [])["host_ms"] == 0
+
+
+def test_launches_matched_by_correlation_id_to_the_outermost_host_op():
+    """A kernel's runtime call shares its id; the host op is the outermost one below the ProfilerStep, ids
+    stripped; kernels without a runtime call and annotations are left out."""
+    step = _evt("ProfilerStep#10", 0, 1000)
+    region = _evt("## Call CompiledFxGraph fx3k2abc ##", 10, 200, parent=step)
+    launch = _evt("cuLaunchKernelEx", 20, 25, id=7, parent=_evt("aten::empty", 15, 30, parent=region))
+    mm = _evt("cudaLaunchKernel", 300, 305, id=8, parent=_evt("aten::mm", 290, 310))
+    events = [step, region, launch, mm, _evt("triton_poi_fused_0", 40, 50, "CUDA", id=7),
+              _evt("nvjet_gemm", 320, 400, "CUDA", id=8), _evt("other_kernel", 500, 600, "CUDA", id=9),
+              _evt("nccl:all_gather", 40, 50, "CUDA", ann=True, id=7)]
+    assert _launches_of(events) == [(40, 20, "## Call CompiledFxGraph ##"), (320, 300, "aten::mm")]
+
+
+def test_summary_markdown_names_the_idle_causes():
+    """With ``idle_causes`` the markdown splits the idle time by cause and names the host ops."""
+    s = summarize_events([("nvjet_gemm", 1000.0, 1)], 1)
+    s["timeline"] = timeline_breakdown(HAND, [(0, 100)])
+    s["idle_causes"] = {"host_ms": 0.01, "queued_ms": 0.0, "tail_ms": 0.005, "unknown_ms": 0.0, "lead_ms": 0.3,
+                        "by_host_op": {"symm_mem::fused_matmul_reduce_scatter": 0.01}}
+    md = summary_markdown(s)
+    assert "| host-late: the next kernel launched after the device went idle | 0.01 |" in md
+    assert "| (host-late, launched by `symm_mem::fused_matmul_reduce_scatter`) | 0.01 |" in md
+    assert "median 0.30 ms after its launch" in md

@@ -313,12 +313,13 @@ def test_cli(tmp_path):
 
 
 def test_profiled_step_per_variant_and_rank(repo, capsys):
-    """A bench record's ``profile``: one row per variant and rank, the most exposed collectives in the last cell."""
+    """A bench record's ``profile``: one row per variant and rank, the most exposed collectives in the last cell,
+    the idle that waited for the host beside the idle where recorded."""
     coll = {"ReduceScatter f32": {"ms": 51.1, "exposed_ms": 40.04}, "AllGather": {"ms": 65.2, "exposed_ms": 30.0}}
     plain0 = {"rank": 0, "wall_ms": 503.8, "compute_ms": 391.7, "exposed_comm_ms": 98.3, "idle_ms": 13.8,
               "collectives": coll}
     plain3 = {"rank": 3, "wall_ms": 503.9, "compute_ms": 411.8, "exposed_comm_ms": 78.1, "idle_ms": 13.9,
-              "collectives": {}}
+              "collectives": {}, "idle_host_ms": 9.04, "idle_by_host_op": {"aten::mm": 9.04}}
     jit0 = {"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5, "idle_ms": 18.3}
     prof = {"step": 10, "variants": {"jit": [jit0], "plain": [plain0, plain3]}}
     put(repo, "r.json", bench("2026-11-27", profile=prof))
@@ -326,7 +327,7 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
     assert "\n| step 10 profiled, ms | rank | wall | compute | exposed comm | idle |" in page
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 | – |\n" in page
     assert "\n| plain | 0 | 503.8 | 391.7 | 98.3 | 13.8 | ReduceScatter f32 40.0, AllGather 30.0 |\n" in page
-    assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 | – |\n" in page
+    assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 (host 9.0) | – |\n" in page  # idle waiting for a launch
     put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in written(repo, capsys)  # no collectives: no column
 

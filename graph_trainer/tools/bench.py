@@ -184,7 +184,9 @@ def copy_profiles(runs: list, path: str) -> list[str]:
 def profile_summary(runs: list, step: int, top: int = 4) -> dict:
     """Per profiled variant, where the ``step`` of its first run with readable ``rank<r>_kernels.json``
     went: ``[{"rank", "wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms",
-    "exposed_ms"}}}]`` (the ``top`` most exposed; ms per step) for rank 0 and the rank with most compute."""
+    "exposed_ms"}}, "idle_host_ms", "idle_by_host_op": {op: ms}}]`` (the ``top`` most exposed collectives and
+    host ops; ms per step; the idle keys where the run recorded host launches) for rank 0 and the rank with
+    most compute."""
     out: dict[str, list[dict]] = {}
     for run in runs:
         if run.side in out:
@@ -196,9 +198,13 @@ def profile_summary(runs: list, step: int, top: int = 4) -> dict:
                 with open(path) as f:
                     s = json.load(f)
                 t = s["timeline"]
+                idle = s.get("idle_causes") or {}
                 ranks.append({"rank": int(s.get("rank", 0)), **{k: round(t[k], 2) for k, _ in TIMELINE_ROWS},
                               "collectives": {label: {k: round(c[k], 2) for k in ("ms", "exposed_ms")}
-                                              for label, c in list(s.get("collectives", {}).items())[:top]}})
+                                              for label, c in list(s.get("collectives", {}).items())[:top]},
+                              **({"idle_host_ms": round(idle["host_ms"], 2),
+                                  "idle_by_host_op": {op: round(ms, 2) for op, ms in
+                                                      list(idle["by_host_op"].items())[:top]}} if idle else {})})
             except (OSError, ValueError, KeyError, TypeError):
                 continue
         if ranks:

@@ -1,6 +1,7 @@
 """``--profiling.enable_profiling``: torch.profiler on torchtitan's ``[profiling]`` schedule (built here: torchtitan's
 needs a process group). Each recorded window writes ``rank<r>_trace.json``, ``rank<r>_kernels.md`` / ``.json`` (time per
-step by kernel category, the step's timeline, each collective's time and exposed time, top kernels, the step's kernels)
+step by kernel category, the step's timeline, each collective's time and exposed time, on CUDA the idle time by
+cause (waiting for the host's launch, by host op, or queued behind a stream / peer), top kernels, the step's kernels)
 and ``rank<r>_timeline.png`` to ``<dump_folder>/<save_traces_folder>/iteration_<step>/``, keeping earlier files. On CPU
 the ATen ops' CPU time counts instead of kernels, gloo's collectives as communication."""
 
@@ -15,7 +16,7 @@ import torch
 from graph_trainer import logger
 from graph_trainer.metrics import keep_previous
 from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, collective_breakdown, draw_timeline,
-                                          pack_step, timeline_breakdown)
+                                          idle_causes, pack_step, timeline_breakdown)
 
 #: (category, regex over the kernel name), first match wins. Order matters: Inductor's generated
 #: kernels (but FlexAttention's), NCCL and attention kernels are matched before the generic
@@ -34,6 +35,12 @@ KERNEL_CATEGORIES: list[tuple[str, re.Pattern]] = [
         r"unsqueeze|squeeze|split|split_with_sizes|alias|empty|empty_strided|resize_)$")),
     ("eager pointwise / reduction", re.compile(r"elementwise|vectorized|reduce_kernel|unrolled|aten::", re.I)),
 ]
+
+
+#: the rows of :func:`~graph_trainer.tools.timeline.idle_causes` that add up to the idle time
+IDLE_ROWS = [("host_ms", "host-late: the next kernel launched after the device went idle"),
+             ("queued_ms", "queued: launched before, waiting for a stream, an event or a peer"),
+             ("tail_ms", "after the step's last kernel"), ("unknown_ms", "no launch recorded")]
 
 
 def kernel_category(name: str) -> str:
@@ -93,6 +100,11 @@ def summary_markdown(summary: dict[str, Any], unit: str = "device") -> str:
         lines += ["", "| step timeline | ms/step | share of wall |", "|---|---:|---:|"]
         for key, label in TIMELINE_ROWS + [r for r in TIMELINE_EXTRA_ROWS if r[0] in t]:
             lines.append(f"| {label} | {t[key]:.2f} | {100 * t[key] / t['wall_ms']:.1f} % |")
+    if (idle := summary.get("idle_causes")) and t and t.get("idle_ms"):
+        lines += ["", "| idle (nothing running), by cause | ms/step |", "|---|---:|"]
+        lines += [f"| {label} | {idle[key]:.2f} |" for key, label in IDLE_ROWS]
+        lines += [f"| (host-late, launched by `{op}`) | {ms:.2f} |" for op, ms in idle["by_host_op"].items()]
+        lines.append(f"\n(host lead: a kernel starts a median {idle['lead_ms']:.2f} ms after its launch)")
     if summary.get("collectives"):
         lines += ["", "| collective (dtype, stream) | ms/step | exposed ms/step | launches/step |",
                   "|---|---:|---:|---:|"]
@@ -148,6 +160,30 @@ def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple
     return kernels, sorted(steps), collectives
 
 
+# host-side CUDA runtime / driver calls that start device work (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync)
+_RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")
+# parts of host op names that differ per region or graph: Inductor's graph hash, Dynamo's frame ids
+_OP_IDS = re.compile(r"(?<=CompiledFxGraph) \w+|: \d+/\d+")
+
+
+def _host_op(evt) -> str:
+    """The outermost host op around a runtime call (below the ``ProfilerStep#`` window), ids stripped."""
+    op, parent = None, evt.cpu_parent
+    while parent is not None and not parent.name.startswith("ProfilerStep"):
+        op, parent = parent, parent.cpu_parent
+    return _OP_IDS.sub("", op.name) if op is not None else "(no host op)"
+
+
+def _launches_of(events: list) -> list[tuple[float, float, str]]:
+    """``(kernel start_us, launch start_us, host op)`` of every device kernel whose runtime call was recorded
+    (the two share the CUPTI correlation id), for :func:`~graph_trainer.tools.timeline.idle_causes`."""
+    calls = {e.id: e for e in events
+             if e.device_type == torch.autograd.DeviceType.CPU and _RUNTIME_CALL.match(e.name)}
+    return [(e.time_range.start, calls[e.id].time_range.start, _host_op(calls[e.id])) for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.id in calls
+            and not getattr(e, "is_user_annotation", False)]
+
+
 def _json_text(summary: dict[str, Any]) -> str:
     """``summary`` as indented JSON, the rows of ``step_intervals.kernels`` one per line."""
     rows = summary.get("step_intervals", {}).get("kernels")
@@ -197,6 +233,8 @@ class StepProfiler:
         kernels, steps, collectives = _intervals_of(prof)
         summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=timeline_breakdown(kernels, steps),
                        collectives=collective_breakdown(kernels, collectives, steps))
+        if unit == "device":
+            summary["idle_causes"] = idle_causes(kernels, _launches_of(list(prof.events())), steps)
         if steps:  # the window's last step, for the pictures
             summary["step_intervals"] = pack_step(kernels, steps[-1], prof.step_num)
         os.makedirs(folder, exist_ok=True)

@@ -6,6 +6,7 @@ coloured by category on a compute and a communication lane, and bands where only
 import json
 
 Kernel = tuple[float, float, str]  # (start_us, end_us, category)
+Launch = tuple[float, float, str]  # (kernel start_us, its host launch start_us, the host op that launched it)
 
 #: bar colour per kernel category; a category not listed here is drawn dark grey
 COLORS = {"matmul": "tab:blue", "attention": "tab:orange", "inductor triton": "tab:green",
@@ -108,6 +109,44 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
     n = max(len(steps), 1)
     rows = {k: {key: v / n for key, v in row.items()} for k, row in out.items()}
     return dict(sorted(rows.items(), key=lambda kv: (-kv[1]["exposed_ms"], kv[0])))
+
+
+def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple[float, float]],
+                top: int = 5) -> dict:
+    """Why the device idles: each gap of a step where no kernel runs (:func:`bands`) is charged by the kernel
+    that ends it, whose host launch ``launches`` gives (``(kernel_start_us, launch_us, host_op)``, matched on the
+    kernel's start). ``host_ms``: that kernel was launched after the gap began, the device waited for the host
+    (``by_host_op``: ms per op that launched it, the ``top`` largest); ``queued_ms``: launched before, it waited
+    for another stream, an event or a peer; ``tail_ms``: no kernel follows before the step's end; ``unknown_ms``:
+    no launch recorded. ``lead_ms``: the median over the steps' kernels of launch-to-start time (how far the host
+    runs ahead; near 0 where it is the bottleneck). ms, means per step; all zero without steps."""
+    out = dict.fromkeys(("host_ms", "queued_ms", "tail_ms", "unknown_ms", "lead_ms"), 0.0)
+    if not steps:
+        return {**out, "by_host_op": {}}
+    first_launch: dict[float, tuple[float, str]] = {}
+    for start, launch, op in launches:  # kernels starting together: the earliest launch
+        if start not in first_launch or launch < first_launch[start][0]:
+            first_launch[start] = (launch, op)
+    by_op: dict[str, float] = {}
+    leads = []
+    for lo, hi in steps:
+        leads += [start - launch for start, launch, _ in launches if lo <= start < hi]
+        for a, b in bands(kernels, (lo, hi))["idle"]:
+            ms = (b - a) / 1e3
+            if b >= hi:
+                out["tail_ms"] += ms
+            elif b not in first_launch:
+                out["unknown_ms"] += ms
+            elif first_launch[b][0] > a:
+                out["host_ms"] += ms
+                by_op[first_launch[b][1]] = by_op.get(first_launch[b][1], 0.0) + ms
+            else:
+                out["queued_ms"] += ms
+    n = len(steps)
+    out = {k: v / n for k, v in out.items()}
+    out["lead_ms"] = sorted(leads)[len(leads) // 2] / 1e3 if leads else 0.0
+    ranked = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
+    return {**out, "by_host_op": {op: ms / n for op, ms in ranked}}
 
 
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
