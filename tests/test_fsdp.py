@@ -130,3 +130,17 @@ def test_fake_backend_dry_runs_of_the_8b(dry_runs_8b):
     assert c["reduce_scatter_tensor"]["count"] >= N_8B + 2 * 32
     assert c["all_reduce"]["count"] >= 2 * 32 + 1  # norm-weight gradients (replicated under TP)
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+
+
+def test_weighted_grad_norm_makes_its_weights_tensor_once(monkeypatch):
+    """TP-replicated weights: the norm is sqrt(Σ w_i ||g_i||²), and the weights reach the device on the first call
+    only (a blocking host-to-device copy every step would make the host wait for the whole backward)."""
+    from graph_trainer.distributed import fsdp
+
+    monkeypatch.setattr(fsdp.dist, "all_reduce", lambda t, op=None, group=None: t)  # one rank
+    shards = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    shards[0].grad, shards[1].grad = torch.tensor([3.0, 0.0, 4.0]), torch.tensor([0.0, 2.0])
+    fsdp._on_device.cache_clear()
+    norms = [float(fsdp.sharded_grad_norm_(shards, 1e9, None, [0.5, 1.0])) for _ in range(2)]
+    assert norms == pytest.approx([(0.5 * 25 + 4) ** 0.5] * 2)
+    assert fsdp._on_device.cache_info().misses == 1

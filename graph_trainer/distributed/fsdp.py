@@ -6,6 +6,7 @@ reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_function
 because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,14 @@ class ShardedParams(torch.nn.Module):
         self.add_module(f"rank{rank}of{world}", holder)
 
 
+@functools.lru_cache(maxsize=8)
+def _on_device(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, made once: a blocking host-to-device copy synchronizes the
+    stream, so building it every step would make the host wait for the whole backward before it issues the
+    clipping and the optimizer step (the GPU idles meanwhile)."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group=None,
                        weights: list[float] | None = None) -> torch.Tensor:
     """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm (0-d fp32):
@@ -164,7 +173,7 @@ def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group=
         if grads:
             sq = torch.stack(torch._foreach_norm(grads)).pow(2)
             w = [wi for s, wi in zip(shards, weights) if s.grad is not None]
-            local = (sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).sum()
+            local = (sq * _on_device(tuple(w), sq.dtype, sq.device)).sum()
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         total = local.sqrt()
     torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
