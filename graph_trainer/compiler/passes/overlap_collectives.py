@@ -10,6 +10,8 @@ CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap).
 end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
+from dataclasses import dataclass
+
 import torch
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
@@ -160,4 +162,19 @@ def overlap_collectives_pass(
     return gm
 
 
-PASS = GraphPass(name="overlap_collectives", fn=overlap_collectives_pass, enabled=lambda ctx: True)
+@dataclass
+class OverlapCollectivesOptions:
+    """``[compile.overlap_collectives]``: options of ``overlap_collectives`` (in the default pipeline)."""
+
+    ag_window: int = 9
+    """Each FSDP parameter all-gather is issued just before the first use of the parameter this many places
+    earlier in use order (9: one Llama3 block's parameters ahead; 0: at its own first use). Larger hides a
+    slower all-gather under more compute and keeps more gathered parameters alive. Numerics unchanged."""
+
+    def check(self) -> None:
+        if self.ag_window < 0:
+            raise ValueError(f"--compile.overlap_collectives.ag_window must be >= 0, got {self.ag_window}")
+
+
+PASS = GraphPass(name="overlap_collectives", fn=overlap_collectives_pass, options=OverlapCollectivesOptions,
+                 enabled=lambda ctx: True)
