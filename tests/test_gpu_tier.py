@@ -67,6 +67,15 @@ def test_eager_equals_traced(tmp_path, layout):
         assert "async_tp" in passes and passes["async_tp"]["nodes_after"] < passes["async_tp"]["nodes_before"]
 
 
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
+def test_cuda_graph_equals_eager(tmp_path, layout):
+    """The traced step replayed as a CUDA graph (``--compile.passes cudagraph``) with its NCCL collectives and async
+    TP's symmetric-memory ops captured: bitwise with torchtitan's eager step, STEPS steps and the final state."""
+    _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], ["--compile.passes", "cudagraph"], STEPS)
+    passes = read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]
+    assert "cudagraph" in [p["pass"] for p in passes]
+
+
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):

@@ -46,6 +46,7 @@ from graph_trainer.tools.bench import device_name, utc_date_time, write_record
 from graph_trainer.tools.sides import git_dirty, git_out
 out, config, steps, k = sys.argv[1:]
 what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
+        "test_cuda_graph_equals_eager": f"eager == traced replayed as a CUDA graph, {steps} steps + final state",
         "test_run_to_run_with_numerics_changing_options": "run to run, 6 steps + final state",
         "test_resume_bitwise": "stopped at step 2 and resumed == uninterrupted, 4 steps + final state"}
 claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[1]}

@@ -1,5 +1,6 @@
 """Replay the (compiled) training step as a CUDA graph. CUDA only; the memory policy adds it where it fits (one
-process on a CUDA device, no whole-graph Inductor) unless a flag names it. Numerics unchanged.
+process on a CUDA device, no whole-graph Inductor) unless a flag names it (with several processes the NCCL
+collectives are captured too). Numerics unchanged.
 
 ``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then replays.
 ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are used in
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -48,7 +50,11 @@ class CUDAGraphWrapper:
             self.graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
-            with torch.cuda.graph(self.graph):  # (its __enter__ empties the allocator's cache first)
+            # with NCCL peers, other threads (ProcessGroupNCCL's watchdog) query CUDA events during the capture:
+            # only this thread's calls may invalidate it
+            peers = dist.is_initialized() and dist.get_world_size() > 1
+            mode = "thread_local" if peers else "global"
+            with torch.cuda.graph(self.graph, capture_error_mode=mode):  # (its __enter__ empties the allocator's cache)
                 self.static_outputs = self.fn(*pytree.tree_unflatten(self.static_inputs, spec))
             after = torch.cuda.memory_reserved()
             logger.info("cudagraph_pass: captured CUDA graph (%d inputs, %d static); reserved %.2f GiB before the "
