@@ -225,8 +225,8 @@ def test_idle_is_charged_to_the_host_or_to_a_queue_by_the_kernel_that_ends_it():
 
 
 def test_launches_matched_by_correlation_id_to_the_outermost_host_op():
-    """A kernel's runtime call shares its id; the host op is the outermost one below the ProfilerStep, ids
-    stripped; kernels without a runtime call and annotations are left out."""
+    """A kernel's runtime call shares its id; its host ops are the outermost below the ProfilerStep and the
+    innermost, ids stripped; kernels without a runtime call and annotations are left out."""
     step = _evt("ProfilerStep#10", 0, 1000)
     region = _evt("## Call CompiledFxGraph fx3k2abc ##", 10, 200, parent=step)
     launch = _evt("cuLaunchKernelEx", 20, 25, id=7, parent=_evt("aten::empty", 15, 30, parent=region))
@@ -234,7 +234,7 @@ def test_launches_matched_by_correlation_id_to_the_outermost_host_op():
     events = [step, region, launch, mm, _evt("triton_poi_fused_0", 40, 50, "CUDA", id=7),
               _evt("nvjet_gemm", 320, 400, "CUDA", id=8), _evt("other_kernel", 500, 600, "CUDA", id=9),
               _evt("nccl:all_gather", 40, 50, "CUDA", ann=True, id=7)]
-    assert _launches_of(events) == [(40, 20, "## Call CompiledFxGraph ##"), (320, 300, "aten::mm")]
+    assert _launches_of(events) == [(40, 20, "## Call CompiledFxGraph ## › aten::empty"), (320, 300, "aten::mm")]
 
 
 def test_summary_markdown_names_the_idle_causes():

@@ -167,11 +167,15 @@ _OP_IDS = re.compile(r"(?<=CompiledFxGraph) \w+|: \d+/\d+")
 
 
 def _host_op(evt) -> str:
-    """The outermost host op around a runtime call (below the ``ProfilerStep#`` window), ids stripped."""
-    op, parent = None, evt.cpu_parent
+    """The host ops around a runtime call (below the ``ProfilerStep#`` window), ids stripped: ``"outer › inner"``
+    (e.g. ``symm_mem::fused_all_gather_matmul › aten::mm``), or one name when they are the same op."""
+    chain, parent = [], evt.cpu_parent
     while parent is not None and not parent.name.startswith("ProfilerStep"):
-        op, parent = parent, parent.cpu_parent
-    return _OP_IDS.sub("", op.name) if op is not None else "(no host op)"
+        chain.append(_OP_IDS.sub("", parent.name))
+        parent = parent.cpu_parent
+    if not chain:
+        return "(no host op)"
+    return chain[-1] if len(chain) == 1 else f"{chain[-1]} › {chain[0]}"
 
 
 def _launches_of(events: list) -> list[tuple[float, float, str]]:
