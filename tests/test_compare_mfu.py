@@ -235,14 +235,12 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
 REAL_BAD_FLAG = (["--a-flags", ""], "--training.no_such_flag 1")
 
 
+@_early.job("compare_mfu_real_bad_flag")
 def _real_bad_flag(tmp, env):
     """The real tree with :data:`REAL_BAD_FLAG`: ``(its result, its --out folder)``."""
     out = tmp / "cmp"
     a_side, b_flags = REAL_BAD_FLAG
     return _compare(*a_side, "--b-flags", b_flags, "--out", str(out), "--", *TINY, env=_env(env)), out
-
-
-_early.job("compare_mfu_real_bad_flag", _real_bad_flag)
 
 
 @pytest.mark.parametrize("tree, a_side, b_flags, needle", [
@@ -278,6 +276,7 @@ def test_usage_errors(args, needle, tmp_path):
     assert not (tmp_path / "cmp").exists()
 
 
+@_early.job("compare_mfu_real_head_ref")
 def _real_head_ref(tmp, env):
     """A: HEAD (if a git tree), B: the working tree + max_norm 0.5, profiled: ``(HEAD or None, --out, result)``."""
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -289,10 +288,6 @@ def _real_head_ref(tmp, env):
     return head, out, r
 
 
-_early.job("compare_mfu_real_head_ref", _real_head_ref)
-
-
-@pytest.mark.slow
 @_early.uses("compare_mfu_real_head_ref")
 def test_real_head_ref_against_working_tree_flags():
     """A: HEAD from a worktree (outside git: the working tree), B: + max_norm 0.5; profiled."""

@@ -14,6 +14,7 @@ ISOLATED = "full+isolated rmsnorm"
 COMPILED = ["full", ISOLATED, "regional+rmsnorm", POINTWISE]
 
 
+@_early.job("fusion_report_tiny")
 def _tiny_run(tmp, env):
     """``fusion_report.py --tiny``: ``(its JSON file, its result)``."""
     out = tmp / "report.json"
@@ -21,10 +22,6 @@ def _tiny_run(tmp, env):
                            timeout=900)  # forked from tests/_launch.py's server (its imports done)
 
 
-_early.job("fusion_report_tiny", _tiny_run)
-
-
-@pytest.mark.slow
 @_early.uses("fusion_report_tiny")
 def test_tiny_run():
     """The ways and their kernels, each matching the uncompiled numerics; the table matches the JSON."""

@@ -105,6 +105,7 @@ def test_save_load_and_bad_input(tmp_path, capsys):
         assert needle in err and "Traceback" not in err
 
 
+@_early.job("numerics_diff_cli")
 def _numerics_diff_cli(tmp, env):
     """scripts/numerics_diff.py, default pipeline vs the RMSNorm pass: ``(its out folder, its result)``."""
     out = tmp / "nd"
@@ -114,10 +115,6 @@ def _numerics_diff_cli(tmp, env):
                            env=env, cwd=REPO, timeout=900)  # forked from tests/_launch.py's server (its imports done)
 
 
-_early.job("numerics_diff_cli", _numerics_diff_cli)
-
-
-@pytest.mark.slow
 @_early.uses("numerics_diff_cli")
 def test_cli_names_the_rmsnorm_node():
     """Default pipeline vs the RMSNorm pass: the first op that differs is an RMSNorm op (brute force agrees)."""
