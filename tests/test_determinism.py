@@ -16,7 +16,7 @@ from graph_trainer.tools.loss_compare import first_difference
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
-from _runs import PASS, REPO, SMALL, bitwise_runs, train_hashed
+from _runs import PASS, SMALL, bitwise_runs, train_hashed
 
 
 EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: conftest.py
@@ -48,8 +48,7 @@ def _loss_compare(tmp, env):
     """scripts/loss_compare.py, pass off vs on, --assert-equal: ``(its --out folder, its result)``."""
     out = tmp / "cmp"
     return out, run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags",
-                            PASS, "--assert-equal", "--", *SMALL], env=env, cwd=REPO,
-                           timeout=900)  # forked from tests/_launch.py's server
+                            PASS, "--assert-equal", "--", *SMALL], env=env, timeout=900)  # forked: tests/_launch.py
 
 
 @_early.uses("loss_compare_pass")

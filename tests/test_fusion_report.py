@@ -12,6 +12,7 @@ NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
 ISOLATED = "full+isolated rmsnorm"
 COMPILED = ["full", ISOLATED, "regional+rmsnorm", POINTWISE]
+fr = load_script("fusion_report")
 
 
 @_early.job("fusion_report_tiny")
@@ -75,7 +76,6 @@ def test_tiny_run():
 
 
 def test_parse_kernels_triton_header_and_cpp_call_site():
-    fr = load_script("fusion_report")
     src = "\n".join([
         "async_compile = AsyncCompile()",
         "",
@@ -104,8 +104,6 @@ def test_parse_kernels_triton_header_and_cpp_call_site():
 
 
 def test_split_phase_times_marker_and_kernel_phase():
-    fr = load_script("fusion_report")
-
     def ann(name, ts, dur=0):
         return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
 
