@@ -16,8 +16,9 @@ BACKGROUND = True  #: run the queued runs in background processes
 
 
 class _Run:
-    def __init__(self, fn: Callable[[Path, dict], Any] | None, module_file: str, needs: tuple[str, ...] = ()):
-        self.fn, self.module_file, self.needs, self.env = fn, module_file, needs, dict(os.environ)
+    def __init__(self, fn: Callable[[Path, dict], Any] | None, module_file: str, needs: tuple[str, ...] = (),
+                 slow: bool = True):
+        self.fn, self.module_file, self.needs, self.slow, self.env = fn, module_file, needs, slow, dict(os.environ)
         self.waiter = None  # _launch.fork_call's, once started
         self.outcome: tuple[bool, Any] | None = None  # (ok, value or error), once read
 
@@ -27,14 +28,26 @@ _QUEUE: list[str] = []  # not started yet, in the order the selected tests read 
 _TMP = None  # the session's tmp_path_factory
 
 
-def job(name: str, fn: Callable[[Path, dict], Any], needs: tuple[str, ...] = ()) -> None:
-    """Register ``fn(tmp folder, environment)`` as run ``name``; ``needs``: runs done before it starts."""
-    _RUNS.setdefault(name, _Run(fn, sys._getframe(1).f_globals["__file__"], tuple(needs)))
+def job(name: str, fn: Callable[[Path, dict], Any] | None = None, needs: tuple[str, ...] = (), slow: bool = True):
+    """Register ``fn(tmp folder, environment)`` as run ``name`` (without ``fn``: a decorator registering the function
+    it decorates); ``needs``: runs done before it starts; ``slow``: the tests reading it are marked slow (conftest)."""
+    module_file = sys._getframe(1).f_globals["__file__"]
+
+    def register(fn):
+        _RUNS.setdefault(name, _Run(fn, module_file, tuple(needs), slow))
+        return fn
+
+    return register if fn is None else register(fn)
 
 
 def uses(name: str):
     """The mark of a test reading run ``name``."""
     return getattr(pytest.mark, MARK)(name)
+
+
+def is_slow(item) -> bool:
+    """Whether the test ``item`` reads a run registered as slow."""
+    return any(m.args[0] in _RUNS and _RUNS[m.args[0]].slow for m in item.iter_markers(MARK))
 
 
 def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) -> Any:

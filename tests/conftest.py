@@ -16,7 +16,7 @@ from _runs import FINISHED, bitwise_runs, dry_run_8b_8_ranks, run_debug  # noqa:
 
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
-#: Session fixtures that start training runs or dry-run the 8B: their tests are slow.
+#: Session fixtures that start training runs or dry-run the 8B: their tests are slow (as readers of slow early runs).
 SLOW_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
 #: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
 EARLY_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b"})
@@ -26,10 +26,10 @@ EARLY_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b"})
 def pytest_collection_modifyitems(config, items):
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if SLOW_FIXTURES & names:
-            item.add_marker(pytest.mark.slow)
         for name in sorted(EARLY_FIXTURES & names):
             item.add_marker(_early.uses(name))
+        if SLOW_FIXTURES & names or _early.is_slow(item):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config):
@@ -97,6 +97,7 @@ def fsdp_step(fsdp_trace):
     return fsdp_trace()
 
 
+@_early.job("finished_run")
 def _finished_run(tmp, env):
     dump = tmp / "run"
     r = run_debug(dump, FINISHED, steps=4, forked=True, env=env)
@@ -104,7 +105,6 @@ def _finished_run(tmp, env):
     return dump
 
 
-_early.job("finished_run", _finished_run)
 _early.job("bitwise_1rank", lambda tmp, env: bitwise_runs(tmp, 1, 4, env=env))  # tests/test_determinism.py
 _early.job("bitwise_gloo2", lambda tmp, env: bitwise_runs(tmp, 2, 4, env=env))
 
@@ -143,6 +143,7 @@ def log_lines():
         yield lines
 
 
+@_early.job("dry_runs_8b")
 def _dry_runs_8b(tmp, env):
     fsdp8 = fork_call(dry_run_8b_8_ranks, "--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
                       "--compile.memory_budget_gib", "71")
@@ -151,9 +152,6 @@ def _dry_runs_8b(tmp, env):
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp",
                                      "--compile.async_tp.merge_matmul_sums", "--compile.numerics_changing_optim")
     return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
-
-
-_early.job("dry_runs_8b", _dry_runs_8b)
 
 
 @pytest.fixture(scope="session")

@@ -13,25 +13,26 @@ REQUIRED = ["eager", "make_fx", "regional", "regional[guarded]", "torch.compile"
 OPTIONAL = ["liger", "quack"]
 
 
-def _run(tmp_path, *extra, forked=True):
-    """The script with ``--tiny``: forked from tests/_launch.py's server (its imports done), or a new interpreter."""
+def _run(tmp_path, *extra, forked=True, rc=0):
+    """The script with ``--tiny``, forked from tests/_launch.py's server (its imports done) or a new interpreter, exit
+    code ``rc``: ``(its result, its report, the report's results by variant)``."""
     out = tmp_path / "tmp.json"
     argv = [str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out), *extra]
     if forked:
         proc = run_script(argv, cwd=SCRIPTS.parent, timeout=600)
     else:
         proc = subprocess.run([sys.executable, *argv], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=600)
-    return proc, json.loads(out.read_text()) if out.exists() else {}
+    assert proc.returncode == rc, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    return proc, report, {r["variant"]: r for r in report["results"]}
 
 
 @pytest.mark.slow
 def test_tiny_report(tmp_path):
     """Every variant timed and within tolerance; regional compiles one region per norm and direction; the table."""
-    proc, report = _run(tmp_path)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    proc, report, by_name = _run(tmp_path)
     assert report["device_type"] == "cpu" and report["shapes"] == [[256, 128]] and report["torch"]
     assert math.isfinite(report["copy"]["GBps"]) and report["copy"]["GBps"] > 0
-    by_name = {r["variant"]: r for r in report["results"]}
     assert set(by_name) == set(REQUIRED + OPTIONAL + ["copy (same bytes)"])
     same = by_name.pop("copy (same bytes)")  # the reference row: a copy that moves the norm's bytes
     assert same["pct_of_same_bytes_copy"] == 100.0 and same["GBps"] > 0
@@ -59,9 +60,8 @@ def test_tiny_report(tmp_path):
 @pytest.mark.slow
 def test_tiny_residual_report(tmp_path):
     """--residual: the add joins the forward norm's region, matches eager; kernels without it unavailable."""
-    proc, report = _run(tmp_path, "--residual", "--variants", "eager,regional,liger", "--inductor-configs", "{}")
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    by_name = {r["variant"]: r for r in report["results"]}
+    proc, report, by_name = _run(tmp_path, "--residual", "--variants", "eager,regional,liger", "--inductor-configs",
+                                 "{}")
     assert report["residual"] and report["bytes_formula"].startswith("8*M*N")
     assert by_name["eager"]["max_abs_diff"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
     regional = by_name["regional"]
@@ -72,10 +72,9 @@ def test_tiny_residual_report(tmp_path):
 
 
 def test_bad_inductor_config_fails_the_run(tmp_path):
-    proc, report = _run(tmp_path, "--variants", "eager,regional", "--inductor-configs", 'bad={"not_a_key": 1}',
-                        forked=False)  # the script as a user starts it
-    by_name = {r["variant"]: r for r in report["results"]}
-    assert proc.returncode == 1 and by_name["eager"]["status"] == "ok"
+    _, _, by_name = _run(tmp_path, "--variants", "eager,regional", "--inductor-configs", 'bad={"not_a_key": 1}',
+                         forked=False, rc=1)  # the script as a user starts it
+    assert by_name["eager"]["status"] == "ok"
     assert by_name["regional[bad]"]["status"] == "failed" and "not_a_key" in by_name["regional[bad]"]["reason"]
 
 

@@ -17,6 +17,7 @@ from _launch import fork_call
 from _runs import REPO, SMALL, launch_env
 
 
+@_early.job("fake_collectives_fsdp32_tp2")
 def _fake_collectives_run(tmp, env):
     """COMM_MODE=fake_collectives NGPU=64 ./run_train.sh, FSDP32 x TP2: ``(its dump folder, its result)``."""
     dump = tmp / "out"
@@ -27,10 +28,6 @@ def _fake_collectives_run(tmp, env):
                                 timeout=600, env=launch_env(env, COMM_MODE="fake_collectives", NGPU="64"))
 
 
-_early.job("fake_collectives_fsdp32_tp2", _fake_collectives_run)
-
-
-@pytest.mark.slow
 @_early.uses("fake_collectives_fsdp32_tp2")
 def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process():
     """NGPU=64, FSDP32xTP2 in one process: meta model, rank 0's shards, 64 ranks' collectives, finite losses."""

@@ -232,31 +232,25 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
     assert len(started) == 1 and started[0].poll() is not None  # stopped and reaped
 
 
-REAL_BAD_FLAG = (["--a-flags", ""], "--training.no_such_flag 1")
-
-
+@_early.job("compare_mfu_real_bad_flag")
 def _real_bad_flag(tmp, env):
-    """The real tree with :data:`REAL_BAD_FLAG`: ``(its result, its --out folder)``."""
+    """The real tree (the real config parser), B with an unknown flag: ``(its result, its --out folder)``."""
     out = tmp / "cmp"
-    a_side, b_flags = REAL_BAD_FLAG
-    return _compare(*a_side, "--b-flags", b_flags, "--out", str(out), "--", *TINY, env=_env(env)), out
+    return _compare("--a-flags", "", "--b-flags", "--training.no_such_flag 1", "--out", str(out), "--", *TINY,
+                    env=_env(env)), out
 
 
-_early.job("compare_mfu_real_bad_flag", _real_bad_flag)
-
-
-@pytest.mark.parametrize("tree, a_side, b_flags, needle", [
-    pytest.param("fake", ["--a", "HEAD~1"], "--fake.bad 1", "unrecognized option --fake.bad", id="fake"),
-    pytest.param("real", *REAL_BAD_FLAG, "--training.no_such_flag", id="real",  # started early: tests/_early.py
-                 marks=[pytest.mark.slow, _early.uses("compare_mfu_real_bad_flag")]),  # the real config parser
-])
-def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, a_side, b_flags, needle, tmp_path, request):
+@pytest.mark.parametrize("tree, needle", [
+    ("fake", "unrecognized option --fake.bad"),  # A: HEAD~1, B: --fake.bad 1
+    pytest.param("real", "--training.no_such_flag", marks=_early.uses("compare_mfu_real_bad_flag")),  # started early
+], ids=["fake", "real"])
+def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, needle, tmp_path, request):
     if tree == "real":  # on both sides
         r, out = _early.result("compare_mfu_real_bad_flag")
     else:
         out = tmp_path / "cmp"
-        r = _compare("--repo", str(request.getfixturevalue("fake_repo")), *a_side, "--b-flags", b_flags, "--out",
-                     str(out))
+        r = _compare("--repo", str(request.getfixturevalue("fake_repo")), "--a", "HEAD~1", "--b-flags", "--fake.bad 1",
+                     "--out", str(out))
     assert r.returncode == 2 and "side B" in r.stderr and needle in r.stderr, r.stdout + r.stderr
     assert "side A" not in r.stderr and "validating" in r.stdout and "step 1" not in r.stdout
     assert not out.exists()
@@ -278,6 +272,7 @@ def test_usage_errors(args, needle, tmp_path):
     assert not (tmp_path / "cmp").exists()
 
 
+@_early.job("compare_mfu_real_head_ref")
 def _real_head_ref(tmp, env):
     """A: HEAD (if a git tree), B: the working tree + max_norm 0.5, profiled: ``(HEAD or None, --out, result)``."""
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -289,10 +284,6 @@ def _real_head_ref(tmp, env):
     return head, out, r
 
 
-_early.job("compare_mfu_real_head_ref", _real_head_ref)
-
-
-@pytest.mark.slow
 @_early.uses("compare_mfu_real_head_ref")
 def test_real_head_ref_against_working_tree_flags():
     """A: HEAD from a worktree (outside git: the working tree), B: + max_norm 0.5; profiled."""

@@ -268,6 +268,7 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
     assert data.resolve_tokenizer_path(str(tok), VOCAB) == str(tok)
 
 
+@_early.job("bad_line_deep_in_file")
 def _bad_line_runs(tmp, env):
     """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [results])``."""
     path = tmp / "docs.jsonl"
@@ -276,10 +277,6 @@ def _bad_line_runs(tmp, env):
     return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, env=env) for forked in (True, False)]
 
 
-_early.job("bad_line_deep_in_file", _bad_line_runs)
-
-
-@pytest.mark.slow
 @_early.uses("bad_line_deep_in_file")
 def test_training_stops_at_bad_line_deep_in_file():
     """A null 'text' on line 2000 (past preflight) stops forked and torchrun ranks: one `error: file:line`, exit 2."""

@@ -16,7 +16,7 @@ from graph_trainer.tools.loss_compare import first_difference
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
-from _runs import PASS, REPO, SMALL, bitwise_runs, train_hashed
+from _runs import PASS, SMALL, bitwise_runs, train_hashed
 
 
 EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: conftest.py
@@ -43,18 +43,14 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     assert meta["flavor"] == flavor and meta["layout"].startswith(f"dp_shard{ngpu}")
 
 
+@_early.job("loss_compare_pass")
 def _loss_compare(tmp, env):
     """scripts/loss_compare.py, pass off vs on, --assert-equal: ``(its --out folder, its result)``."""
     out = tmp / "cmp"
     return out, run_script(["scripts/loss_compare.py", "--steps", "4", "--out", str(out), "--a-flags", "", "--b-flags",
-                            PASS, "--assert-equal", "--", *SMALL], env=env, cwd=REPO,
-                           timeout=900)  # forked from tests/_launch.py's server
+                            PASS, "--assert-equal", "--", *SMALL], env=env, timeout=900)  # forked: tests/_launch.py
 
 
-_early.job("loss_compare_pass", _loss_compare)
-
-
-@pytest.mark.slow
 @_early.uses("loss_compare_pass")
 def test_loss_compare_pass_on_vs_off():
     """The RMSNorm pass changes the final state bitwise, the loss < 1e-4 relative; --assert-equal fails."""
@@ -97,6 +93,7 @@ def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
     assert os.path.exists(path)  # nothing deleted
 
 
+@_early.job("nan_run")
 def _nan_run(tmp, env):
     """run_train.sh at a diverging learning rate, a checkpoint every step: ``(its dump folder, its result)``."""
     d = tmp / "run"
@@ -104,10 +101,6 @@ def _nan_run(tmp, env):
                      "--checkpoint.interval", "1", steps=6, check=False, env=env)
 
 
-_early.job("nan_run", _nan_run)
-
-
-@pytest.mark.slow
 @_early.uses("nan_run")
 def test_nan_stops_run_and_keeps_last_good_checkpoint():
     d, r = _early.result("nan_run")

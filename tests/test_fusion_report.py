@@ -12,8 +12,10 @@ NOMIX = "full, mix_order_reduction=False"
 POINTWISE = "regional+rmsnorm+pointwise"
 ISOLATED = "full+isolated rmsnorm"
 COMPILED = ["full", ISOLATED, "regional+rmsnorm", POINTWISE]
+fr = load_script("fusion_report")
 
 
+@_early.job("fusion_report_tiny")
 def _tiny_run(tmp, env):
     """``fusion_report.py --tiny``: ``(its JSON file, its result)``."""
     out = tmp / "report.json"
@@ -21,10 +23,6 @@ def _tiny_run(tmp, env):
                            timeout=900)  # forked from tests/_launch.py's server (its imports done)
 
 
-_early.job("fusion_report_tiny", _tiny_run)
-
-
-@pytest.mark.slow
 @_early.uses("fusion_report_tiny")
 def test_tiny_run():
     """The ways and their kernels, each matching the uncompiled numerics; the table matches the JSON."""
@@ -78,7 +76,6 @@ def test_tiny_run():
 
 
 def test_parse_kernels_triton_header_and_cpp_call_site():
-    fr = load_script("fusion_report")
     src = "\n".join([
         "async_compile = AsyncCompile()",
         "",
@@ -107,8 +104,6 @@ def test_parse_kernels_triton_header_and_cpp_call_site():
 
 
 def test_split_phase_times_marker_and_kernel_phase():
-    fr = load_script("fusion_report")
-
     def ann(name, ts, dur=0):
         return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
 

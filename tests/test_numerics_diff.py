@@ -3,7 +3,6 @@
 import json
 import os
 
-import pytest
 import torch
 
 from graph_trainer import NUMERICS_KEY
@@ -14,8 +13,8 @@ from graph_trainer.tools.numerics_diff import compare, main
 from graph_trainer.trace import trace_train_step
 
 import _early  # tests/ is on sys.path
-from _launch import REPO, run_script
-
+from _launch import run_script
+from _runs import SMALL
 
 
 def _record_graph(gm, flat):
@@ -105,19 +104,15 @@ def test_save_load_and_bad_input(tmp_path, capsys):
         assert needle in err and "Traceback" not in err
 
 
+@_early.job("numerics_diff_cli")
 def _numerics_diff_cli(tmp, env):
     """scripts/numerics_diff.py, default pipeline vs the RMSNorm pass: ``(its out folder, its result)``."""
     out = tmp / "nd"
     return out, run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
-                            "--compile.numerics_changing_optim", "--out", str(out), "--", "--training.seq_len", "64",
-                            "--training.local_batch_size", "2"],
-                           env=env, cwd=REPO, timeout=900)  # forked from tests/_launch.py's server (its imports done)
+                            "--compile.numerics_changing_optim", "--out", str(out), "--", *SMALL],
+                           env=env, timeout=900)  # forked from tests/_launch.py's server (its imports done)
 
 
-_early.job("numerics_diff_cli", _numerics_diff_cli)
-
-
-@pytest.mark.slow
 @_early.uses("numerics_diff_cli")
 def test_cli_names_the_rmsnorm_node():
     """Default pipeline vs the RMSNorm pass: the first op that differs is an RMSNorm op (brute force agrees)."""

@@ -124,6 +124,7 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
     assert "'inductor_region': 'rmsnorm_forward_0'" in artifacts[f"graph_after_{ANNOTATE}"][1]
 
 
+@_early.job("tlparse_traced_run")
 def _traced_run(tmp, env):
     """The 2-step debug run with TORCH_TRACE into ``tmp/trace``: ``(tmp, its result)``; None without tlparse."""
     if shutil.which("tlparse") is None:
@@ -133,10 +134,6 @@ def _traced_run(tmp, env):
                           env={**env, "TORCH_TRACE": str(tmp / "trace")})
 
 
-_early.job("tlparse_traced_run", _traced_run)
-
-
-@pytest.mark.slow
 @_early.uses("tlparse_traced_run")
 def test_tlparse_lists_one_artifact_per_pass(tmp_path):
     """A 2-step run with TORCH_TRACE: tlparse lists our artifacts per pass and Inductor's."""

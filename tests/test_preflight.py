@@ -89,6 +89,7 @@ def _case(case, tmp):
     return env, args, needle.format(**files)
 
 
+@_early.job("run_train_script_cases", slow=False)
 def _script_cases(tmp, base):
     """The cases refused by run_train.sh itself, each in its folder: ``{case: (folder, needle, result)}``."""
     out = {}
@@ -97,9 +98,6 @@ def _script_cases(tmp, base):
         env, args, needle = _case(case, folder)
         out[case] = folder, needle, _run_sh(args, env, base)
     return out
-
-
-_early.job("run_train_script_cases", _script_cases)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=_early.uses("run_train_script_cases")) if w == "script"
@@ -121,7 +119,7 @@ def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out").exists()
 
 
-_early.job("run_train_help", lambda tmp, env: _run_sh(["--help"], base=env))
+_early.job("run_train_help", lambda tmp, env: _run_sh(["--help"], base=env), slow=False)
 
 
 @_early.uses("run_train_help")

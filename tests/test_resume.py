@@ -29,6 +29,7 @@ def _ok(r):
     return r
 
 
+@_early.job("resume_chain", needs=("finished_run",))
 def _chain(tmp, env):
     """The chain of runs on the copy: ``(copy, [(result, reading)])``, each reading right after its run."""
     d = tmp / "run"
@@ -61,10 +62,6 @@ def _chain(tmp, env):
     return d, _early.readings(steps, run)
 
 
-_early.job("resume_chain", _chain, needs=("finished_run",))
-
-
-@pytest.mark.slow
 @_early.uses("finished_run")
 @_early.uses("resume_chain")
 def test_resume_chain():

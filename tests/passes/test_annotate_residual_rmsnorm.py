@@ -1,7 +1,5 @@
 """annotate_residual_rmsnorm: norm regions take in their residual adds; the compiled step stays close."""
 
-import logging
-
 import pytest
 import torch
 
@@ -45,12 +43,11 @@ def test_residual_adds_join_the_norm_regions(tiny_llama):
     assert joined.get("backward", 0) >= 2 * n_layers - 1
 
 
-def test_compiled_step_matches_and_needs_the_flag(tiny_llama, caplog):
+def test_compiled_step_matches_and_needs_the_flag(tiny_llama, log_lines):
     gm, example_inputs, inputs = trace_step(tiny_llama(1))
     ref = gm(*inputs)
-    with caplog.at_level(logging.INFO, logger="graph_trainer"):
-        cgm = run_pipeline(gm, example_inputs, _pipeline(compile_=True))
-    assert any("joined 2 forward" in r.getMessage() for r in caplog.records)
+    cgm = run_pipeline(gm, example_inputs, _pipeline(compile_=True))
+    assert any("joined 2 forward" in m for m in log_lines)
     assert_close(cgm(*inputs), ref)
     with pytest.raises(ValueError, match="numerics_changing_optim"):
         resolve(PassContext(Compile(passes="residual_rmsnorm")))

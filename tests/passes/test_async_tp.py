@@ -306,21 +306,19 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
 def test_pipeline_place_options_and_flag():
     """On by default on CUDA (regional and full Inductor), else opt-in (alias micro_pipeline_tp); its flags and the
     TP group reach it."""
-    def runs(*flags, device_type="cuda"):
+    def options(*flags, device_type="cuda", **kw):  # async_tp's options; None: it does not run
         cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
-        return "async_tp" in [s.name for s in build_pipeline(cfg, device_type=device_type)]
+        return {s.name: s.options for s in build_pipeline(cfg, device_type=device_type, **kw)}.get("async_tp")
 
-    assert not runs(device_type="cpu") and not runs("--compile.inductor_compilation", "full", device_type="cpu")
-    assert runs() and runs("--compile.inductor_compilation", "full")
-    assert not runs("--compile.inductor_compilation", "full", "--compile.disable_passes", "async_tp")
-    cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "micro_pipeline_tp",
-                      "--compile.inductor_compilation", "full", "--compile.async_tp.fuse", "all_gather_matmul"])
-    steps = {s.name: s for s in build_pipeline(cfg.compile, tp_group_name="7")}
-    assert steps["async_tp"].options == {"fuse": "all_gather_matmul", "merge_matmul_sums": False, "tp_group_name": "7"}
-    cfg = parse_args(["--job.config_file", DEBUG, "--compile.passes", "async_tp",
-                      "--compile.async_tp.merge_matmul_sums"])
-    steps = {s.name: s for s in build_pipeline(cfg.compile, device_type="cpu")}
-    assert steps["async_tp"].options["merge_matmul_sums"] is True
+    full = ("--compile.inductor_compilation", "full")
+    assert options(device_type="cpu") is None and options(*full, device_type="cpu") is None
+    assert options() is not None and options(*full) is not None
+    assert options(*full, "--compile.disable_passes", "async_tp") is None
+    assert options("--compile.passes", "micro_pipeline_tp", *full, "--compile.async_tp.fuse", "all_gather_matmul",
+                   device_type=None, tp_group_name="7") == {"fuse": "all_gather_matmul", "merge_matmul_sums": False,
+                                                            "tp_group_name": "7"}
+    assert options("--compile.passes", "async_tp", "--compile.async_tp.merge_matmul_sums",
+                   device_type="cpu")["merge_matmul_sums"] is True
 
 
 def _gloo_worker(rank, world, store_path, q):

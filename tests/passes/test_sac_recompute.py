@@ -19,10 +19,8 @@ from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pa
 from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac_recompute_pass, saved_for_backward
 from graph_trainer.distributed.parallelize import apply_ac_for_trace
 from graph_trainer.llama3 import llama3_args
-from graph_trainer.model import loss_fn
-from graph_trainer.trace import trace_train_step
 
-from .conftest import assert_bitwise, run_no_grad
+from .conftest import assert_bitwise, run_no_grad, trace_step
 
 aten = torch.ops.aten
 MM = aten.mm.default
@@ -35,10 +33,8 @@ def _traced(tiny_llama, tmp_path, mode, option="op"):
                           job=SimpleNamespace(dump_folder=str(tmp_path)))
     apply_ac_for_trace(model, cfg)
     torch.manual_seed(1)
-    tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    traced = trace_train_step(model, loss_fn, tokens, labels)
-    flat = [*model.parameters(), *model.buffers(), tokens, labels]
-    return remove_noop_views_pass(traced.gm, traced.example_inputs), traced.example_inputs, flat  # the pipeline's order
+    gm, example_inputs, flat = trace_step(model, seq=16)
+    return remove_noop_views_pass(gm, example_inputs), example_inputs, flat  # the pipeline's order
 
 
 def _n_mm(gm):
