@@ -267,14 +267,16 @@ def ratio_cell(variant: dict, index: int, first: dict) -> str:
     return fmt(ratio, ".3f", "×")
 
 
-def variant_row(variant: dict, index: int, first: dict) -> str:
-    """The bench table row of one variant; measured cells read "failed" when no run succeeded."""
+def variant_row(variant: dict, index: int, first: dict, repeats: int | None = None) -> str:
+    """The bench table row of one variant; measured cells read "failed" when no run succeeded; the name says
+    ``(2 of 3 runs)`` when fewer runs succeeded than the record's ``repeats`` (a deadline, a failed run)."""
     predicted = fmt(median(variant.get("predicted_peak_gib")), ".2f")
     if failed(variant):
         verdict = variant.get("verdict") or FAILED
         return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED, FAILED])
+    n = variant["tps"].get("n") if isinstance(variant["tps"], dict) else None
     return row([
-        variant["name"],
+        variant["name"] + (f" ({n} of {repeats} runs)" if isinstance(n, int) and repeats and n < repeats else ""),
         tps_cell(variant["tps"]),
         ratio_cell(variant, index, first),
         variant.get("verdict") or MISSING,
@@ -288,9 +290,9 @@ def variant_row(variant: dict, index: int, first: dict) -> str:
 
 def bench_table(record: dict) -> list[str]:
     """The variants table of a bench record."""
-    variants = record["variants"]
+    variants, repeats = record["variants"], (record.get("settings") or {}).get("repeats")
     lines = [row(BENCH_HEADER), "|" + "|".join(BENCH_ALIGN) + "|"]
-    return lines + [variant_row(v, i, variants[0]) for i, v in enumerate(variants)]
+    return lines + [variant_row(v, i, variants[0], repeats) for i, v in enumerate(variants)]
 
 
 def profile_table(record: dict) -> list[str]:

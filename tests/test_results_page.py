@@ -343,3 +343,12 @@ def test_superseded_group_left_out_and_named(repo, capsys):
     put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["missing.json"]))
     code, _, err = generate(capsys)
     assert code == 2 and "2026-11-26_old.json: field 'superseded_by' must list record files" in err
+
+
+def test_fewer_runs_than_repeats_named(repo, capsys):
+    """A variant with fewer successful runs than the record's repeats (a deadline) says how many in its name."""
+    record = bench("2026-11-27")
+    record["variants"][1]["tps"]["n"] = 2
+    put(repo, "r.json", record)
+    _, rows = table(sections(written(repo, capsys))["Bench llama3_1b fsdp2 — " + H100])
+    assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count
