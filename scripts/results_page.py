@@ -276,7 +276,7 @@ def variant_row(variant: dict, index: int, first: dict, repeats: int | None = No
         return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED, FAILED])
     n = variant["tps"].get("n") if isinstance(variant["tps"], dict) else None
     return row([
-        variant["name"] + (f" ({n} of {repeats} runs)" if isinstance(n, int) and repeats and n < repeats else ""),
+        variant["name"] + (f" ({n} of {repeats} runs)" if isinstance(n, int) and isinstance(repeats, int) and n < repeats else ""),
         tps_cell(variant["tps"]),
         ratio_cell(variant, index, first),
         variant.get("verdict") or MISSING,
