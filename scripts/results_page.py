@@ -275,8 +275,9 @@ def variant_row(variant: dict, index: int, first: dict, repeats: int | None = No
         verdict = variant.get("verdict") or FAILED
         return row([variant["name"], FAILED, FAILED, verdict, FAILED, FAILED, predicted, FAILED, FAILED])
     n = variant["tps"].get("n") if isinstance(variant["tps"], dict) else None
+    cut = isinstance(n, int) and isinstance(repeats, int) and n < repeats
     return row([
-        variant["name"] + (f" ({n} of {repeats} runs)" if isinstance(n, int) and isinstance(repeats, int) and n < repeats else ""),
+        variant["name"] + (f" ({n} of {repeats} runs)" if cut else ""),
         tps_cell(variant["tps"]),
         ratio_cell(variant, index, first),
         variant.get("verdict") or MISSING,
