@@ -54,7 +54,7 @@ def _fsdp_vs_unsharded(rank, world, store_path, q):  # a gloo rank
         p.grad = g
     norm = fsdp.sharded_grad_norm_(shards, 1e9, group)
     ref_norm = torch.stack([g.double().pow(2).sum() for g in ref.values()]).sum().sqrt()
-    q.put((float(loss), float(ref_loss), max_err, colls, len(specs), float(norm), float(ref_norm), bucketed))
+    q.put((float(loss), float(ref_loss.detach()), max_err, colls, len(specs), float(norm), float(ref_norm), bucketed))
     dist.destroy_process_group()
 
 
