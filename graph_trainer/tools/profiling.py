@@ -184,8 +184,7 @@ def _launches_of(events: list) -> list[tuple[float, float, str]]:
     calls = {e.id: e for e in events
              if e.device_type == torch.autograd.DeviceType.CPU and _RUNTIME_CALL.match(e.name)}
     return [(e.time_range.start, calls[e.id].time_range.start, _host_op(calls[e.id])) for e in events
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.id in calls
-            and not getattr(e, "is_user_annotation", False)]
+            if e.id in calls and _counted(e, e.name, on_device=True)]
 
 
 def _json_text(summary: dict[str, Any]) -> str:
@@ -239,7 +238,7 @@ class StepProfiler:
                        collectives=collective_breakdown(kernels, collectives, steps))
         if unit == "device":
             try:
-                summary["idle_causes"] = idle_causes(kernels, _launches_of(list(prof.events())), steps)
+                summary["idle_causes"] = idle_causes(kernels, _launches_of(prof.events()), steps)
             except Exception as e:  # noqa: BLE001 -- a summary row is not worth a training run
                 logger.warning(f"no idle time by cause: {type(e).__name__}: {e}")
         if steps:  # the window's last step, for the pictures

@@ -4,6 +4,7 @@ coloured by category on a compute and a communication lane, and bands where only
 (exposed) and where nothing runs (idle). No torch; matplotlib only when drawing."""
 
 import json
+import statistics
 
 Kernel = tuple[float, float, str]  # (start_us, end_us, category)
 Launch = tuple[float, float, str]  # (kernel start_us, its host launch start_us, the host op that launched it)
@@ -118,8 +119,8 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
     kernel's start). ``host_ms``: that kernel was launched after the gap began, the device waited for the host
     (``by_host_op``: ms per op that launched it, the ``top`` largest); ``queued_ms``: launched before, it waited
     for another stream, an event or a peer; ``tail_ms``: no kernel follows before the step's end; ``unknown_ms``:
-    no launch recorded. ``lead_ms``: the median over the steps' kernels of launch-to-start time (how far the host
-    runs ahead; near 0 where it is the bottleneck). ms, means per step; all zero without steps."""
+    no launch recorded. ``lead_ms``: the upper median over the steps' kernels of launch-to-start time (how far
+    the host runs ahead; near 0 where it is the bottleneck). ms, means per step; all zero without steps."""
     out = dict.fromkeys(("host_ms", "queued_ms", "tail_ms", "unknown_ms", "lead_ms"), 0.0)
     if not steps:
         return {**out, "by_host_op": {}}
@@ -144,7 +145,7 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
                 out["queued_ms"] += ms
     n = len(steps)
     out = {k: v / n for k, v in out.items()}
-    out["lead_ms"] = sorted(leads)[len(leads) // 2] / 1e3 if leads else 0.0
+    out["lead_ms"] = statistics.median_high(leads) / 1e3 if leads else 0.0
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
     return {**out, "by_host_op": {op: ms / n for op, ms in ranked}}
 
