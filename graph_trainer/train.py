@@ -19,6 +19,7 @@ from torchtitan.tools.logging import init_logger
 
 from graph_trainer import data, logger
 from graph_trainer.checkpoint import Checkpointer
+from graph_trainer.compiler.passes.cudagraph import release_cuda_graphs
 from graph_trainer.config import parse_args
 from graph_trainer.determinism import apply_determinism, state_hashes
 from graph_trainer.distributed import parallelize
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if dist.is_initialized():
+            release_cuda_graphs()  # a live graph that captured NCCL collectives hangs the destroy
             dist.destroy_process_group()
     return 0
 

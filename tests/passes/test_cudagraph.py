@@ -32,3 +32,21 @@ def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
 
     gm.forward = wrapper
     assert gm(torch.ones(2)).tolist() == [2.0, 2.0] and calls == [1]
+
+
+def test_release_resets_every_captured_graph_once(monkeypatch):
+    """Before destroy_process_group: a graph that captured NCCL collectives must be gone (module docstring)."""
+    from graph_trainer.compiler.passes import cudagraph
+
+    class Graph:
+        resets = 0
+
+        def reset(self):
+            Graph.resets += 1
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    captured, fresh = cudagraph.CUDAGraphWrapper(lambda: None), cudagraph.CUDAGraphWrapper(lambda: None)
+    captured.graph = Graph()
+    assert cudagraph.release_cuda_graphs() == 1 and Graph.resets == 1
+    assert captured.graph is None and fresh.graph is None
+    assert cudagraph.release_cuda_graphs() == 0 and Graph.resets == 1

@@ -5,8 +5,13 @@ collectives are captured too). Numerics unchanged.
 ``gm.forward`` becomes a :class:`CUDAGraphWrapper`: one eager call on a side stream, one capture, then replays.
 ``nn.Parameter`` s and inputs whose storage did not change between the warmup call and the capture are used in
 place; other tensor inputs are copied into static buffers on each call. The outputs are static tensors overwritten
-by the next call; the input structure must not change."""
+by the next call; the input structure must not change.
 
+With several processes, :func:`release_cuda_graphs` must run before ``dist.destroy_process_group()``: NCCL's
+communicator destroy waits until every graph that captured one of its collectives is destroyed, so a live graph
+hangs the exit (pytorch/pytorch#115388; NCCL's ``localPersistentRefs``)."""
+
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +25,14 @@ from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 
+_LIVE: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()
+
+
 class CUDAGraphWrapper:
     """Warm up, capture once, then replay ``fn`` (module docstring)."""
 
     def __init__(self, fn: Callable) -> None:
+        _LIVE.add(self)
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self._warmup_ptrs: list[int | None] | None = None  # set by the one warmup call
@@ -70,6 +79,18 @@ class CUDAGraphWrapper:
                 dst.copy_(src)
         self.graph.replay()
         return self.static_outputs
+
+
+def release_cuda_graphs() -> int:
+    """Destroy every captured graph (``CUDAGraph.reset``), then synchronize the device; returns how many. Call it
+    before ``dist.destroy_process_group()`` (module docstring). A wrapper called again captures anew."""
+    graphs = [w for w in list(_LIVE) if w.graph is not None]
+    for w in graphs:
+        w.graph.reset()
+        w.graph = None
+    if graphs:
+        torch.cuda.synchronize()
+    return len(graphs)
 
 
 def generated_forward(gm: torch.fx.GraphModule) -> Callable:
