@@ -1,9 +1,8 @@
 """Configuration: torchtitan's JobConfig plus this project's ``[compile]`` fields.
 
-A torchtitan ``--job.custom_config_module`` that :func:`parse_args` always merges.
-Precedence: CLI ``--section.key value`` > TOML file > dataclass defaults. Newer torchtitan
-spellings are accepted: ``--dataloader.dataset[_path]`` and ``--profiler.*``.
-"""
+A torchtitan ``--job.custom_config_module`` that :func:`parse_args` always merges. Precedence: CLI ``--section.key
+value`` > TOML file > dataclass defaults. Newer torchtitan spellings are accepted: ``--dataloader.dataset[_path]`` and
+``--profiler.*``."""
 
 import dataclasses
 import difflib
@@ -23,12 +22,9 @@ CompileMode = Literal["eager", "jit", "aot_fx_trace"]
 InductorCompilation = Literal["regional", "full", "none"]
 
 #: CONFIG=<name> (run_train.sh) -> TOML file under train_configs/.
-CONFIG_NAMES = {
-    "graph_trainer_llama3_debugmodel": "debug_model.toml",
-    "graph_trainer_llama3_debug_model": "debug_model.toml",
-    "graph_trainer_llama3_1b": "llama3_1b.toml",
-    "graph_trainer_llama3_8b": "llama3_8b.toml",
-}
+CONFIG_NAMES = {"graph_trainer_llama3_debugmodel": "debug_model.toml",
+                "graph_trainer_llama3_debug_model": "debug_model.toml",
+                "graph_trainer_llama3_1b": "llama3_1b.toml", "graph_trainer_llama3_8b": "llama3_8b.toml"}
 TRAIN_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs")
 
 
@@ -167,8 +163,7 @@ def rewrite_aliases(argv: list[str]) -> list[str]:
 
 
 def _tables_as_json(values: dict) -> dict:
-    """``values`` with each TOML table for a text field of ``[compile.<section>]`` (Inductor overrides) made
-    JSON text, in place."""
+    """``values``, each TOML table of a ``[compile.<section>]`` text field (Inductor overrides) made JSON, in place."""
     comp = values.get("compile")
     hints = typing.get_type_hints(Compile)
     for name, table in (comp.items() if isinstance(comp, dict) else ()):
@@ -184,8 +179,7 @@ def resolve_config_file(argv: list[str]) -> list[str]:
     """``argv`` with ``--job.config_file`` naming an existing TOML file, by default the one of
     ``CONFIG=<name>`` (:data:`CONFIG_NAMES`). Raises UserError: no such file or config name."""
     path = _config_path(argv)
-    if path is None and os.environ.get("CONFIG"):
-        name = os.environ["CONFIG"]
+    if path is None and (name := os.environ.get("CONFIG")):
         fname = CONFIG_NAMES.get(name) or (name if name.endswith(".toml") else None)
         if fname is None:
             raise UserError(f"CONFIG={name} is not a known config name. Known names: "
@@ -237,14 +231,16 @@ def _load_toml(path: str) -> dict:
         raise UserError(f"{path}: not valid TOML: {e}. Fix the file (see train_configs/ for examples).") from None
 
 
+def _flag_values(argv: list[str], missing: str | None = None) -> list[tuple[str, str | None]]:
+    """``(key, value)`` of each ``--key=value`` / ``--key value`` in ``argv`` (``missing``: no value follows)."""
+    return [(key, val if eq else (argv[i + 1] if i + 1 < len(argv) else missing))
+            for i, (key, eq, val) in enumerate(arg.partition("=") for arg in argv)]
+
+
 def _config_path(argv: list[str]) -> str | None:
     """The value of the last ``--job.config_file`` in ``argv``, or None."""
-    path = None
-    for i, arg in enumerate(argv):
-        key, eq, val = arg.partition("=")
-        if key in ("--job.config_file", "--job.config-file"):
-            path = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return path
+    paths = [val for key, val in _flag_values(argv) if key in ("--job.config_file", "--job.config-file")]
+    return paths[-1] if paths else None
 
 
 def _merged_cls() -> type:
@@ -290,13 +286,10 @@ def _literal_flags(cls, prefix: str) -> dict[str, tuple]:
 def _check_choices(argv: list[str]) -> None:
     """UserError for a bad value of a ``Literal`` project flag, before tyro reports it in a box."""
     choices = {**_literal_flags(Compile, "--compile"), **_literal_flags(Projection, "--projection")}
-    for i, arg in enumerate(argv):
-        key, eq, val = arg.partition("=")
+    for key, value in _flag_values(argv, ""):
         key = key.replace("-", "_").replace("__", "--", 1)
-        if key in choices:
-            value = val if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-            if value not in choices[key]:
-                raise _choice_error(key, value, choices[key])
+        if key in choices and value not in choices[key]:
+            raise _choice_error(key, value, choices[key])
 
 
 def _choice_error(what: str, value: str, valid) -> UserError:
@@ -321,13 +314,11 @@ def validate(cfg) -> list[str]:
     if comp.enable:
         raise UserError("--compile.enable is set by --compile.mode (jit: torchtitan's per-block torch.compile); "
                         "use --compile.mode jit instead.")
-    for flag, value, valid in (("--compile.mode", comp.mode, get_args(CompileMode)),
-                               ("--compile.inductor_compilation", comp.inductor_compilation,
-                                get_args(InductorCompilation)),
-                               ("--activation_checkpoint.mode", cfg.activation_checkpoint.mode,
-                                ("none", "selective", "full")),
-                               ("--model.name", cfg.model.name, ["llama3"]),
-                               ("--model.flavor", cfg.model.flavor, sorted(llama3_args))):
+    for flag, value, valid in (
+            ("--compile.mode", comp.mode, get_args(CompileMode)),
+            ("--compile.inductor_compilation", comp.inductor_compilation, get_args(InductorCompilation)),
+            ("--activation_checkpoint.mode", cfg.activation_checkpoint.mode, ("none", "selective", "full")),
+            ("--model.name", cfg.model.name, ["llama3"]), ("--model.flavor", cfg.model.flavor, sorted(llama3_args))):
         if value not in valid:
             raise _choice_error(flag, value, valid)
     if cfg.training.steps < 1:
@@ -356,8 +347,7 @@ def validate(cfg) -> list[str]:
     except ValueError as e:
         raise UserError(f"{e}.") from None
     for spec in registry.registry().values():  # options of a pass that runs on no device
-        options = registry.options_of(spec, comp)
-        if (spec.name not in names and spec.name not in on_cuda and options is not None
+        if (spec.name not in names + on_cuda and (options := registry.options_of(spec, comp)) is not None
                 and asdict(options) != asdict(spec.options())):
             raise UserError(f"[compile.{spec.section}] is set, but {spec.name} does not run in this pipeline "
                             f"(--compile.mode {comp.mode}, passes {names}); enable it or drop those options.")
@@ -380,8 +370,7 @@ def _flag_doc(cls, name: str) -> str:
 
 
 def help_text(merged_cls) -> str:
-    """``--help``: every flag of the merged JobConfig by section, this project's first, each with its
-    type or allowed values, default and description."""
+    """``--help``: every flag of the merged JobConfig by section (ours first): type or choices, default, description."""
     sections: dict[str, tuple[list[str], list[str]]] = {}  # section -> (own flags, torchtitan's)
 
     def walk(cls, prefix, own_cls):
@@ -390,18 +379,16 @@ def help_text(merged_cls) -> str:
             key, hint = f"{prefix}.{f.name}".lstrip("."), typing.get_type_hints(cls)[f.name]
             if dataclasses.is_dataclass(hint):
                 walk(hint, key, own.get(f.name) if dataclasses.is_dataclass(own.get(f.name)) else None)
-                continue
-            if key == "compile.enable":  # set from --compile.mode
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            kind = ("{" + ",".join(map(str, get_args(hint))) + "}" if typing.get_origin(hint) is Literal
-                    else getattr(hint, "__name__", None) or str(hint).replace("typing.", ""))
-            flag = f"--{key} / --{prefix}.no-{f.name}" if hint is bool else f"--{key} {kind}"
-            doc = _flag_doc(own_cls if f.name in own else cls, f.name)
-            body = textwrap.fill(f"{doc} (default: {default!r})".strip(), 96, initial_indent="      ",
-                                 subsequent_indent="      ")
-            sections.setdefault(prefix, ([], []))[f.name not in own].extend([f"  {flag}", body])
+            elif key != "compile.enable":  # set from --compile.mode
+                default = f.default if f.default is not dataclasses.MISSING else (
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+                kind = ("{" + ",".join(map(str, get_args(hint))) + "}" if typing.get_origin(hint) is Literal
+                        else getattr(hint, "__name__", None) or str(hint).replace("typing.", ""))
+                flag = f"--{key} / --{prefix}.no-{f.name}" if hint is bool else f"--{key} {kind}"
+                doc = _flag_doc(own_cls if f.name in own else cls, f.name)
+                body = textwrap.fill(f"{doc} (default: {default!r})".strip(), 96, initial_indent="      ",
+                                     subsequent_indent="      ")
+                sections.setdefault(prefix, ([], []))[f.name not in own].extend([f"  {flag}", body])
 
     walk(merged_cls, "", JobConfig)
     first = list(dict.fromkeys(project_sections() + [f.name for f in dataclasses.fields(JobConfig)]))
@@ -441,8 +428,7 @@ def preflight(cfg, world_size: int) -> None:
     rep, shard, tp = parallelize.check_parallel_degrees(cfg, world_size, flavor.n_heads, flavor.n_kv_heads)
     if not cfg.checkpoint.enable:
         return
-    folder = checkpoint.checkpoint_folder(cfg)
-    load_step = cfg.checkpoint.load_step
+    folder, load_step = checkpoint.checkpoint_folder(cfg), cfg.checkpoint.load_step
     if load_step != -1:
         checkpoint.require_complete(folder, load_step)
     step = checkpoint.latest_step(folder) if load_step == -1 else load_step

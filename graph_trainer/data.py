@@ -1,6 +1,5 @@
-"""Offline data: an embedded English corpus (``pydoc_data`` help topics and stdlib docstrings), a
-BPE tokenizer trained on it, built once under :func:`cache_dir`, and torchtitan dataset registration.
-"""
+"""Offline data: an embedded English corpus (``pydoc_data`` help topics and stdlib docstrings), a BPE tokenizer trained
+on it, built once under :func:`cache_dir`, and torchtitan dataset registration."""
 
 import ast
 import difflib
@@ -64,11 +63,8 @@ def _build_once(final: Path, build: Callable[[Path], None]) -> Path:
 def _chunk(text: str, size: int = _DOC_CHARS) -> list[str]:
     """Split ``text`` at blank lines into pieces of about ``size`` characters."""
     chunks, cur = [], ""
-    for para in text.split("\n\n"):
-        para = para.strip("\n")
-        if not para.strip():
-            continue
-        cur = f"{cur}\n\n{para}" if cur else para
+    for para in filter(str.strip, text.split("\n\n")):
+        cur = "\n\n".join(filter(None, (cur, para.strip("\n"))))
         if len(cur) >= size:
             chunks.append(cur)
             cur = ""
@@ -110,18 +106,16 @@ def ensure_corpus() -> Path:
         docs = corpus_documents()
         per_shard = -(-len(docs) // _CORPUS_SHARDS)
         for i in range(_CORPUS_SHARDS):
-            with open(tmp / f"part-{i:04d}.jsonl", "w", encoding="utf-8") as f:
-                for doc in docs[i * per_shard : (i + 1) * per_shard]:
-                    f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+            lines = [json.dumps({"text": doc}, ensure_ascii=False) for doc in docs[i * per_shard : (i + 1) * per_shard]]
+            (tmp / f"part-{i:04d}.jsonl").write_text("".join(f"{x}\n" for x in lines), encoding="utf-8")
 
     return _build_once(corpus_dir(), build)
 
 
 def ensure_tokenizer(vocab_size: int) -> Path:
-    """Train (once, deterministically) a byte-level BPE tokenizer of exactly ``vocab_size`` tokens (BOS,
-    EOS and reserved padding tokens included) on the embedded corpus; returns ``<cache>/tokenizer_<vocab_size>``.
-    Raises UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS).
-    """
+    """Train (once, deterministically) a byte-level BPE tokenizer of exactly ``vocab_size`` tokens (BOS, EOS and
+    reserved padding tokens included) on the embedded corpus; returns ``<cache>/tokenizer_<vocab_size>``. Raises
+    UserError: ``vocab_size`` < 258 (256 bytes + BOS + EOS)."""
     if vocab_size < 258:
         raise UserError(f"The embedded tokenizer needs a vocab size of at least 258 (256 bytes plus BOS and EOS), got "
                         f"{vocab_size}. Set the model's vocab_size to 258 or more, or point --model.hf_assets_path at "
@@ -165,8 +159,7 @@ def check_tokenizer_folder(hf_assets_path: str) -> Path:
                          "torchtitan's HuggingFaceTokenizer)" if "tokenizer.model" in found else "")
         raise UserError(f"{flag}: contains none of {', '.join(TOKENIZER_FILES)} (found: {listed}){sentencepiece}.\n"
                         f"Put your model's tokenizer files in this folder, {embedded}")
-    config = path / "tokenizer_config.json"
-    if config.is_file():
+    if (config := path / "tokenizer_config.json").is_file():
         try:
             json.loads(config.read_text(encoding="utf-8"))
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -191,8 +184,8 @@ def _builder_for(file: Path) -> str | None:
 
 
 def _data_files(path: str) -> tuple[str, list[str]]:
-    """(builder, sorted data files) of a file or a folder's top-level files; own check, as ``datasets``
-    picks a folder's files by its own patterns and names no flag. Raises UserError."""
+    """(builder, sorted data files) of a file or a folder's top-level files (``datasets``' errors name no flag). Raises
+    UserError."""
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(f"{path}: does not exist (--training.dataset_path). Point it at a .json/.jsonl/.parquet "
@@ -200,8 +193,7 @@ def _data_files(path: str) -> tuple[str, list[str]]:
                         f"the built-in corpus (--training.dataset c4_test).")
     files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.is_file())
     builders = {f: b for f in files if (b := _builder_for(f))}
-    kinds = set(builders.values())
-    if len(kinds) != 1:
+    if len(kinds := set(builders.values())) != 1:
         problem = ("is not a .json, .jsonl(.gz) or .parquet file" if p.is_file() else
                    "mixes JSON and Parquet files" if kinds else "contains no .json, .jsonl(.gz) or .parquet files")
         raise UserError(f"{path}: {problem} (--training.dataset_path). Point it at one such file, or a folder "
@@ -226,9 +218,8 @@ def _text_problem(record: Any) -> str | None:
 
 
 def _first_bad_record(file: str) -> str | None:
-    """``"<file>:<line>: <problem>"`` for the first record of a JSON (Lines, gzipped or not) file that is
-    no document, or None (``datasets``' errors name no line; a null ``text`` loads). Raises OSError, EOFError.
-    """
+    """``"<file>:<line>: <problem>"`` for the first record of a JSON (Lines, gzipped or not) file that is no document,
+    or None (``datasets``' errors name no line; a null ``text`` loads). Raises OSError, EOFError."""
     with (gzip.open if file.lower().endswith(".gz") else open)(file, "rb") as f:
         lineno = 0
         for lineno, raw in enumerate(f, 1):
@@ -252,8 +243,8 @@ def _first_bad_record(file: str) -> str | None:
 
 
 def _bad_data(builder: str, files: list[str], label: str, error: Exception | None) -> UserError:
-    """The error for a load that raised ``error`` (or, None, left ``text`` unusable): the first bad
-    record of the JSON files, else ``label`` and the loader's own error."""
+    """The error of a load that raised ``error`` (None: left ``text`` unusable): the first bad JSON record, else the
+    loader's error under ``label``."""
     for file in files if builder == "json" else ():
         try:
             if where := _first_bad_record(file):
@@ -269,10 +260,8 @@ def _bad_data(builder: str, files: list[str], label: str, error: Exception | Non
                      f"(--training.dataset_path); rewrite or remove the file.")
 
 
-def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None,
-                  preview: int | None = None):
-    """``load_dataset(builder, data_files=files)``, checked for a ``text`` string column; ``preview``:
-    streamed, the first ``preview`` records checked."""
+def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | None = None, preview: int | None = None):
+    """``load_dataset(builder, data_files=files)`` checked for a ``text`` str column; ``preview``: N rows streamed."""
     from datasets import load_dataset
 
     log = logging.getLogger("datasets")  # its builders log a failure before raising it; we report it
@@ -291,18 +280,16 @@ def _load_checked(builder: str, files: list[str], label: str, hf_cache: str | No
         raise UserError(f"{label}: no 'text' column (columns: {', '.join(names) or 'none'}) "
                         f"(--training.dataset_path). Store one document per record under the key 'text'.")
     kind = getattr(features["text"], "dtype", None) if features else "string"
-    if kind not in ("string", "large_string") or (
-        any(not isinstance(r.get("text"), str) for r in rows) if preview else ds.data.column("text").null_count
-    ):
+    if kind not in ("string", "large_string") or (any(not isinstance(r.get("text"), str) for r in rows) if preview
+                                                  else ds.data.column("text").null_count):
         raise _bad_data(builder, files, label, None)
     return ds
 
 
 def load_local_text(path: str | None, hf_cache: str | None = None):
     """A local JSON / JSONL / Parquet file, or a folder's top-level data files (sorted), as a map-style
-    ``datasets.Dataset`` with a ``text`` string per record. Raises UserError: no path, an unusable path
-    or record (``<file>:<line>: ...``), no ``text`` column.
-    """
+    ``datasets.Dataset`` with a ``text`` string per record. Raises UserError: no path, an unusable path or record
+    (``<file>:<line>: ...``), no ``text`` column."""
     if path is None:
         raise UserError("Dataset 'local' needs a file or folder: set --training.dataset_path to "
                         "a .json/.jsonl/.parquet file or a folder of them with a 'text' column.")

@@ -1,15 +1,13 @@
 """Metrics: tps, TFLOPS, MFU, memory -- console (torchtitan's format), TensorBoard, ``metrics.jsonl``.
 
-Definitions (torchtitan's): ``tps`` = tokens this rank processed since the last log / (seconds
-since the last log * TP degree); ``tflops`` = ``flops_per_token * tps / 1e12`` (torchtitan's
-``get_nparams_and_flops``: 6·N without the embedding + attention); ``mfu`` (%) = ``100 * tflops
-* 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None`` on CPU and unknown GPUs);
-``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
+Definitions (torchtitan's): ``tps`` = tokens this rank processed since the last log / (seconds since the last log * TP
+degree); ``tflops`` = ``flops_per_token * tps / 1e12`` (torchtitan's ``get_nparams_and_flops``: 6·N without the
+embedding + attention); ``mfu`` (%) = ``100 * tflops * 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None``
+on CPU and unknown GPUs); ``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
 
-``metrics.jsonl`` (rank 0): one :class:`StepMetrics` per logged step, then ``{"summary": {...}}``; a
-resumed run appends, a fresh one first moves earlier records aside (:func:`keep_previous`). torch
-is imported lazily: the comparison tools read ``metrics.jsonl`` without it.
-"""
+``metrics.jsonl`` (rank 0): one :class:`StepMetrics` per logged step, then ``{"summary": {...}}``; a resumed run
+appends, a fresh one first moves earlier records aside (:func:`keep_previous`). torch is imported lazily: the comparison
+tools read ``metrics.jsonl`` without it."""
 
 from __future__ import annotations
 
@@ -36,11 +34,9 @@ _PEAK_BF16 = (("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H
 
 def peak_bf16_flops(device: torch.device) -> float | None:
     """Dense bf16 peak FLOP/s of ``device``; ``None`` for CPU and unknown GPUs."""
-    if device.type != "cuda":
-        return None
     import torch
 
-    return peak_bf16_for_name(torch.cuda.get_device_name(device))
+    return peak_bf16_for_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 def peak_bf16_for_name(name: str) -> float | None:
@@ -50,9 +46,8 @@ def peak_bf16_for_name(name: str) -> float | None:
 
 def keep_previous(path: str) -> str | None:
     """Move an existing file or folder ``path`` aside to ``<stem>.<N><suffix>`` (``metrics.jsonl`` ->
-    ``metrics.1.jsonl``, ``graphs`` -> ``graphs.1``), ``N`` one above the highest used. Returns the
-    new path, or None when nothing exists at ``path``. Raises OSError (listing, rename).
-    """
+    ``metrics.1.jsonl``, ``graphs`` -> ``graphs.1``), ``N`` one above the highest used. Returns the new path, or None
+    when nothing exists at ``path``. Raises OSError (listing, rename)."""
     if not os.path.lexists(path):
         return None
     parent, name = os.path.split(os.path.normpath(path))
@@ -104,10 +99,9 @@ class MetricsLogger:
         self.peak = peak_bf16_flops(device)
         self.rows: list[StepMetrics] = []
         self.jsonl = self.tb = None
-        self.dump_folder = dump_folder
+        self.dump_folder, self.resume_step = dump_folder, resume_step
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.tb_path = os.path.join(dump_folder, tb_folder) if enable_tensorboard else None
-        self.resume_step = resume_step
         self._opened = rank != 0  # only rank 0 writes files
         self._reset_window()
 
@@ -124,8 +118,11 @@ class MetricsLogger:
         try:
             os.makedirs(self.dump_folder, exist_ok=True)
             self.jsonl = open(self.jsonl_path, "a")
-            if self.jsonl.tell() and not _ends_with_newline(self.jsonl_path):  # an earlier run cut off mid-line
-                self.jsonl.write("\n")
+            if self.jsonl.tell():
+                with open(self.jsonl_path, "rb") as f:  # an earlier run cut off mid-line: end that line
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self.jsonl.write("\n")
         except OSError as e:
             raise UserError(f"Cannot write {self.jsonl_path} ({e.strerror or e}); check --job.dump_folder.") from None
         if self.tb_path:
@@ -144,16 +141,14 @@ class MetricsLogger:
     def outputs(cfg, checkpoint_folder: str | None) -> list[str]:
         """Where this run writes its records (``"metrics <path>"``, ...), for the start-up log line."""
         d = cfg.job.dump_folder
-        out = [f"metrics {d}/metrics.jsonl"]
-        out += [f"TensorBoard {d}/{cfg.metrics.save_tb_folder}"] * bool(cfg.metrics.enable_tensorboard)
-        out += [f"graphs {d}/graphs"] * bool(cfg.compile.dump_graphs and cfg.compile.mode == "aot_fx_trace")
-        out += [f"checkpoints {checkpoint_folder}"] * bool(checkpoint_folder)
-        out += [f"profiles {d}/{cfg.profiling.save_traces_folder}"] * bool(cfg.profiling.enable_profiling)
-        return out
+        return ([f"metrics {d}/metrics.jsonl"]
+                + [f"TensorBoard {d}/{cfg.metrics.save_tb_folder}"] * bool(cfg.metrics.enable_tensorboard)
+                + [f"graphs {d}/graphs"] * bool(cfg.compile.dump_graphs and cfg.compile.mode == "aot_fx_trace")
+                + [f"checkpoints {checkpoint_folder}"] * bool(checkpoint_folder)
+                + [f"profiles {d}/{cfg.profiling.save_traces_folder}"] * bool(cfg.profiling.enable_profiling))
 
     def _reset_window(self):
-        self.win_tokens, self.win_data_time, self.win_steps = 0, 0.0, 0
-        self.win_start = time.perf_counter()
+        self.win_tokens, self.win_data_time, self.win_steps, self.win_start = 0, 0.0, 0, time.perf_counter()
 
     def record_step(self, ntokens: int, data_time_s: float) -> None:
         """Account one finished step: tokens this rank consumed and data-loading seconds."""
@@ -177,13 +172,11 @@ class MetricsLogger:
         self._reset_window()
         mem = f"{m.memory_gib:.2f}GiB" + (f"({m.memory_pct:.2f}%)" if m.memory_pct is not None else "")
         mfu = f"{m.mfu:.2f}%" if m.mfu is not None else "n/a"
-        if not self._opened:
-            self._open()
+        self._write(asdict(m))  # opens the files first: what that logs comes before this step's line
         lr_text = f"lr: {m.lr:.3e}  " if m.lr is not None else ""
         logger.info(f"step: {m.step:2}  loss: {m.loss:8.5f}  grad_norm: {m.grad_norm:7.4f}  {lr_text}memory: {mem}  "
                     f"tps: {round(m.tps):,}  tflops: {m.tflops:,.2f}  mfu: {mfu}  step_time: {m.step_time_s:.3f}s  "
                     f"data: {m.data_time_s * 1e3:.1f}ms")
-        self._write(asdict(m))
         for k in ("loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "step_time_s") if self.tb else ():
             if getattr(m, k) is not None:
                 self.tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
@@ -193,18 +186,12 @@ class MetricsLogger:
         """Medians over logged steps with ``step > exclude_steps`` (warm-up and compile steps
         excluded), plus ``extra``; appended to metrics.jsonl as ``{"summary": {...}}``."""
         steady = [r for r in self.rows if r.step > exclude_steps] or self.rows[-1:]
-
-        def med(key):
-            vals = [getattr(r, key) for r in steady if getattr(r, key) is not None]
-            return statistics.median(vals) if vals else None
-
-        s = {
-            "steady_steps": [r.step for r in steady],
-            **{k: med(k) for k in ("tps", "tflops", "mfu", "memory_gib", "step_time_s", "data_time_s")},
-            "max_memory_gib": max((r.memory_gib for r in self.rows), default=None),
-            "final_loss": self.rows[-1].loss if self.rows else None,
-            **(extra or {}),
-        }
+        vals = {k: [getattr(r, k) for r in steady if getattr(r, k) is not None]
+                for k in ("tps", "tflops", "mfu", "memory_gib", "step_time_s", "data_time_s")}
+        s = {"steady_steps": [r.step for r in steady],
+             **{k: statistics.median(v) if v else None for k, v in vals.items()},
+             "max_memory_gib": max((r.memory_gib for r in self.rows), default=None),
+             "final_loss": self.rows[-1].loss if self.rows else None, **(extra or {})}
         if s["tps"] is not None:
             mfu = f"{s['mfu']:.2f}%" if s["mfu"] is not None else "n/a"
             logger.info(f"summary (median of steps {s['steady_steps'][0]}..{s['steady_steps'][-1]}): "
@@ -219,17 +206,10 @@ class MetricsLogger:
                 f.close()
 
 
-def _ends_with_newline(path: str) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
 def read_metrics(path: str) -> tuple[list[dict], dict | None]:
     """A ``metrics.jsonl``: (per-step rows in step order, the last written per step, then rows without
     an integer ``step``; the last summary or None). Raises OSError (unreadable), ValueError (not JSON)."""
-    by_step: dict = {}
-    other, summary = [], None
+    by_step, other, summary = {}, [], None
     with open(path) as f:
         for obj in (json.loads(line) for line in f if line.strip()):
             if "summary" in obj:

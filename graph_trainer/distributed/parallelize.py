@@ -4,6 +4,7 @@ traceable FSDP for ``aot_fx_trace`` (:func:`distribute_for_trace`)."""
 
 import contextlib
 import functools
+import importlib
 import logging
 import os
 from collections.abc import Callable
@@ -31,13 +32,11 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
     if fake_world:  # one process, the first GPU
         world_size, rank, local_rank, local_world = fake_world, 0, 0, 1
     else:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        if local_world > n:
+        if local_world > (n := torch.cuda.device_count()):
             raise UserError(f"NGPU={local_world} processes were started on this node but only {n} CUDA "
                             f"GPU(s) are visible. Set NGPU<={n} (or CUDA_VISIBLE_DEVICES).")
         device = torch.device("cuda", local_rank)
@@ -55,12 +54,8 @@ def init_device_and_dist(fake_world: int = 0) -> tuple[torch.device, int, int]:
 
 def _patch_torchtitan_device_type(device_type: str) -> None:
     """torchtitan 0.2.2 assumes ``"cuda"`` when no accelerator exists; tell it the truth."""
-    import torchtitan.distributed.parallel_dims as pd
-    import torchtitan.distributed.utils as du
-    import torchtitan.tools.utils as tu
-
-    for mod in (pd, du, tu):
-        mod.device_type = device_type
+    for name in ("torchtitan.distributed.parallel_dims", "torchtitan.distributed.utils", "torchtitan.tools.utils"):
+        importlib.import_module(name).device_type = device_type
 
 
 def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int | None) -> tuple[int, int, int]:
@@ -79,8 +74,7 @@ def check_parallel_degrees(cfg, world_size: int, n_heads: int, n_kv_heads: int |
                         f"size {world_size} ({name}). Use -1 (the rest) or a divisor of {name}.")
     if tp < 1 or rep < 1 or world_size % (tp * rep) != 0:
         raise UserError(f"tensor_parallel_degree={tp} x data_parallel_replicate_degree={rep} does not divide {world}.")
-    if shard == -1:
-        shard = world_size // (tp * rep)
+    shard = world_size // (tp * rep) if shard == -1 else shard
     if tp * rep * shard != world_size:
         raise UserError(f"Parallel degrees multiply to {tp * rep * shard} (replicate {rep} x shard {shard} x "
                         f"TP {tp}) but {world}. Make the product equal {name} (shard -1 = the rest).")
@@ -199,13 +193,12 @@ def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:
 class TraceParallel:
     """How the traced step sees the parameters under FSDP and / or TP (``aot_fx_trace``).
 
-    ``names`` / ``params``: FQNs and placeholders (the parameters, or this rank's fp32 FSDP shards /
-    TP-local tensors); ``materialize``: None or placeholders -> compute parameters inside the graph;
-    ``dp_group``: the ranks sharing the global batch; ``norm_group``: the ranks of the grad norm (None:
-    the world); ``norm_weights``: ``1 / tp`` for TP-replicated params, else 1; ``fsdp2_mesh`` /
-    ``fsdp2_layouts``: the eager baseline's mesh and :func:`~graph_trainer.distributed.fsdp.fsdp2_layout`
-    per param; ``eager_norm``: clip with eager's DTensor norm (``--debug.deterministic``).
-    """
+    ``names`` / ``params``: FQNs and placeholders (the parameters, or this rank's fp32 FSDP shards / TP-local tensors);
+    ``materialize``: None or placeholders -> compute parameters inside the graph; ``dp_group``: the ranks sharing the
+    global batch; ``norm_group``: the ranks of the grad norm (None: the world); ``norm_weights``: ``1 / tp`` for
+    TP-replicated params, else 1; ``fsdp2_mesh`` / ``fsdp2_layouts``: the eager baseline's mesh and
+    :func:`~graph_trainer.distributed.fsdp.fsdp2_layout` per param; ``eager_norm``: clip with eager's DTensor norm
+    (``--debug.deterministic``)."""
 
     names: list[str] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
@@ -244,11 +237,10 @@ class TraceParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm (over all ranks when sharded); returns it (0-d fp32).
 
-        Sharded, with ``eager_norm``, torch's ``get_total_norm`` over the gradients as DTensors in
-        FSDP2's layout on the eager baseline's mesh: eager's norm bitwise, at a host cost (docs/design.md,
-        "Eager == traced, bit for bit, with NCCL"); without it, or where a shard is not FSDP2's chunk,
-        :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce).
-        """
+        Sharded, with ``eager_norm``, torch's ``get_total_norm`` over the gradients as DTensors in FSDP2's layout on the
+        eager baseline's mesh: eager's norm bitwise, at a host cost (docs/design.md, "Eager == traced, bit for bit, with
+        NCCL"); without it, or where a shard is not FSDP2's chunk,
+        :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce)."""
         from torch.distributed.tensor import DTensor
         from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -274,21 +266,18 @@ class TraceParallel:
 
 
 def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: int, world_size: int) -> TraceParallel:
-    """Prepare ``model`` for ``aot_fx_trace``: TP (torchtitan's Llama3 plan), activation checkpointing,
-    traceable FSDP over ``dp_shard`` and, with ``dp_replicate > 1``, the gradient all-reduce over the
-    replicas (mesh order as torchtitan's). Mixed precision as FSDP2 + TP: fp32 placeholders cast to
-    ``mixed_precision_param`` before the all-gather, reduce-scatters in ``mixed_precision_reduce``.
-    Under ``COMM_MODE=fake_collectives`` ``model`` is on meta and this rank's shards go on ``device``.
-    """
+    """Prepare ``model`` for ``aot_fx_trace``: TP (torchtitan's Llama3 plan), activation checkpointing, traceable FSDP
+    over ``dp_shard`` and, with ``dp_replicate > 1``, the gradient all-reduce over the replicas (mesh order as
+    torchtitan's). Mixed precision as FSDP2 + TP: fp32 placeholders cast to ``mixed_precision_param`` before the
+    all-gather, reduce-scatters in ``mixed_precision_reduce``. Under ``COMM_MODE=fake_collectives`` ``model`` is on meta
+    and this rank's shards go on ``device``."""
     from torch.distributed.tensor import DTensor, Replicate
     from torchtitan.models.llama3.infra.parallelize import apply_tp
 
     rep, tp, shard = parallel_dims.dp_replicate, parallel_dims.tp, parallel_dims.dp_shard
-    pdtype = DTYPES[cfg.training.mixed_precision_param]
+    pdtype, rdtype = DTYPES[cfg.training.mixed_precision_param], DTYPES[cfg.training.mixed_precision_reduce]
     pdtype = None if pdtype == torch.float32 else pdtype
-    rdtype = DTYPES[cfg.training.mixed_precision_reduce]
-    out = TraceParallel()
-    mesh = None
+    out, mesh = TraceParallel(), None
     if tp > 1 or shard > 1:
         dims = {"dp_replicate": rep, "dp_shard": shard, "tp": tp} if rep > 1 else {"dp_shard": shard, "tp": tp}
         mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
@@ -340,10 +329,8 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
             full = [fsdp.all_gather_param(p, s, group, pdtype, rdtype) for p, s in zip(ps, specs)]
         else:
             full = [p.to(pdtype) if pdtype is not None and p.is_floating_point() else p for p in ps]
-        if tp_mesh is None:
-            return full
-        return [DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
-                for t, (pl, sh, st) in zip(full, tp_specs)]
+        return full if tp_mesh is None else [DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
+                                             for t, (pl, sh, st) in zip(full, tp_specs)]
 
     out.materialize = materialize
     return out
@@ -351,8 +338,7 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
 
 def materialize_meta_shards(names: list[str], shards: list[torch.nn.Parameter], device: torch.device,
                             std: float = 0.02) -> list[torch.nn.Parameter]:
-    """This rank's meta shards allocated on ``device`` (``COMM_MODE=fake_collectives``): ``norm.weight``
-    ones, the rest ``N(0, std)``; shards off the meta device unchanged."""
+    """Meta shards allocated on ``device`` (fake_collectives): ``norm.weight`` ones, the rest N(0, std); others kept."""
     out = []
     for name, p in zip(names, shards):
         if p.is_meta:

@@ -1,10 +1,9 @@
 """Scale projection: step time, tps/GPU and MFU of one rank's traced step on a layout of GPUs.
 
 ``step = compute + exposed communication``, per rank per step; the formula, its sources (FLOPs:
-``torch.utils.flop_counter``'s formulas with FlashAttention-2's causal halving and 2.5x backward; ``beta``:
-nccl-tests' busbw; MFU as ``graph_trainer.metrics`` reports it) and what it leaves out: docs/design.md,
-"Scale projection: the cost model".
-"""
+``torch.utils.flop_counter``'s formulas with FlashAttention-2's causal halving and 2.5x backward; ``beta``: nccl-tests'
+busbw; MFU as ``graph_trainer.metrics`` reports it) and what it leaves out: docs/design.md, "Scale projection: the
+cost model"."""
 
 import math
 from collections import defaultdict
@@ -30,12 +29,10 @@ OPTIMIZER_BYTES_PER_PARAM = 40
 #: Extra bytes per fp32 gradient of replicated DP's flat all-reduce: ``cat`` and copy back (2 x 8 B).
 FLAT_ALL_REDUCE_BYTES_PER_PARAM = 16
 #: NCCL ring traffic per byte of collective size S (nccl-tests doc/PERFORMANCE.md, busbw).
-_RING_FACTOR = {
-    **dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-                     "reduce_scatter_tensor_coalesced", "all_to_all_single"), lambda n: (n - 1) / n),
-    **dict.fromkeys(("all_reduce", "all_reduce_coalesced"), lambda n: 2 * (n - 1) / n),
-    "broadcast": lambda n: 1.0,
-}
+_RING_FACTOR = {**dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+                                 "reduce_scatter_tensor_coalesced", "all_to_all_single"), lambda n: (n - 1) / n),
+                **dict.fromkeys(("all_reduce", "all_reduce_coalesced"), lambda n: 2 * (n - 1) / n),
+                "broadcast": lambda n: 1.0}
 
 #: The dry run's CPU flash op (:func:`graph_trainer.projection.dry_run.fused_attention_on_meta`) has
 #: no formula in torch's registry: counted by the GPU flash op's.
@@ -60,8 +57,7 @@ class Layout:
     gpus_per_node: int = 8
 
     def group_ranks(self, dim: str) -> list[int]:
-        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``. Raises KeyError: ``dim`` is no
-        mesh or flattened dimension."""
+        """Global ranks of rank 0's group of mesh (or flattened) dimension ``dim``; KeyError for any other ``dim``."""
         dims = FLAT_DIMS.get(dim, (dim,))
         if any(d not in MESH_DIMS for d in dims):
             raise KeyError(dim)
@@ -101,10 +97,8 @@ def collective_time(kind: str, size_bytes: float, n: int, link: Link) -> float:
 
 
 def _args(node: torch.fx.Node) -> dict:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return dict(node.kwargs)
-    return {**{a.name: v for a, v in zip(schema.arguments, node.args)}, **node.kwargs}
+    names = [a.name for a in getattr(getattr(node.target, "_schema", None), "arguments", ())]
+    return {**dict(zip(names, node.args)), **node.kwargs}
 
 
 def _meta(arg):
@@ -112,13 +106,10 @@ def _meta(arg):
 
 
 def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
-    """``(term, FLOPs, shape key)`` of a node whose op has a formula in
-    ``torch.utils.flop_counter.flop_registry``, evaluated on the arguments' ``meta["val"]``; else None.
-
-    ``term``: ``"attention"`` (SDPA ops, halved when ``is_causal``: torch counts the whole score
-    matrix) or ``"matmul"``. Key: sorted ``(M, N, K)`` for mm / addmm, ``(B, *sorted(M, N, K))``
-    batched, ``(B, H, S_q, D)`` for attention, ``(op name, input shapes...)`` otherwise.
-    """
+    """``(term, FLOPs, shape key)`` of a node whose op has a formula in ``torch.utils.flop_counter.flop_registry``,
+    evaluated on the arguments' ``meta["val"]``; else None. ``term``: ``"attention"`` (SDPA ops, halved when
+    ``is_causal``: torch counts the whole score matrix) or ``"matmul"``. Key: sorted ``(M, N, K)`` for mm / addmm,
+    ``(B, *sorted(M, N, K))`` batched, ``(B, H, S_q, D)`` for attention, ``(op name, input shapes...)`` otherwise."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     packet = node.target.overloadpacket
@@ -126,19 +117,18 @@ def node_flops(node: torch.fx.Node) -> tuple[str, float, tuple] | None:
         return None
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _meta)
     out, attention = node.meta.get("val"), "attention" in packet.__name__
-    if attention and isinstance(q := _meta(_args(node)["query"]), torch.Tensor):
-        # GQA: key / value (and their gradients) with fewer heads cost as the query's heads
-        # (the same score matrix); torch's formulas assume equal heads
+    a = _args(node) if attention else None
+    if attention and isinstance(q := _meta(a["query"]), torch.Tensor):
+        # GQA: key / value (and grads) with fewer heads cost as the query's heads; torch's formulas assume equal heads
         def heads(t):
             if (isinstance(t, torch.Tensor) and t.dim() == q.dim() == 4 and 0 < t.shape[-3] < q.shape[-3]
                     and q.shape[-3] % t.shape[-3] == 0):
                 return t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3)
             return t
 
-        args = tuple(heads(a) for a in args)
+        args = tuple(heads(t) for t in args)
     flops = formula(*args, out_val=out, **kwargs)
     if attention:
-        a = _args(node)
         return "attention", flops * (0.5 if a.get("is_causal") else 1.0), tuple(_meta(a["query"]).shape)
     if packet in _MM_KEYED and isinstance(out, torch.Tensor) and out.numel():
         *b, m, n = out.shape
@@ -152,10 +142,8 @@ def _mm(m: int, k: int, n: int) -> tuple[int, tuple]:
 
 def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, str] | None:
     """``([(FLOPs, shape key) per matmul], S bytes, collective kind)`` of an async-TP
-    ``symm_mem.fused_all_gather_matmul`` (S = the gathered A) or ``fused_matmul_reduce_scatter``
-    (S = the ``[M, N]`` product), else None.
-
-    Own code: ``torch.utils.flop_counter`` has no formula for the ``symm_mem`` ops; ``aten.mm``'s is used."""
+    ``symm_mem.fused_all_gather_matmul`` (S = the gathered A) or ``fused_matmul_reduce_scatter`` (S = the ``[M, N]``
+    product), else None. ``torch.utils.flop_counter`` has no formula for the ``symm_mem`` ops: ``aten.mm``'s is used."""
     name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
     if node.op != "call_function" or name not in _FUSED_TP:
         return None
@@ -171,12 +159,11 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
 
 
 def memory_op_bytes(node: torch.fx.Node) -> int:
-    """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its
-    schema or the passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return 0
-    is_view = node.target in VIEW_OPS or returns_view(node.target)
-    if is_collective(node) or is_view or node_flops(node) is not None or fused_tp_work(node) is not None:
+    """Bytes read + written by an "other" op (not a matmul, attention, collective or view, by its schema or the
+    passes' ``VIEW_OPS``): its tensor inputs' and outputs' sizes; else 0."""
+    if (node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.target in VIEW_OPS
+            or returns_view(node.target) or is_collective(node) or node_flops(node) is not None
+            or fused_tp_work(node) is not None):
         return 0
     return sum(val_bytes(_meta(a)) for a in node.all_input_nodes) + val_bytes(node.meta.get("val"))
 
@@ -213,13 +200,11 @@ class GraphWork:
 
 
 def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = None) -> GraphWork:
-    """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with
-    ``meta["val"]``); each collective is attributed to a mesh dim by its ``group_name``
-    (``group_dims``; unknown: ``"?"``), size = the larger of its input and output bytes."""
+    """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with ``meta["val"]``); each
+    collective is attributed to a mesh dim by its ``group_name`` (``group_dims``; unknown: ``"?"``), size = the larger
+    of its input and output bytes."""
     group_dims = group_dims or {}
-    mm: dict[tuple, float] = defaultdict(float)
-    attn: dict[tuple, float] = defaultdict(float)
-    mem, colls = 0, []
+    mm, attn, mem, colls = defaultdict(float), defaultdict(float), 0, []
     for i, n in enumerate(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -301,43 +286,37 @@ class Projection:
                  ("optimizer", self.optimizer_s))
         return {
             "device": self.device, "constants": self.source, "gpus_per_node": self.layout.gpus_per_node,
-            "compute_ms": round(self.compute_s * ms, 2),
-            "compute_ms_by_term": {k: round(v * ms, 2) for k, v in terms},
+            "compute_ms": round(self.compute_s * ms, 2), "compute_ms_by_term": {k: round(v * ms, 2) for k, v in terms},
             "comm": [{**{k: v for k, v in c.items() if not k.endswith("_s")},
                       "time_ms": round(c["time_s"] * ms, 3), "exposed_ms": round(c["exposed_s"] * ms, 3)}
                      for c in self.comm],
-            "exposed_comm_ms": round(self.exposed_comm_s * ms, 2),
-            "step_ms": round(self.step_s * ms, 2),
-            "tps_per_gpu": round(self.tps_per_gpu, 1),
-            "mfu_pct": round(self.mfu, 2),
+            "exposed_comm_ms": round(self.exposed_comm_s * ms, 2), "step_ms": round(self.step_s * ms, 2),
+            "tps_per_gpu": round(self.tps_per_gpu, 1), "mfu_pct": round(self.mfu, 2),
             "matmul_tflop": round(w.matmul_flops / 1e12, 3), "attention_tflop": round(w.attention_flops / 1e12, 3),
-            "memory_gb": round(w.memory_bytes / 1e9, 3),
-            "graph_flops_per_token": self.graph_flops_per_token(),
+            "memory_gb": round(w.memory_bytes / 1e9, 3), "graph_flops_per_token": self.graph_flops_per_token(),
             "flops_per_token": self.flops_per_token,
         }
 
     def lines(self) -> list[str]:
         """The projection as log lines (ms, GiB)."""
         ms, gib, w = 1e3, 2**30, self.work
-        out = [
+        return [
             f"projection on {self.device.upper()} ({self.source}; nodes of {self.layout.gpus_per_node} GPUs), "
             "per rank per step:",
             f"  compute {self.compute_s * ms:.1f} ms = matmul {self.matmul_s * ms:.1f} "
             f"({w.matmul_flops / 1e12:.1f} TFLOP) + attention {self.attention_s * ms:.1f} "
             f"({w.attention_flops / 1e12:.1f} TFLOP) + memory-bound {self.memory_s * ms:.1f} "
             f"({w.memory_bytes / 1e9:.0f} GB) + optimizer {self.optimizer_s * ms:.1f}",
+            *(f"  {c['kind']}{' in async-TP matmuls' if c['async_tp'] else ''} over {c['dim']} ({c['ranks']} ranks, "
+              f"{c['link']}): {c['ops']} ops, {c['bytes'] / gib:.3f} GiB, {c['time_s'] * ms:.1f} ms, exposed "
+              f"{c['exposed_s'] * ms:.1f} ms" for c in self.comm),
+            f"  step {self.step_s * ms:.1f} ms (exposed communication {self.exposed_comm_s * ms:.1f} ms) -> "
+            f"{self.tps_per_gpu:,.0f} tps/GPU, MFU {self.mfu:.1f} %",
+            f"  graph FLOPs per token (matmul + causal attention, recompute included) "
+            f"{self.graph_flops_per_token() / 1e9:.2f} GFLOP vs torchtitan's flops_per_token "
+            f"{self.flops_per_token / 1e9:.2f} GFLOP (6N + non-causal attention, its backward 2x the "
+            f"forward where FlashAttention-2 counts 2.5x)",
         ]
-        for c in self.comm:
-            kind = c["kind"] + (" in async-TP matmuls" if c["async_tp"] else "")
-            out.append(f"  {kind} over {c['dim']} ({c['ranks']} ranks, {c['link']}): {c['ops']} ops, "
-                       f"{c['bytes'] / gib:.3f} GiB, {c['time_s'] * ms:.1f} ms, exposed {c['exposed_s'] * ms:.1f} ms")
-        out.append(f"  step {self.step_s * ms:.1f} ms (exposed communication {self.exposed_comm_s * ms:.1f} ms) -> "
-                   f"{self.tps_per_gpu:,.0f} tps/GPU, MFU {self.mfu:.1f} %")
-        out.append(f"  graph FLOPs per token (matmul + causal attention, recompute included) "
-                   f"{self.graph_flops_per_token() / 1e9:.2f} GFLOP vs torchtitan's flops_per_token "
-                   f"{self.flops_per_token / 1e9:.2f} GFLOP (6N + non-causal attention, its backward 2x the "
-                   f"forward where FlashAttention-2 counts 2.5x)")
-        return out
 
 
 def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per_rank: int,
@@ -354,8 +333,7 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
     memory_s, optimizer_s = work.memory_bytes / dev.hbm_Bps, after_graph_bytes / dev.hbm_Bps
     compute_s = matmul_s + attention_s + memory_s + optimizer_s
 
-    rows: dict[tuple, dict] = {}
-    links: dict[str, tuple[str, Link, int]] = {}
+    rows, links = {}, {}  # (kind, dim, fused) -> comm row; dim -> (link name, Link, ranks)
     dims, hidden, timed = overlap.dims(), [], []
     for c in [*work.collectives, *extra_collectives]:
         if c.dim not in links:
@@ -378,8 +356,7 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
     gathers = [x for x in hidden if x[0].kind.startswith("all_gather") and not x[0].fused]
     edges = [min(gathers, key=lambda x: x[0].index)] if gathers else []
     for dim in sorted(dims):  # the last reduction of each dim: FSDP's reduce-scatter, HSDP's all-reduce
-        reductions = [x for x in hidden if x[0].dim == dim and not x[0].kind.startswith("all_gather")]
-        if reductions:
+        if reductions := [x for x in hidden if x[0].dim == dim and not x[0].kind.startswith("all_gather")]:
             edges.append(max(reductions, key=lambda x: x[0].index))
     for c, t in timed + edges:  # exposed
         rows[(c.kind, c.dim, c.fused)]["exposed_s"] += t
@@ -396,16 +373,14 @@ def project(work: GraphWork, layout: Layout, dev: DeviceConstants, *, tokens_per
 
 
 def after_graph_bytes(params: int, flat_all_reduce: bool = False) -> int:
-    """HBM bytes moved after the graph for ``params`` fp32 parameter elements of this rank: the
-    optimizer's, plus the flat gradient all-reduce's (replicated DP alone)."""
+    """HBM bytes after the graph for this rank's ``params`` fp32 elements: optimizer (+ replicated DP's all-reduce)."""
     return params * (OPTIMIZER_BYTES_PER_PARAM + FLAT_ALL_REDUCE_BYTES_PER_PARAM * flat_all_reduce)
 
 
 def settings(opts) -> tuple[DeviceConstants, int, Overlap]:
     """``(device constants, gpus_per_node, overlap)`` of the ``[projection]`` flags ``opts``
     (``graph_trainer.config.Projection``). Raises UserError: a bad value, naming its flag."""
-    gpn = opts.gpus_per_node
-    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+    if isinstance(gpn := opts.gpus_per_node, bool) or not isinstance(gpn, int) or gpn < 1:
         raise UserError(f"--projection.gpus_per_node must be a positive integer, got {gpn!r}.")
     if not isinstance(opts.async_tp, bool):
         raise UserError(f"--projection.async_tp must be true or false, got {opts.async_tp!r}.")
