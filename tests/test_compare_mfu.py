@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -75,10 +76,10 @@ def _git(repo, *args):
 def fake_repo(tmp_path):
     """A git repo with two commits: HEAD~1 runs at 1000 tps, HEAD at 1100 tps."""
     root = tmp_path / "fake"
-    for path, text in {"graph_trainer/__init__.py": "", "graph_trainer/config.py": FAKE_CONFIG,
-                       "train_configs/debug_model.toml": "[job]\n", "fake_train.py": FAKE_TRAIN, "tps.txt": "1000",
-                       "run_train.sh": '#!/usr/bin/env bash\ncd "$(dirname "$0")"\nexec python3 fake_train.py "$@"\n'
-                       }.items():
+    files = {"graph_trainer/__init__.py": "", "graph_trainer/config.py": FAKE_CONFIG, "tps.txt": "1000",
+             "train_configs/debug_model.toml": "[job]\n", "fake_train.py": FAKE_TRAIN,
+             "run_train.sh": '#!/usr/bin/env bash\ncd "$(dirname "$0")"\nexec python3 fake_train.py "$@"\n'}
+    for path, text in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
@@ -88,38 +89,34 @@ def fake_repo(tmp_path):
     return root
 
 
-def _fake(fake_repo, tmp_path, rc, *args):
-    """compare_mfu.py on the fake tree, output in ``tmp_path/cmp``: (the result, comparison.json)."""
-    r = _compare("--repo", str(fake_repo), *args, "--out", str(tmp_path / "cmp"))
+def _fake(fake_repo, tmp_path, rc, args):
+    """compare_mfu.py on the fake tree, shell-quoted ``args``, out in ``tmp_path/cmp``: (result, comparison.json)."""
+    r = _compare("--repo", str(fake_repo), *shlex.split(args), "--out", str(tmp_path / "cmp"))
     assert r.returncode == rc, r.stdout + r.stderr
     return r, json.loads((tmp_path / "cmp" / "comparison.json").read_text())
 
 
 def test_fake_refs_alternate_and_real_delta(fake_repo, tmp_path):
     out = tmp_path / "cmp"
-    r, data = _fake(fake_repo, tmp_path, 0, "--a", "HEAD~1", "--b", "HEAD", "--repeats", "2", "--steps", "5",
-                    "--warmup", "2")
-    assert [(x["side"], x["repeat"], x["status"]) for x in data["runs"]] == [
-        ("A", 1, "ok"), ("B", 1, "ok"), ("A", 2, "ok"), ("B", 2, "ok")]
+    r, data = _fake(fake_repo, tmp_path, 0, "--a HEAD~1 --b HEAD --repeats 2 --steps 5 --warmup 2")
+    assert [(x["side"], x["repeat"], x["status"]) for x in data["runs"]] == [(s, i, "ok") for i in (1, 2) for s in "AB"]
     assert data["runs"][0]["stats"]["steady_steps"] == [3, 4, 5]  # steps 1..warmup excluded
     assert all("--metrics.log_freq" in x["cmd"] and x["dump_folder"].startswith(str(out)) for x in data["runs"])
     assert [data["table"]["sides"][s]["tps"]["median"] for s in "AB"] == pytest.approx([1000, 1100])
     d = data["table"]["delta_b_vs_a"]
-    assert d["tps"]["pct"] == pytest.approx(10.0) and d["tps"]["verdict"] == "real"
-    assert d["mfu"]["verdict"] == "n/a" and d["memory_gib"]["verdict"] == "no change"
-    # each ref side ran its own commit, from a worktree that is gone now
+    assert d["tps"]["pct"] == pytest.approx(10.0)
+    assert [d[k]["verdict"] for k in ("tps", "mfu", "memory_gib")] == ["real", "n/a", "no change"]
     assert data["sides"]["A"]["commit"] != data["sides"]["B"]["commit"] and data["sides"]["B"]["worktree"]
-    assert not os.path.exists(data["sides"]["A"]["tree"])
+    assert not os.path.exists(data["sides"]["A"]["tree"])  # each ref side ran its own commit, from a worktree gone now
     assert len(_git(fake_repo, "worktree", "list").strip().splitlines()) == 1
-    assert "| Δ B vs A | +10.00% (real, spread 0.00%)" in r.stdout
-    assert "step 5/5" in r.stdout and "MFU n/a" in r.stdout  # progress lines
+    assert all(s in r.stdout for s in ("| Δ B vs A | +10.00% (real, spread 0.00%)", "step 5/5", "MFU n/a"))  # progress
     assert open(out / "tps_per_step.png", "rb").read(8) == PNG_MAGIC
 
 
 def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_no_spread(fake_repo, tmp_path):
     head = _git(fake_repo, "rev-parse", "HEAD").strip()
-    r, data = _fake(fake_repo, tmp_path, 0, "--a", "HEAD", "--b", "HEAD", "--b-flags", "--fake.scale 0.5",
-                    "--repeats", "1", "--steps", "2", "--warmup", "0")
+    r, data = _fake(fake_repo, tmp_path, 0, "--a HEAD --b HEAD --b-flags '--fake.scale 0.5' --repeats 1 --steps 2 "
+                    "--warmup 0")
     assert all(data["sides"][s]["commit"] == head and data["sides"][s]["worktree"] for s in "AB")
     assert data["sides"]["A"]["tree"] == data["sides"]["B"]["tree"]  # one worktree per commit
     assert f"| A: HEAD@{head[:8]} (1/1 runs) |" in r.stdout
@@ -129,8 +126,7 @@ def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_n
 
 
 def test_fake_input_error_skips_the_remaining_repeats_of_that_side_and_failure_causes(fake_repo, tmp_path):
-    r, data = _fake(fake_repo, tmp_path, 1, "--a-flags", "--fake.usererror", "--b-flags", "",
-                    "--repeats", "3", "--steps", "2", "--warmup", "0")
+    r, data = _fake(fake_repo, tmp_path, 1, "--a-flags --fake.usererror --b-flags '' --repeats 3 --steps 2 --warmup 0")
     assert [(x["side"], x["status"]) for x in data["runs"]] == [
         ("A", "failed"), ("B", "ok"), ("A", "skipped"), ("B", "ok"), ("A", "skipped"), ("B", "ok")]
     assert data["runs"][0]["error"] == "exit code 2: pass list conflicts with --fake.x"
@@ -156,16 +152,14 @@ def test_dirty_tree_with_head_ref_is_rejected(fake_repo, tmp_path):
     r = _compare("--repo", str(fake_repo), "--a", "HEAD~1", "--b", "HEAD", "--out", str(out))
     assert r.returncode == 2 and "--b HEAD is HEAD" in r.stderr and "commit or stash" in r.stderr.lower()
     assert "flags-only sides" in r.stderr and "tps.txt" in r.stderr and not out.exists()
-    # a ref that is not HEAD against the working tree, and --allow-dirty, are fine
-    for args in (["--a", "HEAD~1"], ["--a", "HEAD~1", "--b", "HEAD", "--allow-dirty"]):
+    for args in (["--a", "HEAD~1"], ["--a", "HEAD~1", "--b", "HEAD", "--allow-dirty"]):  # fine: not HEAD, or allowed
         r = _compare("--repo", str(fake_repo), *args, "--dry-run", "--out", str(out))
         assert r.returncode == 0 and "would run" in r.stdout and not out.exists(), r.stderr
 
 
 def _alive(pid):
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 
@@ -173,9 +167,8 @@ def _alive(pid):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
-    _, data = _fake(fake_repo, tmp_path, 1, "--a-flags", "", "--b-flags", "--fake.hang", "--repeats", "1",
-                    "--steps", "2", "--warmup", "0", "--run-timeout", "3")
-    a, b = data["runs"]
+    a, b = _fake(fake_repo, tmp_path, 1, "--a-flags '' --b-flags --fake.hang --repeats 1 --steps 2 --warmup 0 "
+                 "--run-timeout 3")[1]["runs"]
     assert a["status"] == "ok" and b["status"] == "failed" and "timed out after 3s" in b["error"]
     assert not _alive(int(open(os.path.join(b["dump_folder"], "worker.pid")).read()))
 
@@ -186,8 +179,8 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     """Signalled at B1's step 1 (its worker.pid is written before): A1 is reported, B1 stopped."""
     out = tmp_path / "cmp"
     # SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)
-    p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), "--a-flags", "", "--b-flags",
-                          "--fake.hang", "--repeats", "2", "--steps", "2", "--warmup", "0", "--out", str(out)],
+    p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), *shlex.split(
+                          "--a-flags '' --b-flags --fake.hang --repeats 2 --steps 2 --warmup 0"), "--out", str(out)],
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     bound = threading.Timer(240, p.kill)  # for a broken tool only
@@ -252,8 +245,7 @@ def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, needle, tmp_path,
         r = _compare("--repo", str(request.getfixturevalue("fake_repo")), "--a", "HEAD~1", "--b-flags", "--fake.bad 1",
                      "--out", str(out))
     assert r.returncode == 2 and "side B" in r.stderr and needle in r.stderr, r.stdout + r.stderr
-    assert "side A" not in r.stderr and "validating" in r.stdout and "step 1" not in r.stdout
-    assert not out.exists()
+    assert "side A" not in r.stderr and "validating" in r.stdout and "step 1" not in r.stdout and not out.exists()
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -303,24 +295,21 @@ def test_real_head_ref_against_working_tree_flags():
     k = data["kernels"]  # --profile-step 2: kernel time by category and the step timeline, A vs B
     assert k["step"] == 2 and k["unit"] == "CPU" and k["runs"] == {"A": 1, "B": 1}
     assert 0 < k["sides"]["A"]["matmul"] <= k["sides"]["A"]["total"] and k["sides"]["B"]["matmul"] > 0
-    assert "CPU ms of step 2 by kernel category" in r.stdout and "| matmul |" in r.stdout
+    assert all(s in r.stdout for s in ("CPU ms of step 2 by kernel category", "| matmul |", "| nothing running |"))
     assert all(0 < t["compute_ms"] <= t["wall_ms"] for t in k["timeline"].values())
-    assert "| nothing running |" in r.stdout
-    for png in (data["plot"], data["timeline_plot"]):
-        assert open(out / png, "rb").read(8) == PNG_MAGIC
     assert f"step 2 timeline, A above B: {out / 'timeline_a_vs_b.png'}" in r.stdout
     folder = out / "runs" / "B1" / "profile_traces" / "iteration_2"  # what --profiling.* wrote for B1's step 2
+    pngs = (out / data["plot"], out / data["timeline_plot"], folder / "rank0_timeline.png")
+    assert [open(png, "rb").read(8) for png in pngs] == [PNG_MAGIC] * 3
     assert sorted(p.name for p in folder.iterdir()) == [
         "rank0_kernels.json", "rank0_kernels.md", "rank0_timeline.png", "rank0_trace.json"]
     assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
-    assert open(folder / "rank0_timeline.png", "rb").read(8) == PNG_MAGIC
     summary = json.loads((folder / "rank0_kernels.json").read_text())
     assert summary["step"] == 2 and summary["categories"]["matmul"]["calls"] > 0
     kernels, step = unpack_step(summary["step_intervals"])  # the step's kernels: the same breakdown
     assert summary["step_intervals"]["step"] == 2 and len(kernels) > 100
-    again = timeline_breakdown(kernels, [step])
-    for key, v in summary["timeline"].items():  # times rounded to 0.1 us
-        assert again[key] == pytest.approx(v, abs=0.05)
+    again = timeline_breakdown(kernels, [step])  # times rounded to 0.1 us
+    assert {key: again[key] for key in summary["timeline"]} == pytest.approx(summary["timeline"], abs=0.05)
 
 
 def test_run_stats_delta_verdicts_and_table():
@@ -330,8 +319,7 @@ def test_run_stats_delta_verdicts_and_table():
     s = stats.run_stats(rows, warmup=0)
     assert s["steady_steps"] == [2, 3, 4, 5] and s["tps"] == 105.0
     s = stats.run_stats(rows, warmup=2)
-    assert s["steady_steps"] == [3, 4, 5] and s["tps"] == 110.0
-    assert s["mfu"] is None and s["memory_gib"] == 2.0  # max over all steps
+    assert s["steady_steps"] == [3, 4, 5] and s["tps"] == 110.0 and s["mfu"] is None and s["memory_gib"] == 2.0  # max
     s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export
     assert s["steady_steps"] == [5] and s["tps"] == 110.0 and stats.profiler_steps(None) == ()
     def side(*runs):  # (tps, tflops, mfu) per run, 30 GiB each
@@ -341,13 +329,11 @@ def test_run_stats_delta_verdicts_and_table():
     assert a["tps"]["spread_pct"] == pytest.approx(2 / 101 * 100)
     d = stats.delta(a, b)
     assert d["tps"]["verdict"] == "real" and d["tps"]["pct"] == pytest.approx((110.5 - 101) / 101 * 100)
-    assert d["mfu"]["verdict"] == "within noise"  # +0.99% vs a 3.9% spread
-    assert d["memory_gib"]["verdict"] == "no change"
+    assert d["mfu"]["verdict"] == "within noise" and d["memory_gib"]["verdict"] == "no change"  # mfu +0.99% vs 3.9%
     assert stats.delta(side((100.0, 1.0, 10.0)), b)["tps"]["verdict"] == "spread unknown: a side has 1 successful run"
     md = stats.markdown_table({"A": "main", "B": "pr"}, {"A": a, "B": b}, d, {"A": 2, "B": 2}, 2)
     assert ("| A: main (2/2 runs) | 101 (100–102) | 1.01 (1.00–1.02) | 10.10% (10.00–10.20) "
-            "| 30.00 GiB (30.00–30.00) |") in md
-    assert "+9.41% (real, spread 1.98%)" in md
+            "| 30.00 GiB (30.00–30.00) |") in md and "+9.41% (real, spread 1.98%)" in md
     line = stats.one_liner({"A": "main", "B": "pr"}, {"A": a, "B": b}, {"A": 2, "B": 2})
     assert line.startswith("A (main): 101 tps, 1.01 tflops, 10.10% MFU, 30.00 GiB — B (pr): ")
 
@@ -357,23 +343,26 @@ def test_flag_values_that_look_like_options_and_step_line_regex():
     args, extra = parse_cli(compare_mfu.build_parser(), ["--b-flags=--x 1", "--a", "main", "--", "--compile.mode"])
     assert args.b_flags == "--x 1" and args.a == "main" and extra == ["--compile.mode"]
     stamp = time.strftime("%Y-%m-%d %H:%M:%S,358")  # the trainer's logging format
-    line = (f"[rank0]:[graph_trainer] {stamp} - INFO - step:  1  loss:  8.10024  "
-            "grad_norm:  1.9553  memory: 0.66GiB  tps: 6,538  tflops: 0.00  mfu: 38.29%  step_time: 4.246s")
-    m = runs.STEP_RE.search(line)
+    m = runs.STEP_RE.search(f"[rank0]:[graph_trainer] {stamp} - INFO - step:  1  loss:  8.10024  grad_norm:  1.9553  "
+                            "memory: 0.66GiB  tps: 6,538  tflops: 0.00  mfu: 38.29%  step_time: 4.246s")
     assert m and m.group("step") == "1" and m.group("tps") == "6,538" and m.group("mfu") == "38.29%"
+
+
+def _profiled(tmp_path, name, step, summary):
+    """Run ``name`` (side, repeat) with ``summary`` as its kernels.json of ``step`` (None: not profiled)."""
+    run = runs.Run(side=name[0], repeat=int(name[1]), index=int(name[1]), dump_folder=str(tmp_path / name), log="")
+    if summary is not None:
+        os.makedirs(os.path.dirname(path := stats.profile_json(run.dump_folder, step)))
+        with open(path, "w") as f:
+            json.dump(summary, f)
+    return run
 
 
 def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monkeypatch):
     """--profile-step's picture: per side the run with the median wall of the step (from its kernels.json)."""
-    all_runs = []
-    for side, repeat, wall in (("A", 3, 1100), ("B", 1, 500), ("A", 1, 900), ("B", 2, None), ("A", 2, 1000)):
-        all_runs.append(runs.Run(side=side, repeat=repeat, index=repeat, dump_folder=str(tmp_path / f"{side}{repeat}"),
-                                 log=""))
-        if wall:  # B2 has no profile
-            os.makedirs(os.path.dirname(path := stats.profile_json(all_runs[-1].dump_folder, 3)))
-            packed = timeline.pack_step([(0, wall / 2, "matmul"), (wall / 4, wall, "communication")], (0, wall), 3)
-            with open(path, "w") as f:
-                json.dump({"step": 3, "unit": "CPU", "step_intervals": packed}, f)
+    all_runs = [_profiled(tmp_path, name, 3, wall and {"step": 3, "unit": "CPU", "step_intervals": timeline.pack_step(
+                    [(0, wall / 2, "matmul"), (wall / 4, wall, "communication")], (0, wall), 3)})
+                for name, wall in (("A3", 1100), ("B1", 500), ("A1", 900), ("B2", None), ("A2", 1000))]  # B2: none
     seen = {}  # drawing: the real runs' test and tests/test_profiling.py
     monkeypatch.setattr(timeline, "timeline_a_vs_b", lambda path, a, b, labels: seen.update(a=a, labels=labels))
     assert compare_mfu.timeline_plot("none.png", all_runs[:1], {"A": "a", "B": "b"}, 3) is None and not seen
@@ -386,12 +375,7 @@ def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monke
 def test_kernel_comparison_names_the_matmul_and_attention_kernels_that_moved(tmp_path):
     """Per matmul / attention kernel the median over runs, largest |B - A| first; Triton kernels left out."""
     def profile(name, kernels):
-        run = runs.Run(side=name[0], repeat=int(name[1]), index=0, dump_folder=str(tmp_path / name), log="")
-        os.makedirs(os.path.dirname(path := stats.profile_json(run.dump_folder, 8)))
-        rows = [{"name": k, "category": profiling.kernel_category(k), "ms": ms, "calls": 2} for k, ms in kernels]
-        with open(path, "w") as f:
-            json.dump(profiling.summarize_events([(r["name"], r["ms"] * 1e3, 2) for r in rows], 1), f)
-        return run
+        return _profiled(tmp_path, name, 8, profiling.summarize_events([(k, ms * 1e3, 2) for k, ms in kernels], 1))
 
     gemm_nt, gemm_tn, flash = "nvjet_tst_128x256_NNT", "nvjet_tst_128x256_TNT", "flash_bwd_kernel<128>"
     found = [profile("A1", [(gemm_nt, 10.0), (flash, 5.0), ("triton_poi_fused_0", 3.0)]),

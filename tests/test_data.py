@@ -56,16 +56,14 @@ def test_corpus_is_real_english_and_c4_test(cache, tokenizer):
     words = (text := " ".join(r["text"] for r in records)).lower().split()
     assert len(text) > 500_000 and all(words.count(w) > 100 for w in ("the", "and", "is", "of", "function", "object"))
     mtime = (folder / "part-0000.jsonl").stat().st_mtime_ns
-    assert data.ensure_corpus() == folder  # cached: not rebuilt
-    assert (folder / "part-0000.jsonl").stat().st_mtime_ns == mtime
+    assert data.ensure_corpus() == folder and (folder / "part-0000.jsonl").stat().st_mtime_ns == mtime  # not rebuilt
     assert not list(cache.glob(".corpus_v1.*[!k]"))  # no leftover tmp folders
     data.register_datasets()
     assert sorted(data.DATASET_NAMES) == sorted(DATASETS)
     assert DATASETS["c4_test"].path == str(cache / "corpus_v1") and DATASETS["c4"].path == "allenai/c4"
     samples = list(islice(HuggingFaceTextDataset("c4_test", None, tokenizer, seq_len=64), 3))
     for inputs, labels in samples:
-        assert inputs["input"].shape == (64,) and labels.shape == (64,)
-        assert (inputs["input"][1:] == labels[:-1]).all()
+        assert inputs["input"].shape == (64,) and labels.shape == (64,) and (inputs["input"][1:] == labels[:-1]).all()
     assert samples[0][0]["input"][0].item() == tokenizer.bos_id
     job = JobConfig()
     job.training.dataset, job.training.dataset_path = "c4_test", None
@@ -76,9 +74,8 @@ def test_corpus_is_real_english_and_c4_test(cache, tokenizer):
 
 def test_tokenizer(cache, tokenizer, tmp_path, monkeypatch):
     """Round trip with BOS / EOS, trained on English, deterministic, the aliases, padded to large sizes."""
-    assert tokenizer.get_vocab_size() == VOCAB and tokenizer.bos_id != tokenizer.eos_id
-    assert tokenizer.token_to_id(data.BOS_TOKEN) == tokenizer.bos_id is not None
-    assert tokenizer.token_to_id(data.EOS_TOKEN) == tokenizer.eos_id is not None
+    assert tokenizer.get_vocab_size() == VOCAB and None is not tokenizer.bos_id != tokenizer.eos_id is not None
+    assert [tokenizer.token_to_id(t) for t in (data.BOS_TOKEN, data.EOS_TOKEN)] == [tokenizer.bos_id, tokenizer.eos_id]
     for text in ("The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x ** 2  # square\n",
                  "naïve café — 日本語 🙂"):
         ids = tokenizer.encode(text, add_bos=True, add_eos=True)
@@ -86,8 +83,7 @@ def test_tokenizer(cache, tokenizer, tmp_path, monkeypatch):
         assert tokenizer.decode(ids) == text
     english = "The function returns the value of the object and the list."
     assert len(tokenizer.encode(english)) < len(english) / 3  # common words are single tokens
-    folder = cache / f"tokenizer_{VOCAB}"
-    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config = json.loads(((folder := cache / f"tokenizer_{VOCAB}") / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"]) == (data.BOS_TOKEN, data.EOS_TOKEN)
     assert config["add_bos_token"] is True and config["add_eos_token"] is True
     for alias in (None, "", "embedded"):
@@ -256,14 +252,12 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
         monkeypatch.delenv(k, raising=False)
     monkeypatch.chdir(REPO)
     assert config._check_main(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]) == 0
-    out = capsys.readouterr()
-    assert "HF assets path" not in out.out + out.err + caplog.text
+    assert "HF assets path" not in "".join(capsys.readouterr()) + caplog.text
     for name in ("c4_test", "C4_TEST", "c4", "c4_validation"):
         data.check_dataset(name, None)
     for tokenizer in (None, "", "embedded"):
         data.preflight(_cfg(tokenizer=tokenizer))
-    _write(tmp_path, {"tok/tokenizer.json": "{}"})
-    tok = tmp_path / "tok"
+    _write(tok := tmp_path / "tok", {"tokenizer.json": "{}"})
     data.preflight(_cfg(tokenizer=tok))
     assert data.resolve_tokenizer_path(str(tok), VOCAB) == str(tok)
 
@@ -284,6 +278,5 @@ def test_training_stops_at_bad_line_deep_in_file():
     needle = f"error: {path}:2000: 'text' is null"
     for r in runs:
         text = r.stdout + r.stderr
-        assert r.returncode == 2, text[-3000:]  # run_train.sh: a worker's user error is exit 2
-        assert needle in r.stderr and "Traceback" not in text, text[-3000:]
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in text, text[-3000:]  # a user error: 2
         assert sum(needle in line for line in r.stderr.splitlines()) == 1

@@ -37,19 +37,17 @@ def _assert_ranges(actual, expected):
 
 
 @pytest.mark.parametrize("name, category", [
-    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_TNT", "matmul"), ("aten::mm", "matmul"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
-    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
-    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
-    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
-    ("gloo:all_gather", "communication"), ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"),
-    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_3", "inductor triton"),
-    ("triton_poi_fused_add_reduce_scatter_tensor_view_36", "inductor triton"),
-    ("triton_red_fused__fused_rms_norm_add_all_gather_into_tensor_21", "inductor triton"),
-    ("triton_tem_fused_flex_attention_0", "attention"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "eager pointwise / reduction"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_3", "inductor triton"), ("some_kernel", "other"),
+    ("triton_red_fused__fused_rms_norm_add_all_gather_into_tensor_21", "inductor triton"), ("aten::mm", "matmul"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 128>", "copy"),
-    ("Memcpy DtoD (Device -> Device)", "copy"), ("aten::view", "view / metadata (CPU)"), ("some_kernel", "other"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3", "attention"),
+    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"), ("aten::view", "view / metadata (CPU)"),
+    ("triton_poi_fused_add_reduce_scatter_tensor_view_36", "inductor triton"), ("gloo:all_gather", "communication"),
+    ("triton_red_fused__fused_rms_norm_backward_0", "inductor triton"), ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopB_TNT", "matmul"), ("triton_tem_fused_flex_attention_0", "attention"),
 ])
 def test_kernel_category(name, category):
     assert kernel_category(name) == category
@@ -60,13 +58,11 @@ def test_summarize_events_per_step_and_shares():
               ("ncclDevKernel_AllGather", 2000.0, 4), ("aten::idle_zero", 0.0, 1)]
     s = summarize_events(events, steps=2, top=2)
     assert s["steps"] == 2 and s["total_ms"] == pytest.approx(5.0)  # 10 ms over 2 steps
-    cats = s["categories"]
-    assert list(cats)[0] == "matmul" and cats["matmul"]["ms"] == pytest.approx(3.0)
+    assert list(cats := s["categories"])[0] == "matmul" and cats["matmul"]["ms"] == pytest.approx(3.0)
     assert cats["matmul"]["calls"] == 15 and cats["communication"]["share"] == pytest.approx(0.2)
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
     assert [r["name"] for r in s["top"]] == ["nvjet_gemm", "triton_poi_fused_add_0"]
-    md = summary_markdown(s)
-    assert "| matmul | 3.00 | 60.0 % | 15 |" in md and "`nvjet_gemm`" in md
+    assert "| matmul | 3.00 | 60.0 % | 15 |" in (md := summary_markdown(s)) and "`nvjet_gemm`" in md
 
 
 def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
@@ -75,11 +71,8 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     kernels = [(0, 40, "matmul"), (30, 60, "communication"), (70, 80, "inductor triton"),
                (100, 200, "matmul"), (120, 140, "communication"), (190, 250, "copy")]
     t = timeline_breakdown(kernels, [(0, 100), (100, 200)])
-    assert t["wall_ms"] == pytest.approx(0.1)
-    assert t["compute_ms"] == pytest.approx((50 + 100) / 2 / 1e3)
-    assert t["comm_ms"] == pytest.approx((30 + 20) / 2 / 1e3)
-    assert t["exposed_comm_ms"] == pytest.approx(20 / 2 / 1e3)
-    assert t["idle_ms"] == pytest.approx(30 / 2 / 1e3)
+    assert [t[k] for k in ("wall_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "idle_ms")] == pytest.approx(
+        [0.1, (50 + 100) / 2 / 1e3, (30 + 20) / 2 / 1e3, 20 / 2 / 1e3, 30 / 2 / 1e3])
     assert t["compute_ms"] + t["exposed_comm_ms"] + t["idle_ms"] == pytest.approx(t["wall_ms"])
     assert t["exposed_tail_ms"] == pytest.approx(20 / 2 / 1e3) and t["exposed_head_ms"] == 0  # after step 1's gemm
     assert timeline_breakdown(kernels, [])["wall_ms"] == 0
@@ -87,8 +80,7 @@ def test_timeline_breakdown_splits_wall_into_compute_exposed_comm_and_idle():
     t2 = timeline_breakdown([(0, 10, "communication"), (10, 30, "matmul"), (30, 35, "communication"),
                             (35, 60, "matmul"), (55, 70, "communication")], [(0, 70)])
     assert (t2["exposed_head_ms"], t2["exposed_comm_ms"], t2["exposed_tail_ms"]) == pytest.approx((0.01, 0.025, 0.01))
-    s = summarize_events([("nvjet_gemm", 150.0, 2)], steps=2)
-    md = summary_markdown({**s, "timeline": t})
+    md = summary_markdown({**summarize_events([("nvjet_gemm", 150.0, 2)], steps=2), "timeline": t})
     assert "| only communication running | 0.01 | 10.0 % |" in md and "| nothing running | 0.01 | 15.0 % |" in md
     assert "| (of it: after the last matmul) | 0.01 | 10.0 % |" in md
 
@@ -105,8 +97,7 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
             _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: cuda), on_device=True)
     t = timeline_breakdown(kernels, steps)
-    assert t["wall_ms"] == pytest.approx(1.0)  # one window, the host step
-    assert (t["compute_ms"], t["exposed_comm_ms"], t["idle_ms"]) == pytest.approx((0.4, 0.1, 0.5))
+    assert [t[k] for k in SUM_KEYS] == pytest.approx([1.0, 0.4, 0.1, 0.5])  # wall: one window, the host step
     assert collectives == [(100, 400, "AllGather")]
     cpu = [_evt("ProfilerStep#2", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
            _evt("_c10d_functional::wait_tensor", 300, 700), _evt("gloo:all_gather", 250, 650, ann=True, thread=2),
@@ -122,8 +113,7 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
 def test_timeline_imports_no_profiling_nor_torch():
     code = ("import sys, graph_trainer.tools.timeline; "
             "print([m for m in ('torch', 'graph_trainer.tools.profiling') if m in sys.modules])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert r.stdout.strip() == "[]"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout.strip() == b"[]"
 
 
 def test_pack_step_keeps_the_step_compact_and_lossless():
@@ -135,8 +125,7 @@ def test_pack_step_keeps_the_step_compact_and_lossless():
     assert step == (0.0, pytest.approx(100.0))
     assert timeline_breakdown(kernels, [step]) == pytest.approx(timeline_breakdown(HAND, [(0, 100)]))
     text = _json_text({"steps": 1, "step_intervals": packed})  # one row per line
-    assert json.loads(text)["step_intervals"] == packed
-    assert '\n   [0.0, 0.002, ' in text and len(text.splitlines()) < 30
+    assert json.loads(text)["step_intervals"] == packed and '\n   [0.0, 0.002, ' in text and len(text.splitlines()) < 30
 
 
 def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, log_lines):
@@ -161,8 +150,7 @@ def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path)
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(_json_text({"step": 5, "unit": "CPU", "step_intervals": pack_step(kernels, step, 5)}))
     out = timeline_a_vs_b(str(tmp_path / "ab.png"), *map(str, paths), ("pass off", "pass on"))
-    _check_png(tmp_path / "ab.png", min_size=(800, 400))
-    assert out["path"] == str(tmp_path / "ab.png")
+    assert _check_png(tmp_path / "ab.png", min_size=(800, 400)) and out["path"] == str(tmp_path / "ab.png")
     for drawn, kernels, step in ((one, HAND, (0, 100)), (out["A"], HAND, (0, 100)), (out["B"], b_kernels, (0, 160))):
         t = timeline_breakdown(kernels, [step])
         assert [drawn[k] for k in SUM_KEYS] == pytest.approx([t[k] for k in SUM_KEYS])
@@ -197,24 +185,20 @@ def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
             "AllGather (stream 1)": (0.005, 0.005, 1), "ReduceScatter bf16": (0.015, 0.005, 2)}
     for label, expected in want.items():  # pytest.approx takes no nested containers
         assert (got[label]["ms"], got[label]["exposed_ms"], got[label]["launches"]) == pytest.approx(expected)
-    # the timeline's exposed time, 30-45 and 85-95, is less than the labels' sum (two all-gathers at once)
-    assert timeline_breakdown(kernels, steps)["exposed_comm_ms"] == pytest.approx(0.025)
+    assert timeline_breakdown(kernels, steps)["exposed_comm_ms"] == pytest.approx(0.025)  # 30-45, 85-95: < labels' sum
     md = summary_markdown({**summarize_events([("nvjet_a", 60.0, 2)], steps=1), "collectives": got})
     assert "| ReduceScatter f32 | 0.02 | 0.01 | 1 |" in md and "exposed: while no compute kernel runs" in md
 
 
 def test_idle_is_charged_to_the_host_or_to_a_queue_by_the_kernel_that_ends_it():
-    """Each idle gap goes by its closing kernel's launch: after the gap began -> host-late (by the launching op),
-    before -> queued; a gap up to the step's end -> tail; a kernel without a recorded launch -> unknown."""
+    """A gap's closing kernel launched after it began: host-late; before: queued; at the end: tail; else unknown."""
     kernels = [(0, 10, "matmul"), (20, 30, "matmul"), (35, 40, "communication"), (50, 60, "matmul"),
                (70, 80, "matmul")]
     launches = [(0, -5, "aten::mm"), (20, 15, "symm_mem::fused_all_gather_matmul"),  # 10-20: host-late
                 (35, 25, "nccl"), (50, 30, "aten::mm")]  # 30-35, 40-50: queued; 60-70: unknown; 80-100: tail
-    got = idle_causes(kernels, launches, [(0, 100)])
-    assert {k: got[k] for k in ("host_ms", "queued_ms", "tail_ms", "unknown_ms")} == pytest.approx(
-        {"host_ms": 0.01, "queued_ms": 0.015, "tail_ms": 0.02, "unknown_ms": 0.01})
-    assert sum(got[k] for k in ("host_ms", "queued_ms", "tail_ms", "unknown_ms")) == pytest.approx(
-        timeline_breakdown(kernels, [(0, 100)])["idle_ms"])
+    got, causes = idle_causes(kernels, launches, [(0, 100)]), ("host_ms", "queued_ms", "tail_ms", "unknown_ms")
+    assert [got[k] for k in causes] == pytest.approx([0.01, 0.015, 0.02, 0.01])
+    assert sum(got[k] for k in causes) == pytest.approx(timeline_breakdown(kernels, [(0, 100)])["idle_ms"])
     assert got["by_host_op"] == pytest.approx({"symm_mem::fused_all_gather_matmul": 0.01})
     assert got["lead_ms"] == pytest.approx(0.01)  # leads 5, 5, 10, 20 us: the median
     two = idle_causes(kernels, launches, [(0, 100), (100, 200)])  # the second step idles whole: tail
@@ -223,8 +207,7 @@ def test_idle_is_charged_to_the_host_or_to_a_queue_by_the_kernel_that_ends_it():
 
 
 def test_launches_matched_by_correlation_id_to_the_outermost_host_op():
-    """A kernel's runtime call shares its id; its host ops are the outermost below the ProfilerStep and the
-    innermost, ids stripped; kernels without a runtime call and annotations are left out."""
+    """A kernel's runtime call shares its id; host ops: outermost below ProfilerStep › innermost; others left out."""
     step = _evt("ProfilerStep#10", 0, 1000)
     region = _evt("## Call CompiledFxGraph fx3k2abc ##", 10, 200, parent=step)
     launch = _evt("cuLaunchKernelEx", 20, 25, id=7, parent=_evt("aten::empty", 15, 30, parent=region))
@@ -241,7 +224,6 @@ def test_summary_markdown_names_the_idle_causes():
     s["timeline"] = timeline_breakdown(HAND, [(0, 100)])
     s["idle_causes"] = {"host_ms": 0.01, "queued_ms": 0.0, "tail_ms": 0.005, "unknown_ms": 0.0, "lead_ms": 0.3,
                         "by_host_op": {"symm_mem::fused_matmul_reduce_scatter": 0.01}}
-    md = summary_markdown(s)
-    assert "| host-late: the next kernel launched after the device went idle | 0.01 |" in md
+    assert "| host-late: the next kernel launched after the device went idle | 0.01 |" in (md := summary_markdown(s))
     assert "| (host-late, launched by `symm_mem::fused_matmul_reduce_scatter`) | 0.01 |" in md
     assert "median 0.30 ms after its launch" in md

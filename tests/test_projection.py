@@ -57,33 +57,27 @@ def test_collective_costs_links_and_overlap_rule():
     assert P.link_for(range(64), 8, dev)[1].busbw_Bps == 80e9  # 8 NICs
     assert P.link_for(range(64), 8, _dev(nic=P.Link(0.0, 50e9)))[1].busbw_Bps == 100e9  # capped at NVLink
     assert P.link_for(lay.group_ranks("dp_shard"), 4, dev)[0] == "network"  # nodes of 4 GPUs
-    # the overlap rule: 0.1 GB per collective (0.5 ms on 2 ranks)
-    gb = 10**9
+    gb = 10**9  # the overlap rule: 0.1 GB per collective (0.5 ms on 2 ranks)
     colls = [("all_gather_into_tensor", "dp_shard", gb // 10, 0), ("all_gather_into_tensor", "dp_shard", gb // 10, 5),
              ("all_gather_into_tensor", "tp", gb // 10, 7), ("reduce_scatter_tensor", "dp_shard", gb // 10, 10),
              ("reduce_scatter_tensor", "dp_shard", gb // 10, 20)]
     lay = P.Layout(dp_shard=2, tp=2)
     kw = dict(tokens_per_rank=1000, flops_per_token=1e9)
     p = P.project(_work(colls, 2e12), lay, _dev(), **kw)  # compute 2 ms, each collective 0.5 ms
-    assert p.compute_s == pytest.approx(2e-3)
-    rows = {(c["kind"], c["dim"]): c for c in p.comm}
-    assert rows[("all_gather_into_tensor", "dp_shard")]["exposed_s"] == pytest.approx(0.5e-3)  # the first only
-    assert rows[("reduce_scatter_tensor", "dp_shard")]["exposed_s"] == pytest.approx(0.5e-3)  # the last only
-    assert rows[("all_gather_into_tensor", "tp")]["exposed_s"] == pytest.approx(0.5e-3)
-    assert p.step_s == pytest.approx(3.5e-3)
-    assert p.tps_per_gpu == pytest.approx(1000 / (3.5e-3 * 2))
+    assert (p.compute_s, p.step_s, p.tps_per_gpu) == pytest.approx((2e-3, 3.5e-3, 1000 / (3.5e-3 * 2)))
+    rows = {(c["kind"], c["dim"]): c["exposed_s"] for c in p.comm}  # FSDP's first all-gather only, last RS only
+    assert [rows[k] for k in (("all_gather_into_tensor", "dp_shard"), ("reduce_scatter_tensor", "dp_shard"),
+                              ("all_gather_into_tensor", "tp"))] == pytest.approx([0.5e-3] * 3)
     assert p.mfu == pytest.approx(100 * 1e9 * p.tps_per_gpu / 1e15)
     # async TP hides the TP all-gather (the middle ones, 1.5 ms, fit under 2 ms); less compute leaves FSDP's showing
     async_tp = P.project(_work(colls, 2e12), lay, _dev(), overlap=P.Overlap(async_tp=True), **kw)
     assert async_tp.step_s == pytest.approx(3e-3)
     short = P.project(_work(colls, 0.4e12), lay, _dev(), **kw)  # compute 0.4 ms < 1.0 ms of middle FSDP
     assert short.exposed_comm_s == pytest.approx(0.5e-3 * 3 + (1.0e-3 - 0.4e-3))
-    # HSDP: the last reduce-scatter and the last replica all-reduce after it are both exposed
     hsdp = colls + [("all_reduce", "dp_replicate", gb // 20, 15), ("all_reduce", "dp_replicate", gb // 20, 21)]
-    h = P.project(_work(hsdp, 2e12), P.Layout(dp_replicate=2, dp_shard=2, tp=2), _dev(), **kw)
-    rows = {(c["kind"], c["dim"]): c for c in h.comm}
-    assert rows[("all_reduce", "dp_replicate")]["link"] == "nvlink"  # ranks 0 and 4 of one node
-    assert rows[("all_reduce", "dp_replicate")]["exposed_s"] == pytest.approx(0.5e-3)  # the last only
+    h = P.project(_work(hsdp, 2e12), P.Layout(dp_replicate=2, dp_shard=2, tp=2), _dev(), **kw)  # HSDP
+    row = {(c["kind"], c["dim"]): c for c in h.comm}[("all_reduce", "dp_replicate")]  # ranks 0 and 4 of one node
+    assert row["link"] == "nvlink" and row["exposed_s"] == pytest.approx(0.5e-3)  # the last only, after the last RS
     assert h.step_s == pytest.approx(p.step_s + 0.5e-3)
     with pytest.raises(UserError):
         P.project(_work([("all_reduce", "?", 4, 0)]), lay, _dev(), **kw)
@@ -128,8 +122,7 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
     assert mapped.get_total_flops() == work.matmul_flops + 2 * work.attention_flops
     assert list(work.attention) == [(2, 4, 32, 16)]  # (B, H, S, D) of the query
     assert (64, 64, 128) in work.matmuls  # sorted (M, N, K): the output projection, [64, 64] @ [64, 128]
-    # every other op reads its inputs and writes its output: at least the loss's fp32 logits
-    assert work.memory_bytes >= 2 * tokens.numel() * 128 * 4
+    assert work.memory_bytes >= 2 * tokens.numel() * 128 * 4  # other ops read inputs, write outputs: the fp32 logits
     views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     assert views and all(P.memory_op_bytes(n) == 0 for n in views)
 
@@ -145,8 +138,7 @@ def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
     orig = F.rms_norm
     with fused_rms_norm_on_meta():
         gm = make_fx(step)(x, w)
-    assert F.rms_norm is orig
-    assert restore_fused_rms_norm(gm) == 1
+    assert F.rms_norm is orig and restore_fused_rms_norm(gm) == 1
     plain = make_fx(step)(x, w)
     targets = {n.target for n in gm.graph.nodes}
     assert {aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default} <= targets
@@ -180,19 +172,15 @@ def test_cost_constants_device_constants_and_flags(tmp_path):
     m = D.apply_measurements(D._default_devices()["h100"], data)
     assert m.matmul_flops == 700e12 and m.matmul_by_shape[(4096, 8192, 14336)] == 650e12
     assert m.attention_by_shape[(1, 32, 8192, 128)] == 420e12 and m.hbm_Bps == 3e12
-    assert m.nvlink.constants("all_reduce") == pytest.approx((20e-6, 360e9))
-    assert m.nvlink.busbw_Bps == pytest.approx(370e9)  # kinds not measured: the mean
-    assert m.measured == ("matmul", "attention", "hbm", "nvlink") and "measured" in m.source
-    assert m.nic == h100.nic  # not measured: the datasheet default stays
+    assert (*m.nvlink.constants("all_reduce"), m.nvlink.busbw_Bps) == pytest.approx((20e-6, 360e9, 370e9))  # 370: mean
+    assert m.measured == ("matmul", "attention", "hbm", "nvlink") and "measured" in m.source and m.nic == h100.nic
     net = {"all_gather_into_tensor": {"alpha_us": 30.0, "busbw_gbps": 320.0, "gpus_per_node": 8}}
     nic = D.apply_measurements(h100, {"nccl_network": net}).nic
     assert (nic.alpha_s, nic.busbw_Bps) == pytest.approx((30e-6, 40e9))  # busbw per NIC
     # the [projection] flags -> device constants, node size and overlap; a bad value: one line naming its flag
     dev, gpn, overlap = P.settings(Projection())
-    assert (dev.name, gpn, overlap) == ("h100", 8, P.Overlap())
-    assert "measured" in dev.source  # the committed cost_constants/h100.json
-    f = tmp_path / "h200.json"
-    f.write_text('{"device": "NVIDIA H200", "hbm_gbps": 4300}')
+    assert (dev.name, gpn, overlap) == ("h100", 8, P.Overlap()) and "measured" in dev.source  # committed h100.json
+    (f := tmp_path / "h200.json").write_text('{"device": "NVIDIA H200", "hbm_gbps": 4300}')
     dev, gpn, overlap = P.settings(Projection(device="h200", gpus_per_node=4, async_tp=True, cost_constants=str(f)))
     assert (dev.name, dev.hbm_Bps, dev.measured, gpn) == ("h200", 4.3e12, ("hbm",), 4)
     assert overlap.async_tp and "tp" in overlap.dims()

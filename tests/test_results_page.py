@@ -26,8 +26,7 @@ def bench(date, tps_jit=41847.0, workload="llama3_1b fsdp2", device=H100, **extr
     return {
         "schema": 1, "kind": "bench", "workload": workload, "title": f"Bench {workload}", "date": date,
         "device": device, "torch": "2.11.0+cu130", "git_sha": "abc1234def5678", "command": COMMAND,
-        "settings": {"steps": 20, "warmup": 3, "repeats": 3},
-        "variants": [
+        "settings": {"steps": 20, "warmup": 3, "repeats": 3}, "variants": [
             {"name": "jit", "flags": ["--compile.mode", "jit"], "tps": stat(tps_jit, 41000.0, 42500.0),
              "mfu": stat(38.24), "memory_gib": stat(45.123), "predicted_peak_gib": 45.1, "compile_time_s": 30.6,
              "step2_first_s": 95.2, "step2_later_s": 40.6, "ratio": 1.0, "verdict": "baseline"},
@@ -35,22 +34,17 @@ def bench(date, tps_jit=41847.0, workload="llama3_1b fsdp2", device=H100, **extr
              "memory_gib": stat(50.0), "predicted_peak_gib": None, "compile_time_s": None, "verdict": "slower"},
             {"name": "broken", "flags": ["--x"], "tps": {"median": None, "min": None, "max": None, "n": 0},
              "mfu": None, "memory_gib": None, "predicted_peak_gib": 60.0, "compile_time_s": None},
-        ],
-        "profile_png": None, **extra,
-    }
+        ], "profile_png": None, **extra}
 
 
 def tier(date):
     """A tier record with one passed and one failed claim (the latter with a detail)."""
     return {
         "schema": 1, "kind": "tier", "workload": "gpu tier", "title": "GPU tier", "date": date, "device": H100,
-        "torch": "2.11.0+cu130", "git_sha": "0123456789ab", "command": "bash scripts/gpu/tier.sh",
-        "claims": [
+        "torch": "2.11.0+cu130", "git_sha": "0123456789ab", "command": "bash scripts/gpu/tier.sh", "claims": [
             {"claim": "test_eager_equals_traced[fsdp2]", "what": "eager == traced, FSDP2, 1B", "result": "PASSED"},
             {"claim": "test_resume", "what": "resume | bitwise", "result": "FAILED", "detail": "step 7 differs"},
-        ],
-        "note": "Run on one   machine.",
-    }
+        ], "note": "Run on one   machine."}
 
 
 @pytest.fixture
@@ -83,15 +77,13 @@ def records(repo):
 
 def sections(page):
     """``{heading: section text}`` of the rendered page, in page order."""
-    parts = page.split("\n### ")[1:]
-    return {p.split("\n", 1)[0]: p for p in parts}
+    return {p.split("\n", 1)[0]: p for p in page.split("\n### ")[1:]}
 
 
 def generate(capsys, *args):
     """Run the script's main; ``(exit status, stdout, stderr)``."""
     code = rp.main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return (code, *capsys.readouterr())
 
 
 def written(root, capsys):
@@ -119,10 +111,10 @@ def test_page(records, capsys):
     assert lines[1:6] == ["# GPU results", "", "Prose before the records.", "", "### GPU tier — " + H100]
     assert lines[-1] == "Prose after the records." and page.endswith("records.\n")
     assert "{{records}}" not in page and "30,123" not in page  # the older record is not rendered
-    assert list(sections(page)) == ["GPU tier — " + H100, "Bench debug fsdp1 — " + H100,
-                                    "Bench llama3_1b fsdp2 — " + H100, "Bench llama3_1b fsdp2 — " + H200]
-
-    main = sections(page)["Bench llama3_1b fsdp2 — " + H100]
+    parts = sections(page)
+    assert list(parts) == ["GPU tier — " + H100, "Bench debug fsdp1 — " + H100, "Bench llama3_1b fsdp2 — " + H100,
+                           "Bench llama3_1b fsdp2 — " + H200]
+    main = parts["Bench llama3_1b fsdp2 — " + H100]
     header, rows = table(main)
     assert header == ("| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB "
                       "| compile s | to step 2 s (first / later) |")
@@ -131,21 +123,17 @@ def test_page(records, capsys):
     assert rows["plain"] == ["37,000 (36,000–37,500)", f"{37000 / 41847:.3f}×", "slower",  # ratio computed
                              "–", "50.00", "–", "–", "– / –"]  # a record from before the column
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
-    assert "2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3)\n" in main
-    assert f"```bash\n{COMMAND}\n```\n" in main
-    assert "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)" in main
-    assert "\nOne line note.\n" in main
-    assert "_1 earlier record in docs/results/._" in main
-    assert "earlier" not in sections(page)["Bench llama3_1b fsdp2 — " + H200]
-    assert "Profile:" not in sections(page)["Bench llama3_1b fsdp2 — " + H200]
-
-    tier_section = sections(page)["GPU tier — " + H100]
+    assert all(s in main for s in ("2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3)\n",
+                                   f"```bash\n{COMMAND}\n```\n", "\nOne line note.\n",
+                                   "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)",
+                                   "_1 earlier record in docs/results/._"))
+    assert all(s not in parts["Bench llama3_1b fsdp2 — " + H200] for s in ("earlier", "Profile:"))
+    tier_section = parts["GPU tier — " + H100]
     header, rows = table(tier_section)
     assert header == "| claim | what | result | detail |"
     assert rows["`test_eager_equals_traced[fsdp2]`"] == ["eager == traced, FSDP2, 1B", "PASSED", "–"]
     assert "\n| `test_resume` | resume \\| bitwise | FAILED | step 7 differs |\n" in tier_section  # pipe escaped
-    assert "\nRun on one machine.\n" in tier_section
-    assert "```bash\nbash scripts/gpu/tier.sh\n```" in tier_section
+    assert "\nRun on one machine.\n" in tier_section and "```bash\nbash scripts/gpu/tier.sh\n```" in tier_section
 
 
 def test_latest_by_date_then_file_name(repo, capsys):
@@ -213,21 +201,18 @@ def test_idempotent_check_and_options(records, tmp_path, capsys):
     assert generate(capsys)[0] == 0
     first, mtime = out.read_bytes(), out.stat().st_mtime_ns
     code, stdout, _ = generate(capsys)
-    assert code == 0 and "unchanged" in stdout
-    assert out.read_bytes() == first and out.stat().st_mtime_ns == mtime
+    assert code == 0 and "unchanged" in stdout and out.read_bytes() == first and out.stat().st_mtime_ns == mtime
     assert rp.render(records / "docs" / "results", out) == first.decode()
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
     assert generate(capsys, "--check")[0] == 0
     out.write_text(out.read_text() + "hand edit\n")
     stale = out.read_bytes()
     code, stdout, _ = generate(capsys, "--check")
-    assert code == 1 and "docs/perf.md is out of date" in stdout
-    assert out.read_bytes() == stale
+    assert code == 1 and "docs/perf.md is out of date" in stdout and out.read_bytes() == stale
     # --results / --out: relative to the repository root, or absolute
     assert generate(capsys, "--out", "elsewhere/page.md")[0] == 0
     assert (records / "elsewhere" / "page.md").read_text().count("\n### ") == 4
-    other = tmp_path / "other_results"
-    other.mkdir()
+    (other := tmp_path / "other_results").mkdir()
     (other / "template.md").write_text("{{records}}\n")
     (other / "x.json").write_text(json.dumps(tier("2026-01-01")))
     code, _, _ = generate(capsys, "--results", str(other), "--out", str(tmp_path / "p.md"))
@@ -240,8 +225,7 @@ def refused(root, capsys, *names):
     out = root / "docs" / "perf.md"
     out.write_text("sentinel\n")
     code, stdout, err = generate(capsys)
-    assert code == 2 and stdout == "" and len(err.splitlines()) == 1, err
-    assert all(n in err for n in names), err
+    assert code == 2 and stdout == "" and len(err.splitlines()) == 1 and all(n in err for n in names), err
     assert out.read_text() == "sentinel\n"
     return err
 
@@ -291,8 +275,7 @@ def test_line_cap(repo, capsys):
     """Over 250 lines: exit 2 with the policy message, nothing written; exactly 250 is fine."""
     for i in range(25):
         put(repo, f"2026-11-27_w{i:02d}.json", bench("2026-11-27", workload=f"w{i:02d}"))
-    err = refused(repo, capsys, "docs/perf.md", "250")
-    assert "lines" in err
+    assert "lines" in refused(repo, capsys, "docs/perf.md", "250")
     rp.check_length("x\n" * 250, repo / "p.md")
     with pytest.raises(rp.PageError, match="251 lines"):
         rp.check_length("x\n" * 251, repo / "p.md")
@@ -307,14 +290,12 @@ def test_cli(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"schema": 1, "kind": "bench"}))
     proc = subprocess.run([sys.executable, script, "--results", tmp_path, "--out", tmp_path / "perf.md"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and not (tmp_path / "perf.md").exists()
     assert proc.stderr.count("\n") == 1 and "x.json" in proc.stderr and "'workload'" in proc.stderr
-    assert not (tmp_path / "perf.md").exists()
 
 
 def test_profiled_step_per_variant_and_rank(repo, capsys):
-    """A bench record's ``profile``: one row per variant and rank, the most exposed collectives in the last cell,
-    the idle that waited for the host beside the idle where recorded."""
+    """A bench record's ``profile``: a row per variant and rank, the most exposed collectives, the host's idle."""
     coll = {"ReduceScatter f32": {"ms": 51.1, "exposed_ms": 40.04}, "AllGather": {"ms": 65.2, "exposed_ms": 30.0}}
     plain0 = {"rank": 0, "wall_ms": 503.8, "compute_ms": 391.7, "exposed_comm_ms": 98.3, "idle_ms": 13.8,
               "collectives": coll}
@@ -333,8 +314,7 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
 
 
 def test_superseded_group_left_out_and_named(repo, capsys):
-    """A bench group whose latest record names the records that measured it again is left out and named;
-    a ``superseded_by`` naming no record here is refused."""
+    """A group whose latest record names its newer records is left out and named; unknown ``superseded_by`` refused."""
     put(repo, "2026-11-26_old.json", bench("2026-11-26", workload="old", superseded_by=["2026-11-27_new.json"]))
     put(repo, "2026-11-27_new.json", bench("2026-11-27", workload="new"))
     page = written(repo, capsys)
