@@ -1,9 +1,10 @@
 """Metrics: tps, TFLOPS, MFU, memory -- console (torchtitan's format), TensorBoard, ``metrics.jsonl``.
 
 Definitions (torchtitan's): ``tps`` = tokens this rank processed since the last log / (seconds since the last log * TP
-degree); ``tflops`` = ``flops_per_token * tps / 1e12`` (torchtitan's ``get_nparams_and_flops``: 6·N without the
-embedding + attention); ``mfu`` (%) = ``100 * tflops * 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None``
-on CPU and unknown GPUs); ``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
+degree; on CUDA the seconds between two events on the device's stream, each behind a logged step's work); ``tflops`` =
+``flops_per_token * tps / 1e12`` (torchtitan's ``get_nparams_and_flops``: 6·N without the embedding + attention);
+``mfu`` (%) = ``100 * tflops * 1e12 / peak`` (dense bf16 peak, :func:`peak_bf16_flops`; ``None`` on CPU and unknown
+GPUs); ``memory_gib``: CUDA max reserved (and % of the device), on CPU the peak RSS.
 
 ``metrics.jsonl`` (rank 0): one :class:`StepMetrics` per logged step, then ``{"summary": {...}}``; a resumed run
 appends, a fresh one first moves earlier records aside (:func:`keep_previous`). torch is imported lazily: the comparison
@@ -87,6 +88,30 @@ class StepMetrics:
     lr: float | None = None
 
 
+@dataclass
+class WindowEnd:
+    """A metrics window closed at ``step`` (:meth:`MetricsLogger.close_window`) whose values the device may still be
+    computing: ``values`` the host tensor ``[loss, grad_norm]`` (float64) that a copy behind the step fills;
+    ``start`` / ``end`` timestamps (CUDA events, or ``perf_counter`` seconds); tokens, data seconds and steps of the
+    window."""
+
+    step: int
+    values: torch.Tensor
+    lr: float | None
+    tokens: int
+    data_time: float
+    steps: int
+    start: object
+    end: object
+
+    def read(self) -> tuple[float, float]:
+        """``(loss, grad_norm)``, waiting until the device has reached the window's end (not beyond)."""
+        if not isinstance(self.end, float):
+            self.end.synchronize()
+        loss, grad_norm = self.values.tolist()
+        return loss, grad_norm
+
+
 class MetricsLogger:
     """Turns per-step timings into :class:`StepMetrics`; writes console, TensorBoard, JSONL (rank 0).
     ``non_dp_size``: TP degree; ``resume_step``: the step resumed from (0: fresh). Files open at the
@@ -147,8 +172,20 @@ class MetricsLogger:
                 + [f"checkpoints {checkpoint_folder}"] * bool(checkpoint_folder)
                 + [f"profiles {d}/{cfg.profiling.save_traces_folder}"] * bool(cfg.profiling.enable_profiling))
 
-    def _reset_window(self):
-        self.win_tokens, self.win_data_time, self.win_steps, self.win_start = 0, 0.0, 0, time.perf_counter()
+    def _now(self):
+        """A timestamp: on CUDA a timing event recorded on the current stream (the time the device reaches it), on
+        CPU ``time.perf_counter()`` seconds."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _reset_window(self, start=None):
+        self.win_tokens, self.win_data_time, self.win_steps = 0, 0.0, 0
+        self.win_start = self._now() if start is None else start
 
     def record_step(self, ntokens: int, data_time_s: float) -> None:
         """Account one finished step: tokens this rank consumed and data-loading seconds."""
@@ -156,20 +193,36 @@ class MetricsLogger:
         self.win_data_time += data_time_s
         self.win_steps += 1
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float | None = None) -> StepMetrics:
-        """Close the current window and log it (averaged over its steps)."""
-        if self.device.type == "cuda":
-            import torch
+    def close_window(self, step: int, loss, grad_norm, lr: float | None = None) -> WindowEnd:
+        """End the current window at ``step`` without waiting for the device: ``loss`` and ``grad_norm`` (0-d
+        tensors on the device, or floats) are copied to the host behind the step's work, the window's end is a
+        timestamp behind them, and the next window starts there. :meth:`log_window` reads and logs it; until then
+        the host can issue the next step, so the device does not go idle at a logged step's end."""
+        import torch
 
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self.win_start
-        tps = self.win_tokens / (elapsed * self.non_dp_size)
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
+                              for v in (loss, grad_norm)])
+        host = torch.empty(2, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        host.copy_(values, non_blocking=True)
+        end = WindowEnd(step, host, lr, self.win_tokens, self.win_data_time, self.win_steps, self.win_start,
+                        self._now())
+        self._reset_window(start=end.end)
+        return end
+
+    def log_window(self, window: WindowEnd) -> StepMetrics:
+        """Log a closed window (averaged over its steps), waiting for the device up to its end only."""
+        loss, grad_norm = window.read()
+        if isinstance(window.end, float):
+            elapsed = window.end - window.start
+        else:
+            elapsed = window.start.elapsed_time(window.end) / 1e3  # ms between the two events on the device
+        tps = window.tokens / (elapsed * self.non_dp_size)
         tflops = self.flops_per_token * tps / 1e12
-        steps = max(self.win_steps, 1)
-        m = StepMetrics(step, loss, grad_norm, tps, tflops, 100.0 * tflops * 1e12 / self.peak if self.peak else None,
-                        *memory_stats(self.device), elapsed / steps, self.win_data_time / steps, lr)
+        steps = max(window.steps, 1)
+        m = StepMetrics(window.step, loss, grad_norm, tps, tflops,
+                        100.0 * tflops * 1e12 / self.peak if self.peak else None, *memory_stats(self.device),
+                        elapsed / steps, window.data_time / steps, window.lr)
         self.rows.append(m)
-        self._reset_window()
         mem = f"{m.memory_gib:.2f}GiB" + (f"({m.memory_pct:.2f}%)" if m.memory_pct is not None else "")
         mfu = f"{m.mfu:.2f}%" if m.mfu is not None else "n/a"
         self._write(asdict(m))  # opens the files first: what that logs comes before this step's line
@@ -181,6 +234,10 @@ class MetricsLogger:
             if getattr(m, k) is not None:
                 self.tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
         return m
+
+    def log(self, step: int, loss, grad_norm, lr: float | None = None) -> StepMetrics:
+        """Close the current window at ``step`` and log it (:meth:`close_window`, then :meth:`log_window`)."""
+        return self.log_window(self.close_window(step, loss, grad_norm, lr))
 
     def summary(self, exclude_steps: int, extra: dict | None = None) -> dict:
         """Medians over logged steps with ``step > exclude_steps`` (warm-up and compile steps

@@ -39,7 +39,7 @@ class _Step:
     rank = 0
     hash_view = None  # (i, t) -> t as hashed (--debug.state_hashes): the param's own layout
 
-    def global_loss(self, loss: torch.Tensor) -> float:
+    def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
         return global_loss(loss, self.dp_group)
 
@@ -204,15 +204,16 @@ class EagerTrainStep(_Step):
         return clip_grad_norm_(self.params, max_norm, foreach=True)
 
 
-def global_loss(loss: torch.Tensor, dp_group=None) -> float:
+def global_loss(loss: torch.Tensor, dp_group=None) -> torch.Tensor:
     """Sum of the ranks' 0-d ``loss`` over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global
-    batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss)."""
+    batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss). A 0-d tensor on ``loss``'s
+    device, the host not waiting for it."""
     loss = loss.detach()
     if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
         loss = loss.full_tensor()
     if dp_group is not None:
         loss = funcol.wait_tensor(funcol.all_reduce(loss, "sum", dp_group))
-    return float(loss)
+    return loss
 
 
 def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:

@@ -102,9 +102,21 @@ def train(cfg) -> dict:
                    **({"comm_mode": cfg.comm.mode} if fake else {}),
                    **({"resumed_from_step": start_step} if start_step else {})}
 
+    def log(window) -> None:
+        """Check a closed window's loss and grad norm, then log it (before any checkpoint of its state is written)."""
+        checked = dict(zip(("loss", "grad norm"), window.read()))
+        bad = [f"{k} is {v}" for k, v in checked.items() if not math.isfinite(v)]
+        if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
+            where = checkpointer.folder if checkpointer.enabled else "(checkpointing off)"
+            raise UserError(f"{' and '.join(bad).capitalize()} at step {window.step}; stopping (no checkpoint of "
+                            f"this state is written). Lower --optimizer.lr, check the data, or resume from the last "
+                            f"good checkpoint in {where}.")
+        metrics.log_window(window)
+
     data_iter = iter(dataloader)
     prof = cfg.profiling
     profiler = StepProfiler(prof, cfg.job.dump_folder, rank, start_step) if prof.enable_profiling else None
+    pending = None  # a logged step's window, read once the next step is issued: the device never waits for the host
     for step in range(start_step + 1, cfg.training.steps + 1):
         t_data = time.perf_counter()
         input_dict, labels = next(data_iter)
@@ -116,21 +128,18 @@ def train(cfg) -> dict:
         optimizers.step()
         lr_schedulers.step()
         metrics.record_step(tokens.numel(), data_time)
+        if pending is not None:
+            log(pending)
+            pending = None
 
-        # Log (and check for divergence) before any checkpoint of this state is written.
         last = step == cfg.training.steps
         saving = checkpointer.enabled and (step % cfg.checkpoint.interval == 0 or last)
         if step == start_step + 1 or step % cfg.metrics.log_freq == 0 or last or saving:
-            loss_val = step_fn.global_loss(loss)
-            checked = (("loss", loss_val), ("grad norm", float(grad_norm)))
-            bad = [f"{k} is {v}" for k, v in checked if not math.isfinite(v)]
-            if bad and not fake:  # the last good checkpoint stays (fake collectives: values meaningless)
-                where = checkpointer.folder if checkpointer.enabled else "(checkpointing off)"
-                raise UserError(f"{' and '.join(bad).capitalize()} at step {step}; stopping (no checkpoint of this "
-                                f"state is written). Lower --optimizer.lr, check the data, or resume from the last "
-                                f"good checkpoint in {where}.")
             lr = lr_schedulers.schedulers[0].get_last_lr()[0]
-            metrics.log(step, loss_val, float(grad_norm), lr)
+            pending = metrics.close_window(step, step_fn.global_loss(loss), grad_norm, lr)
+            if step == start_step + 1 or last or saving:  # now: the first step's line, a checked checkpoint
+                log(pending)
+                pending = None
         checkpointer.save(step, last_step=last)
         if profiler is not None:
             profiler.step()

@@ -70,3 +70,21 @@ def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
         assert any(n.startswith("events.out.tfevents") for n in os.listdir(tmp_path / tb)), tb
     kept = [line for line in log_lines if "is kept as" in line]
     assert len(kept) == 4 and f"{tmp_path / 'metrics.jsonl'} is kept as {tmp_path / 'metrics.2.jsonl'}" in kept[-2]
+
+
+def test_a_closed_window_keeps_its_values_and_steps(tmp_path):
+    """close_window copies loss and grad norm at the close (a CUDA graph's output buffer is overwritten by the next
+    replay) and counts only the steps before it; steps after it open the next window."""
+    m = _logger(tmp_path)
+    loss, grad_norm = torch.tensor(2.5), torch.tensor(0.75)
+    for _ in range(2):
+        m.record_step(128, 0.5)
+    window = m.close_window(2, loss, grad_norm, 1e-3)
+    loss.fill_(9.0)  # the next step's value in the same buffer
+    m.record_step(64, 0.0)  # the next step, issued before the window is logged
+    row = m.log_window(window)
+    assert (row.step, row.loss, row.grad_norm, row.lr, row.data_time_s) == (2, 2.5, 0.75, 1e-3, 0.5)
+    assert row.tps == 256 / (2 * row.step_time_s)
+    nxt = m.log(3, loss, grad_norm)
+    assert (nxt.loss, nxt.tps) == (9.0, 64 / nxt.step_time_s)
+    m.close()
