@@ -150,7 +150,7 @@ def _dry_runs_8b(tmp, env):
     with graph_trainer_logs() as messages:
         summary = dry_run_8b_8_ranks("--parallelism.data_parallel_shard_degree", "4",
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp",
-                                     "--compile.async_tp.merge_matmul_sums", "--compile.numerics_changing_optim")
+                                     "--compile.numerics_changing_optim")
     return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
 
 

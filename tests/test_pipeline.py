@@ -90,7 +90,7 @@ def test_registry_and_order():
 
 
 @pytest.mark.parametrize("name, inductor, before, wrong, match", [
-    ("annotate_blocks", "regional", "regional_inductor", "full", "regional_inductor"),
+    ("annotate_residual_rmsnorm_for_regional_inductor", "regional", "regional_inductor", "full", "regional_inductor"),
     ("isolate_rmsnorm", "full", "full_inductor", "regional", "full_inductor"),
 ])
 def test_opt_in_pass_needs_the_flag_and_its_inductor_mode(name, inductor, before, wrong, match):

@@ -60,10 +60,9 @@ def hold(x, *keep_alive):
     return x
 
 
-def strip_holds(gm: torch.fx.GraphModule, of: Container[torch.fx.Node] | None = None) -> int:
-    """Replace every :func:`hold` node (holding a node of ``of``, if given) by its first argument; returns how many."""
-    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold
-             and (of is None or node.args[0] in of)]
+def strip_holds(gm: torch.fx.GraphModule) -> int:
+    """Replace every :func:`hold` node by its first argument; returns how many."""
+    holds = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is hold]
     for node in holds:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)

@@ -97,13 +97,6 @@ def tag_for_inductor(node: torch.fx.Node, inductor_configs: dict[str, Any], regi
     node.meta["custom"] = {**custom_meta(node), COMPILE_WITH_INDUCTOR_KEY: tag}
 
 
-def untag_for_inductor(node: torch.fx.Node) -> None:
-    """Remove ``node``'s ``compile_with_inductor`` tag and its eager-rounding mark (:data:`BARRIER_KEY`)."""
-    if is_tagged_for_inductor(node):
-        node.meta["custom"] = {k: v for k, v in custom_meta(node).items() if k != COMPILE_WITH_INDUCTOR_KEY}
-    node.meta.pop(BARRIER_KEY, None)
-
-
 def is_tagged_recompute(node: torch.fx.Node) -> bool:
     """Whether ``node`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag (``meta["recompute"]``)."""
     return node.meta.get("recompute") in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)

@@ -20,7 +20,6 @@ from _launch import queue, spawn  # tests/ is on sys.path
 from _runs import DEBUG
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, placeholder_vals
-from graph_trainer.compiler.matmul_sums import matmul_sum_of, merge_matmul_sum
 from graph_trainer.compiler.node_meta import phase_of
 from graph_trainer.compiler.ops import RESHAPE_OPS
 from graph_trainer.compiler.passes.async_tp import async_tp_pass, find_async_tp_matches
@@ -122,12 +121,14 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
         return [funcol.reduce_scatter_tensor(t, "sum", 0, group) for t in (s, y, u)], y
 
     gm = _trace(sums, (8, 16), (16, 4), (16, 4))
-    assert [m.reason for m in find_async_tp_matches(gm, "0", merge_matmul_sums=True).reduce_scatters] == [
-        None, "the matmul output has other users",  # the sum merges into one matmul
-        "the reduce-scatter input is a sum that does not merge into one matmul (a term is not a matmul output)"]
-    assert [m.reason for m in find_async_tp_matches(gm, "0", merge_matmul_sums=False).reduce_scatters] == [
+    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
         "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users",
         "the reduce-scatter input is a sum of matmul outputs"]
+    code = gm.code
+    async_tp_pass(gm, None, tp_group_name="0")
+    assert gm.code == code and gm.meta[SUMMARY] == ("nothing to fuse on TP group '0'; left 3 reduce-scatters (2: the "
+                                                    "reduce-scatter input is a sum of matmul outputs; 1: the matmul "
+                                                    "output has other users)")
 
     def unordered(x, w):
         a, b = torch.split(torch.mm(x, w), 4, 1)
@@ -145,66 +146,6 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
     gm = async_tp_pass(gm, None)
     assert _kinds(gm)["mm"] == 1  # the backward one stays
     _refake(gm)
-
-
-def _sums_block(x, wq, wk, wv, w1, w3, gq, gk, gv, g1, g3):
-    """q/k/v's (3-D, nested adds) and w1/w3's (2-D) input gradients, reduce-scattered on the sequence dimension."""
-    flat = lambda g: g.reshape(-1, g.shape[-1])  # noqa: E731
-    dx = (torch.mm(flat(gq), wq).view(*gq.shape[:-1], -1) + torch.mm(flat(gk), wk).view(*gk.shape[:-1], -1)
-          + torch.mm(flat(gv), wv).view(*gv.shape[:-1], -1))
-    dh = torch.mm(g1, w1) + torch.mm(g3, w3)
-    return (funcol.reduce_scatter_tensor(dx, "sum", 1, dist.group.WORLD),
-            funcol.reduce_scatter_tensor(dh, "sum", 0, dist.group.WORLD), x)
-
-
-_SUM_SHAPES = [(2, 8, 16), (12, 16), (4, 16), (4, 16), (10, 16), (10, 16),
-               (2, 8, 12), (2, 8, 4), (2, 8, 4), (8, 10), (8, 10)]
-
-
-def test_sums_of_matmuls_merged_then_fused(fake_group):
-    """add(mm, mm, ..) before a reduce-scatter: one mm of concatenated operands, fused; allclose; off: unchanged."""
-    fake_group(2)
-    gm, tp = _trace(_sums_block, *_SUM_SHAPES), dist.group.WORLD.group_name  # no all-gather to infer it from
-    for n in gm.graph.nodes:
-        n.meta["custom"] = {"phase": "backward"}
-    before = _refake(gm)
-    rss = find_async_tp_matches(gm, tp, merge_matmul_sums=True).reduce_scatters
-    assert [(m.reason, len(m.matmul_sum.terms)) for m in rss] == [(None, 3), (None, 2)]
-    off = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp, merge_matmul_sums=False)
-    assert _kinds(off) == {"mm": 5, "reduce_scatter_tensor": 2} and off.code == gm.code
-    assert "left 2 reduce-scatters (2: the reduce-scatter input is a sum of matmul outputs)" in off.meta[SUMMARY]
-    fused = async_tp_pass(copy.deepcopy(gm), None, tp_group_name=tp, merge_matmul_sums=True)
-    s = fused.meta["graph_trainer_pass_stats"]
-    assert (s["reduce_scatter_fused"], s["reduce_scatter_left"], s["matmul_sums_merged"]) == (2, 0, 2)
-    assert "2 matmul->reduce-scatter (2 of a sum of matmuls merged into one)" in fused.meta[SUMMARY]
-    assert _kinds(fused) == {FUSED_RS: 2}
-    assert not any(n.target is aten.add.Tensor for n in fused.graph.nodes)
-    rs3, rs2 = [n for n in fused.graph.nodes if collective_kind(n) == FUSED_RS]
-    assert [a.meta["val"].shape for a in rs3.args[:2]] == [(2, 8, 20), (20, 16)] and rs3.args[3] == 1
-    assert [a.meta["val"].shape for a in rs2.args[:2]] == [(8, 20), (20, 16)] and rs2.args[3] == 0
-    assert all(a.target is aten.cat.default and phase_of(a) == "backward" for n in (rs3, rs2) for a in n.args[:2])
-    assert [x.shape for x in _refake(fused)] == [x.shape for x in before]
-
-    def sums(*args):  # the same sums without collectives, run
-        return _sums_block(*args)[:2]
-
-    with mock.patch.object(funcol, "reduce_scatter_tensor", lambda t, *_: t * 1):
-        gm = _trace(sums, *_SUM_SHAPES)
-    adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and not any(
-        u.target is aten.add.Tensor for u in n.users)]
-    merged = copy.deepcopy(gm)
-    roots = [n for n in merged.graph.nodes if n.name in {a.name for a in adds}]
-    for root in roots:
-        sum_, why = matmul_sum_of(root)
-        assert why is None
-        merge_matmul_sum(merged.graph, sum_, detect_graph_fake_mode(merged))
-    merged.graph.lint()
-    merged.recompile()
-    assert _kinds(merged)["mm"] == 2
-    torch.manual_seed(0)
-    inputs = [torch.randn(s) for s in _SUM_SHAPES]
-    for x, y in zip(merged(*inputs), gm(*inputs)):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 def test_group_inference_fuse_option_and_modes(fake_group):
@@ -288,17 +229,16 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     fsdp_before = _kinds(gm, tpar.fsdp_group.group_name) if tpar.fsdp_group is not None else None
     mms_before, before = _kinds(gm)["mm"], _refake(gm)
     key = ("all_gather_fused", "matmuls_fused", "reduce_scatter_fused", "all_gather_left", "reduce_scatter_left")
-    off = async_tp_pass(gm, None, merge_matmul_sums=False, rewrite=False).meta["graph_trainer_pass_stats"]
-    assert tuple(off[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)  # wo / w2, the output
-    gm = async_tp_pass(gm, None, merge_matmul_sums=True)
-    s = gm.meta["graph_trainer_pass_stats"]  # and per block the sums of q/k/v's and of w1/w3's input gradients
-    assert tuple(s[k] for k in key) + (s["matmul_sums_merged"],) == (4 * L + 1, 7 * L + 1, 4 * L + 1, 1, 1, 2 * L)
+    off = async_tp_pass(gm, None, rewrite=False).meta["graph_trainer_pass_stats"]
+    gm = async_tp_pass(gm, None)
+    s = gm.meta["graph_trainer_pass_stats"]  # reduce-scatters: wo / w2, the output; left: the input gradients' sums
+    assert tuple(off[k] for k in key) == tuple(s[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)
     kinds = _kinds(gm, tp)  # left, then fused
     assert (kinds["all_gather_into_tensor"], kinds["reduce_scatter_tensor"], kinds[FUSED_AG], kinds[FUSED_RS]) == (
-        1, 1, 4 * L + 1, 4 * L + 1)
+        1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
     if fsdp_before is not None:
         assert _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
-    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1) - (3 + 2) * L
+    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1)
     assert [phase_of(n) for n in gm.graph.nodes if collective_kind(n) == FUSED_AG].count("forward") == 2 * L + 1
     assert [tuple(x.shape) for x in _refake(gm)] == [tuple(x.shape) for x in before]
 
@@ -315,10 +255,7 @@ def test_pipeline_place_options_and_flag():
     assert options() is not None and options(*full) is not None
     assert options(*full, "--compile.disable_passes", "async_tp") is None
     assert options("--compile.passes", "micro_pipeline_tp", *full, "--compile.async_tp.fuse", "all_gather_matmul",
-                   device_type=None, tp_group_name="7") == {"fuse": "all_gather_matmul", "merge_matmul_sums": False,
-                                                            "tp_group_name": "7"}
-    assert options("--compile.passes", "async_tp", "--compile.async_tp.merge_matmul_sums",
-                   device_type="cpu")["merge_matmul_sums"] is True
+                   device_type=None, tp_group_name="7") == {"fuse": "all_gather_matmul", "tp_group_name": "7"}
 
 
 def _gloo_worker(rank, world, store_path, q):
@@ -328,20 +265,16 @@ def _gloo_worker(rank, world, store_path, q):
         rec: list = []
         with torch.no_grad():
             ref = gm(*inputs)
-            merging = PipelineStep("async_tp", async_tp_pass, {"merge_matmul_sums": True})
-            auto = run_pipeline(copy.deepcopy(gm), None, [merging], quiet=True, records=rec)
+            auto = run_pipeline(copy.deepcopy(gm), None, [PipelineStep("async_tp", async_tp_pass, {})], quiet=True,
+                                records=rec)
             bitwise = all(torch.equal(a, b) for a, b in zip(auto(*inputs), ref))
             skipped = (rec[-1]["summary"], bitwise, auto.code == gm.code)
             lib = torch.library.Library("symm_mem", "IMPL")  # CPU kernels: torch's reference implementations
             lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
             lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
-            rewritten = []
-            for merge in (False, True):  # the sums of matmuls left, then merged and fused
-                step = PipelineStep("async_tp", async_tp_pass, {"rewrite": True, "merge_matmul_sums": merge})
-                fused = run_pipeline(copy.deepcopy(gm), None, [step], quiet=True, records=rec)
-                out = fused(*inputs)
-                rewritten.append((rec[-1]["summary"], _kinds(fused), all(map(torch.equal, out, ref)),
-                                  all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(out, ref))))
+            step = PipelineStep("async_tp", async_tp_pass, {"rewrite": True})
+            fused = run_pipeline(copy.deepcopy(gm), None, [step], quiet=True, records=rec)
+            rewritten = (rec[-1]["summary"], _kinds(fused), all(map(torch.equal, fused(*inputs), ref)))
         q.put((rank, skipped, rewritten))
     finally:
         dist.destroy_process_group()
@@ -349,18 +282,15 @@ def _gloo_worker(rank, world, store_path, q):
 
 @pytest.mark.slow
 def test_cpu_run_skips_bitwise_and_rewrite_matches_reference_gloo(tmp_path):
-    """TP2 on gloo: skipped on CPU; forced, torch's reference kernels: bitwise, allclose with merged sums."""
+    """TP2 on gloo: skipped on CPU; forced, torch's reference kernels: bitwise."""
     q = queue()
     spawn(_gloo_worker, (2, str(tmp_path / "store"), q), 2)
-    for rank, (summary, bitwise, same_code), (off, on) in [q.get(timeout=60) for _ in range(2)]:
+    for rank, (summary, bitwise, same_code), (fused, kinds, fused_bitwise) in [q.get(timeout=60) for _ in range(2)]:
         assert summary.startswith("skipped: device cpu (the symm_mem fused ops are CUDA-only); would fuse 5 "
-                                  "all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter (2 of a sum")
+                                  "all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
         assert bitwise and same_code
-        assert off[0].startswith("fused 5 all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
-        assert off[1][FUSED_AG] == 5 and off[1][FUSED_RS] == 3 and off[2], rank
-        assert on[0].startswith("fused 5 all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter (2 of a sum "
-                                "of matmuls merged into one) on")
-        assert on[1][FUSED_AG] == 5 and on[1][FUSED_RS] == 5 and on[1]["mm"] == off[1]["mm"] - 5 and on[3], rank
+        assert fused.startswith("fused 5 all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
+        assert kinds[FUSED_AG] == 5 and kinds[FUSED_RS] == 3 and fused_bitwise, rank
 
 
 @pytest.mark.slow
@@ -368,12 +298,13 @@ def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(dry_run_8b_fsdp4_tp2):
     """The session's 8B FSDP4 x TP2 dry run (tests/conftest.py): rewritten on the fake group, projected as fused."""
     s, messages = dry_run_8b_fsdp4_tp2
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
-    ag, rs = 4 * 32 + 1, 4 * 32 + 1  # 32 blocks; rs: wo / w2 and the output, the merged sums of q/k/v and w1/w3
-    assert (f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter "
-            f"({2 * 32} of a sum of matmuls merged into one) on TP group") in line
+    ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks; rs: wo / w2 and the output
+    assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
     # left: one all-gather, and the 64 that all_but_cheap gathers again in the backward (weight gradients' right
-    # operands); the reduce-scatter of the (row-wise sharded) embedding's output
-    assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), "
-            "1 reduce-scatter (1: the reduce-scatter input is not a matmul output)") in line
+    # operands); the reduce-scatter of the (row-wise sharded) embedding's output, the sums of q/k/v's and of w1/w3's
+    # input gradients
+    assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), 65 reduce-scatters "
+            "(1: the reduce-scatter input is not a matmul output; 64: the reduce-scatter input is a sum of matmul "
+            "outputs)") in line
     fused = {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]}
     assert fused == {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}

@@ -14,7 +14,6 @@ ORDER = [
     "annotate_residual_rmsnorm",  # opt-in, numerics-changing: the residual add joins each norm region
     "annotate_pointwise",       # opt-in, numerics-changing
     "annotate_exact_pointwise",  # CUDA, regional: fused with eager's rounding, numerics unchanged
-    "annotate_blocks",          # opt-in, numerics-changing: one region per block and phase, compiled once per kind
     "regional_inductor",        # --compile.inductor_compilation regional
     "isolate_rmsnorm",          # opt-in, numerics-changing, full only: each norm in kernels of its own
     "full_inductor",            # --compile.inductor_compilation full

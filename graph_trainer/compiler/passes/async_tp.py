@@ -4,15 +4,14 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 * **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A``
   (:func:`_rebuild_layout`); every same-phase ``aten.mm`` reading ``A`` as left operand joins one
   ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads, or of
-  a sum of such matmuls merged first into one (:mod:`graph_trainer.compiler.matmul_sums`; opt-in).
+* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
 group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
 On by default on CUDA. Numerics: not changed where checked, eager == traced bitwise with it under NCCL at TP
 degree 2 (the GPU tier, ``docs/perf.md``; there a reduce-scatter sums two terms, in either order the same); larger TP
-degrees are unchecked. ``--compile.async_tp.merge_matmul_sums`` changes numerics."""
+degrees are unchecked."""
 
 import functools
 import math
@@ -28,9 +27,7 @@ import torch.distributed as dist
 from graph_trainer import NUMERICS_KEY
 from graph_trainer.compiler.collectives import collective_kind, group_name_of, shard_chain, sole_wait
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, positions, shape_of, tensor_val
-from graph_trainer.compiler.matmul_sums import (MM_OPS, Matmul, MatmulSum, call_like, fake_call, matmul_of,
-                                                matmul_sum_of, merge_matmul_sum)
-from graph_trainer.compiler.node_meta import add_process_setup, phase_of, set_pass_summary
+from graph_trainer.compiler.node_meta import add_process_setup, custom_meta, phase_of, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
 from graph_trainer.distributed.fake_pg import BACKEND as FAKE_COLLECTIVES
@@ -40,6 +37,18 @@ FUSE_CHOICES = ("all", "all_gather_matmul", "matmul_reduce_scatter")
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default})
 _NOOPS = RESHAPE_OPS | {aten.alias.default, aten.slice.Tensor}
 _KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+_MM_OPS = frozenset({aten.mm.default})
+
+
+@dataclass
+class Matmul:
+    """``post(mm(pre(A), B))``: ``pre`` / ``post`` reshape to and from 2-D (None: none)."""
+
+    mm: torch.fx.Node
+    a: torch.fx.Node
+    b: torch.fx.Node
+    pre: torch.fx.Node | None = None
+    post: torch.fx.Node | None = None
 
 
 @dataclass
@@ -59,7 +68,7 @@ class AllGatherMatch:
 
 @dataclass
 class ReduceScatterMatch:
-    """A TP reduce-scatter of a matmul's output or of a ``matmul_sum``; ``reason``: why it stays unfused."""
+    """A TP reduce-scatter of a matmul's output; ``reason``: why it stays unfused."""
 
     rs: torch.fx.Node
     wait: torch.fx.Node | None = None
@@ -67,7 +76,6 @@ class ReduceScatterMatch:
     reduce_op: str = "sum"
     layout: list[torch.fx.Node] = field(default_factory=list)  # split/slice .. cat
     matmul: Matmul | None = None
-    matmul_sum: MatmulSum | None = None
     reason: str | None = None
 
 
@@ -79,6 +87,44 @@ class AsyncTPPlan:
     group_reason: str | None
     all_gathers: list[AllGatherMatch]
     reduce_scatters: list[ReduceScatterMatch]
+
+
+def _matmul_of(x: torch.fx.Node) -> Matmul | None:
+    """``x`` as a matmul: ``mm(A, B)`` (2-D), or ``view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])``
+    whose ``mm`` only the outer view reads (``M = prod(A.shape[:-1])``); else None."""
+    if is_call(x, _MM_OPS):
+        return Matmul(x, x.args[0], x.args[1])
+    if not is_call(x, RESHAPE_OPS) or not is_call(x.args[0], _MM_OPS) or len(x.args[0].users) != 1:
+        return None
+    mm, pre = x.args[0], x.args[0].args[0]
+    a_shape = shape_of(pre.args[0]) if is_call(pre, RESHAPE_OPS) else None
+    if a_shape is None or len(a_shape) < 2 or shape_of(pre) != (math.prod(a_shape[:-1]), a_shape[-1]):
+        return None
+    if shape_of(x) != (*a_shape[:-1], shape_of(mm)[1]):
+        return None
+    return Matmul(mm, pre.args[0], mm.args[1], pre=pre, post=x)
+
+
+def _call_like(graph: torch.fx.Graph, target, args, like: torch.fx.Node, val: Any = None, key_from=None,
+               kwargs=None) -> torch.fx.Node:
+    """A new node ``target(*args, **kwargs)`` with ``like``'s metadata, ``val`` and ``key_from``'s numerics key."""
+    new = graph.call_function(target, args, kwargs or {})
+    new.meta["custom"] = dict(custom_meta(like))
+    new.meta.update({k: like.meta[k] for k in ("stack_trace", "seq_nr") if k in like.meta})
+    if val is not None:
+        new.meta["val"] = val
+    if key_from is not None and NUMERICS_KEY in key_from.meta:
+        new.meta[NUMERICS_KEY] = key_from.meta[NUMERICS_KEY]
+    return new
+
+
+def _fake_call(fake_mode, op, args, kwargs=None) -> Any:
+    """The fake value of ``op`` on its node arguments' fake values (None without a fake mode)."""
+    if fake_mode is None:
+        return None
+    vals = torch.fx.node.map_arg((args, kwargs or {}), lambda a: a.meta.get("val"))
+    with fake_mode:
+        return op(*vals[0], **vals[1])
 
 
 def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, ...], g: int):
@@ -130,13 +176,13 @@ def _consumer_matmuls(res: torch.fx.Node, user: torch.fx.Node) -> list[Matmul]:
     shape = shape_of(res)
     if shape is None:
         return []
-    if is_call(user, MM_OPS) and user.args[0] is res and len(shape) == 2:
+    if is_call(user, _MM_OPS) and user.args[0] is res and len(shape) == 2:
         return [Matmul(user, res, user.args[1])]
     if not is_call(user, RESHAPE_OPS) or len(shape) < 2 or shape_of(user) != (math.prod(shape[:-1]), shape[-1]):
         return []
     out = []
     for mm in user.users:
-        if not is_call(mm, MM_OPS) or mm.args[0] is not user or mm.args[1] is user:
+        if not is_call(mm, _MM_OPS) or mm.args[0] is not user or mm.args[1] is user:
             continue
         n = (shape_of(mm) or (0, 0))[1]
         posts = [p for p in mm.users if is_call(p, RESHAPE_OPS) and shape_of(p) == (*shape[:-1], n)]
@@ -230,8 +276,7 @@ def _chunks_view(x: torch.fx.Node, scatter_dim: int, group_size: int) -> int | N
     return d
 
 
-def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int],
-                          merge_sums: bool) -> ReduceScatterMatch:
+def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.Node, int]) -> ReduceScatterMatch:
     """``rs`` as ``find_reduce_scatter_patterns`` matched it (``found``), checked, or why it stays unfused."""
     m = ReduceScatterMatch(rs)
     if len(rs.users) != 1 or rs not in found:
@@ -259,20 +304,14 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
         return m
     if (outer := _chunks_view(x, m.scatter_dim, arg_of(rs, 2, "group_size"))) is not None:
         m.layout, x, m.scatter_dim = [x], x.args[0], outer  # the view remove_noop_views left of DTensor's cat
-    m.matmul = matmul_of(x)  # mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
-    if m.matmul is not None:
-        return m
-    if x.target is aten.add.Tensor and merge_sums:  # the sum of matmuls async_tp_pass merges into one
-        m.matmul_sum, why = matmul_sum_of(x)
-        m.reason = why and f"the reduce-scatter input is a sum that does not merge into one matmul ({why})"
-    else:
+    m.matmul = _matmul_of(x)  # mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
+    if m.matmul is None:
         m.reason = ("the reduce-scatter input is a sum of matmul outputs" if x.target is aten.add.Tensor
                     else "the reduce-scatter input is not a matmul output")
     return m
 
 
-def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = None,
-                          merge_matmul_sums: bool = False) -> AsyncTPPlan:
+def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = None) -> AsyncTPPlan:
     """Every all-gather and reduce-scatter on the TP group with its match (module docstring). Reads only."""
     if tp_group_name is None:  # the one group of the all-gathers of activations
         groups = sorted({str(group_name_of(n)) for n in gm.graph.nodes
@@ -292,7 +331,7 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
         if collective_kind(n) == "all_gather_into_tensor":
             plan.all_gathers.append(_match_all_gather(n, order))
         else:
-            plan.reduce_scatters.append(_match_reduce_scatter(n, found, order, merge_matmul_sums))
+            plan.reduce_scatters.append(_match_reduce_scatter(n, found, order))
     return plan
 
 
@@ -303,8 +342,8 @@ def _contiguous(graph: torch.fx.Graph, node: torch.fx.Node, like: torch.fx.Node)
         return node, 0
     contiguous = {"memory_format": torch.contiguous_format}
     with graph.inserting_after(node):
-        clone = call_like(graph, aten.clone.default, (node,), like, torch.empty_like(val, **contiguous), like,
-                          contiguous)
+        clone = _call_like(graph, aten.clone.default, (node,), like, torch.empty_like(val, **contiguous), like,
+                           contiguous)
     node.meta.pop(NUMERICS_KEY, None)
     return clone, 1
 
@@ -325,11 +364,11 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
     args = (ag.args[0], [mm.b for mm in m.matmuls], m.gather_dim, group_name)
     kwargs = {"return_A": True}
     with graph.inserting_before(ag):
-        fused = call_like(graph, op, args, ag, fake_call(fake_mode, op, args, kwargs), kwargs=kwargs)
+        fused = _call_like(graph, op, args, ag, _fake_call(fake_mode, op, args, kwargs), kwargs=kwargs)
         fv = fused.meta.get("val")  # (A, [products]) or None
-        a_node = call_like(graph, operator.getitem, (fused, 0), m.res, fv and fv[0], key_from=m.res)
-        outs = call_like(graph, operator.getitem, (fused, 1), ag, fv and fv[1])
-        items = [call_like(graph, operator.getitem, (outs, i), mm.post or mm.mm, fv and fv[1][i], mm.post or mm.mm)
+        a_node = _call_like(graph, operator.getitem, (fused, 0), m.res, fv and fv[0], key_from=m.res)
+        outs = _call_like(graph, operator.getitem, (fused, 1), ag, fv and fv[1])
+        items = [_call_like(graph, operator.getitem, (outs, i), mm.post or mm.mm, fv and fv[1][i], mm.post or mm.mm)
                  for i, mm in enumerate(m.matmuls)]
     copies = 0
     for mm, item in zip(m.matmuls, items):
@@ -343,8 +382,8 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
         if mm.pre is not None and mm.mm.users:  # the 2-D product of a 3-D A: a view of it
             view = (out, list(shape_of(mm.mm)))
             with graph.inserting_after(out):
-                flat = call_like(graph, aten.view.default, view, mm.mm,
-                                 fake_call(fake_mode, aten.view.default, view), mm.mm)
+                flat = _call_like(graph, aten.view.default, view, mm.mm,
+                                  _fake_call(fake_mode, aten.view.default, view), mm.mm)
             mm.mm.replace_all_uses_with(flat)
     _erase_unused(graph, [x for mm in m.matmuls for x in (mm.pre, mm.mm, mm.post)])
     readers = [m.res, *(res for res, _ in m.copies)]
@@ -356,7 +395,7 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
     else:
         graph.erase_node(a_node)
         fused.kwargs = {"return_A": False}  # as Inductor: do not return A when nothing reads it
-        fused.meta["val"] = fake_call(fake_mode, op, fused.args, fused.kwargs)
+        fused.meta["val"] = _fake_call(fake_mode, op, fused.args, fused.kwargs)
         if fused.meta["val"] is not None:
             outs.meta["val"] = fused.meta["val"][1]
     _erase_unused(graph, [ag, m.wait, *(n for _, nodes in m.copies for n in nodes), *m.layout[1:]])
@@ -368,7 +407,7 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_nam
     mm = m.matmul
     args = (mm.a, mm.b, m.reduce_op, m.scatter_dim, group_name)
     with graph.inserting_before(m.rs):
-        fused = call_like(graph, op, args, m.wait, fake_call(fake_mode, op, args), key_from=m.wait)
+        fused = _call_like(graph, op, args, m.wait, _fake_call(fake_mode, op, args), key_from=m.wait)
     m.wait.replace_all_uses_with(fused)
     _erase_unused(graph, [mm.pre, mm.mm, mm.post, *m.layout, m.rs, m.wait])
 
@@ -413,19 +452,19 @@ def _setup_symmetric_memory(group_name: str, workspace_bytes: int) -> None:
 
 def async_tp_pass(
     gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_name: str | None = None, fuse: str = "all",
-    merge_matmul_sums: bool = False, rewrite: bool | None = None,
+    rewrite: bool | None = None,
 ) -> torch.fx.GraphModule:
     """Fuse the TP all-gather -> matmul and matmul -> reduce-scatter pairs of ``gm`` into
     ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (module docstring).
 
-    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``merge_matmul_sums``:
-    see :class:`AsyncTPOptions`; ``rewrite``: None: on a fake group, or on CUDA with symmetric memory (enabled
-    here); True: always; False: count only. Stats: ``all_gather_fused`` / ``_left``, ``matmuls_fused``,
-    ``reduce_scatter_fused`` / ``_left``, ``matmul_sums_merged``, ``restrided`` (contiguous copies), ``rewritten``.
+    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``rewrite``: None: on
+    a fake group, or on CUDA with symmetric memory (enabled here); True: always; False: count only. Stats:
+    ``all_gather_fused`` / ``_left``, ``matmuls_fused``, ``reduce_scatter_fused`` / ``_left``, ``restrided``
+    (contiguous copies), ``rewritten``.
     Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
     if fuse not in FUSE_CHOICES:
         raise ValueError(f"fuse must be one of {', '.join(FUSE_CHOICES)}; got {fuse!r}")
-    plan = find_async_tp_matches(gm, tp_group_name, merge_matmul_sums)
+    plan = find_async_tp_matches(gm, tp_group_name)
     group = plan.group_name
     if group is None:
         set_pass_summary(gm, f"skipped: {plan.group_reason}", rewritten=0)
@@ -434,19 +473,15 @@ def async_tp_pass(
     ags = fusible_ags if fuse != "matmul_reduce_scatter" else []
     in_ag = {mm.mm for m in ags for mm in m.matmuls}
     for m in plan.reduce_scatters:  # as Inductor: a matmul between a gather and a scatter goes with the gather
-        terms = m.matmul_sum.terms if m.matmul_sum is not None else [m.matmul] if m.matmul is not None else []
-        if m.reason is None and any(t.mm in in_ag for t in terms) and fuse != "all_gather_matmul":
+        if m.reason is None and m.matmul.mm in in_ag and fuse != "all_gather_matmul":
             m.reason = "its matmul is fused with the all-gather of its input"
     fusible_rss = [m for m in plan.reduce_scatters if m.reason is None]
     rss = fusible_rss if fuse != "all_gather_matmul" else []
     stats = dict(all_gather_fused=len(ags), all_gather_left=len(plan.all_gathers) - len(ags),
                  matmuls_fused=sum(len(m.matmuls) for m in ags), reduce_scatter_fused=len(rss),
-                 reduce_scatter_left=len(plan.reduce_scatters) - len(rss),
-                 matmul_sums_merged=sum(m.matmul_sum is not None for m in rss), restrided=0, rewritten=0)
-    merged = stats["matmul_sums_merged"]
-    sums = f" ({merged} of a sum of matmuls merged into one)" if merged else ""
+                 reduce_scatter_left=len(plan.reduce_scatters) - len(rss), restrided=0, rewritten=0)
     what = (f"{len(ags)} all-gather->matmul ({stats['matmuls_fused']} matmuls) and {len(rss)} "
-            f"matmul->reduce-scatter{sums} on TP group {group!r}")
+            f"matmul->reduce-scatter on TP group {group!r}")
     left = _left_text(plan, ags, rss)
     skip, note = None, ""
     if not ags and not rss:
@@ -484,8 +519,6 @@ def async_tp_pass(
     for m in ags:
         stats["restrided"] += _fuse_all_gather(gm.graph, m, group, fake_mode)
     for m in rss:
-        if m.matmul_sum is not None:  # add(mm(A_1, B_1), ..) -> mm(cat(A_i), cat(B_i)), then fused as one
-            m.matmul = merge_matmul_sum(gm.graph, m.matmul_sum, fake_mode)
         _fuse_reduce_scatter(gm.graph, m, group, fake_mode)
     gm.graph.lint()
     gm.recompile()
@@ -517,18 +550,11 @@ class AsyncTPOptions:
     all_gather_matmul (symm_mem.fused_all_gather_matmul) or matmul_reduce_scatter
     (symm_mem.fused_matmul_reduce_scatter). CUDA only (the pass skips elsewhere). The fused
     matmuls run in per-rank row chunks; at TP degree 2 the step stayed bitwise equal to the unfused one."""
-    merge_matmul_sums: bool = False
-    """Fuse the reduce-scatters of a sum of matmuls too (the backward's input gradients of the q/k/v and
-    w1/w3 projections): where the pass rewrites, add(mm(A_1, B_1), mm(A_2, B_2), ..) becomes one
-    mm(cat(A_i), cat(B_i)), the same products summed in a different order (not bitwise equal to the
-    adds), at the cost of copying the operands into the concatenations each step. Off: those
-    reduce-scatters stay unfused."""
 
 
 PASS = GraphPass(
     name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
     enabled=lambda ctx: ctx.device_type == "cuda",
-    kwargs=lambda options, ctx: {"fuse": options.fuse, "merge_matmul_sums": options.merge_matmul_sums,
-                                 "tp_group_name": ctx.tp_group_name},
+    kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name},
     aliases=("micro_pipeline_tp",),
 )
