@@ -367,24 +367,24 @@ def profile_link(record: dict, out: Path, results: Path) -> list[str]:
     return [f"Profile: {', '.join(links)}", ""] if links else []
 
 
-def earlier_line(count: int, results: Path) -> list[str]:
-    """``2 earlier records in docs/results/.`` (nothing when the group has one record)."""
+def earlier_note(count: int, results: Path) -> str:
+    """``; 2 earlier records in docs/results/`` for the meta line (nothing when the group has one record)."""
     if count == 0:
-        return []
-    noun = "record" if count == 1 else "records"
-    return [f"_{count} earlier {noun} in {shown(results)}/._", ""]
+        return ""
+    return f"; {count} earlier {'record' if count == 1 else 'records'} in {shown(results)}/"
 
 
 def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     """The lines of one group's section, ending with a blank line."""
     table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
-    lines = [f"### {cell(record['title'])} — {cell(record['device'])}", "", meta_line(record), "", *table, ""]
+    lines = [f"### {cell(record['title'])} — {cell(record['device'])}",
+             meta_line(record) + earlier_note(earlier, results), "", *table, ""]
     lines += [*code_block(record["command"]), ""]
     lines += profile_table(record) if record["kind"] == "bench" else []
     lines += profile_link(record, out, results)
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
-    return lines + earlier_line(earlier, results)
+    return lines
 
 
 # --------------------------------------------------------------------------- the page

@@ -123,10 +123,10 @@ def test_page(records, capsys):
     assert rows["plain"] == ["37,000 (36,000–37,500)", f"{37000 / 41847:.3f}×", "slower",  # ratio computed
                              "–", "50.00", "–", "–", "– / –"]  # a record from before the column
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
-    assert all(s in main for s in ("2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3)\n",
+    assert all(s in main for s in ("2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3); 1 earlier record "
+                                   "in docs/results/\n",
                                    f"```bash\n{COMMAND}\n```\n", "\nOne line note.\n",
-                                   "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)",
-                                   "_1 earlier record in docs/results/._"))
+                                   "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)"))
     assert all(s not in parts["Bench llama3_1b fsdp2 — " + H200] for s in ("earlier", "Profile:"))
     tier_section = parts["GPU tier — " + H100]
     header, rows = table(tier_section)
@@ -143,7 +143,7 @@ def test_latest_by_date_then_file_name(repo, capsys):
     put(repo, "2026-11-28_0old_name.json", bench("2026-11-01", tps_jit=33333.0))  # the date field decides
     page = written(repo, capsys)
     assert "22,222" in page and "11,111" not in page and "33,333" not in page
-    assert "_2 earlier records in docs/results/._" in page
+    assert "; 2 earlier records in docs/results/" in page
 
 
 def test_profile_pictures_beside_the_record(repo, capsys):
@@ -167,7 +167,7 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     assert table(merged) == ("| claim | what | result | call |", {
         "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]})
     assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in merged
-    assert "_1 earlier record in docs/results/._" in merged and "c_superseded" not in merged
+    assert "; 1 earlier record in docs/results/" in merged and "c_superseded" not in merged
 
 
 def test_tier_claims_merge_across_devices_naming_each(repo, capsys):
