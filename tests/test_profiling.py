@@ -11,8 +11,8 @@ import torch
 
 from graph_trainer.tools.profiling import (_intervals_of, _json_text, _launches_of, _write_picture, collective_label,
                                            kernel_category, summarize_events, summary_markdown)
-from graph_trainer.tools.timeline import (collective_breakdown, draw_timeline, idle_causes, pack_step, read_step,
-                                          timeline_a_vs_b, timeline_breakdown, unpack_step)
+from graph_trainer.tools.timeline import (collective_breakdown, device_steps, draw_timeline, idle_causes, pack_step,
+                                          read_step, timeline_a_vs_b, timeline_breakdown, unpack_step)
 
 SUM_KEYS = ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")
 # 0..100 us: a CPU-like nest (matmul inside an eager op), communication partly overlapped (30-40),
@@ -97,7 +97,7 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
             _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: cuda), on_device=True)
     t = timeline_breakdown(kernels, steps)
-    assert [t[k] for k in SUM_KEYS] == pytest.approx([1.0, 0.4, 0.1, 0.5])  # wall: one window, the host step
+    assert [t[k] for k in SUM_KEYS] == pytest.approx([0.8, 0.4, 0.1, 0.3])  # wall: the step's device annotation
     assert collectives == [(100, 400, "AllGather")]
     cpu = [_evt("ProfilerStep#2", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
            _evt("_c10d_functional::wait_tensor", 300, 700), _evt("gloo:all_gather", 250, 650, ann=True, thread=2),
@@ -108,6 +108,19 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
                                (700, 800, "eager pointwise / reduction")]
     t = timeline_breakdown(kernels, steps)
     assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
+
+
+def test_a_step_on_the_device_runs_from_the_work_before_it_to_its_last_kernel():
+    """The host a step ahead: its range (0-1000) holds the end of the step before (0-300 on the device) and the
+    step's first 700 us; the step's own kernels run 320-1200. The device window: 300-1200. A host that the device
+    waited for (the previous work ended at 50, before the host step began at 100): the window starts at 100."""
+    ahead = [(0, 300, "matmul"), (320, 1200, "matmul")]
+    assert device_steps([(0, 1000)], [(320, 1200)], ahead) == [(300, 1200)]
+    late = [(0, 50, "matmul"), (400, 900, "matmul")]
+    assert device_steps([(100, 1000)], [(400, 900)], late) == [(100, 900)]
+    assert device_steps([(100, 1000)], [(400, 900)], late[1:]) == [(400, 900)]  # nothing recorded before it
+    assert device_steps([(0, 10), (10, 20)], [(2, 9)], []) == [(0, 10), (10, 20)]  # not one annotation per step
+    assert timeline_breakdown(ahead, device_steps([(0, 1000)], [(320, 1200)], ahead))["idle_ms"] == pytest.approx(0.02)
 
 
 def test_timeline_imports_no_profiling_nor_torch():

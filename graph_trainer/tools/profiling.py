@@ -15,8 +15,8 @@ import torch
 
 from graph_trainer import logger
 from graph_trainer.metrics import keep_previous
-from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, collective_breakdown, draw_timeline,
-                                          idle_causes, pack_step, timeline_breakdown)
+from graph_trainer.tools.timeline import (TIMELINE_EXTRA_ROWS, TIMELINE_ROWS, collective_breakdown, device_steps,
+                                          draw_timeline, idle_causes, pack_step, timeline_breakdown)
 
 #: (category, regex over the kernel name), first match wins. Order matters: Inductor's generated
 #: kernels (but FlexAttention's), NCCL and attention kernels are matched before the generic
@@ -137,16 +137,16 @@ def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
 def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]], list]:
     """``(kernels, steps, collectives)`` of the recorded window in microseconds, for
     :func:`timeline_breakdown` and :func:`collective_breakdown` (labels get ``" (stream <id>)"`` where one
-    runs on several streams, i.e. groups). On CPU ATen ops on a gloo thread belong to its collective."""
+    runs on several streams, i.e. groups; steps: :func:`~graph_trainer.tools.timeline.device_steps`). On CPU ATen
+    ops on a gloo thread belong to its collective."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     events = list(prof.events())
     gloo_threads = set() if on_device else {getattr(e, "thread", None) for e in events if e.name.startswith("gloo:")}
-    kernels, steps, comm = [], [], []
+    kernels, host, device, comm = [], [], [], []
     for evt in events:
         tr = evt.time_range
-        if evt.name.startswith("ProfilerStep"):
-            if evt.device_type != torch.autograd.DeviceType.CUDA:  # also listed as a GPU annotation: one window
-                steps.append((tr.start, tr.end))
+        if evt.name.startswith("ProfilerStep"):  # a host range and its device annotation
+            (device if evt.device_type == torch.autograd.DeviceType.CUDA else host).append((tr.start, tr.end))
         elif _counted(evt, evt.name, on_device):
             if not (evt.name.startswith("aten::") and getattr(evt, "thread", None) in gloo_threads):
                 kernels.append((tr.start, tr.end, kernel_category(evt.name)))
@@ -157,7 +157,7 @@ def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple
     for *_, label, stream in comm:
         streams[label].add(stream)
     collectives = [(a, b, f"{label} (stream {s})" if len(streams[label]) > 1 else label) for a, b, label, s in comm]
-    return kernels, sorted(steps), collectives
+    return kernels, device_steps(sorted(host), sorted(device), kernels), collectives
 
 
 # host-side CUDA runtime / driver calls that start device work (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync)

@@ -55,6 +55,24 @@ def _gaps(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
     return out + [(at, hi)] if at < hi else out
 
 
+def device_steps(host: list[tuple[float, float]], device: list[tuple[float, float]],
+                 kernels: list[Kernel]) -> list[tuple[float, float]]:
+    """Each step's window on the device, ``(start_us, end_us)``: from where the device finished the work before it
+    (the last kernel ending before the step's first; no earlier than the host step's start) to the end of the last
+    kernel the host step launched. ``host``: the ``ProfilerStep`` host ranges; ``device``: their device annotations
+    (the first to the last kernel each launched), in the same order. The host runs a step ahead of the device (the
+    loop reads a step's loss after issuing the next), so its ranges would cut the device's steps. Without device
+    annotations (CPU), or not one per host step, the host ranges."""
+    if not device or len(device) != len(host):
+        return host
+    ends = sorted(b for _, b, _ in kernels)
+    out = []
+    for (h0, _), (d0, d1) in zip(host, device):
+        before = [b for b in ends if b <= d0]
+        out.append((min(max(h0, before[-1]), d0) if before else d0, d1))
+    return out
+
+
 def bands(kernels: list[Kernel], step: tuple[float, float]) -> dict[str, list[tuple[float, float]]]:
     """``{"exposed comm": [...], "idle": [...]}``: the ``(start_us, end_us)`` ranges of ``step``
     where only communication kernels run, and where no kernel runs."""
