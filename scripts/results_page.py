@@ -377,10 +377,10 @@ def earlier_note(count: int, results: Path) -> str:
 def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     """The lines of one group's section, ending with a blank line."""
     table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
+    # a table ends where the command's fence begins, the fence where the profile's table does (GitHub's Markdown)
     lines = [f"### {cell(record['title'])} — {cell(record['device'])}",
-             meta_line(record) + earlier_note(earlier, results), "", *table, ""]
-    lines += [*code_block(record["command"]), ""]
-    lines += profile_table(record) if record["kind"] == "bench" else []
+             meta_line(record) + earlier_note(earlier, results), "", *table, *code_block(record["command"])]
+    lines += (profile_table(record) if record["kind"] == "bench" else []) or [""]
     lines += profile_link(record, out, results)
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
