@@ -42,3 +42,30 @@ def test_stderr_filter_drops_torchrun_report_after_worker_error():
         "[rank1]:still shown",
     ]
     assert r.returncode == 3  # run_train.sh turns torchrun's failure into exit 2
+
+
+def test_a_logged_step_is_read_after_the_next_step_is_issued(tmp_path, monkeypatch):
+    """With a log every step, the loop reads step N's loss once step N+1 is issued (the device is never left waiting
+    for the host), except the first step and the last, read at once."""
+    import graph_trainer.train as train_mod
+
+    events, build = [], train_mod.build_train_step
+
+    class Counted:
+        def __init__(self, step_fn):
+            self.step_fn = step_fn
+
+        def __getattr__(self, name):
+            return getattr(self.step_fn, name)
+
+        def __call__(self, tokens, labels):
+            events.append(f"issue{sum(e.startswith('issue') for e in events) + 1}")
+            return self.step_fn(tokens, labels)
+
+    monkeypatch.setattr(train_mod, "build_train_step", lambda *a, **k: Counted(build(*a, **k)))
+    log_window = train_mod.MetricsLogger.log_window
+    monkeypatch.setattr(train_mod.MetricsLogger, "log_window",
+                        lambda self, w: (events.append(f"log{w.step}"), log_window(self, w))[1])
+    rows, _ = _train(tmp_path, "eager", "--compile.mode", "eager", "--training.steps", "4", "--metrics.log_freq", "1")
+    assert events == ["issue1", "log1", "issue2", "issue3", "log2", "issue4", "log3", "log4"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
