@@ -235,10 +235,6 @@ class MetricsLogger:
                 self.tb.add_scalar(f"train/{k}", getattr(m, k), m.step)
         return m
 
-    def log(self, step: int, loss, grad_norm, lr: float | None = None) -> StepMetrics:
-        """Close the current window at ``step`` and log it (:meth:`close_window`, then :meth:`log_window`)."""
-        return self.log_window(self.close_window(step, loss, grad_norm, lr))
-
     def summary(self, exclude_steps: int, extra: dict | None = None) -> dict:
         """Medians over logged steps with ``step > exclude_steps`` (warm-up and compile steps
         excluded), plus ``extra``; appended to metrics.jsonl as ``{"summary": {...}}``."""

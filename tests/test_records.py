@@ -14,7 +14,7 @@ def _logger(dump, resume_step=0, **kw):
 def _log(m, steps, loss):
     for s in steps:
         m.record_step(128, 0.0)
-        m.log(s, loss + s, 1.0, 1e-3)
+        m.log_window(m.close_window(s, loss + s, 1.0, 1e-3))
 
 
 def test_keep_previous_files_and_folders(tmp_path):
@@ -85,6 +85,6 @@ def test_a_closed_window_keeps_its_values_and_steps(tmp_path):
     row = m.log_window(window)
     assert (row.step, row.loss, row.grad_norm, row.lr, row.data_time_s) == (2, 2.5, 0.75, 1e-3, 0.5)
     assert row.tps == 256 / (2 * row.step_time_s)
-    nxt = m.log(3, loss, grad_norm)
+    nxt = m.log_window(m.close_window(3, loss, grad_norm))
     assert (nxt.loss, nxt.tps) == (9.0, 64 / nxt.step_time_s)
     m.close()

@@ -65,11 +65,10 @@ def device_steps(host: list[tuple[float, float]], device: list[tuple[float, floa
     annotations (CPU), or not one per host step, the host ranges."""
     if not device or len(device) != len(host):
         return host
-    ends = sorted(b for _, b, _ in kernels)
     out = []
     for (h0, _), (d0, d1) in zip(host, device):
-        before = [b for b in ends if b <= d0]
-        out.append((min(max(h0, before[-1]), d0) if before else d0, d1))
+        before = max((b for _, b, _ in kernels if b <= d0), default=None)
+        out.append((d0 if before is None else min(max(h0, before), d0), d1))
     return out
 
 
