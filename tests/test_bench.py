@@ -71,11 +71,9 @@ def test_write_record_never_overwrites(tmp_path):
 
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
-    """One eager variant on the CPU, step 2 profiled: the table, a record naming its command, its picture."""
     r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "4",
                     "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
-                    str(tmp_path / "results"), "--out",
-                    str(tmp_path / "o"), "--", *SMALL],
+                    str(tmp_path / "results"), "--out", str(tmp_path / "o"), "--", *SMALL],
                    env=launch_env(), timeout=900)  # forked from tests/_launch.py's server, CPU only
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "| eager (1 runs) |" in r.stdout

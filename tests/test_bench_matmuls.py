@@ -7,7 +7,6 @@ bench_matmuls = load_script("bench_matmuls")
 
 
 def test_shapes_follow_the_flavor_and_tensor_parallelism():
-    """1B shapes (ffn 8192, GQA 8 x 64); TP2 halves the split dimensions; a degree that does not divide is refused."""
     one = {name: (i, o, calls) for name, i, o, calls in bench_matmuls.linear_shapes("1B")}
     assert one["w1"] == (2048, 8192, 16) and one["wk"] == (2048, 512, 16) and one["output"] == (2048, 128256, 1)
     tp2 = {name: (i, o) for name, i, o, _ in bench_matmuls.linear_shapes("1B", tp=2)}

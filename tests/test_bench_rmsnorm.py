@@ -14,8 +14,6 @@ OPTIONAL = ["liger", "quack"]
 
 
 def _run(tmp_path, *extra, forked=True, rc=0):
-    """The script with ``--tiny``, forked from tests/_launch.py's server (its imports done) or a new interpreter, exit
-    code ``rc``: ``(its result, its report, the report's results by variant)``."""
     out = tmp_path / "tmp.json"
     argv = [str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out), *extra]
     if forked:
@@ -29,7 +27,6 @@ def _run(tmp_path, *extra, forked=True, rc=0):
 
 @pytest.mark.slow
 def test_tiny_report(tmp_path):
-    """Every variant timed and within tolerance; regional compiles one region per norm and direction; the table."""
     proc, report, by_name = _run(tmp_path)
     assert report["device_type"] == "cpu" and report["shapes"] == [[256, 128]] and report["torch"]
     assert math.isfinite(report["copy"]["GBps"]) and report["copy"]["GBps"] > 0
@@ -59,9 +56,8 @@ def test_tiny_report(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_residual_report(tmp_path):
-    """--residual: the add joins the forward norm's region, matches eager; kernels without it unavailable."""
-    proc, report, by_name = _run(tmp_path, "--residual", "--variants", "eager,regional,liger", "--inductor-configs",
-                                 "{}")
+    proc, report, by_name = _run(tmp_path, "--residual", "--variants", "eager,regional,liger",
+                                 "--inductor-configs", "{}")
     assert report["residual"] and report["bytes_formula"].startswith("8*M*N")
     assert by_name["eager"]["max_abs_diff"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
     regional = by_name["regional"]

@@ -62,8 +62,7 @@ if bad := [a for a in sys.argv if a.startswith("--fake.bad")]:
 '''
 
 
-def _compare(*args, env=ENV):
-    """``python3 scripts/compare_mfu.py *args``, forked from tests/_launch.py's server (its imports done)."""
+def _compare(*args, env=ENV):  # forked from tests/_launch.py's server (its imports done)
     return run_script([SCRIPT, *args], env=env, cwd=REPO, timeout=400)
 
 
@@ -90,7 +89,6 @@ def fake_repo(tmp_path):
 
 
 def _fake(fake_repo, tmp_path, rc, args):
-    """compare_mfu.py on the fake tree, shell-quoted ``args``, out in ``tmp_path/cmp``: (result, comparison.json)."""
     r = _compare("--repo", str(fake_repo), *shlex.split(args), "--out", str(tmp_path / "cmp"))
     assert r.returncode == rc, r.stdout + r.stderr
     return r, json.loads((tmp_path / "cmp" / "comparison.json").read_text())
@@ -183,9 +181,8 @@ def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
                           "--a-flags '' --b-flags --fake.hang --repeats 2 --steps 2 --warmup 0"), "--out", str(out)],
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    bound = threading.Timer(240, p.kill)  # for a broken tool only
+    bound, lines = threading.Timer(240, p.kill), []  # the bound: for a broken tool only
     bound.start()
-    lines = []
     try:
         for line in p.stdout:  # B1 hangs until signalled, so its step-1 line comes before the end
             lines.append(line)
@@ -226,8 +223,7 @@ def test_ctrl_c_while_a_run_starts_stops_it(tmp_path, monkeypatch, request):
 
 
 @_early.job("compare_mfu_real_bad_flag")
-def _real_bad_flag(tmp, env):
-    """The real tree (the real config parser), B with an unknown flag: ``(its result, its --out folder)``."""
+def _real_bad_flag(tmp, env):  # the real tree: the real config parser
     out = tmp / "cmp"
     return _compare("--a-flags", "", "--b-flags", "--training.no_such_flag 1", "--out", str(out), "--", *TINY,
                     env=_env(env)), out
@@ -258,15 +254,13 @@ def test_bad_flag_on_one_side_is_rejected_before_any_run(tree, needle, tmp_path,
     (["--a", "no-such-branch-xyz", "--", *TINY], "unknown git ref 'no-such-branch-xyz'"),
 ])
 def test_usage_errors(args, needle, tmp_path):
-    """Bad input on the real tree: exit 2 before any run, one paragraph, no output folder."""
     r = _compare("--out", str(tmp_path / "cmp"), *args)  # before `args`: never an argument after --
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "cmp").exists()
 
 
 @_early.job("compare_mfu_real_head_ref")
-def _real_head_ref(tmp, env):
-    """A: HEAD (if a git tree), B: the working tree + max_norm 0.5, profiled: ``(HEAD or None, --out, result)``."""
+def _real_head_ref(tmp, env):  # A: HEAD (outside git: the working tree)
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
     head = git.stdout.strip() if git.returncode == 0 else None
     out = tmp / "cmp"
@@ -278,7 +272,6 @@ def _real_head_ref(tmp, env):
 
 @_early.uses("compare_mfu_real_head_ref")
 def test_real_head_ref_against_working_tree_flags():
-    """A: HEAD from a worktree (outside git: the working tree), B: + max_norm 0.5; profiled."""
     head, out, r = _early.result("compare_mfu_real_head_ref")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"| A: {f'HEAD@{head[:8]}' if head else 'working tree'} (1/1 runs) |" in r.stdout
@@ -313,7 +306,6 @@ def test_real_head_ref_against_working_tree_flags():
 
 
 def test_run_stats_delta_verdicts_and_table():
-    """run_stats excludes step 1, the warmup and the profiler's steps; side_stats, delta, the table of two sides."""
     rows = [{"step": i + 1, "tps": tps, "mfu": None, "memory_gib": mem}
             for i, (tps, mem) in enumerate([(1.0, 0.5), (50.0, 1.0), (100.0, 2.0), (120.0, 1.0), (110.0, 1.0)])]
     s = stats.run_stats(rows, warmup=0)
@@ -339,7 +331,6 @@ def test_run_stats_delta_verdicts_and_table():
 
 
 def test_flag_values_that_look_like_options_and_step_line_regex():
-    """(``--b-flags "--fake.scale 0.5"`` and ``--a-flags ""`` run in the fake tests.)"""
     args, extra = parse_cli(compare_mfu.build_parser(), ["--b-flags=--x 1", "--a", "main", "--", "--compile.mode"])
     assert args.b_flags == "--x 1" and args.a == "main" and extra == ["--compile.mode"]
     stamp = time.strftime("%Y-%m-%d %H:%M:%S,358")  # the trainer's logging format
@@ -349,7 +340,6 @@ def test_flag_values_that_look_like_options_and_step_line_regex():
 
 
 def _profiled(tmp_path, name, step, summary):
-    """Run ``name`` (side, repeat) with ``summary`` as its kernels.json of ``step`` (None: not profiled)."""
     run = runs.Run(side=name[0], repeat=int(name[1]), index=int(name[1]), dump_folder=str(tmp_path / name), log="")
     if summary is not None:
         os.makedirs(os.path.dirname(path := stats.profile_json(run.dump_folder, step)))
@@ -359,7 +349,6 @@ def _profiled(tmp_path, name, step, summary):
 
 
 def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monkeypatch):
-    """--profile-step's picture: per side the run with the median wall of the step (from its kernels.json)."""
     all_runs = [_profiled(tmp_path, name, 3, wall and {"step": 3, "unit": "CPU", "step_intervals": timeline.pack_step(
                     [(0, wall / 2, "matmul"), (wall / 4, wall, "communication")], (0, wall), 3)})
                 for name, wall in (("A3", 1100), ("B1", 500), ("A1", 900), ("B2", None), ("A2", 1000))]  # B2: none
@@ -373,7 +362,6 @@ def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monke
 
 
 def test_kernel_comparison_names_the_matmul_and_attention_kernels_that_moved(tmp_path):
-    """Per matmul / attention kernel the median over runs, largest |B - A| first; Triton kernels left out."""
     def profile(name, kernels):
         return _profiled(tmp_path, name, 8, profiling.summarize_events([(k, ms * 1e3, 2) for k, ms in kernels], 1))
 

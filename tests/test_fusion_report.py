@@ -17,7 +17,6 @@ fr = load_script("fusion_report")
 
 @_early.job("fusion_report_tiny")
 def _tiny_run(tmp, env):
-    """``fusion_report.py --tiny``: ``(its JSON file, its result)``."""
     out = tmp / "report.json"
     return out, run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], env=env, cwd=SCRIPTS.parent,
                            timeout=900)  # forked from tests/_launch.py's server (its imports done)
@@ -77,22 +76,15 @@ def test_tiny_run():
 
 def test_parse_kernels_triton_header_and_cpp_call_site():
     src = "\n".join([
-        "async_compile = AsyncCompile()",
-        "",
-        "# kernel path: /tmp/x.py",
+        "async_compile = AsyncCompile()", "", "# kernel path: /tmp/x.py",
         "# Topologically Sorted Source Nodes: [mul_9, sum_1], Original ATen: [aten.mul, aten.sum]",
         "# Source node to ATen node mapping:",
         "triton_red_fused_mul_sum_0 = async_compile.triton('triton_red_fused_mul_sum_0', '''",
-        "import triton", "@triton.jit", "def triton_(x):", "    pass",
-        "''', device_str='cuda')",
-        "cpp_fused_add_1 = async_compile.cpp_pybinding(['float*'], r'''",
-        "extern \"C\" void kernel(float* a) {}",
-        "''')",
-        "def call(args):",
-        "    buf0 = empty_strided_cpu((4,), (1,), torch.float32)",
+        "import triton", "@triton.jit", "def triton_(x):", "    pass", "''', device_str='cuda')",
+        "cpp_fused_add_1 = async_compile.cpp_pybinding(['float*'], r'''", "extern \"C\" void kernel(float* a) {}",
+        "''')", "def call(args):", "    buf0 = empty_strided_cpu((4,), (1,), torch.float32)",
         "    # Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]",
-        "    cpp_fused_add_1(buf0)",
-        "    triton_red_fused_mul_sum_0.run(buf0, stream=stream0)",
+        "    cpp_fused_add_1(buf0)", "    triton_red_fused_mul_sum_0.run(buf0, stream=stream0)",
     ])  # fmt: skip
     kernels = fr.parse_kernels(src)
     assert [(k["name"], k["backend"], k["lines"]) for k in kernels] == [

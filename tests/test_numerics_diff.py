@@ -25,7 +25,6 @@ def _record_graph(gm, flat):
 
 
 def _brute_force_first(a, b):
-    """The first key of A (in order) whose values differ from B's, by direct comparison."""
     return next((k for k, ra in a.items()
                  if k in b and not (ra.shape == b[k].shape and torch.equal(ra.values, b[k].values))), None)
 
@@ -71,8 +70,7 @@ def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     key = chosen.meta[NUMERICS_KEY]
 
     def mm_plus_ulp(x, y):
-        out = torch.mm(x, y)
-        return torch.nextafter(out, torch.full_like(out, float("inf")))
+        return torch.nextafter(out := torch.mm(x, y), torch.full_like(out, float("inf")))
 
     chosen.target = mm_plus_ulp  # the node keeps its key (node.meta)
     traced.gm.recompile()
@@ -106,7 +104,6 @@ def test_save_load_and_bad_input(tmp_path, capsys):
 
 @_early.job("numerics_diff_cli")
 def _numerics_diff_cli(tmp, env):
-    """scripts/numerics_diff.py, default pipeline vs the RMSNorm pass: ``(its out folder, its result)``."""
     out = tmp / "nd"
     return out, run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
                             "--compile.numerics_changing_optim", "--out", str(out), "--", *SMALL],
@@ -115,12 +112,10 @@ def _numerics_diff_cli(tmp, env):
 
 @_early.uses("numerics_diff_cli")
 def test_cli_names_the_rmsnorm_node():
-    """Default pipeline vs the RMSNorm pass: the first op that differs is an RMSNorm op (brute force agrees)."""
     out, r = _early.result("numerics_diff_cli")
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     first = json.loads((out / "numerics_diff.json").read_text())["ranks"]["0"]["divergent"][0]
     assert first["key"].split()[1].endswith("norm"), first
     assert f"first difference: {first['key']}" in r.stdout
-    a, _ = load(str(out / "a" / "numerics" / "rank0.pt"))
-    b, _ = load(str(out / "b" / "numerics" / "rank0.pt"))
+    a, b = (load(str(out / side / "numerics" / "rank0.pt"))[0] for side in "ab")
     assert key_text(_brute_force_first(a, b)) == first["key"]

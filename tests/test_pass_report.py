@@ -70,7 +70,6 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
         gm = run_pipeline(gm, fakes, [*passes[:2], annotate], dump_folder=str(tmp_path), records=records)
         run_pipeline(*fused_norm_graph(n_norms=1), ["remove_dead_code"], quiet=True, records=quiet)
     assert sum(line.startswith("graph pass") for line in log_lines) == 3  # quiet: no log lines
-    # records
     noop, dce, ann = records
     assert dce["pass"] == "remove_dead_code" and dce["index"] == 2 and dce["time_s"] >= 0
     assert dce["kinds_before"] == {"compute": 5, "collective": 0, "wait": 0, "view": 0, "getitem": 6,
@@ -86,7 +85,6 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
     assert noop["memory_before_bytes"] == mem_in > 0
     assert ann["memory_after_bytes"] == estimate_peak_memory(gm)[0]
     assert quiet[0]["memory_before_bytes"] is None and quiet[0]["nodes_after"] == 11  # quiet: no memory estimates
-    # the table
     lines = report.format_pass_table(records).splitlines()
     assert len(lines) == 2 + 1 + len(records)  # header, rule, (input), one per pass
     assert len({len(line) for line in lines}) == 1  # fixed width
@@ -126,7 +124,6 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
 
 @_early.job("tlparse_traced_run")
 def _traced_run(tmp, env):
-    """The 2-step debug run with TORCH_TRACE into ``tmp/trace``: ``(tmp, its result)``; None without tlparse."""
     if shutil.which("tlparse") is None:
         return None
     return tmp, run_debug(tmp / "run", SMALL, "--compile.numerics_changing_optim", "--compile.dump_graphs", steps=2,
@@ -136,7 +133,6 @@ def _traced_run(tmp, env):
 
 @_early.uses("tlparse_traced_run")
 def test_tlparse_lists_one_artifact_per_pass(tmp_path):
-    """A 2-step run with TORCH_TRACE: tlparse lists our artifacts per pass and Inductor's."""
     tlparse = shutil.which("tlparse") or pytest.skip("the tlparse binary is not installed (pip install tlparse)")
     run_tmp, r = _early.result("tlparse_traced_run")
     trace_dir = run_tmp / "trace"

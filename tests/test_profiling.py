@@ -21,8 +21,7 @@ HAND = [(0, 40, "eager pointwise / reduction"), (5, 35, "matmul"), (30, 60, "com
         (70, 80, "inductor triton"), (85, 95, "communication"), (-10, 2, "copy"), (98, 130, "communication")]
 
 
-def _check_png(path, min_size=(800, 200)):
-    """A PNG (signature, IHDR) of at least ``min_size`` pixels; returns (width, height)."""
+def _check_png(path, min_size=(800, 200)):  # a PNG of at least min_size pixels: (width, height)
     data = open(path, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) > 5000
     width, height = struct.unpack(">II", data[16:24])
@@ -30,8 +29,7 @@ def _check_png(path, min_size=(800, 200)):
     return width, height
 
 
-def _assert_ranges(actual, expected):
-    """``[(start, end), ...]`` equal up to ``pytest.approx``, flattened (approx compares no nested sequences)."""
+def _assert_ranges(actual, expected):  # flattened: pytest.approx compares no nested sequences
     assert len(actual) == len(expected), (actual, expected)
     assert [x for r in actual for x in r] == pytest.approx([x for r in expected for x in r]), (actual, expected)
 
@@ -91,8 +89,8 @@ def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7, id=0, parent=None
 
 
 def test_profiler_events_to_intervals_on_cuda_and_cpu():
-    """Profiler events to intervals: CUDA step windows and NCCL annotations; gloo's ranges on CPU."""
-    cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep*", 100, 900, "CUDA", ann=True),
+    cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep#10", 100, 900, "CUDA", ann=True),
+            _evt("ProfilerStep#10", 150, 500, "CUDA", ann=True),  # a nested device annotation of the same step
             _evt("nccl:all_gather", 100, 400, "CUDA", ann=True), _evt("nvjet_gemm", 200, 600, "CUDA"),
             _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: cuda), on_device=True)
@@ -149,7 +147,6 @@ def test_no_matplotlib_skips_the_picture_with_one_line(tmp_path, monkeypatch, lo
 
 
 def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path):
-    """The drawn bands of one step and of A above B are as long as the breakdown's figures."""
     t = timeline_breakdown(HAND, [(0, 100)])
     assert t["exposed_comm_ms"] == pytest.approx(0.032) and t["idle_ms"] == pytest.approx(0.018)
     one = draw_timeline(str(tmp_path / "t.png"), HAND, (0, 100), "hand-built")
@@ -158,10 +155,9 @@ def test_timeline_pictures_mark_exposed_and_idle_as_timeline_breakdown(tmp_path)
     _assert_ranges(one["exposed_ranges_ms"], [(0.04, 0.06), (0.085, 0.095), (0.098, 0.1)])
     _assert_ranges(one["idle_ranges_ms"], [(0.06, 0.07), (0.08, 0.085), (0.095, 0.098)])
     b_kernels = [(0, 50, "matmul"), (20, 70, "communication"), (80, 150, "inductor triton")]
-    paths = []
-    for name, kernels, step in (("a", HAND, (0, 100)), ("b", b_kernels, (0, 160))):
-        paths.append(tmp_path / f"{name}.json")
-        paths[-1].write_text(_json_text({"step": 5, "unit": "CPU", "step_intervals": pack_step(kernels, step, 5)}))
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, kernels, step in zip(paths, (HAND, b_kernels), ((0, 100), (0, 160))):
+        path.write_text(_json_text({"step": 5, "unit": "CPU", "step_intervals": pack_step(kernels, step, 5)}))
     out = timeline_a_vs_b(str(tmp_path / "ab.png"), *map(str, paths), ("pass off", "pass on"))
     assert _check_png(tmp_path / "ab.png", min_size=(800, 400)) and out["path"] == str(tmp_path / "ab.png")
     for drawn, kernels, step in ((one, HAND, (0, 100)), (out["A"], HAND, (0, 100)), (out["B"], b_kernels, (0, 160))):
@@ -232,7 +228,6 @@ def test_launches_matched_by_correlation_id_to_the_outermost_host_op():
 
 
 def test_summary_markdown_names_the_idle_causes():
-    """With ``idle_causes`` the markdown splits the idle time by cause and names the host ops."""
     s = summarize_events([("nvjet_gemm", 1000.0, 1)], 1)
     s["timeline"] = timeline_breakdown(HAND, [(0, 100)])
     s["idle_causes"] = {"host_ms": 0.01, "queued_ms": 0.0, "tail_ms": 0.005, "unknown_ms": 0.0, "lead_ms": 0.3,

@@ -37,7 +37,6 @@ def test_keep_previous_files_and_folders(tmp_path):
 
 
 def test_resume_appends_and_reader_takes_the_last_row_per_step(tmp_path):
-    """Early stops change nothing; a resume appends; read_metrics takes the newest row per step."""
     m = _logger(tmp_path)
     _log(m, [1, 2, 3], loss=10.0)
     m.summary(exclude_steps=1)
@@ -58,7 +57,6 @@ def test_resume_appends_and_reader_takes_the_last_row_per_step(tmp_path):
 
 
 def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
-    """A fresh run into a used folder moves metrics.jsonl and TensorBoard aside (and says so), thrice."""
     for i in range(3):
         m = _logger(tmp_path, enable_tensorboard=True, tb_folder="tb")
         _log(m, [1, 2], loss=float(i))
@@ -73,8 +71,8 @@ def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
 
 
 def test_a_closed_window_keeps_its_values_and_steps(tmp_path):
-    """close_window copies loss and grad norm at the close (a CUDA graph's output buffer is overwritten by the next
-    replay) and counts only the steps before it; steps after it open the next window."""
+    """close_window copies loss and grad norm (a CUDA graph's output buffer is overwritten by the next replay) and
+    counts only the steps before it; steps after it open the next window."""
     m = _logger(tmp_path)
     loss, grad_norm = torch.tensor(2.5), torch.tensor(0.75)
     for _ in range(2):
