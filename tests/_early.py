@@ -12,7 +12,6 @@ from typing import Any, Callable
 import pytest
 
 MARK = "early_job"
-BACKGROUND = True  #: run the queued runs in background processes
 
 
 class _Run:
@@ -81,11 +80,10 @@ def start(items, tmp_factory) -> None:
     """Queue the runs that ``items`` (the selected tests, in order) read; start the first."""
     global _TMP
     _TMP = tmp_factory
-    if BACKGROUND:
-        for mark in (m for item in items for m in item.iter_markers(MARK)):
-            if mark.args[0] in _RUNS and mark.args[0] not in _QUEUE:
-                _QUEUE.append(mark.args[0])
-        advance()
+    for mark in (m for item in items for m in item.iter_markers(MARK)):
+        if mark.args[0] in _RUNS and mark.args[0] not in _QUEUE:
+            _QUEUE.append(mark.args[0])
+    advance()
 
 
 def advance(at_most: int = 1) -> None:
@@ -104,10 +102,8 @@ def stop() -> None:
             run.waiter.kill()
 
 
-def result(name: str, tmp_factory=None) -> Any:
+def result(name: str) -> Any:
     """The outcome of run ``name``: waits for it, or starts it here if it has not started."""
-    global _TMP
-    _TMP = _TMP or tmp_factory
     run = _RUNS[name]
     if run.outcome is None:
         if run.waiter is None:
@@ -123,21 +119,3 @@ def result(name: str, tmp_factory=None) -> Any:
         raise value
     return value
 
-
-def reading(value: Any) -> Any:
-    """``value``, a reading a run took between its steps; raised if it is the exception that reading met."""
-    if isinstance(value, Exception):
-        raise value
-    return value
-
-
-def readings(steps: list, run: Callable[[Any], Any]) -> list:
-    """``(run(args), read())`` per ``(args, read)`` of ``steps``; a reading that raises is kept as its exception."""
-    out = []
-    for args, read in steps:
-        r = run(args)
-        try:
-            out.append((r, read()))
-        except Exception as e:  # noqa: BLE001
-            out.append((r, e))
-    return out

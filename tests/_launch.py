@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections import namedtuple
+from pathlib import Path
+from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(REPO, "train_configs", "debug_model.toml")
@@ -22,14 +24,8 @@ PRELOAD = ["torch", "torch._inductor.compile_fx", "torch.distributed.checkpoint"
            "graph_trainer.step", "graph_trainer.train"]
 
 
-@dataclass
-class Ranks:
-    """:func:`train_ranks`' outcome: the first failing rank's exit code (else 0), all ranks' codes, rank 0's output."""
-
-    returncode: int
-    returncodes: list
-    stdout: str
-    stderr: str
+#: :func:`train_ranks`' outcome: the first failing rank's exit code (else 0), all ranks' codes, rank 0's output.
+Ranks = namedtuple("Ranks", "returncode returncodes stdout stderr")
 
 
 def _as_child(env: dict, out: str, err: str) -> None:
@@ -67,15 +63,9 @@ def _forkserver():
 
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
-        old = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO] + ([old] if old else []))
-        try:
+        old = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+        with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests"), REPO, *old])):
             forkserver.ensure_running()
-        finally:
-            if old is None:
-                os.environ.pop("PYTHONPATH")
-            else:
-                os.environ["PYTHONPATH"] = old
     return _CTX
 
 
@@ -119,8 +109,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     for p in procs if not fresh else ():
         p.join()
     del store
-    with open(logs[0][0]) as fo, open(logs[0][1]) as fe:
-        out, err = fo.read(), fe.read()
+    out, err = (Path(f).read_text() for f in logs[0])
     bad = [c for r, c in enumerate(codes) if c != 0 and r not in stopped] or [c for c in codes if c != 0]
     return Ranks(bad[0] if bad else 0, codes, out, err)
 
@@ -147,12 +136,10 @@ def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
                                                                 [str(a) for a in argv], out, err))
         p.start()
         p.join(timeout)
-        timed_out = p.exitcode is None
-        if timed_out:
+        if timed_out := p.exitcode is None:
             p.kill()
             p.join()
-        with open(out) as fo, open(err) as fe:
-            stdout, stderr = fo.read(), fe.read()
+        stdout, stderr = Path(out).read_text(), Path(err).read_text()
     if timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr)
     return subprocess.CompletedProcess(argv, p.exitcode, stdout, stderr)

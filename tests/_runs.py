@@ -1,5 +1,6 @@
 """Runs of the debug model for the tests, and those of tests/conftest.py's shared runs (not a test module)."""
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -91,13 +92,10 @@ def fixed_port() -> int:
     except OSError:  # not Linux: IANA's ephemeral range
         low = 49152
     for port in random.Random().sample(range(max(1024, low - 8192), low), 256):
-        with socket.socket() as s:
-            try:
-                if port != 29500:
-                    s.bind(("127.0.0.1", port))
-                    return port
-            except OSError:
-                continue
+        with socket.socket() as s, contextlib.suppress(OSError):
+            if port != 29500:
+                s.bind(("127.0.0.1", port))
+                return port
     raise RuntimeError("no free port below the ephemeral range")
 
 

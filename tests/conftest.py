@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models, shared runs (slow: :data:`SLOW_FIXTURES`); one OpenMP thread per process."""
+"""Shared fixtures: tiny models, shared runs (slow: :data:`EARLY_FIXTURES`); one OpenMP thread per process."""
 
 import contextlib
 import logging
@@ -16,19 +16,16 @@ from _runs import FINISHED, bitwise_runs, dry_run_8b_8_ranks, run_debug  # noqa:
 
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
-#: Session fixtures that start training runs or dry-run the 8B: their tests are slow (as readers of slow early runs).
-SLOW_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b", "dry_run_8b_fsdp4_tp2"})
-#: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them.
+#: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them (and slow: the runs are).
 EARLY_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        names = set(getattr(item, "fixturenames", ()))
-        for name in sorted(EARLY_FIXTURES & names):
+        for name in sorted(EARLY_FIXTURES & set(getattr(item, "fixturenames", ()))):  # fixtures they depend on too
             item.add_marker(_early.uses(name))
-        if SLOW_FIXTURES & names or _early.is_slow(item):
+        if _early.is_slow(item):
             item.add_marker(pytest.mark.slow)
 
 
@@ -76,10 +73,8 @@ def fsdp_trace():
                                                           for p, s in zip(ps, specs)])
         return traced, (*shards, *model.buffers(), tokens, labels), len(specs)
 
-    try:
-        yield trace
-    finally:
-        dist.destroy_process_group()
+    yield trace
+    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -87,41 +87,31 @@ def test_validate_returns_the_pass_list():
     assert validate(parse_args(["--job.config_file", DEBUG, "--compile.mode", "eager"])) == []
 
 
-# ---- every command line shown to users ----------------------------------------------
-
 DOCS = ["README.md", "docs/design.md"]
 SCRIPTS = sorted(f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scripts", "gpu")) if f.endswith(".sh"))
 
 
-def _run_train_commands(path):
-    """``(env, args)`` of every ``run_train.sh`` command in a fenced shell block of ``path``."""
-    out = []
+@pytest.mark.parametrize("path", DOCS)
+def test_documented_commands_parse(path, monkeypatch):
+    """Each ``run_train.sh`` command of a fenced shell block parses as run_train.sh would: CONFIG_FILE, else CONFIG,
+    else the debug model."""
+    commands = 0
     for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", open(os.path.join(REPO, path)).read(), re.M | re.S):
         for line in block.replace("\\\n", " ").splitlines() if lang in ("", "bash", "sh") else ():
-            line = line.split(" #")[0].strip()
-            if "./run_train.sh" not in line:
+            if "./run_train.sh" not in (line := line.split(" #")[0].strip()):
                 continue
             words = shlex.split(line)
             i = next(k for k, w in enumerate(words) if w.endswith("run_train.sh"))
-            env = dict(w.split("=", 1) for w in words[:i] if "=" in w)
-            out.append((env, words[i + 1:]))
-    return out
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_documented_commands_parse(path, monkeypatch):
-    """Each parses as run_train.sh would: CONFIG_FILE, else CONFIG, else the debug model."""
-    commands = _run_train_commands(path)
-    assert path != "README.md" or len(commands) >= 5
-    for env, args in commands:
-        for key in ("CONFIG", "CONFIG_FILE", "NGPU"):
-            monkeypatch.delenv(key, raising=False)
-        if "CONFIG" in env and "CONFIG_FILE" not in env:
-            monkeypatch.setenv("CONFIG", env["CONFIG"])
-            pre = []
-        else:
-            pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
-        parse_args(pre + args)
+            env, commands = dict(w.split("=", 1) for w in words[:i] if "=" in w), commands + 1
+            for key in ("CONFIG", "CONFIG_FILE", "NGPU"):
+                monkeypatch.delenv(key, raising=False)
+            if "CONFIG" in env and "CONFIG_FILE" not in env:
+                monkeypatch.setenv("CONFIG", env["CONFIG"])
+                pre = []
+            else:
+                pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
+            parse_args(pre + words[i + 1:])
+    assert path != "README.md" or commands >= 5
 
 
 @pytest.mark.parametrize("path", DOCS + SCRIPTS)

@@ -229,12 +229,10 @@ BAD_CONFIG = {
 def test_bad_config_named(tmp_path, case):
     """Preflight names the flag or file in <= 2 lines; check_dataset / resolve_tokenizer_path say the same."""
     name, path, tokenizer_files, part = BAD_CONFIG[case]
-    part = part.format(tmp=tmp_path)
-    tok = tmp_path / "tok"
+    part, path, tok = part.format(tmp=tmp_path), path and tmp_path / path, tmp_path / "tok"
     if isinstance(tokenizer_files, dict):
         tok.mkdir()
         _write(tok, tokenizer_files)
-    path = path and tmp_path / path
     with pytest.raises(UserError) as e:
         data.preflight(_cfg(name, path, tok if tokenizer_files is not None else "embedded"))
     assert part in str(e.value) and len(str(e.value).splitlines()) <= 2, str(e.value)

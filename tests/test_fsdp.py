@@ -4,12 +4,13 @@ import functools
 import re
 import subprocess
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from _launch import queue, spawn, train_ranks  # tests/ is on sys.path
+from _launch import spawn, train_ranks  # tests/ is on sys.path
 from _runs import REPO, launch_env
 
 pytestmark = pytest.mark.slow
@@ -17,7 +18,7 @@ N_8B = 2 + 32 * 9 + 1  # parameters: embedding, output; 9 per block; final norm
 N_DEBUG = 2 + 6 * 9 + 1
 
 
-def _fsdp_vs_unsharded(rank, world, store_path, q):  # a gloo rank
+def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts raised by spawn
     from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
     from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
     from graph_trainer.distributed import fsdp
@@ -33,46 +34,39 @@ def _fsdp_vs_unsharded(rank, world, store_path, q):  # a gloo rank
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     bufs, group = list(model.buffers()), dist.group.WORLD
     specs, shards = fsdp.shard_parameters(model, group)
+    n_params = len(specs)
     # every rank holds the same batch: the global token count is world x the local one
     traced = trace_train_step(model, functools.partial(loss_fn, dp_group=group), tokens, labels, params=shards,
                               param_names=[s.name for s in specs],
                               materialize=lambda ps: [fsdp.all_gather_param(p, s, group) for p, s in zip(ps, specs)])
     colls = Counter(str(n.target).split(".")[1]  # as traced (the passes below change the graph)
                     for n in traced.gm.graph.nodes if "_c10d_functional" in str(n.target))
+    # one all-gather per parameter in the forward, one reduce-scatter in the backward; one all-reduce: the global
+    # batch's valid-token count
+    assert colls["all_gather_into_tensor"] == colls["reduce_scatter_tensor"] == n_params
+    assert colls["all_reduce"] == 1 and colls["wait_tensor"] == 2 * n_params + 1
     loss, grads = traced(shards, bufs, tokens, labels)
+    assert float(loss) * 2 == float(ref_loss.detach())  # each rank's loss is its half of the global batch's mean
     with torch.no_grad():  # bucket_collectives (4 per bucket): bitwise the same step
         gm = bucket_collectives_pass(overlap_collectives_pass(traced.gm), None, bucket_size=4)
         out = gm(*shards, *bufs, tokens, labels)
-    bucketed = (sum("reduce_scatter_tensor" in str(n.target) for n in gm.graph.nodes),
-                bool(torch.equal(out[0], loss)) and all(torch.equal(a, b) for a, b in zip(out[1:], grads)))
-    max_err = 0.0
+    assert sum("reduce_scatter_tensor" in str(n.target) for n in gm.graph.nodes) == -(-n_params // 4)
+    assert torch.equal(out[0], loss) and all(torch.equal(a, b) for a, b in zip(out[1:], grads))
     for s, g in zip(specs, grads):
         parts = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(parts, g)
-        max_err = max(max_err, (torch.cat(parts)[: s.numel].view(s.shape) - ref[s.name]).abs().max().item())
+        assert (torch.cat(parts)[: s.numel].view(s.shape) - ref[s.name]).abs().max().item() < 1e-6, s.name
     for p, g in zip(shards, grads):
         p.grad = g
-    norm = fsdp.sharded_grad_norm_(shards, 1e9, group)
+    # fp32 norms of shards vs the fp64 norm of the unsharded grads: up to accumulation order
     ref_norm = torch.stack([g.double().pow(2).sum() for g in ref.values()]).sum().sqrt()
-    q.put((float(loss), float(ref_loss.detach()), max_err, colls, len(specs), float(norm), float(ref_norm), bucketed))
+    assert float(fsdp.sharded_grad_norm_(shards, 1e9, group)) == pytest.approx(float(ref_norm), rel=1e-4)
     dist.destroy_process_group()
 
 
 def test_fsdp_trace_matches_unsharded_gloo(tmp_path):
     """Same batch on both ranks: the unsharded gradients (fp32, up to rounding); bucketed: bitwise unbucketed."""
-    q = queue()
-    spawn(_fsdp_vs_unsharded, (2, str(tmp_path / "store"), q), 2)  # forked from tests/_launch.py's server
-    for _ in range(2):
-        loss, ref_loss, max_err, colls, n_params, norm, ref_norm, (n_rs_bucketed, same) = q.get(timeout=60)
-        assert n_rs_bucketed == -(-n_params // 4) and same  # bucketed: 4 params per collective, same values
-        assert loss * 2 == ref_loss  # each rank's loss is its half of the global batch's mean
-        assert max_err < 1e-6
-        # one all-gather per parameter in the forward, one reduce-scatter in the backward
-        assert colls["all_gather_into_tensor"] == colls["reduce_scatter_tensor"] == n_params
-        assert colls["all_reduce"] == 1  # the global batch's valid-token count
-        assert colls["wait_tensor"] == 2 * n_params + 1
-        # fp32 norms of shards vs the fp64 norm of the unsharded grads: up to accumulation order
-        assert norm == pytest.approx(ref_norm, rel=1e-4)
+    spawn(_fsdp_vs_unsharded, (2, str(tmp_path / "store")), 2)  # forked from tests/_launch.py's server
 
 
 def _counts(r) -> dict[str, int]:  # the collective counts a dry run printed
@@ -83,19 +77,14 @@ def _counts(r) -> dict[str, int]:  # the collective counts a dry run printed
 def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
     """FSDP4 x TP2 via run_train.sh vs replicate 2 x shard 2 x TP2: the same collectives + one all-reduce each."""
     tp = ["--training.seq_len", "64", "--parallelism.tensor_parallel_degree", "2"]
-    p = subprocess.Popen(["bash", "run_train.sh", *tp, "--parallelism.data_parallel_shard_degree", "4"], cwd=REPO,
-                         env=launch_env(COMM_MODE="fake_backend", NGPU="8"), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:  # the forked dry run meanwhile: one process each, one core each
-        hsdp = _counts(train_ranks(1, [*tp, "--comm.mode", "fake_backend", "--parallelism.data_parallel_replicate_degree",
-                                       "2", "--parallelism.data_parallel_shard_degree", "2"], tmp_path,
-                                   env={"NGPU": "8"}))
-        out, err = p.communicate(timeout=600)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    fsdp = _counts(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    hsdp = [*tp, "--comm.mode", "fake_backend", "--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2"]
+    with ThreadPoolExecutor(1) as pool:  # run_train.sh and the forked dry run side by side: one core each
+        script = pool.submit(subprocess.run, ["bash", "run_train.sh", *tp, "--parallelism.data_parallel_shard_degree",
+                                              "4"], cwd=REPO, env=launch_env(COMM_MODE="fake_backend", NGPU="8"),
+                             capture_output=True, text=True, timeout=600)
+        hsdp = _counts(train_ranks(1, hsdp, tmp_path, env={"NGPU": "8"}))
+        fsdp, out = _counts(script.result()), script.result().stdout
     assert "FSDP4xTP2 on 8 fake ranks" in out
     assert hsdp["all_reduce"] == fsdp["all_reduce"] + N_DEBUG
     assert hsdp["all_gather_into_tensor"] == fsdp["all_gather_into_tensor"] > N_DEBUG

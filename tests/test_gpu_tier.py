@@ -29,32 +29,27 @@ OPTIONS = {
 pytestmark = pytest.mark.multigpu
 
 
-def _gpus(layout: str):
+def _env(layout: str) -> dict:
+    """The runs' environment on the layout's GPUs (skipped without them), every rank's output shown (a failing
+    rank's traceback)."""
     n = LAYOUTS[layout][0]
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} CUDA GPUs, {torch.cuda.device_count()} visible")
-    return n
-
-
-def _env(ngpu: int) -> dict:
-    """The runs' environment: ``ngpu`` ranks, every rank's output shown (a failing rank's traceback)."""
     env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "COMM_MODE", "NNODES", "NODE_RANK")}
-    return {**env, "NGPU": str(ngpu), "CONFIG_FILE": os.path.join(REPO, CONFIG),
-            "LOG_RANK": ",".join(map(str, range(ngpu)))}
+    return {**env, "NGPU": str(n), "CONFIG_FILE": os.path.join(REPO, CONFIG),
+            "LOG_RANK": ",".join(map(str, range(n)))}
 
 
-def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> dict:
-    """``scripts/loss_compare.py --assert-equal`` of two settings on the layout's GPUs: its JSON result."""
-    ngpu = _gpus(layout)
-    out = tmp_path / "cmp"
+def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> None:
+    """``scripts/loss_compare.py --assert-equal`` of two settings on the layout's GPUs: bitwise equal."""
+    env, out = _env(layout), tmp_path / "cmp"
     cmd = [sys.executable, "scripts/loss_compare.py", "--steps", str(steps), "--out", str(out), "--assert-equal",
            "--a-flags", " ".join(a_flags), "--b-flags", " ".join(b_flags), "--",
            *LAYOUTS[layout][1], "--debug.deterministic"]
-    r = subprocess.run(cmd, cwd=REPO, env=_env(ngpu), capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     print(r.stdout[-4000:], r.stderr[-4000:])
     result = json.loads((out / "loss_compare.json").read_text())
     assert r.returncode == 0 and result["bitwise_equal"], result["first_difference"]
-    return result
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
@@ -89,14 +84,14 @@ def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):
 @pytest.mark.parametrize("layout", ["fsdp2tp2"])
 def test_resume_bitwise(tmp_path, layout):
     """A run stopped at step 2 and resumed in new processes equals the uninterrupted 4-step run, bitwise."""
-    ngpu = _gpus(layout)
-    same = [*LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes", "--compile.numerics_changing_optim",
-            "--lr_scheduler.total_steps", "4", "--metrics.log_freq", "1"]
+    env, same = _env(layout), [*LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes",
+                               "--compile.numerics_changing_optim", "--lr_scheduler.total_steps", "4",
+                               "--metrics.log_freq", "1"]
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
 
     def run(folder, steps, *flags):
         r = subprocess.run(["bash", "run_train.sh", *same, *flags, "--training.steps", str(steps),
-                            "--job.dump_folder", str(tmp_path / folder)], cwd=REPO, env=_env(ngpu),
+                            "--job.dump_folder", str(tmp_path / folder)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=1800)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return r

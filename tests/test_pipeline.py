@@ -17,18 +17,19 @@ DEFAULT_ORDER = list(registry())
 RMSNORM, POINTWISE = "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor"
 
 
-def resolve_pass_names(cfg, **kw):
-    return resolve(PassContext(cfg, **kw))
-
-
 def _compile(**groups):
     """A ``Compile`` with top-level fields and ``group={field: value}`` overrides."""
-    cfg = Compile(**{k: v for k, v in groups.items() if not isinstance(v, dict)})
-    for group, values in groups.items():
-        if isinstance(values, dict):
-            for key, value in values.items():
-                setattr(getattr(cfg, group), key, value)
-    return cfg
+    return Compile(**{k: dataclasses.replace(getattr(Compile(), k), **v) if isinstance(v, dict) else v
+                      for k, v in groups.items()})
+
+
+def _names(uses_flex_attention=False, **cfg):
+    """The pass names :func:`resolve` picks for ``_compile(**cfg)``."""
+    return resolve(PassContext(_compile(**cfg), uses_flex_attention=uses_flex_attention))
+
+
+def _options(cfg, *args, **kw):
+    return {s.name: s.options for s in build_pipeline(cfg, *args, **kw)}
 
 
 def test_block_options_become_the_pass_arguments_of_the_8b():
@@ -37,20 +38,19 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
     cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
                    fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})
-    steps = {s.name: s.options for s in build_pipeline(cfg, layout)}
+    steps = _options(cfg, layout)
     assert steps["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
     assert steps["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
     assert steps["overlap_collectives"] == {"ag_window": 9}  # one block ahead; [compile.overlap_collectives]
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
-    wide = _compile(overlap_collectives={"ag_window": 18})
-    assert {s.name: s.options for s in build_pipeline(wide, layout)}["overlap_collectives"] == {"ag_window": 18}
+    assert _options(_compile(overlap_collectives={"ag_window": 18}), layout)["overlap_collectives"] == {"ag_window": 18}
     # levers on auto: without the policy's choice the leanest; with it, the choice
-    default = {s.name: s.options for s in build_pipeline(Compile(), layout)}
+    default = _options(Compile(), layout)
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default
-    chosen = {s.name: s.options for s in build_pipeline(Compile(), layout, levers=Levers("all", 32, 2))}
+    chosen = _options(Compile(), layout, levers=Levers("all", 32, 2))
     assert chosen["sac_recompute"] == {"save_all": True}
     assert chosen["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert chosen["reshard_after_forward"] == {"first_params": 1}
@@ -60,16 +60,14 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
 
 def test_rmsnorm_options_and_deterministic_pick():
     cfg = _compile(numerics_changing_optim=True, rmsnorm={"inductor_configs": {"split_reductions": False}})
-    opts = {s.name: s.options for s in build_pipeline(cfg)}[RMSNORM]
+    opts = _options(cfg)[RMSNORM]
     assert opts["inductor_configs"] == {"split_reductions": False} and opts["candidate_configs"]
     for off in (dict(deterministic=True), dict()):
         c = _compile(numerics_changing_optim=True, rmsnorm={"tune": bool(off)})  # tune on only with deterministic
-        steps = build_pipeline(c, **off)
-        assert {s.name: s.options for s in steps}[RMSNORM]["candidate_configs"] is None
+        assert _options(c, **off)[RMSNORM]["candidate_configs"] is None
     # JSON strings (a Compile built without parse_args) are read too
     c = _compile(inductor_compilation="full", full_inductor={"configs": '{"max_autotune": false}'})
-    opts = {s.name: s.options for s in build_pipeline(c)}["full_inductor"]
-    assert opts["inductor_configs"] == {"max_autotune": False}
+    assert _options(c)["full_inductor"]["inductor_configs"] == {"max_autotune": False}
 
 
 def test_registry_and_order():
@@ -80,8 +78,8 @@ def test_registry_and_order():
         assert f"compile.{section}" in project_sections()
         for f in dataclasses.fields(cls):
             assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
-    names = {s.name for s in build_pipeline(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))}
-    assert names >= {RMSNORM, "cudagraph", "async_tp"}
+    assert set(_options(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))) >= {
+        RMSNORM, "cudagraph", "async_tp"}
     order = DEFAULT_ORDER  # its invariants, not its full list: a new pass adds a line to ORDER only
     assert order[0] == "remove_dead_code" and order[-1] == "cudagraph"
     annotations = [i for i, n in enumerate(order) if n.startswith("annotate_")]
@@ -94,11 +92,9 @@ def test_registry_and_order():
     ("isolate_rmsnorm", "full", "full_inductor", "regional", "full_inductor"),
 ])
 def test_opt_in_pass_needs_the_flag_and_its_inductor_mode(name, inductor, before, wrong, match):
-    names = [s.name for s in build_pipeline(_compile(inductor_compilation=inductor, numerics_changing_optim=True,
-                                                     passes=name))]
+    names = list(_options(_compile(inductor_compilation=inductor, numerics_changing_optim=True, passes=name)))
     assert names.index(name) == names.index(before) - 1
-    assert name not in [s.name for s in build_pipeline(_compile(inductor_compilation=inductor,
-                                                                numerics_changing_optim=True))]
+    assert name not in _options(_compile(inductor_compilation=inductor, numerics_changing_optim=True))
     with pytest.raises(ValueError, match="numerics_changing_optim"):
         build_pipeline(_compile(inductor_compilation=inductor, passes=name))
     with pytest.raises(ValueError, match=match):
@@ -107,28 +103,26 @@ def test_opt_in_pass_needs_the_flag_and_its_inductor_mode(name, inductor, before
 
 def test_resolve_defaults_and_additions():
     """Additions relative to the passes that run without Inductor; aliases; disabled passes."""
-    base = resolve_pass_names(_compile(inductor_compilation="none"))
+    base = _names(inductor_compilation="none")
     assert base == [n for n in DEFAULT_ORDER if n in base]
     assert not any(registry()[n].compiles or registry()[n].changes_numerics for n in base)
     assert "bucket_collectives" in base  # bucket_blocks auto: the memory policy may pick 0 (then it is dropped)
-    assert resolve_pass_names(_compile(inductor_compilation="regional")) == base + ["regional_inductor"]
-    assert resolve_pass_names(_compile(inductor_compilation="full")) == base + ["full_inductor"]
+    assert _names(inductor_compilation="regional") == base + ["regional_inductor"]
+    assert _names(inductor_compilation="full") == base + ["full_inductor"]
     # numerics_changing_optim: the RMSNorm regions; full inductor compiles every norm anyway
-    assert resolve_pass_names(_compile(numerics_changing_optim=True)) == base + [RMSNORM, "regional_inductor"]
-    assert RMSNORM not in resolve_pass_names(_compile(numerics_changing_optim=True, inductor_compilation="full"))
-    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="cudagraph"), uses_flex_attention=True) \
+    assert _names(numerics_changing_optim=True) == base + [RMSNORM, "regional_inductor"]
+    assert RMSNORM not in _names(numerics_changing_optim=True, inductor_compilation="full")
+    assert _names(numerics_changing_optim=True, passes="cudagraph", uses_flex_attention=True) \
         == base + ["annotate_flex_attention_for_regional_inductor", RMSNORM, "regional_inductor", "cudagraph"]
-    assert resolve_pass_names(_compile(numerics_changing_optim=True, passes="pointwise, dce",
-                                       disable_passes="remove_noop_views")) \
+    assert _names(numerics_changing_optim=True, passes="pointwise, dce", disable_passes="remove_noop_views") \
         == [n for n in base if n != "remove_noop_views"] + [RMSNORM, POINTWISE, "regional_inductor"]
-    assert "bucket_collectives" not in resolve_pass_names(_compile(fsdp={"bucket_blocks": 0}))
-    assert "bucket_collectives" in resolve_pass_names(_compile(fsdp={"bucket_blocks": 1}))
-    names = resolve_pass_names(_compile(numerics_changing_optim=True,
-                                        passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass"))
-    assert names == resolve_pass_names(_compile(numerics_changing_optim=True))
+    assert "bucket_collectives" not in _names(fsdp={"bucket_blocks": 0})
+    assert "bucket_collectives" in _names(fsdp={"bucket_blocks": 1})
+    assert _names(numerics_changing_optim=True, passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass") \
+        == _names(numerics_changing_optim=True)
     disabled = ["remove_noop_views", RMSNORM, "overlap_collectives"]
-    names = resolve_pass_names(_compile(numerics_changing_optim=True, disable_passes=",".join(disabled)))
-    assert names == [n for n in resolve_pass_names(_compile()) if n not in disabled]
+    assert _names(numerics_changing_optim=True, disable_passes=",".join(disabled)) \
+        == [n for n in _names() if n not in disabled]
 
 
 @pytest.mark.parametrize("match, cfg", [
@@ -144,4 +138,4 @@ def test_resolve_defaults_and_additions():
 ])
 def test_resolve_errors(match, cfg):
     with pytest.raises(ValueError, match=match):
-        resolve_pass_names(_compile(**cfg))
+        _names(**cfg)

@@ -15,18 +15,7 @@ def _run_sh(args, env=None, base=None):
                           env=launch_env(base, **(env or {})), timeout=300, cwd=REPO)
 
 
-def _files(tmp):
-    """The bad files of the cases, written into ``tmp``."""
-    files = {k: tmp / k.replace("_", ".") for k in ("bad_toml", "tp3_toml", "bad_jsonl", "nope_toml", "nope_jsonl")}
-    files["bad_toml"].write_text('[job]\ndump_folder = "unterminated\n')
-    files["tp3_toml"].write_text(open(DEBUG).read().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
-    files["bad_jsonl"].write_text('{"text": "fine"}\n{"text": tru\n')
-    files["empty"] = tmp / "empty_tokenizer"
-    files["empty"].mkdir()
-    return files
-
-
-#: ``id: (where, env, args, needle)``; ``{name}`` in env, args and needle: a file of :func:`_files`.
+#: ``id: (where, env, args, needle)``; ``{name}`` in env, args and needle: a file :func:`_case` writes.
 CASES = {
     "unknown flag": ("precheck", {}, ["--training.stepz", "3"], "--training.stepz"),
     "compile.enable": ("precheck", {}, ["--compile.enable"], "--compile.mode jit"),
@@ -61,28 +50,14 @@ CASES = {
 }
 
 
-def _in_process(where, env, args, monkeypatch, capsys):
-    """The pre-check or the trainer's entry point here, as run_train.sh calls it: ``(exit code, output)``."""
-    from graph_trainer import config, train
-
-    for k in LAUNCH_VARS:
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        if k != "CONFIG_FILE":
-            monkeypatch.setenv(k, v)
-    config_file = [] if "CONFIG" in env else ["--job.config_file", env.get("CONFIG_FILE", DEBUG)]
-    if where == "trainer":
-        monkeypatch.setattr(train, "setup_logging", lambda *a, **k: None)  # this process's log handlers stay
-    entry = config._check_main if where == "precheck" else train.main
-    capsys.readouterr()
-    rc = entry([*config_file, *args])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
-
-
 def _case(case, tmp):
-    """Case ``case`` of :data:`CASES` with its files in ``tmp``: ``(env, args, needle)``."""
-    files = _files(tmp)
+    """Case ``case`` of :data:`CASES` with its (and the other cases') files in ``tmp``: ``(env, args, needle)``."""
+    files = {k: tmp / k.replace("_", ".") for k in ("bad_toml", "tp3_toml", "bad_jsonl", "nope_toml", "nope_jsonl")}
+    files["bad_toml"].write_text('[job]\ndump_folder = "unterminated\n')
+    files["tp3_toml"].write_text(open(DEBUG).read().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
+    files["bad_jsonl"].write_text('{"text": "fine"}\n{"text": tru\n')
+    files["empty"] = tmp / "empty_tokenizer"
+    files["empty"].mkdir()
     _, env, args, needle = CASES[case]
     env = {k: v.format(**files) for k, v in env.items()}
     args = [a.format(**files) for a in args] + ["--job.dump_folder", str(tmp / "out")]
@@ -110,9 +85,21 @@ def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
         lines = r.stderr.strip().splitlines()
         assert lines and lines[0].startswith("error: ") and needle in lines[0], r.stderr[-2000:]
         assert len(lines) == 1, r.stderr[-2000:]  # one paragraph, nothing from torchrun
-    else:
+    else:  # the pre-check or the trainer's entry point in this process, as run_train.sh calls it
+        from graph_trainer import config, train
+
         env, args, needle = _case(case, tmp_path)
-        rc, text = _in_process(where, env, args, monkeypatch, capsys)
+        for k in LAUNCH_VARS:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            if k != "CONFIG_FILE":
+                monkeypatch.setenv(k, v)
+        config_file = [] if "CONFIG" in env else ["--job.config_file", env.get("CONFIG_FILE", DEBUG)]
+        if where == "trainer":
+            monkeypatch.setattr(train, "setup_logging", lambda *a, **k: None)  # this process's log handlers stay
+        capsys.readouterr()
+        rc = (config._check_main if where == "precheck" else train.main)([*config_file, *args])
+        text = "".join(capsys.readouterr())
     assert rc == 2, text[-2000:]
     assert needle in text, text[-2000:]
     assert "Traceback" not in text and "[rank0]" not in text  # no worker was started

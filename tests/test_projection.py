@@ -108,9 +108,7 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
     work = P.graph_work(gm)
     with FlopCounterMode(display=False) as plain:
         step(state, tokens)
-    def heads(q, kv):  # GQA: k / v with the query's heads (torch 2.11's formulas refuse fewer)
-        return (*kv[:1], q[1], *kv[2:])
-
+    heads = lambda q, kv: (*kv[:1], q[1], *kv[2:])  # noqa: E731  GQA: k, v at q's heads (torch 2.11 needs it)
     sdpa = {op: lambda q, k, v, *a, **kw: sdpa_flop_count(q, heads(q, k), heads(q, v)),
             aten._scaled_dot_product_flash_attention_for_cpu_backward:
                 lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g, q, heads(q, k), heads(q, v))}

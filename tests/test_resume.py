@@ -1,5 +1,6 @@
 """Resume, in one chain of runs on a copy of ``finished_run`` without step-4; DCP load failures."""
 
+import functools
 import os
 import shutil
 from unittest import mock
@@ -17,7 +18,7 @@ from graph_trainer.metrics import read_metrics
 import _early  # tests/ is on sys.path
 from _runs import FINISHED, run_debug
 
-ONLY = [*FINISHED, "--checkpoint.last_save_model_only"]
+ONLY = "--checkpoint.last_save_model_only"
 
 
 def _model_only(path) -> bool:
@@ -31,44 +32,37 @@ def _ok(r):
 
 @_early.job("resume_chain", needs=("finished_run",))
 def _chain(tmp, env):
-    """The chain of runs on the copy: ``(copy, [(result, reading)])``, each reading right after its run."""
+    """The chain of runs (``FINISHED`` plus flags) on the copy: ``(copy, results, readings)``, each reading taken
+    right after its run."""
     d = tmp / "run"
     shutil.copytree(_early.result("finished_run"), d)
-    ck, metrics = d / "checkpoint", d / "metrics.jsonl"
-
-    def start():
-        first = metrics.read_bytes()
-        shutil.rmtree(ck / "step-4")
-        return first, sorted(os.listdir(d))
-
-    steps = [(None, start),
-             ((FINISHED, "--checkpoint.load_step", "99"), lambda: (metrics.read_bytes(), sorted(os.listdir(d)))),
-             ((ONLY,), lambda: (metrics.read_bytes(), read_metrics(str(metrics)),
-                                (ck / "step-2" / ".metadata").is_file(), _model_only(ck / "step-4"))),
-             ((ONLY,), metrics.read_bytes),
-             ((FINISHED, "--checkpoint.load_step", "2"), lambda: (_model_only(ck / "step-4.1"),
-                                                                  _model_only(ck / "step-4"), latest_step(str(ck)),
-                                                                  metrics.read_bytes(), sorted(os.listdir(ck)))),
-             ("run_train.sh", lambda: (metrics.read_bytes(), sorted(os.listdir(ck)))),
-             ((FINISHED, "--checkpoint.folder", "checkpoint_b"), lambda: None)]
-
-    def run(args):
-        if args is None:
-            return None
-        if args == "run_train.sh":
-            return run_debug(d, FINISHED, env=env)
-        return run_debug(d, *args, steps=1 if "checkpoint_b" in args else 4, forked=True, env=env)
-
-    return d, _early.readings(steps, run)
+    ck, metrics, run = d / "checkpoint", d / "metrics.jsonl", functools.partial(run_debug, d, FINISHED, env=env)
+    first = metrics.read_bytes()
+    shutil.rmtree(ck / "step-4")
+    files = sorted(os.listdir(d))
+    r = run("--checkpoint.load_step", "99", forked=True)
+    after_missing = metrics.read_bytes(), sorted(os.listdir(d))
+    r2 = run(ONLY, forked=True)
+    after_resume = (metrics.read_bytes(), read_metrics(str(metrics)), (ck / "step-2" / ".metadata").is_file(),
+                    _model_only(ck / "step-4"))
+    r3 = run(ONLY, forked=True)
+    after_again = metrics.read_bytes()
+    r4 = run("--checkpoint.load_step", "2", forked=True)
+    after_load2 = (_model_only(ck / "step-4.1"), _model_only(ck / "step-4"), latest_step(str(ck)),
+                   metrics.read_bytes(), sorted(os.listdir(ck)))
+    r5 = run()  # through run_train.sh
+    after_rerun = metrics.read_bytes(), sorted(os.listdir(ck))
+    r6 = run("--checkpoint.folder", "checkpoint_b", steps=1, forked=True)
+    return d, (r, r2, r3, r4, r5, r6), ((first, files), after_missing, after_resume, after_again, after_load2,
+                                        after_rerun)
 
 
 @_early.uses("finished_run")
 @_early.uses("resume_chain")
 def test_resume_chain():
     """Failed resumes change nothing; model-only step named, kept; resume appends; rerun writes nothing; fresh moves."""
-    d, runs = _early.result("resume_chain")
-    (r, r2, r3, r4, r5, r6), readings = [r for r, _ in runs[1:]], [_early.reading(x) for _, x in runs]
-    (first, files), after_missing, after_resume, after_again, after_load2, after_rerun, _ = readings
+    d, (r, r2, r3, r4, r5, r6), readings = _early.result("resume_chain")
+    (first, files), after_missing, after_resume, after_again, after_load2, after_rerun = readings
     step4 = d / "checkpoint" / "step-4"
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]  # a missing --checkpoint.load_step
     assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
