@@ -11,9 +11,42 @@ from graph_trainer.compiler.node_meta import inductor_tag  # noqa: F401  (re-exp
 from graph_trainer.model import loss_fn
 from graph_trainer.trace import trace_train_step
 
-aten = torch.ops.aten
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 #: Hidden size of the synthetic norm graphs.
 D = 16
+#: ``collective_kind`` of FSDP's all-gathers and reduce-scatters.
+AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"
+
+
+def fx_graph(*placeholders):
+    """A new FX graph and its placeholders of these names."""
+    g = torch.fx.Graph()
+    return g, [g.placeholder(name) for name in placeholders]
+
+
+def module(g, *outputs):
+    """``g`` as a GraphModule without attributes; ``outputs``, when given, become its output tuple."""
+    if outputs:
+        g.output(outputs)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def call(g, target, *args, custom=None, val=None, **kwargs):
+    """``g.call_function(target, args, kwargs)``; a copy of ``custom`` and ``val``, when given, in its meta."""
+    n = g.call_function(target, args, kwargs)
+    if custom is not None:
+        n.meta["custom"] = dict(custom)
+    if val is not None:
+        n.meta["val"] = val
+    return n
+
+
+def stats(gm):
+    return gm.meta["graph_trainer_pass_stats"]
+
+
+def call_targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def tagged_nodes(gm):
@@ -34,8 +67,7 @@ def fake_prop(gm, shapes):
 
 def fused_norm_graph(n_norms=2, with_backward=True):
     """``(gm, fakes)``: x -> [fused rms norm -> mul(2)] * n_norms, optionally norm 0's fused backward."""
-    g = torch.fx.Graph()
-    x, w, go = g.placeholder("x"), g.placeholder("w"), g.placeholder("go")
+    g, (x, w, go) = fx_graph("x", "w", "go")
     cur, first_rstd = x, None
     for i in range(n_norms):
         fqn = f"layers.{i}.attention_norm"
@@ -53,8 +85,7 @@ def fused_norm_graph(n_norms=2, with_backward=True):
         outs += [g.call_function(operator.getitem, (b, i)) for i in (0, 1)]
         for node in (b, *outs[1:]):
             node.meta["custom"] = {"phase": "backward", "module_fqn": "layers.0.attention_norm"}
-    g.output(tuple(outs))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, *outs)
     return gm, fake_prop(gm, [(4, 8, D), (D,), (4, 8, D)])
 
 

@@ -5,7 +5,6 @@ import functools
 
 import pytest
 import torch
-import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -16,38 +15,29 @@ from graph_trainer.compiler.pipeline import run_pipeline
 from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
-from .conftest import assert_bitwise, fake_prop, inductor_tag, tagged_nodes
+from .conftest import (aten, assert_bitwise, call, fake_prop, fx_graph, inductor_tag, module, region_ids, stats,
+                       tagged_nodes)
 
-aten = torch.ops.aten
-# torch 2.11's C++ backend folds the bf16 round trip that emulate_precision_casts inserts
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                              reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="eager CUDA's kernels")
-
-
-def _op(g, target, *args, **kwargs):
-    """A forward node of module ``block`` in ``g``."""
-    n = g.call_function(target, args, kwargs)
-    n.meta["custom"] = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}
-    return n
+F32 = torch.float32
+SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
+BLOCK = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}  # each node's custom meta
 
 
 def _graph():
     """bf16 exact pointwise chain (tagged) beside a SiLU, an alpha add, a div and an inexact product (not)."""
-    g = torch.fx.Graph()
-    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
-
-    op = functools.partial(_op, g)
+    g, (a, b, c) = fx_graph("a", "b", "c")
+    op = functools.partial(call, g, custom=BLOCK)
     s = op(aten.add.Tensor, op(aten.mul.Tensor, a, b), c)  # an FMA candidate in bf16
     f = op(aten._to_copy.default, s, dtype=torch.float32)
     f = op(aten.add.Tensor, op(aten.mul.Tensor, f, 0.1234567), f)  # and in fp32
-    o = op(aten._to_copy.default, f, dtype=torch.bfloat16)
-    o = op(aten.sub.Tensor, o, a)
+    o = op(aten.sub.Tensor, op(aten._to_copy.default, f, dtype=torch.bfloat16), a)
     out = op(aten.mul.Tensor, o, o)
     half = op(aten.mul.Tensor, out, 0.5)
     other = op(aten.div.Tensor, op(aten.add.Tensor, op(aten.silu.default, out), c, alpha=2), b)
-    g.output((half, f, other, op(aten.mul.Tensor, out, 0.1234567)))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
+    return module(g, half, f, other, op(aten.mul.Tensor, out, 0.1234567))
 
 
 def test_only_exact_ops_join():
@@ -56,32 +46,24 @@ def test_only_exact_ops_join():
     annotate_exact_pointwise_pass(gm)
     names = [n.target._opname for n in tagged_nodes(gm)]
     assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul", "mul"]
-    assert len({inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}) == 1
+    assert len(region_ids(gm)) == 1
     assert all(inductor_tag(n)["inductor_configs"]["emulate_precision_casts"] for n in tagged_nodes(gm))
-    stats = gm.meta["graph_trainer_pass_stats"]
     # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2, mul
     # 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1, * 0.5 1+1; fused: a, b, c in, out, half, f out
-    assert (stats["nodes"], stats["eager_bytes"], stats["fused_bytes"]) == (
+    assert (stats(gm)["nodes"], stats(gm)["eager_bytes"], stats(gm)["fused_bytes"]) == (
         9, 128 * (3 + 3 + 3 + 4 + 6 + 3 + 3 + 2 + 2), 128 * (3 + 2 + 2))
     with pytest.raises(ValueError, match="min_ops"):
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
 
-F32 = torch.float32
-SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
-
-
 def _silu_graph(x_device):
     """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z."""
-    g = torch.fx.Graph()
-    x, y, z = g.placeholder("x"), g.placeholder("y"), g.placeholder("z")
-
-    op = functools.partial(_op, g)
-    g.output((op(aten.mul.Tensor, op(aten.silu.default, x), x),
-              op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
-              op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
-              *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16)))))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
+    g, (x, y, z) = fx_graph("x", "y", "z")
+    op = functools.partial(call, g, custom=BLOCK)
+    return module(g, op(aten.mul.Tensor, op(aten.silu.default, x), x),
+                  op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
+                  op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
+                  *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16))))
 
 
 def _tagged_regions(gm, fakes, **options):
@@ -95,19 +77,19 @@ def _tagged_regions(gm, fakes, **options):
     return sorted(regions.values())
 
 
-def _regions(device, **options):
-    """The op names of each region of ``_silu_graph`` on ``device`` (fake tensors: no GPU needed)."""
-    with FakeTensorMode():
+SILU_BACKWARD = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub", "addcmul", "mul",
+                 "mul", "_to_copy"]  # eager's formula, in fp32
+
+
+@pytest.mark.parametrize("device, options, regions", [
+    ("cuda", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),
+    ("cpu", {}, []),  # eager CPU's SiLU is another approximation; CPU casts stay eager
+    ("cuda", {"activations": False, "lone_casts": False}, []),
+])
+def test_silu_joins_on_cuda_only_and_a_large_widening_cuda_cast_is_a_region(device, options, regions):
+    with FakeTensorMode():  # no GPU needed
         fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
-    return _tagged_regions(_silu_graph(torch.device(device)), fakes, **options)
-
-
-def test_silu_joins_on_cuda_only_and_a_large_widening_cuda_cast_is_a_region():
-    silu_backward = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub",
-                     "addcmul", "mul", "mul", "_to_copy"]  # eager's formula, in fp32
-    assert _regions("cuda") == [["_to_copy"], ["mul", *silu_backward], ["silu", "mul"]]
-    assert _regions("cpu") == []  # eager CPU's SiLU is another approximation; CPU casts stay eager
-    assert _regions("cuda", activations=False, lone_casts=False) == []
+    assert _tagged_regions(_silu_graph(torch.device(device)), fakes, **options) == regions
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=OLD_CPU), pytest.param("cuda", marks=CUDA)])
@@ -139,8 +121,7 @@ def test_mixed_precision_fsdp_step_is_bitwise_with_the_regions(fsdp_trace):
     traced, inputs, _ = fsdp_trace(param_dtype=torch.bfloat16)
     ref = traced.gm(*inputs)
     gm = annotate_exact_pointwise_pass(traced.gm, traced.example_inputs)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["forward_regions"] > 0 and stats["backward_regions"] > 0
+    assert stats(gm)["forward_regions"] > 0 and stats(gm)["backward_regions"] > 0
     assert_bitwise(run_pipeline(gm, traced.example_inputs, ["regional_inductor"])(*inputs), ref)
 
 
@@ -149,23 +130,19 @@ def test_default_on_cuda_under_regional_inductor_only():
     on = {(dev, mode): name in resolve(PassContext(Compile(inductor_compilation=mode), device_type=dev))
           for dev in ("cuda", "cpu", None) for mode in ("regional", "full")}
     assert on == {key: key == ("cuda", "regional") for key in on} and len(on) == 6
-    off = Compile(disable_passes="exact_pointwise")
-    assert name not in resolve(PassContext(off, device_type="cuda"))
+    assert name not in resolve(PassContext(Compile(disable_passes="exact_pointwise"), device_type="cuda"))
     assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))
 
 
 def _bucket_graph(device):
     """FSDP's bucketed reduce-scatter input (a cat of casts and views) and an all-gather input cat."""
-    g = torch.fx.Graph()
-    a, b, c = g.placeholder("a"), g.placeholder("b"), g.placeholder("c")
-    op = functools.partial(_op, g)
+    g, (a, b, c) = fx_graph("a", "b", "c")
+    op = functools.partial(call, g, custom=BLOCK)
     fa, fb = (op(aten._to_copy.default, t, dtype=F32, layout=torch.strided, device=device) for t in (a, b))
-    views = [op(aten.view.default, t, [4, -1]) for t in (fa, fb, c)]
-    bucket = op(aten.cat.default, views, 1)
+    bucket = op(aten.cat.default, [op(aten.view.default, t, [4, -1]) for t in (fa, fb, c)], 1)
     gathered = op(aten.cat.default, [op(aten._to_copy.default, op(aten._to_copy.default, a, dtype=F32),
                                         dtype=torch.bfloat16), op(aten._to_copy.default, c, dtype=torch.bfloat16)])
-    g.output((bucket, op(aten.add.Tensor, fb, 1.0), gathered))
-    return torch.fx.GraphModule(torch.nn.Module(), g)
+    return module(g, bucket, op(aten.add.Tensor, fb, 1.0), gathered)
 
 
 def _bucket_inputs(device, fake=True):
@@ -174,19 +151,15 @@ def _bucket_inputs(device, fake=True):
                                                                    (64, F32))]
 
 
-def _bucket_regions(device, **options):
-    gm = _bucket_graph(torch.device(device))
-    return _tagged_regions(gm, _bucket_inputs(device), **options), gm.meta["graph_trainer_pass_stats"]
-
-
-def test_a_cat_of_casts_on_cuda_is_one_region():
+@pytest.mark.parametrize("device, options, cast_cats", [("cuda", {}, 2), ("cuda", {"cast_cats": False}, 0),
+                                                      ("cpu", {}, 0)])  # CPU casts and cats stay eager
+def test_a_cat_of_casts_on_cuda_is_one_region(device, options, cast_cats):
     """A cast feeding only a cat joins it; a cast with other readers stays in its chain."""
-    regions, stats = _bucket_regions("cuda")
+    gm = _bucket_graph(torch.device(device))
+    regions = _tagged_regions(gm, _bucket_inputs(device), **options)
     chains = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]
-    assert regions == sorted(chains + [["_to_copy", "cat"], ["_to_copy", "view", "cat"]])
-    assert stats["cast_cats"] == 2
-    assert _bucket_regions("cuda", cast_cats=False)[0] == chains
-    assert _bucket_regions("cpu")[0] == chains  # CPU casts and cats stay eager
+    assert regions == sorted(chains + ([["_to_copy", "cat"], ["_to_copy", "view", "cat"]] if cast_cats else []))
+    assert stats(gm)["cast_cats"] == cast_cats
 
 
 @CUDA
@@ -202,6 +175,5 @@ def test_cuda_regions_are_bitwise_eager(graph):
     ref = graph(xs[0].device)(*xs)
     gm = graph(xs[0].device)
     fakes = fake_prop(gm, xs)
-    stats = annotate_exact_pointwise_pass(gm).meta["graph_trainer_pass_stats"]
-    assert stats["cast_cats"] == (2 if graph is _bucket_graph else 0)
+    assert stats(annotate_exact_pointwise_pass(gm))["cast_cats"] == (2 if graph is _bucket_graph else 0)
     assert_bitwise(run_pipeline(gm, fakes, ["regional_inductor"])(*xs), ref)

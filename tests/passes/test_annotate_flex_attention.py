@@ -3,14 +3,11 @@
 import operator
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions
 
-from .conftest import inductor_tag
-
-aten = torch.ops.aten
+from .conftest import aten, fx_graph, inductor_tag, stats
 
 
 def test_annotate_flex_attention():
@@ -18,23 +15,19 @@ def test_annotate_flex_attention():
     for name in ("score0", "mask0"):
         setattr(root, name, torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()))
         getattr(root, name).graph.output(None)
-    g = torch.fx.Graph()
-    q, k, v = g.placeholder("q"), g.placeholder("k"), g.placeholder("v")
+    g, (q, k, v) = fx_graph("q", "k", "v")
     score, mask = g.get_attr("score0"), g.get_attr("mask0")
     fa0 = g.call_function(torch.ops.higher_order.flex_attention, (q, k, v, score, (mask,), 1.0, {}, (), ()))
     o0 = g.call_function(operator.getitem, (fa0, 0))
     fa1 = g.call_function(torch.ops.higher_order.flex_attention, (o0, k, v, score, (mask,), 1.0, {}, (), ()))
-    o1 = g.call_function(operator.getitem, (fa1, 0))
-    lse = g.call_function(operator.getitem, (fa1, 1))
+    o1, lse = (g.call_function(operator.getitem, (fa1, i)) for i in (0, 1))
     bwd = g.call_function(torch.ops.higher_order.flex_attention_backward, (q, k, v, o1, lse, score, (mask,)))
-    gq = g.call_function(operator.getitem, (bwd, 0))
-    other = g.call_function(aten.sin.default, (gq,))
+    other = g.call_function(aten.sin.default, (g.call_function(operator.getitem, (bwd, 0)),))
     g.output((o1, other))
     for n in g.nodes:
         n.meta["custom"] = {"phase": "forward", "module_fqn": "layers.0.attention.inner_attention"}
     gm = annotate_flex_attention_for_regional_inductor_pass(torch.fx.GraphModule(root, g), None)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert (stats["forward"], stats["backward"], stats["regions"]) == (2, 1, 3)
+    assert (stats(gm)["forward"], stats(gm)["backward"], stats(gm)["regions"]) == (2, 1, 3)
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.sin.default or n.op in ("placeholder", "output"):
             assert inductor_tag(n) is None

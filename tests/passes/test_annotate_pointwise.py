@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.fx
 
 from graph_trainer import MODULE_FQN_KEY, PHASE_KEY
 from graph_trainer.config import Compile
@@ -13,9 +12,8 @@ from graph_trainer.compiler.node_meta import module_fqn_of, phase_of
 from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 
-from .conftest import assert_close, inductor_tag, tagged_nodes, trace_step
-
-aten = torch.ops.aten
+from .conftest import (aten, assert_close, call, call_targets, fx_graph, inductor_tag, module, stats, tagged_nodes,
+                       trace_step)
 
 
 def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
@@ -28,8 +26,7 @@ def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
     for n in tagged_nodes(gm):
         if inductor_tag(n)["inductor_region"].startswith("pointwise_"):
             regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["regions"] == len(regions) > 0 and stats["nodes"] == sum(map(len, regions.values()))
+    assert stats(gm)["regions"] == len(regions) > 0 and stats(gm)["nodes"] == sum(map(len, regions.values()))
     for nodes in regions.values():
         assert len({(phase_of(n), module_fqn_of(n)) for n in nodes}) == 1  # one phase, one module
         assert not any(n.target in (aten.mm.default, aten.bmm.default) or is_collective(n) for n in nodes)
@@ -43,24 +40,19 @@ def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
         assert any(aten.silu_backward.default in {n.target for n in ns} for ns in bwd), layer
 
 
-def _node(g, target, args, phase="forward", fqn="block"):
-    n = g.call_function(target, args)
-    n.meta["custom"] = {PHASE_KEY: phase, MODULE_FQN_KEY: fqn}
-    n.meta["val"] = torch.empty(4, 4)
-    return n
+def _node(g, target, *args, phase="forward"):
+    return call(g, target, *args, custom={PHASE_KEY: phase, MODULE_FQN_KEY: "block"}, val=torch.empty(4, 4))
 
 
 def test_residual_cycle_is_cut_into_levels_and_mutating_and_random_ops_never_join():
     """h = x + relu(x); h2 = h * 2; out = h2 + h2 @ w: one region would be a cycle."""
-    g = torch.fx.Graph()
-    x, w = g.placeholder("x"), g.placeholder("w")
-    r = _node(g, aten.relu.default, (x,))
-    h = _node(g, aten.add.Tensor, (x, r))
-    h2 = _node(g, aten.mul.Tensor, (h, 2.0))
-    m = _node(g, aten.mm.default, (h2, w))
-    out = _node(g, aten.add.Tensor, (h2, m))
-    o2 = _node(g, aten.sigmoid.default, (out,))
-    other = _node(g, aten.neg.default, (o2,), phase="backward")  # other phase: never joined
+    g, (x, w) = fx_graph("x", "w")
+    r = _node(g, aten.relu.default, x)
+    h = _node(g, aten.add.Tensor, x, r)
+    h2 = _node(g, aten.mul.Tensor, h, 2.0)
+    out = _node(g, aten.add.Tensor, h2, _node(g, aten.mm.default, h2, w))
+    o2 = _node(g, aten.sigmoid.default, out)
+    other = _node(g, aten.neg.default, o2, phase="backward")  # other phase: never joined
     g.output((other,))
     regions = find_pointwise_regions(g, min_ops=1)
     assert regions == [[r, h, h2], [out, o2], [other]]
@@ -68,16 +60,13 @@ def test_residual_cycle_is_cut_into_levels_and_mutating_and_random_ops_never_joi
         assert split_acyclic(ns) == [ns]
     assert find_pointwise_regions(g, min_ops=2) == regions[:2]
     with pytest.raises(ValueError, match="min_ops"):
-        annotate_pointwise_for_regional_inductor_pass(torch.fx.GraphModule(torch.nn.Module(), g), None, min_ops=0)
+        annotate_pointwise_for_regional_inductor_pass(module(g), None, min_ops=0)
     # in-place / out= ops and seeded random ops cut a chain
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    r = _node(g, aten.relu.default, (x,))
-    a = _node(g, aten.add_.Tensor, (r, 1.0))
-    m = _node(g, aten.mul.Tensor, (a, 2.0))
-    n2 = _node(g, aten.neg.default, (m,))
-    rnd = _node(g, aten.rand_like.default, (n2,))
-    s = _node(g, aten.sigmoid.default, (rnd,))
+    g, (x,) = fx_graph("x")
+    r = _node(g, aten.relu.default, x)
+    m = _node(g, aten.mul.Tensor, _node(g, aten.add_.Tensor, r, 1.0), 2.0)
+    n2 = _node(g, aten.neg.default, m)
+    s = _node(g, aten.sigmoid.default, _node(g, aten.rand_like.default, n2))
     g.output((s,))
     assert find_pointwise_regions(g, min_ops=1) == [[r], [m, n2], [s]]
 
@@ -87,7 +76,7 @@ def test_end_to_end_numerics(tiny_llama):
     ref = gm(*inputs)
     steps = build_pipeline(Compile(numerics_changing_optim=True, passes="annotate_pointwise"))
     cgm = run_pipeline(gm, example_inputs, steps)
-    remaining = {n.target for n in cgm.graph.nodes if n.op == "call_function"}
+    remaining = set(call_targets(cgm))
     assert aten.silu.default not in remaining and aten.silu_backward.default not in remaining  # compiled away
     assert aten.mm.default in remaining  # matmuls stay eager
     assert_close(cgm(*inputs), ref)

@@ -1,15 +1,15 @@
 """annotate_residual_rmsnorm: norm regions take in their residual adds; the compiled step stays close."""
 
+from collections import Counter
+
 import pytest
-import torch
 
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
-from .conftest import assert_close, inductor_tag, region_ids, trace_step
+from .conftest import aten, assert_close, inductor_tag, region_ids, trace_step
 
-aten = torch.ops.aten
 NAME = "annotate_residual_rmsnorm_for_regional_inductor"
 
 
@@ -30,17 +30,12 @@ def test_residual_adds_join_the_norm_regions(tiny_llama):
         gm = step(gm, example_inputs)
     assert region_ids(gm) == regions_before  # no new region, only bigger ones
     adds = [n for n in gm.graph.nodes if n.target is aten.add.Tensor and inductor_tag(n)]
-    joined = {}
-    for n in adds:
-        kind = inductor_tag(n)["inductor_region"].split("_")[1]
-        joined[kind] = joined.get(kind, 0) + 1
-        # the add feeds (forward) or is fed by (backward) a node of its own region
+    joined = Counter(inductor_tag(n)["inductor_region"].split("_")[1] for n in adds)
+    for n in adds:  # the add feeds (forward) or is fed by (backward) a node of its own region
         region = inductor_tag(n)["inductor_region"]
-        peers = [m for m in (*n.users, *n.all_input_nodes) if (inductor_tag(m) or {}).get("inductor_region") == region]
-        assert peers, n
+        assert any((inductor_tag(m) or {}).get("inductor_region") == region for m in (*n.users, *n.all_input_nodes)), n
     # 2 norms per block + the final norm; all but the first block's attention norm read a residual add
-    assert joined.get("forward") == 2 * n_layers
-    assert joined.get("backward", 0) >= 2 * n_layers - 1
+    assert joined.get("forward") == 2 * n_layers and joined.get("backward", 0) >= 2 * n_layers - 1
 
 
 def test_compiled_step_matches_and_needs_the_flag(tiny_llama, log_lines):

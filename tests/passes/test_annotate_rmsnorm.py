@@ -5,7 +5,6 @@ import operator
 
 import pytest
 import torch
-import torch.fx
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from graph_trainer.config import Compile
@@ -16,9 +15,9 @@ from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
 from graph_trainer.trace import trace_train_step
 
-from .conftest import D, assert_close, fused_norm_graph, inductor_tag, region_ids, tagged_nodes, trace_step
+from .conftest import (D, aten, assert_close, fused_norm_graph, inductor_tag, module, region_ids, run_no_grad, stats,
+                       tagged_nodes, trace_step)
 
-aten = torch.ops.aten
 FUSED = (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
 
 
@@ -28,8 +27,7 @@ def test_fused_norms_and_getitems_tagged_others_untouched():
     for n in gm.graph.nodes:
         is_norm = n.target in FUSED or (n.target is operator.getitem and n.args[0].target in FUSED)
         assert (inductor_tag(n) is not None) == is_norm, n
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert (stats["forward"], stats["backward"], stats["regions"], stats["getitems"]) == (2, 1, 3, 6)
+    assert [stats(gm)[k] for k in ("forward", "backward", "regions", "getitems")] == [2, 1, 3, 6]
     assert "tagged 2 forward + 1 backward RMSNorms" in gm.meta["graph_trainer_pass_summary"]
 
 
@@ -63,7 +61,7 @@ def test_configs_reach_the_annotation_unknown_keys_refused(kwargs, configs, cand
             annotate(gm, fakes, **kwargs)
     else:
         annotate(gm, fakes, **kwargs)
-        assert gm.meta["graph_trainer_pass_stats"]["inductor_configs"] == configs
+        assert stats(gm)["inductor_configs"] == configs
     assert len(tagged_nodes(gm)) == (0 if configs is ValueError else 6)
     for n in tagged_nodes(gm):
         assert inductor_tag(n)["inductor_configs"] == configs
@@ -72,13 +70,10 @@ def test_configs_reach_the_annotation_unknown_keys_refused(kwargs, configs, cand
 
 def test_empty_graph_is_noop():
     g = torch.fx.Graph()
-    g.output((g.placeholder("x"),))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, g.placeholder("x"))
     code = gm.code
-    assert annotate(gm, []) is gm and gm.code == code and not tagged_nodes(gm)
-    assert gm.meta["graph_trainer_pass_stats"]["regions"] == 0
-    assert regional_inductor_pass(gm, []) is gm  # nothing to compile
-    assert gm.meta["graph_trainer_pass_stats"]["regions"] == 0
+    assert annotate(gm, []) is gm and gm.code == code and not tagged_nodes(gm) and stats(gm)["regions"] == 0
+    assert regional_inductor_pass(gm, []) is gm and stats(gm)["regions"] == 0  # nothing to compile
 
 
 def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
@@ -89,8 +84,7 @@ def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
     for phase in ("forward", "backward"):
         assert sorted(i["module_fqn"] for i in instances if i["phase"] == phase) == sorted(norms)
     annotate(gm, example_inputs)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert (stats["forward"], stats["backward"], stats["regions"]) == (5, 5, 10)
+    assert [stats(gm)[k] for k in ("forward", "backward", "regions")] == [5, 5, 10]
     for n in tagged_nodes(gm):
         assert n.op == "call_function" and n.target not in (aten.mm.default, aten.embedding.default)
         assert n.meta["custom"]["module_fqn"].endswith("norm")
@@ -104,8 +98,7 @@ def test_pattern_matched_norm_without_norm_name():
     model = torch.nn.Sequential()
     model.add_module("pre", torch.nn.RMSNorm(D))  # the name does not end with "norm"
     model.add_module("proj", torch.nn.Linear(D, D))
-    x = torch.randn(2, 4, D)
-    gm = trace_train_step(model, lambda out, _labels: out.square().mean(), x, torch.zeros(1)).gm
+    gm = trace_train_step(model, lambda out, _labels: out.square().mean(), torch.randn(2, 4, D), torch.zeros(1)).gm
     instances = find_rmsnorm_instances(gm.graph)
     assert [(i["module_fqn"], i["phase"]) for i in instances] == [("pre", "forward"), ("pre", "backward")]
 
@@ -119,8 +112,7 @@ def test_end_to_end_regional_rmsnorm_cpu(tmp_path, log_lines, tiny_llama):
     assert [s.name for s in steps] == names
     cgm = run_pipeline(gm, example_inputs, steps, dump_folder=str(tmp_path))
     lines = [m for m in log_lines if "graph pass" in m]
-    assert len(lines) == 4
-    assert "tagged 3 forward + 3 backward RMSNorms" in lines[2] and "-> 6 regions" in lines[2]
+    assert len(lines) == 4 and "tagged 3 forward + 3 backward RMSNorms" in lines[2] and "-> 6 regions" in lines[2]
     assert "compiled 6 region(s)" in lines[3]
     assert_close(cgm(*inputs), ref)
     summary = json.loads((tmp_path / "graphs" / "summary.json").read_text())
@@ -136,14 +128,10 @@ def test_activation_checkpointing_recomputed_norms_get_own_regions(tiny_llama):
     for key, block in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
     gm, example_inputs, inputs = trace_step(model)
-    with torch.no_grad():
-        ref = gm(*inputs)
+    ref = run_no_grad(gm, inputs)
     gm = annotate(gm, example_inputs)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert (stats["forward"], stats["backward"], stats["recompute"], stats["regions"]) == (3, 3, 2, 8)
-    assert "+ 2 recomputed" in gm.meta["graph_trainer_pass_summary"]
-    assert len(propose_region_partitions(gm)) == 8
+    assert [stats(gm)[k] for k in ("forward", "backward", "recompute", "regions")] == [3, 3, 2, 8]
+    assert "+ 2 recomputed" in gm.meta["graph_trainer_pass_summary"] and len(propose_region_partitions(gm)) == 8
     gm = regional_inductor_pass(gm, example_inputs)
-    assert gm.meta["graph_trainer_pass_stats"]["regions"] == 8
-    with torch.no_grad():
-        assert_close(gm(*inputs), ref)
+    assert stats(gm)["regions"] == 8
+    assert_close(run_no_grad(gm, inputs), ref)

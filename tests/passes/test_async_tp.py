@@ -26,14 +26,15 @@ from graph_trainer.compiler.passes.async_tp import async_tp_pass, find_async_tp_
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.registry import PipelineStep
 from graph_trainer.config import parse_args
-from graph_trainer.distributed import parallelize
+from graph_trainer.distributed import fake_pg, parallelize
 from graph_trainer.model import build_model, loss_fn, model_args
 from graph_trainer.projection import cost_model as P
 from graph_trainer.projection.devices import _default_devices
 
+from .conftest import AG, RS, aten, stats
+
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning")  # funcol's old names
 
-aten = torch.ops.aten
 FUSED_AG, FUSED_RS = "fused_all_gather_matmul", "fused_matmul_reduce_scatter"
 SUMMARY = "graph_trainer_pass_summary"  # the pass's gm.meta key
 SAC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
@@ -86,14 +87,13 @@ def test_block_fuses_gather_and_scatter(gather_dim, batch, copies, fake_group):
     fake_group(2)
     gm = _block(gather_dim, batch)
     before, dims = _refake(gm), {dist.group.WORLD.group_name: "tp"}
-    work = P.graph_work(gm, dims)
-    plan = find_async_tp_matches(gm)
+    work, plan = P.graph_work(gm, dims), find_async_tp_matches(gm)
     (ag,), (rs,) = plan.all_gathers, plan.reduce_scatters
     assert (ag.reason, ag.gather_dim, len(ag.matmuls)) == (None, gather_dim, 2)
     assert (rs.reason, rs.scatter_dim) == (None, gather_dim)
     gm = async_tp_pass(gm, None)
     assert _kinds(gm) == {FUSED_AG: 1, FUSED_RS: 1}  # no matmul left
-    assert gm.meta["graph_trainer_pass_stats"]["restrided"] == copies and "fake process group" in gm.meta[SUMMARY]
+    assert stats(gm)["restrided"] == copies and "fake process group" in gm.meta[SUMMARY]
     fused = next(n for n in gm.graph.nodes if collective_kind(n) == FUSED_AG)
     assert fused.args[2] == gather_dim and fused.kwargs["return_A"]
     for x, y in zip(_refake(gm), before):
@@ -101,7 +101,7 @@ def test_block_fuses_gather_and_scatter(gather_dim, batch, copies, fake_group):
     # the fused ops: aten.mm's FLOPs, their collectives on TP as sized before, fused and hidden under compute
     after = P.graph_work(gm, dims)
     assert after.matmul_flops == work.matmul_flops == 3 * 2 * (16 * batch) * 16 * 12
-    assert [c.kind for c in work.collectives] == ["all_gather_into_tensor", "reduce_scatter_tensor"]
+    assert [c.kind for c in work.collectives] == [AG, RS]
     assert [(c.kind, c.dim, c.size_bytes, c.fused) for c in after.collectives] == [
         (c.kind, "tp", c.size_bytes, True) for c in work.collectives]
     dev = dataclasses.replace(_default_devices()["h100"], matmul_flops=1e6)
@@ -167,12 +167,12 @@ def test_group_inference_fuse_option_and_modes(fake_group):
     async_tp_pass(gm, None, tp_group_name=fsdp.group_name)
     assert gm.code == code and "nothing to fuse" in gm.meta[SUMMARY]
     gm = async_tp_pass(gm, None, fuse="matmul_reduce_scatter")
-    assert _kinds(gm) == {"all_gather_into_tensor": 2, FUSED_RS: 1}
+    assert _kinds(gm) == {AG: 2, FUSED_RS: 1}
     _refake(gm)
     with pytest.raises(ValueError, match="fuse must be one of"):
         async_tp_pass(gm, None, fuse="both")
     gm = async_tp_pass(_trace(f, (8, 16), (2, 16)), None)  # the matmul goes with its all-gather
-    assert _kinds(gm) == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, FUSED_AG: 1}
+    assert _kinds(gm) == {AG: 1, RS: 1, FUSED_AG: 1}
     assert "1: its matmul is fused with the all-gather of its input" in gm.meta[SUMMARY]
     _refake(gm)
     gm = async_tp_pass(_trace(lambda w: funcol.all_gather_tensor(w.to(torch.bfloat16), 0, fsdp).sum(), (2, 16)))
@@ -181,8 +181,6 @@ def test_group_inference_fuse_option_and_modes(fake_group):
 
 def test_fake_collectives_skip():
     """Rank 0 alone (``COMM_MODE=fake_collectives``) has no TP peers: skipped, not rewritten, whatever the device."""
-    from graph_trainer.distributed import fake_pg
-
     fake_pg.init(2)
     try:
         gm = _block(1, 2)
@@ -229,13 +227,12 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     fsdp_before = _kinds(gm, tpar.fsdp_group.group_name) if tpar.fsdp_group is not None else None
     mms_before, before = _kinds(gm)["mm"], _refake(gm)
     key = ("all_gather_fused", "matmuls_fused", "reduce_scatter_fused", "all_gather_left", "reduce_scatter_left")
-    off = async_tp_pass(gm, None, rewrite=False).meta["graph_trainer_pass_stats"]
+    off = stats(async_tp_pass(gm, None, rewrite=False))
     gm = async_tp_pass(gm, None)
-    s = gm.meta["graph_trainer_pass_stats"]  # reduce-scatters: wo / w2, the output; left: the input gradients' sums
+    s = stats(gm)  # reduce-scatters: wo / w2, the output; left: the input gradients' sums
     assert tuple(off[k] for k in key) == tuple(s[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)
     kinds = _kinds(gm, tp)  # left, then fused
-    assert (kinds["all_gather_into_tensor"], kinds["reduce_scatter_tensor"], kinds[FUSED_AG], kinds[FUSED_RS]) == (
-        1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
+    assert (kinds[AG], kinds[RS], kinds[FUSED_AG], kinds[FUSED_RS]) == (1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
     if fsdp_before is not None:
         assert _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
     assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1)
@@ -244,8 +241,7 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
 
 
 def test_pipeline_place_options_and_flag():
-    """On by default on CUDA (regional and full Inductor), else opt-in (alias micro_pipeline_tp); its flags and the
-    TP group reach it."""
+    """On by default on CUDA (regional, full Inductor), else opt-in (micro_pipeline_tp); flags and TP group reach it."""
     def options(*flags, device_type="cuda", **kw):  # async_tp's options; None: it does not run
         cfg = parse_args(["--job.config_file", DEBUG, *flags]).compile
         return {s.name: s.options for s in build_pipeline(cfg, device_type=device_type, **kw)}.get("async_tp")
@@ -267,8 +263,7 @@ def _gloo_worker(rank, world, store_path, q):
             ref = gm(*inputs)
             auto = run_pipeline(copy.deepcopy(gm), None, [PipelineStep("async_tp", async_tp_pass, {})], quiet=True,
                                 records=rec)
-            bitwise = all(torch.equal(a, b) for a, b in zip(auto(*inputs), ref))
-            skipped = (rec[-1]["summary"], bitwise, auto.code == gm.code)
+            skipped = (rec[-1]["summary"], all(map(torch.equal, auto(*inputs), ref)), auto.code == gm.code)
             lib = torch.library.Library("symm_mem", "IMPL")  # CPU kernels: torch's reference implementations
             lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
             lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")

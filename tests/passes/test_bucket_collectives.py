@@ -4,6 +4,10 @@ import copy
 
 import pytest
 import torch
+from torch._inductor.fx_passes import bucketing
+from torch._inductor.fx_passes.overlap_preserving_bucketer import OverlapPreservingBucketer
+from torch._inductor.fx_passes.overlap_scheduling import CollectiveInfo
+from torch.utils._ordered_set import OrderedSet
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait
 from graph_trainer.compiler.passes.bucket_collectives import bucket_collectives_pass
@@ -12,9 +16,7 @@ from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_fo
 from graph_trainer.model import BlockLayout
 from graph_trainer.projection.cost_model import ring_bytes_on_wire
 
-from .conftest import assert_bitwise, run_no_grad
-
-AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"
+from .conftest import AG, RS, aten, assert_bitwise, run_no_grad, stats
 
 
 def _count(gm, kind):
@@ -31,7 +33,7 @@ def _mms_hidden(gm, issue):
     """Matmuls between ``issue`` and its wait."""
     nodes = list(gm.graph.nodes)
     (wait,) = [u for u in issue.users if is_wait(u)]
-    return sum(n.target == torch.ops.aten.mm.default for n in nodes[nodes.index(issue):nodes.index(wait)])
+    return sum(n.target == aten.mm.default for n in nodes[nodes.index(issue):nodes.index(wait)])
 
 
 @pytest.mark.parametrize("bucket_size", [4, 9])
@@ -42,9 +44,8 @@ def test_buckets_bitwise(fsdp_step, bucket_size):
     ag0, rs0 = _count(gm, AG), _count(gm, RS)
     assert rs0 == n_params and ag0 == 2 * n_params - 1  # forward gathers + backward re-gathers
     gm = bucket_collectives_pass(gm, None, bucket_size=bucket_size)
-    stats = gm.meta["graph_trainer_pass_stats"]
     ag1, rs1 = _count(gm, AG), _count(gm, RS)
-    assert (stats["all_gather_before"], stats["all_gather_after"]) == (ag0, ag1)
+    assert (stats(gm)["all_gather_before"], stats(gm)["all_gather_after"]) == (ag0, ag1)
     assert -(-ag0 // bucket_size) <= ag1 < ag0 and -(-rs0 // bucket_size) <= rs1 < rs0
     gm.graph.lint()
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -52,7 +53,7 @@ def test_buckets_bitwise(fsdp_step, bucket_size):
         if collective_kind(n):  # every collective keeps exactly one wait, after it
             waits = [u for u in n.users if is_wait(u)]
             assert len(waits) == 1 and pos[waits[0]] > pos[n]
-        if collective_kind(n) == AG and n.args[0].target is torch.ops.aten.cat.default:
+        if collective_kind(n) == AG and n.args[0].target is aten.cat.default:
             (out,) = n.users  # a bucket's buffer is read once, by the copy-out op (after the wait's hold)
             out = next((u for u in out.users if u.target is hold), out)
             assert [u.target for u in out.users] == [torch.ops.graph_trainer.unbucket_all_gather.default]
@@ -81,11 +82,6 @@ def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
 
 def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     """torch's bucketing breaks the graph (or loses overlap); its ``_out`` all-gather has no cost formula."""
-    from torch._inductor.fx_passes import bucketing
-    from torch._inductor.fx_passes.overlap_preserving_bucketer import OverlapPreservingBucketer
-    from torch._inductor.fx_passes.overlap_scheduling import CollectiveInfo
-    from torch.utils._ordered_set import OrderedSet
-
     traced, _, _ = fsdp_step
     gm = _overlapped(traced)
     bucketing.bucket_all_gather(gm, lambda bucket_idx: 2000.0)
@@ -109,7 +105,7 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     nodes, info = list(gm.graph.nodes), {}
     for n in (n for n in nodes if collective_kind(n) in (AG, RS)):
         (wait,) = n.users
-        hiding = OrderedSet(m for m in nodes[nodes.index(n):nodes.index(wait)] if m.target == torch.ops.aten.mm.default)
+        hiding = OrderedSet(m for m in nodes[nodes.index(n):nodes.index(wait)] if m.target == aten.mm.default)
         size = n.meta["val"].numel() * n.meta["val"].element_size()
         info[n] = CollectiveInfo(n, wait, size, 1.0, 0.0 if hiding else 1.0, hiding)
     block_gib = 9 * max(i.size_bytes for i in info.values()) / 2**30  # room for a block's collectives
@@ -121,8 +117,7 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
 
 
 def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
-    """``fsdp2_units``: one reduce-scatter per FSDP2 unit, inputs in parameter order; ``reduce_scatter_in_flight=1``:
-    bucket waits move later (before the next issue), hiding more matmuls. Both bitwise the same step."""
+    """One reduce-scatter per FSDP2 unit, in parameter order; one in flight: waits move later, hiding more matmuls."""
     traced, inputs, n_params = fsdp_step
     ref = run_no_grad(traced.gm, inputs)
     units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
@@ -133,7 +128,7 @@ def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
     assert len(rs) == 4 and _count(gm, AG) == 2 * n_params - 1  # all-gathers untouched at bucket_size 1
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
-        if n.args[0].target is torch.ops.aten.cat.default:
+        if n.args[0].target is aten.cat.default:
             (wait,) = [u for u in n.users if is_wait(u)]
             grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
             while stack:
@@ -146,9 +141,9 @@ def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
     assert_bitwise(run_no_grad(gm, inputs), ref)
     plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
-    assert plain.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] == 0
     rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
-    assert gm.meta["graph_trainer_pass_stats"]["reduce_scatter_waits_deferred"] > 0 and len(rs) > 2
+    assert stats(plain)["reduce_scatter_waits_deferred"] == 0 < stats(gm)["reduce_scatter_waits_deferred"]
+    assert len(rs) > 2
     hidden = [[_mms_hidden(g, n) for n in g.graph.nodes if collective_kind(n) == RS] for g in (plain, gm)]
     assert all(b >= a for a, b in zip(*hidden)) and sum(hidden[1]) > sum(hidden[0])  # later, never earlier
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}

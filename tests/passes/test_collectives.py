@@ -1,7 +1,6 @@
 """graph_trainer.compiler.collectives: recognising collectives, ``hold``, FSDP parameter all-gathers."""
 
 import torch
-import torch.fx
 
 from graph_trainer.compiler import memory_estimate
 from graph_trainer.compiler.collectives import (
@@ -9,13 +8,11 @@ from graph_trainer.compiler.collectives import (
 )
 from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives
 
-aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
+from .conftest import aten, c10d, fx_graph, module
 
 
-def _graph():
-    g = torch.fx.Graph()
-    x, w = g.placeholder("x"), g.placeholder("w")
+def test_collective_kind_is_wait_is_collective_shard_chain_and_strip_holds():
+    g, (x, w) = fx_graph("x", "w")
     cast = g.call_function(aten._to_copy.default, (w,), {"dtype": torch.bfloat16})
     ag = g.call_function(c10d.all_gather_into_tensor.default, (cast, 2, "0"))
     ag_wait = g.call_function(c10d.wait_tensor.default, (ag,))
@@ -26,36 +23,25 @@ def _graph():
     ar_wait = g.call_function(c10d.wait_tensor.default, (ar,))
     autograd_ag = g.call_function(torch.ops._c10d_functional_autograd.all_gather_into_tensor.default, (x, 2, "0"))
     g.output((ar_wait, act_ag, autograd_ag))
-    nodes = dict(cast=cast, ag=ag, ag_wait=ag_wait, held=held, mm=mm, act_ag=act_ag, ar=ar, ar_wait=ar_wait,
-                 autograd_ag=autograd_ag)
-    return torch.fx.GraphModule(torch.nn.Module(), g), nodes
-
-
-def test_collective_kind_is_wait_is_collective_shard_chain():
-    _, n = _graph()
-    kinds = {k: collective_kind(v) for k, v in n.items()}
-    assert kinds == {
+    n = dict(cast=cast, ag=ag, ag_wait=ag_wait, held=held, mm=mm, act_ag=act_ag, ar=ar, ar_wait=ar_wait,
+             autograd_ag=autograd_ag)
+    assert {k: collective_kind(v) for k, v in n.items()} == {
         "cast": None, "ag": "all_gather_into_tensor", "ag_wait": None, "held": None, "mm": None,
         "act_ag": "all_gather_into_tensor", "ar": "all_reduce", "ar_wait": None,
         "autograd_ag": None,  # not a functional collective with a wait_tensor
     }
     assert {k for k, v in n.items() if is_wait(v)} == {"ag_wait", "ar_wait"}
     assert {k for k, v in n.items() if is_collective(v)} == {"ag", "ag_wait", "act_ag", "ar", "ar_wait", "autograd_ag"}
-    assert sole_wait(n["ag"]) is n["ag_wait"] and sole_wait(n["act_ag"]) is None and sole_wait(n["mm"]) is None
-    assert group_name_of(n["ag"]) == "0" and group_name_of(n["ar"]) is None
+    assert sole_wait(ag) is ag_wait and sole_wait(act_ag) is None and sole_wait(mm) is None
+    assert group_name_of(ag) == "0" and group_name_of(ar) is None
     # shard_chain tells parameter all-gathers (FSDP) from activation ones (TP)
-    assert shard_chain(n["ag"]) == [n["cast"]]
-    assert shard_chain(n["act_ag"]) is None
-
-
-def test_one_hold_and_strip_holds():
+    assert shard_chain(ag) == [cast] and shard_chain(act_ag) is None
     # every pass that inserts or recognises hold uses this one function object (reshard_after_forward through
     # collectives.read_through)
     for mod in (overlap_collectives, bucket_collectives, memory_estimate):
         assert mod.hold is hold
     assert hold(3, 4, 5) == 3
-    gm, n = _graph()
+    gm = module(g)
     assert strip_holds(gm) == 1
-    assert n["mm"].args == (n["mm"].args[0], n["ag_wait"])
-    assert not any(node.target is hold for node in gm.graph.nodes)
+    assert mm.args == (mm.args[0], ag_wait) and not any(node.target is hold for node in gm.graph.nodes)
     assert strip_holds(gm) == 0

@@ -1,10 +1,13 @@
 """cudagraph_pass: CUDA only."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from graph_trainer.compiler.passes.cudagraph import cudagraph_pass, generated_forward
+from graph_trainer.compiler.passes.cudagraph import (
+    CUDAGraphWrapper, cudagraph_pass, generated_forward, release_cuda_graphs)
 
 from .conftest import fused_norm_graph
 
@@ -16,11 +19,7 @@ def test_cudagraph_pass_requires_cuda():
 
 
 def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
-    class AddOne(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
-
-    gm = _LazyGraphModule.from_graphmodule(torch.fx.symbolic_trace(AddOne()))
+    gm = _LazyGraphModule.from_graphmodule(torch.fx.symbolic_trace(lambda x: x + 1))
     gm.recompile()  # what every pass does: the code is stale until the first call
     calls = []
     fn = generated_forward(gm)
@@ -36,17 +35,9 @@ def test_the_wrapper_gets_the_generated_forward_of_a_lazy_graph_module():
 
 def test_release_resets_every_captured_graph_once(monkeypatch):
     """Before destroy_process_group: a graph that captured NCCL collectives must be gone (module docstring)."""
-    from graph_trainer.compiler.passes import cudagraph
-
-    class Graph:
-        resets = 0
-
-        def reset(self):
-            Graph.resets += 1
-
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    captured, fresh = cudagraph.CUDAGraphWrapper(lambda: None), cudagraph.CUDAGraphWrapper(lambda: None)
-    captured.graph = Graph()
-    assert cudagraph.release_cuda_graphs() == 1 and Graph.resets == 1
+    captured, fresh = CUDAGraphWrapper(lambda: None), CUDAGraphWrapper(lambda: None)
+    captured.graph = graph = mock.Mock()
+    assert release_cuda_graphs() == 1 and graph.reset.call_count == 1
     assert captured.graph is None and fresh.graph is None
-    assert cudagraph.release_cuda_graphs() == 0 and Graph.resets == 1
+    assert release_cuda_graphs() == 0 and graph.reset.call_count == 1

@@ -1,18 +1,18 @@
 """full_inductor_pass end to end on CPU through the pipeline (with collectives: test_pin_collectives.py)."""
 
 import torch
+from torch._inductor.compile_fx import compile_fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graph_trainer.config import Compile
-from graph_trainer.compiler.passes.full_inductor import move_cpu_scalars
+from graph_trainer.compiler.passes.full_inductor import inductor_phases, move_cpu_scalars
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 
 from .conftest import assert_close, trace_step
 
 
 def test_end_to_end_full_inductor_cpu(tiny_llama):
-    model = tiny_llama(1)
-    gm, example_inputs, inputs = trace_step(model)
+    gm, example_inputs, inputs = trace_step(tiny_llama(1))
     ref = gm(*inputs)
     steps = build_pipeline(Compile(inductor_compilation="full"))
     assert steps[-1].name == "full_inductor"
@@ -33,21 +33,15 @@ def test_cpu_scalars_move_to_the_inputs_device():
     gm = make_fx(f)(x, mask)
     assert move_cpu_scalars(gm, torch.device("cpu")) == 0 and move_cpu_scalars(gm, None) == 0
     meta_gm = make_fx(f, tracing_mode="fake")(x.to("meta"), mask.to("meta"))
-    cpu_scalars = [n for n in meta_gm.graph.nodes
-                   if getattr(n.meta.get("val"), "device", None) == torch.device("cpu")]
+    cpu_scalars = [n for n in meta_gm.graph.nodes if getattr(n.meta.get("val"), "device", None) == torch.device("cpu")]
     assert len(cpu_scalars) == 3, meta_gm.graph  # the constant, its lift_fresh_copy, scalar_tensor
     assert move_cpu_scalars(meta_gm, torch.device("meta")) == 3
     assert all(n.meta["val"].device.type == "meta" for n in cpu_scalars)
     out = meta_gm(x.to("meta"), mask.to("meta"))
-    assert out.device.type == "meta" and out.shape == x.shape
-    assert gm(x, mask).tolist() == [0, 7, 0, 7, 0, 7]
+    assert out.device.type == "meta" and out.shape == x.shape and gm(x, mask).tolist() == [0, 7, 0, 7, 0, 7]
 
 
 def test_inductor_phases_count_the_compiles_inside_only():
-    from torch._inductor.compile_fx import compile_fx
-
-    from graph_trainer.compiler.passes.full_inductor import inductor_phases
-
     gm = torch.fx.symbolic_trace(lambda x: (torch.relu(x) * 2).sum(0))
     with torch._inductor.config.patch(fx_graph_cache=False):
         with inductor_phases() as phases:

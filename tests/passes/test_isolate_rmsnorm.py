@@ -19,8 +19,7 @@ def test_each_norm_is_its_own_group(tiny_llama):
     groups = [{fusion_group_of(n) for n in inst["nodes"]} for inst in instances]
     assert len(instances) == 10 and all(len(g) == 1 for g in groups)  # 2 norms per block + final, fwd + bwd
     assert len(set.union(*groups)) == len(instances)
-    tagged = {n for n in gm.graph.nodes if fusion_group_of(n)}
-    assert tagged == {n for inst in instances for n in inst["nodes"]}
+    assert {n for n in gm.graph.nodes if fusion_group_of(n)} == {n for inst in instances for n in inst["nodes"]}
 
 
 @pytest.mark.slow

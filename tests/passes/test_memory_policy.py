@@ -7,8 +7,7 @@ import torch
 
 from _runs import dry_run_in_process  # tests/ is on sys.path
 from graph_trainer.compiler.memory_policy import (
-    BUCKET_BLOCKS, CALIBRATION, CUDAGRAPH_GIB, SAVE_LEVELS, GiB, Levers, calibration, choose_levers, predict_peak,
-)
+    BUCKET_BLOCKS, CALIBRATION, CUDAGRAPH_GIB, SAVE_LEVELS, GiB, Levers, calibration, choose_levers, predict_peak)
 from graph_trainer.compiler.pipeline import build_pipeline, configured_levers
 from graph_trainer.config import Compile
 from graph_trainer.llama3 import llama3_args
@@ -17,8 +16,7 @@ from graph_trainer.step import may_replay_as_cuda_graph
 #: A hand-built 8B-like graph: estimates per save level with no kept block (GiB), one block's
 #: gathered weights, 32 blocks, fp32 shards + AdamW state.
 EST = {"recompute": 26.6, "matmuls": 36.1, "all_but_cheap": 50.0, "all": 69.1}
-ABC = "all_but_cheap"
-BLOCK, N, STATE = 0.41, 32, 44.9
+ABC, BLOCK, N, STATE = "all_but_cheap", 0.41, 32, 44.9
 
 
 def _choose(budget_gib, inductor="regional", calls=None, **kw):
@@ -97,7 +95,7 @@ def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
 
 
-def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
+def test_cuda_graphs_come_first_go_when_nothing_fits_and_are_named_by_the_config():
     p = _choose(1000, cudagraph=True)
     assert p.levers == Levers(ABC, N, BUCKET_BLOCKS, True) and "CUDA graphs fit" in p.describe()
     assert p.predicted_peak_bytes == _peak(ABC, N) + CUDAGRAPH_GIB * GiB
@@ -106,32 +104,32 @@ def test_cuda_graphs_come_first_and_go_when_nothing_fits_with_them():
     p = _choose(_peak(ABC, N) / GiB, cudagraph=True)
     assert p.levers.cudagraph and p.levers.save == ABC and p.levers.keep_last_blocks < N and p.fits
     # room for the leanest rung but not for the graph on top: the graph goes
-    lean = _peak("recompute", 0) / GiB
-    p = _choose(lean + CUDAGRAPH_GIB / 2, cudagraph=True)
-    assert p.levers == Levers("recompute", 0, BUCKET_BLOCKS, False) and p.fits
-    assert "no CUDA graphs" in p.describe()
+    p = _choose(_peak("recompute", 0) / GiB + CUDAGRAPH_GIB / 2, cudagraph=True)
+    assert p.levers == Levers("recompute", 0, BUCKET_BLOCKS, False) and p.fits and "no CUDA graphs" in p.describe()
     # named by the user: kept either way, counted in the prediction, no reason given
     p = _choose(1000, cudagraph=True, fixed=Levers(cudagraph=False), fixed_fields={"cudagraph"})
     assert not p.levers.cudagraph and "CUDA graph" not in p.describe()
     p = _choose(1000, fixed=Levers(cudagraph=True), fixed_fields={"cudagraph"})
     assert p.levers.cudagraph and p.predicted_peak_bytes == _peak(ABC, N) + CUDAGRAPH_GIB * GiB
     assert not _choose(1000).levers.cudagraph  # not allowed (CPU, several processes): never
-
-
-def test_cuda_graphs_only_for_one_process_on_a_gpu_named_by_the_config():
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert may_replay_as_cuda_graph(cuda, 1, "default", None)
-    assert may_replay_as_cuda_graph(cuda, 8, "fake_collectives", None)  # rank 0 of 8, alone
-    assert not may_replay_as_cuda_graph(cuda, 2, "default", None)  # real NCCL peers
-    assert not may_replay_as_cuda_graph(cpu, 1, "default", None)
-    assert not may_replay_as_cuda_graph(cuda, 1, "default", "/tmp/numerics")  # step 1 records op outputs
-    assert "cudagraph" not in configured_levers(Compile())[1]
+    assert "cudagraph" not in configured_levers(Compile())[1]  # named by the config
     levers, named = configured_levers(Compile(passes="cudagraph"))
     assert levers.cudagraph and "cudagraph" in named
     levers, named = configured_levers(Compile(disable_passes="cudagraph"))
     assert not levers.cudagraph and "cudagraph" in named
     assert "cudagraph" not in [s.name for s in build_pipeline(Compile())]
     assert [s.name for s in build_pipeline(Compile(), levers=Levers("all", cudagraph=True))][-1] == "cudagraph"
+
+
+@pytest.mark.parametrize("device, world, comm_mode, record_dir, allowed", [
+    ("cuda:0", 1, "default", None, True),
+    ("cuda:0", 8, "fake_collectives", None, True),  # rank 0 of 8, alone
+    ("cuda:0", 2, "default", None, False),  # real NCCL peers
+    ("cpu", 1, "default", None, False),
+    ("cuda:0", 1, "default", "/tmp/numerics", False),  # step 1 records op outputs
+])
+def test_cuda_graphs_only_for_one_process_on_a_gpu(device, world, comm_mode, record_dir, allowed):
+    assert may_replay_as_cuda_graph(torch.device(device), world, comm_mode, record_dir) == allowed
 
 
 def test_dry_run_plans_from_the_traced_graph(monkeypatch):

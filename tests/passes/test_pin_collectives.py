@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from graph_trainer.compiler.collectives import is_wait
 from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
@@ -18,29 +19,18 @@ _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(|aten\.mm\.default\(")
 
 
 def _schedule(code):
-    """FX's or Inductor's generated Python as tokens: ('issue', kind, buffer) / ('wait', buffer) / ('mm',)."""
-    out = []
+    """FX's or Inductor's generated Python: per collective kind the most in flight at once, and how many waits have a
+    matmul between their issue and them."""
+    pending, kind_of, worst, overlapped, mm_seen = {}, {}, {}, 0, 0
     for line in code.splitlines():
         if m := _ISSUE.search(line):
-            out.append(("issue", m.group(2), m.group(1)))
+            buf, kind = m.groups()
+            pending[buf], kind_of[buf] = mm_seen, kind
+            worst[kind] = max(worst.get(kind, 0), sum(kind_of[p] == kind for p in pending))
         elif m := _WAIT.search(line):
-            out.append(("wait", m.group(1)))
+            if m.group(1) in pending:
+                overlapped += mm_seen > pending.pop(m.group(1))
         elif _MM.search(line):
-            out.append(("mm",))
-    return out
-
-
-def _stats(tokens):
-    """Per collective kind: most in flight at once, and how many waits have a matmul before them."""
-    pending, kind_of, worst, overlapped, mm_seen = {}, {}, {}, 0, 0
-    for t in tokens:
-        if t[0] == "issue":
-            pending[t[2]] = mm_seen
-            kind_of[t[2]] = t[1]
-            worst[t[1]] = max(worst.get(t[1], 0), sum(kind_of[p] == t[1] for p in pending))
-        elif t[0] == "wait" and t[1] in pending:
-            overlapped += mm_seen > pending.pop(t[1])
-        elif t[0] == "mm":
             mm_seen += 1
     return worst, overlapped
 
@@ -69,17 +59,14 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
 @pytest.mark.slow
 def test_full_inductor_keeps_the_overlap_schedule(fsdp_step):
     """Pinned, the compiled code keeps the FX schedule's overlap, no more in flight; same values."""
-    from torch._inductor.utils import run_and_get_code
-
     traced, inputs, _ = fsdp_step
     ref = run_no_grad(traced.gm, inputs)
     gm = overlap_collectives_pass(traced.gm, None, cpu_async=True, ag_window=2)
-    fx_worst, fx_overlapped = _stats(_schedule(gm.code))
+    fx_worst, fx_overlapped = _schedule(gm.code)
     assert fx_overlapped > 0
-
     with torch._inductor.config.patch(fx_graph_cache=False):
         out, codes = run_and_get_code(lambda: full_inductor_pass(gm, list(inputs), pin_collectives=True)(*inputs))
-    worst, overlapped = _stats(_schedule("\n".join(codes)))
+    worst, overlapped = _schedule("\n".join(codes))
     assert overlapped == fx_overlapped
     for kind, n in worst.items():
         assert n <= fx_worst[kind], (kind, n, fx_worst)

@@ -4,22 +4,17 @@ import operator
 
 import pytest
 import torch
-import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import create_op_support
 
 from graph_trainer import COMPILE_WITH_INDUCTOR_KEY
 from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_regional_inductor_pass
 from graph_trainer.compiler.passes.regional_inductor import (
-    MIN_CANDIDATE_GAIN,
-    propose_region_partitions,
-    regional_inductor_pass,
-    scoop_regions,
-)
+    MIN_CANDIDATE_GAIN, propose_region_partitions, regional_inductor_pass, scoop_regions)
 
-from .conftest import D, assert_close, fake_prop, fused_norm_graph, inductor_tag, region_ids, tagged_nodes
+from .conftest import (D, aten, assert_close, fake_prop, fused_norm_graph, fx_graph, inductor_tag, module, region_ids,
+                       stats, tagged_nodes)
 
-aten = torch.ops.aten
 CANDIDATES = [{"max_autotune_gemm": False}]
 
 
@@ -43,8 +38,7 @@ def _check_numerics(gm, n_norms):  # gm of fused_norm_graph computes what F.rms_
 
 @pytest.mark.parametrize("candidate_ms, chosen", [(2.0, 0), (0.5, 1), (0.99, 0), (0.97, 1)])
 def test_candidate_configs_timed_and_a_clear_winner_kept(candidate_ms, chosen):
-    """Each distinct region compiled once per config set, identical regions reuse the choice; a candidate 1 %
-    faster than Inductor's defaults is noise (defaults kept), 3 % wins."""
+    """Distinct regions compiled once per config set, identical ones reuse the choice; 1 % faster is noise, 3 % wins."""
     assert 0.01 < MIN_CANDIDATE_GAIN < 0.03
     gm, fakes = _annotated_norms(3, CANDIDATES)
     calls = []
@@ -55,11 +49,9 @@ def test_candidate_configs_timed_and_a_clear_winner_kept(candidate_ms, chosen):
         return 1.0 if len(calls) % 2 else candidate_ms
 
     gm = regional_inductor_pass(gm, fakes, select_candidates=True, timer=timer)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    sel = stats["selections"]
+    sel = stats(gm)["selections"]
     # 4 regions (3 forward norms, 1 backward); norms 1 and 2 identical -> 3 distinct regions, 2 compiles each
-    assert stats["regions"] == 4
-    assert len(sel) == 3 and stats["distinct_compiles"] == 6 and len(calls) == 6
+    assert stats(gm)["regions"] == 4 and len(sel) == 3 and stats(gm)["distinct_compiles"] == 6 and len(calls) == 6
     assert all(s["chosen"] == chosen and s["ms"] == [1.0, candidate_ms] and s["configs"] == [{}, *CANDIDATES]
                for s in sel)
     assert sorted(s["region"] for s in sel) == ["rmsnorm_backward_0", "rmsnorm_forward_0", "rmsnorm_forward_1"]
@@ -73,10 +65,10 @@ def test_candidates_not_timed_on_cpu_by_default():
         raise AssertionError("CPU regions must not be timed unless asked")
 
     gm = regional_inductor_pass(gm, fakes, timer=timer)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["selections"] == [] and stats["regions"] == 3 and stats["distinct_compiles"] == 3
+    s = stats(gm)
+    assert s["selections"] == [] and s["regions"] == 3 and s["distinct_compiles"] == 3
     # one record per Inductor compile: ops, inputs, seconds, cache outcome (never bypassed: a ShapeEnv is set)
-    compiles = stats["compiles"]
+    compiles = s["compiles"]
     assert len(compiles) == 3 and all(c["s"] > 0 and c["cache"] in ("hit", "miss") for c in compiles)
     assert {o for c in compiles for o in c["ops"]} >= {"_fused_rms_norm", "_fused_rms_norm_backward"}
     assert all("float32[" in c["inputs"] for c in compiles)
@@ -100,11 +92,9 @@ def test_forward_and_backward_each_own_region():
 
 def test_independent_norms_not_merged():
     """Two independent norms: torch 2.11's partitioner merges them; region ids keep them apart."""
-    g = torch.fx.Graph()
-    x, y, w = g.placeholder("x"), g.placeholder("y"), g.placeholder("w")
+    g, (x, y, w) = fx_graph("x", "y", "w")
     norms = [g.call_function(aten._fused_rms_norm.default, (inp, [D], w, 1e-6)) for inp in (x, y)]
-    g.output(tuple(g.call_function(operator.getitem, (n, 0)) for n in norms))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, *(g.call_function(operator.getitem, (n, 0)) for n in norms))
     annotate_rmsnorm_for_regional_inductor_pass(gm, fake_prop(gm, [(2, D), (2, D), (D,)]))
     assert len(propose_region_partitions(gm)) == 2
     support = create_op_support(lambda _m, n, tagged=set(tagged_nodes(gm)): n in tagged)
@@ -113,13 +103,11 @@ def test_independent_norms_not_merged():
 
 def test_region_with_cycle_is_split():
     # a (tagged) -> u (untagged) -> b (tagged), a -> b: one partition {a, b} would be a cycle
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
+    g, (x,) = fx_graph("x")
     a = g.call_function(aten.sin.default, (x,))
     u = g.call_function(aten.cos.default, (a,))
     b = g.call_function(aten.add.Tensor, (a, u))
-    g.output((b,))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, b)
     fake_prop(gm, [(3,)])
     for n in (a, b):
         n.meta["custom"] = {COMPILE_WITH_INDUCTOR_KEY: {"inductor_configs": {}, "inductor_region": "r"}}

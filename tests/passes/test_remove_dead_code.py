@@ -1,63 +1,52 @@
 """remove_dead_code_pass: unused pure nodes are erased, collectives kept."""
 
+import pytest
 import torch
-import torch.fx
 
 from graph_trainer.compiler.passes.remove_dead_code import remove_dead_code_pass
 
-aten = torch.ops.aten
+from .conftest import aten, c10d, call, call_targets, fx_graph, module, stats
 
 
 def _graph(build):
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    g.output((build(g, x),))
-    return remove_dead_code_pass(torch.fx.GraphModule(torch.nn.Module(), g), None)
-
-
-def _ops(gm):
-    return [n.target._opname for n in gm.graph.nodes if n.op == "call_function"]
+    """``cos(build(g, x))``, through the pass; ``build`` adds the nodes under test."""
+    g, (x,) = fx_graph("x")
+    gm = remove_dead_code_pass(module(g, call(g, aten.cos.default, build(g, x))), None)
+    return gm, [t._opname for t in call_targets(gm)]
 
 
 def test_dead_code_and_in_place_ops_on_dead_temporaries_go_collectives_stay():
     def collective(g, x):
-        g.call_function(aten.sin.default, (x,))  # dead
-        g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))  # dead but kept
-        return g.call_function(aten.cos.default, (x,))
+        call(g, aten.sin.default, x)  # dead
+        call(g, c10d.all_reduce.default, x, "sum", "0")  # dead but kept
+        return x
 
     def dead_temporary(g, x):  # as the CPU RMSNorm copy in a TP trace: ``mean(pow(x)).add_(eps)`` read by nothing
-        mean = g.call_function(aten.mean.dim, (g.call_function(aten.pow.Tensor_Scalar, (x, 2)), [1], True))
-        g.call_function(aten.add_.Scalar, (mean, 1e-5))
-        return g.call_function(aten.cos.default, (x,))
+        call(g, aten.add_.Scalar, call(g, aten.mean.dim, call(g, aten.pow.Tensor_Scalar, x, 2), [1], True), 1e-5)
+        return x
 
-    gm = _graph(collective)
-    assert _ops(gm) == ["all_reduce", "cos"] and gm.meta["graph_trainer_pass_stats"]["removed"] == 1
-    gm = _graph(dead_temporary)
-    assert _ops(gm) == ["cos"]
-    assert gm.meta["graph_trainer_pass_stats"]["dead_mutations"] == 1
+    gm, ops = _graph(collective)
+    assert ops == ["all_reduce", "cos"] and stats(gm)["removed"] == 1
+    gm, ops = _graph(dead_temporary)
+    assert ops == ["cos"] and stats(gm)["dead_mutations"] == 1
     x = torch.randn(4, 8)
     assert torch.equal(gm(x)[0], x.cos())
 
 
-def test_in_place_ops_that_can_be_observed_stay():
-    def on_input(g, x):  # mutates the graph's input
-        g.call_function(aten.add_.Scalar, (x, 1.0))
-        return g.call_function(aten.cos.default, (x,))
+@pytest.mark.parametrize("case, ops", [
+    ("on_input", ["add_", "cos"]), ("read_later", ["sin", "add_", "cos"]), ("on_a_view", ["view", "add_", "cos"]),
+    ("random", ["sin", "uniform_", "cos"])])
+def test_in_place_ops_that_can_be_observed_stay(case, ops):
+    def build(g, x):
+        if case == "on_input":  # mutates the graph's input
+            call(g, aten.add_.Scalar, x, 1.0)
+        elif case == "read_later":  # the temporary is read by another node too
+            x = call(g, aten.sin.default, x)
+            call(g, aten.add_.Scalar, x, 1.0)
+        elif case == "on_a_view":  # the temporary is a view of the input
+            call(g, aten.add_.Scalar, call(g, aten.view.default, x, [-1]), 1.0)
+        else:  # advances the generator
+            call(g, aten.uniform_.default, call(g, aten.sin.default, x))
+        return x
 
-    def read_later(g, x):  # the temporary is read by another node too
-        t = g.call_function(aten.sin.default, (x,))
-        g.call_function(aten.add_.Scalar, (t, 1.0))
-        return g.call_function(aten.cos.default, (t,))
-
-    def on_a_view(g, x):  # the temporary is a view of the input
-        g.call_function(aten.add_.Scalar, (g.call_function(aten.view.default, (x, [-1])), 1.0))
-        return g.call_function(aten.cos.default, (x,))
-
-    def random(g, x):  # advances the generator
-        g.call_function(aten.uniform_.default, (g.call_function(aten.sin.default, (x,)),))
-        return g.call_function(aten.cos.default, (x,))
-
-    assert _ops(_graph(on_input)) == ["add_", "cos"]
-    assert _ops(_graph(read_later)) == ["sin", "add_", "cos"]
-    assert _ops(_graph(on_a_view)) == ["view", "add_", "cos"]
-    assert _ops(_graph(random)) == ["sin", "uniform_", "cos"]
+    assert _graph(build)[1] == ops

@@ -5,20 +5,16 @@ import operator
 
 import pytest
 import torch
-import torch.fx
 from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
 from graph_trainer.compiler import graph_cache
 from graph_trainer.compiler.passes.remove_noop_views import remove_noop_views_pass
 
-from .conftest import assert_close, fake_prop, trace_step
-
-aten = torch.ops.aten
+from .conftest import aten, assert_close, call, call_targets, fake_prop, fx_graph, module, stats, trace_step
 
 
 def _graph():
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
+    g, (x,) = fx_graph("x")
     v_same = g.call_function(aten.view.default, (x, [4, 6]))  # removed
     v_diff = g.call_function(aten.view.default, (v_same, [24]))  # kept
     r_same = g.call_function(aten._unsafe_view.default, (v_diff, [24]))  # removed
@@ -33,14 +29,9 @@ def _graph():
     c_out = g.call_function(aten.clone.default, (x,))  # kept: graph output
     t = g.call_function(aten.t.default, (x,))
     ct = g.call_function(aten.clone.default, (t,), {"memory_format": torch.contiguous_format})  # kept: layout
-    g.output((g.call_function(aten.neg.default, (r_same,)), e, c_out, s, ct))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, g.call_function(aten.neg.default, (r_same,)), e, c_out, s, ct)
     fake_prop(gm, [(4, 6)])
     return gm
-
-
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
@@ -48,25 +39,22 @@ def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
     xin = torch.randn(4, 6)
     ref = _graph()(xin.clone())
     ours = remove_noop_views_pass(_graph(), None)
-    stats = ours.meta["graph_trainer_pass_stats"]
-    assert stats == {"removed": 5, "removed_view": 2, "removed__unsafe_view": 1, "removed_clone": 1,
-                     "removed_detach": 1}
-    assert _targets(ours).count(aten.clone.default) == 3
+    assert stats(ours) == {"removed": 5, "removed_view": 2, "removed__unsafe_view": 1, "removed_clone": 1,
+                           "removed_detach": 1}
+    assert call_targets(ours).count(aten.clone.default) == 3
     assert_close(ours(xin.clone()), ref)
-
     theirs = _graph()
     remove_noop_ops(theirs.graph)
     theirs.recompile()
-    assert _targets(theirs).count(aten.clone.default) == 2
-    assert {aten.view.default, aten._unsafe_view.default, aten.detach.default} <= set(_targets(theirs))
+    assert call_targets(theirs).count(aten.clone.default) == 2
+    assert {aten.view.default, aten._unsafe_view.default, aten.detach.default} <= set(call_targets(theirs))
     assert not torch.allclose(theirs(xin.clone())[1], ref[1])
-
     gm, _, _ = trace_step(tiny_llama(2))
-    detaches = _targets(gm).count(aten.detach.default)
+    detaches = call_targets(gm).count(aten.detach.default)
     theirs = copy.deepcopy(gm)
     remove_noop_ops(theirs.graph)
-    assert detaches > 0 and _targets(theirs).count(aten.detach.default) == detaches
-    assert remove_noop_views_pass(gm, None).meta["graph_trainer_pass_stats"]["removed_detach"] == detaches
+    assert detaches > 0 and call_targets(theirs).count(aten.detach.default) == detaches
+    assert stats(remove_noop_views_pass(gm, None))["removed_detach"] == detaches
 
 
 @pytest.mark.parametrize("shape, order, dim, removed", [
@@ -80,14 +68,12 @@ def test_a_cat_of_a_tensors_pieces_in_memory_order_becomes_a_view(shape, order, 
     g = torch.fx.Graph()  # cat([split(x, 4, dim=1)[i] for i in order], dim) * 2
     s = g.call_function(aten.split.Tensor, (g.placeholder("x"), 4, 1))
     c = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (s, i)) for i in order], dim))
-    g.output((g.call_function(aten.mul.Tensor, (c, 2.0)),))
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = module(g, g.call_function(aten.mul.Tensor, (c, 2.0)))
     fake_prop(gm, [shape])
     x = torch.randn(shape)
     ref = gm(x)
     remove_noop_views_pass(gm, None)
-    assert (aten.cat.default not in _targets(gm)) == removed
-    assert gm.meta["graph_trainer_pass_stats"].get("removed_cat", 0) == removed
+    assert (aten.cat.default not in call_targets(gm)) == removed and stats(gm).get("removed_cat", 0) == removed
     assert torch.equal(gm(x)[0], ref[0])
 
 
@@ -95,18 +81,13 @@ def test_the_graph_with_a_cat_made_a_view_goes_into_the_graph_cache(tiny_llama, 
     gm, _, _ = trace_step(tiny_llama(1), batch=1)
     x = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.embedding.default)
     out = gm.graph.output_node()
-    with gm.graph.inserting_before(out), x.meta["val"].fake_mode:
-        split = gm.graph.call_function(aten.split.Tensor, (x, 4, 1))
-        split.meta["val"] = aten.split.Tensor(x.meta["val"], 4, 1)
-        pieces = [gm.graph.call_function(operator.getitem, (split, i)) for i in range(2)]
-        cat = gm.graph.call_function(aten.cat.default, (pieces, 0))
-        cat.meta["val"] = torch.empty(2, 4, x.meta["val"].shape[-1])
-        for i, p in enumerate(pieces):
-            p.meta["val"] = split.meta["val"][i]
-        doubled = gm.graph.call_function(aten.mul.Tensor, (cat, 2.0))
-        doubled.meta["val"] = cat.meta["val"] * 2.0
+    g, xv = gm.graph, x.meta["val"]
+    with g.inserting_before(out), xv.fake_mode:
+        split = call(g, aten.split.Tensor, x, 4, 1, val=aten.split.Tensor(xv, 4, 1))
+        pieces = [call(g, operator.getitem, split, i, val=split.meta["val"][i]) for i in range(2)]
+        cat = call(g, aten.cat.default, pieces, 0, val=torch.empty(2, 4, xv.shape[-1]))
+        doubled = call(g, aten.mul.Tensor, cat, 2.0, val=cat.meta["val"] * 2.0)
     out.args = ((*out.args[0], doubled),)
-    remove_noop_views_pass(gm, None)
-    assert gm.meta["graph_trainer_pass_stats"]["removed_cat"] == 1
+    assert stats(remove_noop_views_pass(gm, None))["removed_cat"] == 1
     assert split not in gm.graph.nodes and not set(pieces) & set(gm.graph.nodes)  # gone with the cat
     assert graph_cache.save(tmp_path / "g.pkl", gm, [], [], [], {})

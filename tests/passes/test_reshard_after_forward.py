@@ -10,9 +10,9 @@ from graph_trainer.compiler.node_meta import phase_of
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
 from graph_trainer.compiler.passes.reshard_after_forward import reshard_after_forward_pass
 
-from .conftest import assert_bitwise, run_no_grad
+from .conftest import assert_bitwise, c10d, call_targets, run_no_grad, stats
 
-AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+AG = c10d.all_gather_into_tensor.default
 _CLOSURE = ("wait_tensor", "slice", "view", "t", "_unsafe_view", "transpose")
 
 
@@ -40,8 +40,7 @@ def test_regather_for_backward_bitwise_first_params_prefetch_and_no_fsdp(fsdp_st
     ref = run_no_grad(traced.gm, inputs)
     # first_params=10 reshards the embedding and layer 0 only; values unchanged
     gm = reshard_after_forward_pass(copy.deepcopy(traced.gm), None, prefetch=2, first_params=10)
-    stats = gm.meta["graph_trainer_pass_stats"]
-    assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == len(_regathers(gm)) == 9
+    assert stats(gm)["fsdp_all_gathers"] == n_params and stats(gm)["resharded"] == len(_regathers(gm)) == 9
     read = [r > 0 for r in _backward_reads(gm)]
     assert len(read) == n_params and not any(read[:10]) and all(read[10:])
     assert_bitwise(run_no_grad(gm, inputs), ref)
@@ -56,19 +55,16 @@ def test_regather_for_backward_bitwise_first_params_prefetch_and_no_fsdp(fsdp_st
     gm = torch.fx.symbolic_trace(lambda x: (x.cos() + 1).sum())  # no FSDP: nothing to do
     before = [n.name for n in gm.graph.nodes]
     gm = reshard_after_forward_pass(gm)
-    assert [n.name for n in gm.graph.nodes] == before and gm.meta["graph_trainer_pass_stats"]["resharded"] == 0
-
+    assert [n.name for n in gm.graph.nodes] == before and stats(gm)["resharded"] == 0
     gm = traced.gm
-    assert sum(1 for n in gm.graph.nodes if n.target is AG) == n_params
+    assert call_targets(gm).count(AG) == n_params
     # as traced, the backward reads the forward's gathered parameters (kept alive all step)
     assert sum(_backward_reads(gm)) >= n_params - 1
     peak_traced, _ = estimate_peak_memory(gm)
     gm = reshard_after_forward_pass(gm, None, prefetch=2, cpu_async=True)
-    stats = gm.meta["graph_trainer_pass_stats"]
     # every parameter but the embedding (its backward needs no weight) is re-gathered
-    assert stats["fsdp_all_gathers"] == n_params and stats["resharded"] == n_params - 1
-    assert sum(1 for n in gm.graph.nodes if n.target is AG) == 2 * n_params - 1
-    assert sum(_backward_reads(gm)) == 0
+    assert stats(gm)["fsdp_all_gathers"] == n_params and stats(gm)["resharded"] == n_params - 1
+    assert call_targets(gm).count(AG) == 2 * n_params - 1 and sum(_backward_reads(gm)) == 0
     assert all(n.meta["custom"]["reshard"] == "regather" for n in _regathers(gm))
     gm.graph.lint()
     gm = overlap_collectives_pass(gm, cpu_async=True)

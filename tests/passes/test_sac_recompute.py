@@ -20,11 +20,9 @@ from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY, sac
 from graph_trainer.distributed.parallelize import apply_ac_for_trace
 from graph_trainer.llama3 import llama3_args
 
-from .conftest import assert_bitwise, run_no_grad, trace_step
+from .conftest import aten, assert_bitwise, c10d, call_targets, fx_graph, module, run_no_grad, stats, trace_step
 
-aten = torch.ops.aten
-MM = aten.mm.default
-N_LAYERS = 3
+MM, N_LAYERS = aten.mm.default, 3
 
 
 def _traced(tiny_llama, tmp_path, mode, option="op"):
@@ -37,11 +35,7 @@ def _traced(tiny_llama, tmp_path, mode, option="op"):
     return remove_noop_views_pass(gm, example_inputs), example_inputs, flat  # the pipeline's order
 
 
-def _n_mm(gm):
-    return sum(n.target is MM for n in gm.graph.nodes)
-
-
-def _node(g, target, args, phase, val=None, region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
+def _node(g, target, args, val=None, phase="forward", region="layers.0", policy=CheckpointPolicy.PREFER_RECOMPUTE):
     """A node of ``g`` in AC region ``region`` (None: outside any block) with its SAC policy and ``val``."""
     n = g.call_function(target, args)
     n.meta.update(custom={"phase": phase, **({AC_REGION_KEY: region} if region else {})}, recompute=policy,
@@ -55,22 +49,21 @@ def _copies(gm):
 
 
 def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_llama, tmp_path):
-    """Recomputed copies in the backward; saving matmuls keeps in between; ``all_but_cheap`` recomputes silu and mul
-    from kept matmuls and keeps nothing new. Each bitwise."""
-    n_mm_none = _n_mm(_traced(tiny_llama, tmp_path / "none", "none")[0])
+    """Copies in the backward; saving matmuls keeps in between; all_but_cheap recomputes silu, mul; each bitwise."""
+    n_mm_none = call_targets(_traced(tiny_llama, tmp_path / "none", "none")[0]).count(MM)
     gm, example_inputs, flat = _traced(tiny_llama, tmp_path / "op", "selective")
-    assert _n_mm(gm) == n_mm_none  # as traced, op-level SAC recomputes nothing
+    assert call_targets(gm).count(MM) == n_mm_none  # as traced, op-level SAC recomputes nothing
     ref = run_no_grad(gm, flat)
     peak_before, _ = estimate_peak_memory(gm)
     saved_before = {n.name for n in saved_for_backward(gm.graph)}
     gm_mm = sac_recompute_pass(copy.deepcopy(gm), example_inputs, save_ops=[MM])
     gm_cheap = sac_recompute_pass(copy.deepcopy(gm), example_inputs, cheap_only=True)
     gm = sac_recompute_pass(gm, example_inputs)
-    stats = gm.meta["graph_trainer_pass_stats"]
+    s, mm_s, cheap = stats(gm), stats(gm_mm), stats(gm_cheap)
     copies = [n for n in gm.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
-    assert stats["recomputed"] == len(copies) > 0
+    assert s["recomputed"] == len(copies) > 0
     # torchtitan's policy saves wq, wv, w1, w2 of a block's 7 mms; the backward needs wk, wo, w3 again
-    assert stats["recomputed_mm"] == 3 * N_LAYERS == _n_mm(gm) - n_mm_none
+    assert s["recomputed_mm"] == 3 * N_LAYERS == call_targets(gm).count(MM) - n_mm_none
     assert not any("recompute" in n.meta for n in gm.graph.nodes)  # consumed: compile_fx must not remat again
     # backward copies of ops inside a checkpointed block; recursion never crosses a block boundary
     for c in copies:
@@ -78,14 +71,12 @@ def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_
         assert custom_meta(c).get(MODULE_FQN_KEY) not in (None, "norm", "output")
         assert all(custom_meta(a)[AC_REGION_KEY] == custom_meta(c)[AC_REGION_KEY]
                    for a in c.all_input_nodes if RECOMPUTED_FROM_KEY in a.meta)
-    assert stats["saved_bytes_after"] < stats["saved_bytes_before"]  # fewer activations kept, a lower peak
+    assert s["saved_bytes_after"] < s["saved_bytes_before"]  # fewer activations kept, a lower peak
     assert len(saved_for_backward(gm.graph)) < len(saved_before) and estimate_peak_memory(gm)[0] < peak_before
     # save matmuls: no mm recomputed, the other tagged ops still are; it keeps in between
-    mm_stats = gm_mm.meta["graph_trainer_pass_stats"]
-    assert mm_stats["recomputed_mm"] == 0 and 0 < mm_stats["recomputed"] < stats["recomputed"]
-    assert stats["saved_bytes_after"] < mm_stats["saved_bytes_after"] < mm_stats["saved_bytes_before"]
+    assert mm_s["recomputed_mm"] == 0 and 0 < mm_s["recomputed"] < s["recomputed"]
+    assert s["saved_bytes_after"] < mm_s["saved_bytes_after"] < mm_s["saved_bytes_before"]
     # all_but_cheap: silu and mul recomputed from the kept matmuls, nothing new kept
-    cheap = gm_cheap.meta["graph_trainer_pass_stats"]
     copies = [n for n in gm_cheap.graph.nodes if RECOMPUTED_FROM_KEY in n.meta]
     targets = {c.target for c in copies}
     assert cheap["recomputed_mm"] == 0 and cheap["recomputed"] == len(copies) > 0
@@ -100,31 +91,26 @@ def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_
 
 def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
     """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
-    c10d = torch.ops._c10d_functional
-    g = torch.fx.Graph()
-    x, w = g.placeholder("x"), g.placeholder("w")
-    node = functools.partial(_node, g)
+    g, (x, w) = fx_graph("x", "w")
+    node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
     half, full, rows = torch.empty(4, 8), torch.empty(8, 8), torch.empty(4, 1)
-    h = node(aten.relu.default, (x,), "forward", half, policy=CheckpointPolicy.MUST_SAVE)
-    norm = node(aten._fused_rms_norm.default, (h, [8], None, 1e-5), "forward", (half, rows))
-    act, rstd = (node(operator.getitem, (norm, i), "forward", v) for i, v in ((0, half), (1, rows)))
-    gathered = node(aten.view.default, (node(c10d.wait_tensor.default, (node(
-        c10d.all_gather_into_tensor.default, (act, 2, "0"), "forward", full),), "forward", full), [8, 8]),
-        "forward", full)
-    wcast = node(aten._to_copy.default, (w,), "forward", half)
-    wgathered = node(c10d.wait_tensor.default, (node(c10d.all_gather_into_tensor.default, (wcast, 2, "1"),
-                                                     "forward", full),), "forward", full)
-    out = node(aten.mm.default, (gathered, wgathered), "forward", full)
-    grad = node(aten.mm.default, (gathered, out), "backward", full, region=None)
-    grad_w = node(aten.mm.default, (wgathered, grad), "backward", full, region=None)
-    grad_h = node(aten.mul.Tensor, (h, rstd), "backward", half, region=None)  # the norm's backward reads both
-    g.output((out, grad_w, grad_h))
-    gm = sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g), cheap_only=True)
+    h = node(aten.relu.default, (x,), half, policy=CheckpointPolicy.MUST_SAVE)
+    norm = node(aten._fused_rms_norm.default, (h, [8], None, 1e-5), (half, rows))
+    act, rstd = (node(operator.getitem, (norm, i), v) for i, v in ((0, half), (1, rows)))
+    ag = node(c10d.all_gather_into_tensor.default, (act, 2, "0"), full)
+    wait = node(c10d.wait_tensor.default, (ag,), full)
+    gathered = node(aten.view.default, (wait, [8, 8]), full)
+    wag = node(c10d.all_gather_into_tensor.default, (node(aten._to_copy.default, (w,), half), 2, "1"), full)
+    wgathered = node(c10d.wait_tensor.default, (wag,), full)
+    out = node(aten.mm.default, (gathered, wgathered), full)
+    grad = bwd(aten.mm.default, (gathered, out), full)
+    grad_w = bwd(aten.mm.default, (wgathered, grad), full)
+    grad_h = bwd(aten.mul.Tensor, (h, rstd), half)  # the norm's backward reads both
+    gm = sac_recompute_pass(module(g, out, grad_w, grad_h), cheap_only=True)
     copies = _copies(gm)
-    assert set(copies) == {norm.name, act.name, rstd.name, *(n.name for n in gathered.all_input_nodes),
-                           gathered.all_input_nodes[0].args[0].name, gathered.name}
-    ag = copies[gathered.all_input_nodes[0].args[0].name]
-    assert ag.args[0] is copies[act.name] and copies[norm.name].args[0] is h and phase_of(ag) == "backward"
+    assert set(copies) == {n.name for n in (norm, act, rstd, ag, wait, gathered)}
+    assert copies[ag.name].args[0] is copies[act.name] and copies[norm.name].args[0] is h
+    assert phase_of(copies[ag.name]) == "backward"
     assert grad.args[0] is copies[gathered.name] and grad_w.args[0] is wgathered  # the parameter's stays
     assert set(saved_for_backward(gm.graph)) == {h, out, wgathered}
 
@@ -135,24 +121,22 @@ def test_no_op_without_op_level_sac(tiny_llama, tmp_path, mode, option):
     gm, example_inputs, _ = _traced(tiny_llama, tmp_path, mode, option)
     n = len(gm.graph.nodes)
     gm = sac_recompute_pass(gm, example_inputs)
-    assert gm.meta["graph_trainer_pass_stats"]["recomputed"] == 0 and len(gm.graph.nodes) == n
+    assert stats(gm)["recomputed"] == 0 and len(gm.graph.nodes) == n
 
 
 def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    a = _node(g, aten.relu.default, (x,), "forward")
-    b = _node(g, aten.add_.Tensor, (a, a), "forward")  # in-place: saved
-    c = _node(g, aten.neg.default, (x,), "forward", region=None)  # outside any block: saved
-    d = _node(g, aten.sin.default, (x,), "forward", policy=CheckpointPolicy.MUST_SAVE)
-    e = _node(g, aten.cos.default, (d,), "forward", region="layers.1")
-    out = _node(g, aten.mul.Tensor, (b, c), "backward", region=None)
-    out2 = _node(g, aten.mul.Tensor, (e, out), "backward", region=None)
-    g.output((out2,))
-    copies = _copies(sac_recompute_pass(torch.fx.GraphModule(torch.nn.Module(), g)))
+    g, (x,) = fx_graph("x")
+    node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
+    a = node(aten.relu.default, (x,))
+    b = node(aten.add_.Tensor, (a, a))  # in-place: saved
+    c = node(aten.neg.default, (x,), region=None)  # outside any block: saved
+    d = node(aten.sin.default, (x,), policy=CheckpointPolicy.MUST_SAVE)
+    e = node(aten.cos.default, (d,), region="layers.1")
+    out = bwd(aten.mul.Tensor, (b, c))
+    out2 = bwd(aten.mul.Tensor, (e, out))
+    copies = _copies(sac_recompute_pass(module(g, out2)))
     assert set(copies) == {e.name}  # only cos; its MUST_SAVE input d is used as saved
-    assert copies[e.name].args == (d,)
-    assert out.args == (b, c) and out2.args == (copies[e.name], out)
+    assert copies[e.name].args == (d,) and out.args == (b, c) and out2.args == (copies[e.name], out)
 
 
 @pytest.mark.slow
