@@ -56,7 +56,8 @@ def _forked_rank(env: dict, argv: list, out: str, err: str, n_layers: int | None
 
 
 def _forkserver():
-    """The forkserver context, its server started once (finding the repository through PYTHONPATH)."""
+    """The forkserver context, its server started once (finding the repository through PYTHONPATH) without GPUs:
+    its children are CPU ranks and scripts, and torch preloaded with GPUs visible would say CUDA is there."""
     global _CTX
     if _CTX is None:
         from multiprocessing import forkserver
@@ -64,7 +65,8 @@ def _forkserver():
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
         old = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
-        with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests"), REPO, *old])):
+        with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "tests"), REPO, *old]),
+                             CUDA_VISIBLE_DEVICES=""):
             forkserver.ensure_running()
     return _CTX
 
