@@ -1,8 +1,7 @@
 """graph_trainer: trace a whole Llama3 training step into one FX graph.
 
-The modules in the order the data flows, and the node metadata :mod:`graph_trainer.trace` writes
-for the passes under the keys below: docs/design.md ("Layout", "Metadata passes can rely on").
-"""
+The modules in the order the data flows, and the node metadata :mod:`graph_trainer.trace` writes for the passes under
+the keys below: docs/design.md ("Layout", "Metadata passes can rely on")."""
 
 import logging
 

@@ -1,9 +1,8 @@
 """Checkpoints through torchtitan's CheckpointManager (DCP), plus the checks it lacks.
 
-``<dump_folder>/<checkpoint.folder>/step-N/`` holds the states and ``graph_trainer_meta.json``
-(flavor, mode, layout; checked before loading). DCP writes ``.metadata`` last and only such
-folders are loaded, so an interrupted save never replaces the last good one.
-"""
+``<dump_folder>/<checkpoint.folder>/step-N/`` holds the states and ``graph_trainer_meta.json`` (flavor, mode, layout;
+checked before loading). DCP writes ``.metadata`` last and only such folders are loaded, so an interrupted save never
+replaces the last good one."""
 
 import contextlib
 import json
@@ -172,10 +171,9 @@ class Checkpointer:
             checkpoint_config=cfg.checkpoint, sd_adapter=None, base_folder=cfg.job.dump_folder)
 
     def load_latest(self, load_step: int = -1) -> int:
-        """Load ``step-<load_step>`` (-1: the latest complete one); returns the step loaded (0: none).
-        Raises UserError: no such complete checkpoint; an incompatible, model-only, truncated or corrupt
-        one (naming it, DCP's first error and an older one to resume from; nothing is removed).
-        """
+        """Load ``step-<load_step>`` (-1: the latest complete one); returns the step loaded (0: none). Raises UserError:
+        no such complete checkpoint; an incompatible, model-only, truncated or corrupt one (naming it, DCP's first error
+        and an older one to resume from; nothing is removed)."""
         step = latest_step(self.folder) if load_step == -1 else load_step
         if not self.enabled or step <= 0:
             return 0

@@ -90,8 +90,7 @@ def corpus_documents() -> list[str]:
     """The embedded corpus in a fixed order: several hundred English documents of about 2 KB."""
     from pydoc_data.topics import topics
 
-    sources = [topics[k] for k in sorted(topics)] + _stdlib_docstrings()
-    return [doc for text in sources for doc in _chunk(text)]
+    return [doc for text in [topics[k] for k in sorted(topics)] + _stdlib_docstrings() for doc in _chunk(text)]
 
 
 def corpus_dir() -> Path:
@@ -293,8 +292,7 @@ def load_local_text(path: str | None, hf_cache: str | None = None):
     if path is None:
         raise UserError("Dataset 'local' needs a file or folder: set --training.dataset_path to "
                         "a .json/.jsonl/.parquet file or a folder of them with a 'text' column.")
-    builder, files = _data_files(path)
-    return _load_checked(builder, files, path, hf_cache)
+    return _load_checked(*_data_files(path), path, hf_cache)
 
 
 def _load_embedded_or_local(path: str | None):

@@ -14,10 +14,9 @@ from graph_trainer import logger
 
 
 def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> dict:
-    """Seed Python, NumPy, torch CPU and CUDA with ``seed`` (None: 0) and ``PYTHONHASHSEED``; with
-    ``deterministic`` also deterministic algorithms, cuBLAS workspace, cuDNN and Inductor's deterministic
-    mode. Returns what was set, e.g. ``{"seed": 0, "deterministic": True, "inductor_deterministic": True}``.
-    """
+    """Seed Python, NumPy, torch CPU and CUDA with ``seed`` (None: 0) and ``PYTHONHASHSEED``; with ``deterministic``
+    also deterministic algorithms, cuBLAS workspace, cuDNN and Inductor's deterministic mode. Returns what was set, e.g.
+    ``{"seed": 0, "deterministic": True, "inductor_deterministic": True}``."""
     seed = 0 if seed is None else int(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -91,9 +91,8 @@ class StepMetrics:
 @dataclass
 class WindowEnd:
     """A metrics window closed at ``step`` (:meth:`MetricsLogger.close_window`) whose values the device may still be
-    computing: ``values`` the host tensor ``[loss, grad_norm]`` (float64) that a copy behind the step fills;
-    ``start`` / ``end`` timestamps (CUDA events, or ``perf_counter`` seconds); tokens, data seconds and steps of the
-    window."""
+    computing: ``values`` the host tensor ``[loss, grad_norm]`` (float64) that a copy behind the step fills; ``start`` /
+    ``end`` timestamps (CUDA events, or ``perf_counter`` seconds); tokens, data seconds and steps of the window."""
 
     step: int
     values: torch.Tensor
@@ -108,8 +107,7 @@ class WindowEnd:
         """``(loss, grad_norm)``, waiting until the device has reached the window's end (not beyond)."""
         if not isinstance(self.end, float):
             self.end.synchronize()
-        loss, grad_norm = self.values.tolist()
-        return loss, grad_norm
+        return tuple(self.values.tolist())
 
 
 class MetricsLogger:
@@ -212,10 +210,8 @@ class MetricsLogger:
     def log_window(self, window: WindowEnd) -> StepMetrics:
         """Log a closed window (averaged over its steps), waiting for the device up to its end only."""
         loss, grad_norm = window.read()
-        if isinstance(window.end, float):
-            elapsed = window.end - window.start
-        else:
-            elapsed = window.start.elapsed_time(window.end) / 1e3  # ms between the two events on the device
+        elapsed = (window.end - window.start if isinstance(window.end, float)
+                   else window.start.elapsed_time(window.end) / 1e3)  # ms between the two events on the device
         tps = window.tokens / (elapsed * self.non_dp_size)
         tflops = self.flops_per_token * tps / 1e12
         steps = max(window.steps, 1)

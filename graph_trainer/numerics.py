@@ -1,11 +1,10 @@
 """Record every op's output of one training step, keyed so two runs can be matched op by op.
 
-``--debug.record_numerics DIR``: step 1 writes ``DIR/rank<r>.pt``, each executed op's key and a
-:class:`Record` of its output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``. A key is
-``(phase, module FQN, op, occurrence)`` (docs/design.md, "Checkpoints and determinism"): the traced
-graph is keyed before any pass (:func:`assign_keys`), eager in execution order by
-:class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions, recomputation.
-"""
+``--debug.record_numerics DIR``: step 1 writes ``DIR/rank<r>.pt``, each executed op's key and a :class:`Record` of its
+output in execution order, plus ``"loss"`` and ``"grad:<FQN>"``. A key is ``(phase, module FQN, op, occurrence)``
+(docs/design.md, "Checkpoints and determinism"): the traced graph is keyed before any pass (:func:`assign_keys`), eager
+in execution order by :class:`EagerRecorder`. Unmatched: nodes passes create, ops inside compiled regions,
+recomputation."""
 
 import contextlib
 import operator
@@ -99,7 +98,6 @@ def assign_keys(gm: torch.fx.GraphModule) -> int:
     """Write each ``call_function`` node's key ``(phase, fqn, op, occurrence)`` into
     ``node.meta["numerics_key"]`` (on the graph as traced); returns the number of keyed nodes."""
     seen: dict[tuple, int] = defaultdict(int)
-    n = 0
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -107,8 +105,7 @@ def assign_keys(gm: torch.fx.GraphModule) -> int:
         base = (custom.get(PHASE_KEY, ""), custom.get(MODULE_FQN_KEY, ""), op_name(node.target))
         node.meta[NUMERICS_KEY] = (*base, seen[base])
         seen[base] += 1
-        n += 1
-    return n
+    return sum(seen.values())
 
 
 def key_text(key: Any) -> str:
@@ -149,8 +146,7 @@ class EagerRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.phase == "forward":
             fqn = (fx_traceback.current_meta.get("custom") or {}).get(MODULE_FQN_KEY, "")
-            seq = torch._C._autograd._get_sequence_nr() - 1
-            self._fqn_of_seq.setdefault(seq, fqn)
+            self._fqn_of_seq.setdefault(torch._C._autograd._get_sequence_nr() - 1, fqn)
         else:
             node = torch._C._current_autograd_node()
             fqn = self._fqn_of_seq.get(node._sequence_nr(), "") if node is not None else ""

@@ -2,8 +2,7 @@
 
 After a worker's one-paragraph ``error: ...`` (a :class:`graph_trainer.errors.UserError`), the lines torchrun adds (its
 ``ChildFailedError`` traceback and report) are dropped; worker (``[rankN]:``) lines and anything before such an error
-always pass. Exits :data:`SAW_USER_ERROR` when such an error was seen (run_train.sh then exits 2), else 0.
-"""
+always pass. Exits :data:`SAW_USER_ERROR` when such an error was seen (run_train.sh then exits 2), else 0."""
 
 import re
 import sys

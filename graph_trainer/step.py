@@ -1,11 +1,10 @@
 """The training step as an object: one call of the train loop produces the gradients.
 
-``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into one FX
-graph and runs the pass pipeline over it; every call replays it. ``eager`` / ``jit`` (:class:`EagerTrainStep`):
-``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized model. Both have ``step(tokens,
-labels) -> loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module`` (what the optimizer and
-the checkpointer see) and ``stats`` (for the run summary).
-"""
+``aot_fx_trace`` (:class:`TracedTrainStep`): the first call traces forward + loss + backward into one FX graph and runs
+the pass pipeline over it; every call replays it. ``eager`` / ``jit`` (:class:`EagerTrainStep`):
+``loss_fn(model(tokens), labels).backward()`` on the torchtitan-parallelized model. Both have ``step(tokens, labels) ->
+loss``, ``clip_grad_norm_``, ``global_loss``, ``params``, ``opt_module`` (what the optimizer and the checkpointer see)
+and ``stats`` (for the run summary)."""
 
 import functools
 import os
@@ -236,10 +235,8 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
 
     layout = block_layout(model)
     tpar = parallelize.distribute_for_trace(model, cfg, parallel_dims, device, rank, world_size)
-    if cfg.compile.memory_budget_gib > 0:
-        budget, source = int(cfg.compile.memory_budget_gib * GiB), "--compile.memory_budget_gib"
-    else:
-        budget, source = default_budget_bytes(device)
+    budget, source = ((int(cfg.compile.memory_budget_gib * GiB), "--compile.memory_budget_gib")
+                      if cfg.compile.memory_budget_gib > 0 else default_budget_bytes(device))
     logger.info(f"Memory budget {budget / GiB:.1f} GiB per rank ({source})")
     pipeline = functools.partial(plan_pipeline, cfg.compile, layout, budget_bytes=budget,
                                  state_bytes=state_bytes(tpar.params), has_fsdp=tpar.sharded,

@@ -1,12 +1,12 @@
 """aot_fx_trace: capture forward + loss + backward of one training step as ONE FX graph.
 
-:func:`trace_train_step` runs ``make_fx`` (fake tensors) over ``step(*params, *buffers, tokens, labels)
--> (loss, *grads)`` with the model re-parametrized by the placeholders and ``torch.autograd.grad``
-for the backward (docs/design.md, "aot_fx_trace"). Op-level selective AC only tags nodes; the
-``sac_recompute`` pass recomputes. Node metadata written here: see :mod:`graph_trainer`.
-"""
+:func:`trace_train_step` runs ``make_fx`` (fake tensors) over ``step(*params, *buffers, tokens, labels) -> (loss,
+*grads)`` with the model re-parametrized by the placeholders and ``torch.autograd.grad`` for the backward
+(docs/design.md, "aot_fx_trace"). Op-level selective AC only tags nodes; the ``sac_recompute`` pass recomputes. Node
+metadata written here: see :mod:`graph_trainer`."""
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -38,12 +38,9 @@ def annotate_module_fqns(model: torch.nn.Module):
     and, inside a ``CheckpointWrapper``, ``{"ac_region": its fqn}``, through forward hooks removed on exit."""
     handles, stacks = [], []
 
-    def make_pre(annotation):
-        def pre(_mod, _args):
-            stacks.append(contextlib.ExitStack())
-            stacks[-1].enter_context(fx_traceback.annotate(annotation))
-
-        return pre
+    def pre(annotation, _mod, _args):
+        stacks.append(contextlib.ExitStack())
+        stacks[-1].enter_context(fx_traceback.annotate(annotation))
 
     def post(_mod, _args, _out):
         stacks.pop().close()
@@ -55,7 +52,7 @@ def annotate_module_fqns(model: torch.nn.Module):
         annotation = {MODULE_FQN_KEY: clean}
         if isinstance(mod, CheckpointWrapper):  # nested annotations keep it (annotate merges)
             annotation[AC_REGION_KEY] = clean
-        handles.append(mod.register_forward_pre_hook(make_pre(annotation)))
+        handles.append(mod.register_forward_pre_hook(functools.partial(pre, annotation)))
         handles.append(mod.register_forward_hook(post, always_call=True))
     try:
         yield
@@ -68,11 +65,9 @@ def annotate_module_fqns(model: torch.nn.Module):
 
 def _propagate_fqn_to_backward(gm: torch.fx.GraphModule) -> None:
     """Give backward nodes the module FQN of the forward node with the same ``seq_nr``."""
-    fwd_fqn = {}
-    for node in gm.graph.nodes:
-        custom = node.meta.get("custom", {})
-        if custom.get(PHASE_KEY) == "forward" and MODULE_FQN_KEY in custom and node.meta.get("seq_nr") is not None:
-            fwd_fqn[node.meta["seq_nr"]] = custom[MODULE_FQN_KEY]
+    fwd_fqn = {n.meta["seq_nr"]: c[MODULE_FQN_KEY] for n in gm.graph.nodes
+               if (c := n.meta.get("custom", {})).get(PHASE_KEY) == "forward" and MODULE_FQN_KEY in c
+               and n.meta.get("seq_nr") is not None}
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
         if custom and custom.get(PHASE_KEY) == "backward" and MODULE_FQN_KEY not in custom:
@@ -102,16 +97,15 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, to
                      tokens: torch.Tensor, labels: torch.Tensor, param_dtype: torch.dtype | None = None,
                      params: list[torch.Tensor] | None = None, param_names: list[str] | None = None,
                      materialize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> TracedStep:
-    """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` (AC-wrapped / parallelized, not
-    modified) into one graph: a :class:`TracedStep` ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
+    """Trace forward + ``loss_fn`` + ``torch.autograd.grad`` of ``model`` (AC-wrapped / parallelized, not modified) into
+    one graph: a :class:`TracedStep` ``(*params, *buffers, tokens, labels) -> (loss, *grads)``.
 
-    ``loss_fn(logits [B, S, V], labels [B, S] int64) -> 0-d tensor``; ``tokens`` / ``labels``: ``[B, S]`` int64
-    example batch (shapes and dtypes only); ``param_dtype``: compute dtype of floating parameters (None: theirs);
-    ``params`` / ``param_names``: the inputs standing for the parameters and the FQNs they fill (default
-    ``model.named_parameters()``; FSDP: the local shards); ``materialize``: ``params`` -> the full compute
-    parameters inside the graph (FSDP: all-gather + cast; default: cast to ``param_dtype``). Raises whatever
-    make_fx raises for an untraceable model (e.g. data-dependent control flow).
-    """
+    ``loss_fn(logits [B, S, V], labels [B, S] int64) -> 0-d tensor``; ``tokens`` / ``labels``: ``[B, S]`` int64 example
+    batch (shapes and dtypes only); ``param_dtype``: compute dtype of floating parameters (None: theirs); ``params`` /
+    ``param_names``: the inputs standing for the parameters and the FQNs they fill (default
+    ``model.named_parameters()``; FSDP: the local shards); ``materialize``: ``params`` -> the full compute parameters
+    inside the graph (FSDP: all-gather + cast; default: cast to ``param_dtype``). Raises whatever make_fx raises for an
+    untraceable model (e.g. data-dependent control flow)."""
     if params is None:
         param_names, params = map(list, zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad]))
     named_bufs = list(model.named_buffers())
@@ -132,8 +126,7 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, to
         # re-parametrized through the backward too: activation checkpointing recomputes there
         with _reparametrize_module(model, state):
             with fx_traceback.annotate({PHASE_KEY: "forward"}):
-                logits = model(toks)
-                loss = loss_fn(logits, labs)
+                loss = loss_fn(model(toks), labs)
             _preserve_seq_nr_in_backward(loss)
             with fx_traceback.annotate({PHASE_KEY: "backward"}):
                 grads = torch.autograd.grad(loss, params)

@@ -1,8 +1,7 @@
 """The training loop: config -> model -> layout + step -> loop -> metrics.
 
-Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --job.config_file ...``.
-The step (:mod:`graph_trainer.step`) hides the mode; everything after the gradients is eager.
-"""
+Run through ``./run_train.sh`` (torchrun) or ``python -m graph_trainer.train --job.config_file ...``. The step
+(:mod:`graph_trainer.step`) hides the mode; everything after the gradients is eager."""
 
 import logging
 import math
@@ -30,7 +29,7 @@ from graph_trainer.step import build_train_step
 from graph_trainer.tools.profiling import StepProfiler
 
 
-def setup_logging(rank: int = 0) -> None:
+def setup_logging() -> None:
     """torchtitan's log format on stdout, for this project's and torchtitan's loggers."""
     init_logger()
     logger.handlers.clear()
@@ -75,8 +74,7 @@ def train(cfg) -> dict:
     if meta:
         with torch.no_grad():
             model.init_weights(buffer_device=device)  # buffers (RoPE) on the device; parameters stay meta
-        logger.info(f"Model built on the meta device; rank 0's shards are allocated on {device} (N(0, 0.02), "
-                    "norms 1)")
+        logger.info(f"Model built on the meta device; rank 0's shards are allocated on {device} (N(0, 0.02), norms 1)")
     nparams, flops_per_token = model_args.get_nparams_and_flops(model, cfg.training.seq_len)
     logger.info(f"Model llama3 {cfg.model.flavor}: {nparams:,} params (without embedding), {flops_per_token:,} "
                 f"FLOPs/token, built in {time.perf_counter() - t0:.1f}s on {device}; mode {mode}, world {world_size}")
@@ -154,8 +152,7 @@ def train(cfg) -> dict:
         opts = getattr(optimizers, "optimizers", [optimizers])
         extra["state_hashes"] = hashes = state_hashes(step_fn.params, opts, step_fn.hash_view)
         logger.info("final state sha256: %s", hashes)
-    steps = cfg.training.steps - start_step
-    summary = metrics.summary(exclude_steps=2 if steps >= 5 else 1, extra=extra)
+    summary = metrics.summary(exclude_steps=2 if cfg.training.steps - start_step >= 5 else 1, extra=extra)
     metrics.close()
     return summary
 

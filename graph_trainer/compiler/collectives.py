@@ -9,9 +9,8 @@ from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_n
 
 #: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
 #: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
-COLLECTIVE_NAMESPACES = frozenset(
-    {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"}
-)
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d",
+                                   "_dtensor", "symm_mem"})
 _FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
 _WAITS = (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)
 _CHAIN_OPS = VIEW_OPS | CAST_OPS | frozenset(_WAITS)  # of shard_chain

@@ -117,12 +117,6 @@ def stores_compiled(steps: list) -> bool:
     return [s.name for s in steps] == COMPILED_STEPS
 
 
-def _output_layout(gm: torch.fx.GraphModule) -> tuple[str, dict[int, Any]]:
-    """The graph's output pytree spec (``treespec_dumps``) and the leaves that are not nodes (index -> value)."""
-    leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])
-    return pytree.treespec_dumps(spec), {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
-
-
 def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_names: list[str],
          steps: list, stats: dict[str, Any], graph: bool = True) -> bool:
     """Write one entry to ``path`` (atomically); False and a warning when it cannot be pickled or written.
@@ -133,9 +127,11 @@ def save(path: Path, gm: torch.fx.GraphModule, param_names: list[str], buffer_na
     t0 = time.perf_counter()
     swapped = _own_targets_by_name(gm) if graph else {}
     try:
+        leaves, spec = pytree.tree_flatten(gm.graph.output_node().args[0])  # "outputs": spec, leaves that are no node
+        consts = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.fx.Node)}
         entry = {"format": FORMAT, "gm": GraphPickler.dumps(gm, Options(ops_filter=None)) if graph else None,
                  "param_names": param_names, "buffer_names": buffer_names, "steps": steps, "stats": stats,
-                 "outputs": _output_layout(gm), "setup": process_setup(gm)}
+                 "outputs": (pytree.treespec_dumps(spec), consts), "setup": process_setup(gm)}
         data = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - a cache must not stop the run
         logger.warning(f"graph cache: not saved ({type(e).__name__}: {e})")

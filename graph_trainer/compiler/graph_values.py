@@ -58,9 +58,8 @@ def storages(val: Any) -> list[tuple[Any, int]]:
     return out
 
 
-def split_acyclic(
-    nodes: list[torch.fx.Node], order: dict[torch.fx.Node, int] | None = None
-) -> list[list[torch.fx.Node]]:
+def split_acyclic(nodes: list[torch.fx.Node],
+                  order: dict[torch.fx.Node, int] | None = None) -> list[list[torch.fx.Node]]:
     """Split ``nodes`` into parts that can each be fused without a dependency cycle, in graph order
     (``[nodes]`` if acyclic): the nodes reachable from the set through an outside node are split off, and split
     again. ``order``: node -> graph position."""
@@ -109,8 +108,7 @@ def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:
 def accelerator_of(gm: torch.fx.GraphModule, example_inputs: Any = None) -> torch.device | None:
     """The device of the first placeholder value (then ``example_inputs`` leaf) not on CPU or meta, else None."""
     vals = placeholder_vals(gm) + pytree.tree_leaves(example_inputs)
-    return next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")),
-                None)
+    return next((v.device for v in vals if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta")), None)
 
 
 def detect_graph_fake_mode(gm: torch.fx.GraphModule, example_inputs: Any = None):

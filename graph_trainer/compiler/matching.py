@@ -11,7 +11,6 @@ from graph_trainer.compiler.graph_values import DisjointSet, positions, split_ac
 from graph_trainer.compiler.node_meta import is_tagged_for_inductor, module_fqn_of, phase_of, tag_for_inductor
 from graph_trainer.compiler.ops import CAST_OPS, PERMUTE_OPS, RESHAPE_OPS, aten, is_getitem, packet_name, packet_names
 
-
 _POINTWISE_EXTRA_OPS = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"}
 # View-family ops (every overload) that join a chain they continue.
 _CHAIN_VIEW_PACKETS = packet_names(RESHAPE_OPS | PERMUTE_OPS) | {"unsqueeze", "squeeze"}
@@ -35,9 +34,8 @@ def _chain_kind(node: torch.fx.Node) -> str | None:
     return None
 
 
-def find_pointwise_regions(
-    graph: torch.fx.Graph, min_ops: int = 2, accept: Callable[[torch.fx.Node], bool] | None = None,
-) -> list[list[torch.fx.Node]]:
+def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2,
+                           accept: Callable[[torch.fx.Node], bool] | None = None) -> list[list[torch.fx.Node]]:
     """Acyclic regions of chained cheap ops, in graph order, each a list of nodes in graph order with at least
     ``min_ops`` non-view ops. Ops: aten ``pointwise`` / ``reduction`` ops, ``_to_copy``, ``_log_softmax`` and
     ``nll_loss`` (and backwards); not in-place, seeded-random or complex ops, nodes already tagged for Inductor. A
@@ -176,5 +174,3 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
         inst["name"] = f"rmsnorm_{inst['kind']}_{per_kind[inst['kind']]}"
         per_kind[inst["kind"]] += 1
     return instances
-
-

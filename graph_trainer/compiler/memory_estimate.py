@@ -5,11 +5,12 @@ it and freed after the last node using it, as the FX-generated code does. Graph 
 values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
 buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
 
+import itertools
+
 import torch
 
 from graph_trainer.compiler.collectives import hold, is_wait
 from graph_trainer.compiler.graph_values import DisjointSet, storages
-
 
 #: Ops besides ``torch.Tag.pointwise`` ones whose output whole-graph Inductor computes inside their users' kernels.
 _FUSED_EXTRA = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward",
@@ -28,8 +29,7 @@ def _fusable(node: torch.fx.Node, consumer: bool) -> bool:
 
 def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Pointwise ops (or casts) read only by pointwise ops or reductions: whole-graph Inductor inlines them."""
-    out = set(gm.graph.find_nodes(op="output"))
-    returned = {n for o in out for n in o.all_input_nodes}
+    returned = {n for o in gm.graph.find_nodes(op="output") for n in o.all_input_nodes}
     return {n for n in gm.graph.nodes if _fusable(n, False) and n not in returned and n.users
             and all(_fusable(u, True) for u in n.users)}
 
@@ -68,9 +68,6 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple
     for ref, b in born.items():
         delta[b] += size[ref]
         delta[last[ref] + 1] -= size[ref]
-    peak, cur, at = 0, 0, None
-    for i in range(end):
-        cur += delta[i]
-        if cur > peak:
-            peak, at = cur, i
-    return peak, (nodes[at].name if at is not None else None)
+    live = list(itertools.accumulate(delta[:end]))  # bytes live at each node
+    peak = max(live, default=0)
+    return peak, (nodes[live.index(peak)].name if peak > 0 else None)

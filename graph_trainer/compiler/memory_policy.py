@@ -1,8 +1,8 @@
 """The memory policy: from the traced graph and a memory budget, pick the options the config leaves on ``auto``
-(``--compile.sac.save``, ``--compile.fsdp.keep_last_blocks`` / ``bucket_blocks``, and the ``cudagraph`` pass where
-no flag names it) by the ladder of :func:`choose_levers` (docs/design.md, "The memory policy"). None changes
-numerics."""
+(``--compile.sac.save``, ``--compile.fsdp.keep_last_blocks`` / ``bucket_blocks``, and the ``cudagraph`` pass where no
+flag names it) by the ladder of :func:`choose_levers` (docs/design.md, "The memory policy"). None changes numerics."""
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,9 +21,8 @@ CPU_BUDGET_GIB = 16.0
 #: Device sizes the dry run plans for when no budget is given, GiB (80 GB and 141 GB parts).
 DRY_RUN_DEVICES_GIB = (79.1, 139.8)
 #: Lever -> the pass whose arguments it sets (the registry's name).
-LEVER_PASSES = {
-    "save": "sac_recompute", "keep_last_blocks": "reshard_after_forward", "bucket_blocks": "bucket_collectives",
-}
+LEVER_PASSES = {"save": "sac_recompute", "keep_last_blocks": "reshard_after_forward",
+                "bucket_blocks": "bucket_collectives"}
 #: What replaying the step as a CUDA graph adds to the peak, GiB: the warmup call's cached blocks and the graph's
 #: private pool (docs/perf_archive.md, "Memory prediction").
 CUDAGRAPH_GIB = 1.0
@@ -110,12 +109,10 @@ class MemoryPolicy:
     def describe(self) -> str:
         """One line: the choice, the predicted peak against the budget, and why."""
         graph = ", cudagraph" if self.levers.cudagraph else ""
-        return (
-            f"memory policy: sac.save={self.levers.save}, fsdp.keep_last_blocks={self.levers.keep_last_blocks}, "
-            f"fsdp.bucket_blocks={self.levers.bucket_blocks}{graph}; predicted peak "
-            f"{self.predicted_peak_bytes / GiB:.1f} GiB of a {self.budget_bytes / GiB:.1f} GiB budget "
-            f"({'; '.join(self.reasons)})"
-        )
+        return (f"memory policy: sac.save={self.levers.save}, fsdp.keep_last_blocks={self.levers.keep_last_blocks}, "
+                f"fsdp.bucket_blocks={self.levers.bucket_blocks}{graph}; predicted peak "
+                f"{self.predicted_peak_bytes / GiB:.1f} GiB of a {self.budget_bytes / GiB:.1f} GiB budget "
+                f"({'; '.join(self.reasons)})")
 
 
 def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
@@ -126,8 +123,7 @@ def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: s
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
     """Bytes per rank of the fp32 parameter shards (DTensor: local) and ``optimizer_states`` tensors of that size."""
-    total = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params)
-    return total * (1 + optimizer_states)
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in params) * (1 + optimizer_states)
 
 
 def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
@@ -138,11 +134,9 @@ def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
     return int(CPU_BUDGET_GIB * GiB), f"{CPU_BUDGET_GIB:g} GiB without a CUDA device"
 
 
-def choose_levers(
-    estimate: Callable[[str], int], *, n_blocks: int, block_bytes: int, state: int, budget: int, inductor: str,
-    fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True, has_sac: bool = True,
-    cudagraph: bool = False,
-) -> MemoryPolicy:
+def choose_levers(estimate: Callable[[str], int], *, n_blocks: int, block_bytes: int, state: int, budget: int,
+                  inductor: str, fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True,
+                  has_sac: bool = True, cudagraph: bool = False) -> MemoryPolicy:
     """Pick the levers, a pure function of its arguments: the highest rung of the ladder recompute -> matmuls with
     0 .. n kept blocks -> all_but_cheap likewise (-> all, full Inductor only), each with buckets of
     :data:`BUCKET_BLOCKS`, whose :func:`predict_peak` fits; none fitting, the buckets go too; CUDA graphs first, gone
@@ -160,12 +154,10 @@ def choose_levers(
     keeps = [fixed.keep_last_blocks] if "keep_last_blocks" in fixed_fields else (
         list(range(n_blocks + 1)) if has_fsdp else [0])
     graphs = [fixed.cudagraph] if "cudagraph" in fixed_fields else ([True, False] if cudagraph else [False])
-    cache: dict[str, int] = {}
+    estimate = functools.cache(estimate)  # once per level
 
     def graph_peak(save: str, keep: int, bucket: int) -> int:
-        if save not in cache:
-            cache[save] = estimate(save)
-        return cache[save] + (keep + (bucket if bucket > 1 else 0)) * block_bytes
+        return estimate(save) + (keep + (bucket if bucket > 1 else 0)) * block_bytes
 
     def policy(save: str, keep: int, bucket: int, cg: bool, reasons: list[str]) -> MemoryPolicy:
         peak = predict_peak(state, graph_peak(save, keep, bucket), inductor, save, cg)

@@ -34,15 +34,12 @@ def configured_levers(compile_cfg: Any, levers: Levers | None = None) -> tuple[L
         "bucket_blocks": fsdp.bucket_blocks if fsdp.bucket_blocks >= 0 else None,
         "cudagraph": ("cudagraph" not in disabled) if "cudagraph" in added | disabled else None,
     }
-    base = levers or Levers()
-    merged = Levers(**{k: getattr(base, k) if v is None else v for k, v in given.items()})
+    merged = Levers(**{k: getattr(levers or Levers(), k) if v is None else v for k, v in given.items()})
     return merged, {k for k, v in given.items() if v is not None}
 
 
-def build_pipeline(
-    compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
-    tp_group_name: str | None = None, device_type: str | None = None,
-) -> list[PipelineStep]:
+def build_pipeline(compile_cfg: Any, layout: Any = None, *, levers: Levers | None = None, deterministic: bool = False,
+                   tp_group_name: str | None = None, device_type: str | None = None) -> list[PipelineStep]:
     """The passes ``compile_cfg`` runs, in the default order, with the arguments their declarations derive from
     it and the :class:`~.registry.PassContext` of the other arguments (``layout``: the model's ``BlockLayout``;
     ``levers``: the memory policy's choice, None: the leanest). ``ValueError`` as :func:`~.registry.resolve`, and
@@ -56,18 +53,15 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
     """Mean bytes per rank of one block's FSDP all-gather outputs in ``gm``; 0 without them or ``layout``."""
     if layout is None or layout.n_blocks == 0:
         return 0
-    sizes = [
-        sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor))
-        for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"
-    ]
+    sizes = [sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val"))
+                 if isinstance(t, torch.Tensor)) for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
     blocks = sizes[layout.params_before: layout.params_of_first_blocks(layout.n_blocks)]
     return sum(blocks) // layout.n_blocks if len(blocks) == layout.n_blocks * layout.params_per_block else 0
 
 
-def plan_pipeline(
-    compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int, has_fsdp: bool,
-    deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None, estimates: dict | None = None,
-) -> tuple[list[PipelineStep], MemoryPolicy]:
+def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int,
+                  has_fsdp: bool, deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None,
+                  estimates: dict | None = None) -> tuple[list[PipelineStep], MemoryPolicy]:
     """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
     left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
     ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
@@ -89,19 +83,17 @@ def plan_pipeline(
         if "clean" not in known:  # lazy: the trials never run the graphs, so no pass generates code
             known["clean"] = run_pipeline(_LazyGraphModule.from_graphmodule(copy.deepcopy(gm)), None, trial[:first],
                                           quiet=True)
-        candidate = dataclasses.replace(ctx, levers=Levers(save, 0, 0))
-        steps = [pass_step(n, candidate) for n in trial[first:]]
+        steps = [pass_step(n, dataclasses.replace(ctx, levers=Levers(save, 0, 0))) for n in trial[first:]]
         known[save] = estimate_peak_memory(run_pipeline(copy.deepcopy(known["clean"]), None, steps, quiet=True),
                                            fused=compile_cfg.inductor_compilation == "full")[0]
         return known[save]
 
     t0 = time.perf_counter()
-    policy = choose_levers(
-        estimate, n_blocks=layout.n_blocks if layout is not None else 0, block_bytes=block_gather_bytes(gm, layout),
-        state=state_bytes, budget=budget_bytes, inductor=compile_cfg.inductor_compilation, fixed=fixed,
-        fixed_fields=fixed_fields, has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
-        cudagraph=cudagraph and compile_cfg.inductor_compilation != "full",
-    )
+    policy = choose_levers(estimate, n_blocks=layout.n_blocks if layout is not None else 0,
+                           block_bytes=block_gather_bytes(gm, layout), state=state_bytes, budget=budget_bytes,
+                           inductor=compile_cfg.inductor_compilation, fixed=fixed, fixed_fields=fixed_fields,
+                           has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
+                           cudagraph=cudagraph and compile_cfg.inductor_compilation != "full")
     logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
     if not policy.fits:
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
@@ -111,10 +103,9 @@ def plan_pipeline(
     return steps, policy
 
 
-def run_pipeline(
-    gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
-    dump_folder: str | None = None, quiet: bool = False, records: list[dict[str, Any]] | None = None,
-) -> torch.fx.GraphModule:
+def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,
+                 dump_folder: str | None = None, quiet: bool = False,
+                 records: list[dict[str, Any]] | None = None) -> torch.fx.GraphModule:
     """Run the passes of ``pipeline`` (:class:`PipelineStep` s or pass names) in order and return the final module;
     log one line per pass and append its :func:`~graph_trainer.compiler.report.pass_record` to ``records`` if given.
     ``dump_folder``: write ``graphs/`` there (the readable graph before and after each pass, diffs, ``summary.json``);
@@ -123,8 +114,7 @@ def run_pipeline(
     steps = [s if isinstance(s, PipelineStep) else pass_step(s) for s in pipeline]
     trace = not quiet and report.trace_enabled()
     graphs_dir = Path(dump_folder, "graphs") if dump_folder is not None else None
-    run_records: list[dict[str, Any]] = []
-    dumped: list[dict[str, Any]] = []
+    run_records, dumped = [], []  # this call's pass records; graphs/summary.json's rows
     text = report.readable_graph(gm) if graphs_dir is not None or trace else None
     if graphs_dir is not None:
         graphs_dir.mkdir(parents=True, exist_ok=True)

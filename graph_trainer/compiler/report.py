@@ -80,15 +80,12 @@ def count_regions(gm: Any) -> int | None:
         return None
     regions: set[Any] = set()
     for n in graph.nodes:
+        tag = inductor_tag(n)
         if is_region_call(n):
             regions.add(("call", n.name))
-            continue
-        tag = inductor_tag(n)
-        if tag is None or n.op in ("placeholder", "output"):
-            continue
-        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0]):
-            continue
-        regions.add(("id", repr(tag.get("inductor_region")) if isinstance(tag, dict) else None))
+        elif tag is not None and n.op not in ("placeholder", "output") and not (  # not a region call's output
+                n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0])):
+            regions.add(("id", repr(tag.get("inductor_region")) if isinstance(tag, dict) else None))
     return len(regions)
 
 
@@ -199,8 +196,7 @@ def format_pass_table(records: Iterable[dict[str, Any]]) -> str:
         return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
                                  for i, (c, w) in enumerate(zip(cells, widths))) + " |"
 
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in rows)])
 
 
 def readable_graph(gm: Any) -> str:

@@ -1,13 +1,12 @@
 """The process group of ``COMM_MODE=fake_collectives``: one process, every collective local.
 
-One process trains as rank 0 of an ``NGPU``-rank layout on one device, each collective replaced by
-the local work of a world in which every rank holds this rank's tensors (all-gather copies the input
-into every chunk, reduce-scatter keeps this rank's chunk, all-reduce changes nothing). On a GPU the
-copies run on a side stream, as NCCL's kernels do (docs/design.md, "Layout").
+One process trains as rank 0 of an ``NGPU``-rank layout on one device, each collective replaced by the local work of a
+world in which every rank holds this rank's tensors (all-gather copies the input into every chunk, reduce-scatter keeps
+this rank's chunk, all-reduce changes nothing). On a GPU the copies run on a side stream, as NCCL's kernels do
+(docs/design.md, "Layout").
 
-Own code because torch's fake process group leaves a reduce-scatter's output as allocated: garbage
-on a GPU, which turned the losses into NaN.
-"""
+Own code because torch's fake process group leaves a reduce-scatter's output as allocated: garbage on a GPU, which
+turned the losses into NaN."""
 
 import torch
 import torch.distributed as dist
@@ -110,18 +109,6 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
     def barrier(self, *args, **kwargs):
         return _done()
 
-    def scatter(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            if inputs:
-                outputs[0].copy_(inputs[0][self._rank])
-        return self._local(outputs, inputs, copy)
-
-    def gather(self, outputs, inputs, *args, **kwargs):
-        def copy():
-            for o in outputs[0] if outputs else []:
-                o.copy_(inputs[0])
-        return self._local(outputs, inputs, copy)
-
     def all_to_all_single(self, output, input, *args, **kwargs):
         def copy():
             if output.shape == input.shape:
@@ -149,6 +136,8 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, *args, **kwargs):
         return self._each(outputs, inputs, self._scatter_from)
 
+    gather = allgather  # the root's outputs[0] gets the input W times; other ranks have no outputs
+    scatter = reduce_scatter  # the root's inputs[0][rank]; other ranks have no inputs
     # the names torch < 2.13 looks up
     alltoall_base = all_to_all_single
     _allgather_base = all_gather_single

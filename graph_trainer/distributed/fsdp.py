@@ -3,8 +3,7 @@
 SimpleFSDP-style (docs/design.md, "Several ranks"): rank ``r`` keeps chunk ``r`` of each flattened, zero-padded
 parameter as a plain fp32 ``nn.Parameter``; :func:`all_gather_param` gathers it in the compute dtype, its backward
 reduce-scatters the gradient (sum) in the reduce dtype, both as ``_c10d_functional`` nodes of the one graph. Own code
-because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx.
-"""
+because ``torchtitan.experiments.simple_fsdp``'s DTensor parameters are no plain placeholders for make_fx."""
 
 import functools
 import math
@@ -40,9 +39,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec, world = ctx.spec, dist.get_world_size(ctx.group)
-        g = grad.reshape(-1)
-        if ctx.reduce_dtype is not None:
-            g = g.to(ctx.reduce_dtype)
+        g = grad.reshape(-1) if ctx.reduce_dtype is None else grad.reshape(-1).to(ctx.reduce_dtype)
         if pad := spec.chunk * world - spec.numel:
             g = torch.nn.functional.pad(g, (0, pad))
         out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(g, "sum", world, ctx.group.group_name))
@@ -120,11 +117,10 @@ class Fsdp2Layout:
 
 def fsdp2_layout(tp_local: torch.Tensor, shape: torch.Size, stride: tuple, tp_placements: tuple, shard: int,
                  replicate: int) -> Fsdp2Layout | None:
-    """How ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays out a parameter of
-    global ``shape`` / ``stride`` with TP-local tensor ``tp_local`` (``tp_placements``; ``()`` without TP):
-    ``Replicate()`` on the replicas, dim-0 chunks (``_StridedShard`` under TP on dim 0), TP's placement.
-    None where this rank's flat shard is not FSDP2's chunk (dim 0 not a multiple of ``shard``).
-    """
+    """How ``fully_shard`` over ``shard`` ranks (HSDP: ``replicate`` replicas) lays out a parameter of global ``shape``
+    / ``stride`` with TP-local tensor ``tp_local`` (``tp_placements``; ``()`` without TP): ``Replicate()`` on the
+    replicas, dim-0 chunks (``_StridedShard`` under TP on dim 0), TP's placement. None where this rank's flat shard is
+    not FSDP2's chunk (dim 0 not a multiple of ``shard``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -160,9 +156,8 @@ def _on_device(values: tuple[float, ...], dtype: torch.dtype, device: torch.devi
 def sharded_grad_norm_(shards: list[torch.nn.Parameter], max_norm: float, group=None,
                        weights: list[float] | None = None) -> torch.Tensor:
     """Clip gradients by the global L2 norm of the unsharded gradient; returns the norm (0-d fp32):
-    ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights``
-    (default 1): ``1 / tp`` for TP-replicated tensors. Eager's norm, not its rounding.
-    """
+    ``sqrt(all_reduce_sum(Σ_i w_i · ||g_i||²))`` over ``group`` (default: the world); ``weights`` (default 1):
+    ``1 / tp`` for TP-replicated tensors. Eager's norm, not its rounding."""
     grads = [s.grad for s in shards if s.grad is not None]
     if grads and (weights is None or all(w == 1 for w in weights)):
         sq = torch.stack(torch._foreach_norm(grads)) ** 2

@@ -325,10 +325,8 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     def materialize(ps):
         if rep_group is not None:
             ps = [fsdp.all_reduce_grad(p, rep_group) for p in ps]
-        if group is not None:
-            full = [fsdp.all_gather_param(p, s, group, pdtype, rdtype) for p, s in zip(ps, specs)]
-        else:
-            full = [p.to(pdtype) if pdtype is not None and p.is_floating_point() else p for p in ps]
+        full = ([fsdp.all_gather_param(p, s, group, pdtype, rdtype) for p, s in zip(ps, specs)] if group is not None
+                else [p.to(pdtype) if pdtype is not None and p.is_floating_point() else p for p in ps])
         return full if tp_mesh is None else [DTensor.from_local(t, tp_mesh, pl, run_check=False, shape=sh, stride=st)
                                              for t, (pl, sh, st) in zip(full, tp_specs)]
 

@@ -1,10 +1,9 @@
 """``COMM_MODE=fake_backend``: trace one step of an NGPU-rank layout in one process, execute nothing.
 
-Rank 0 of ``NGPU`` ranks on a fake process group builds the model on the meta device, distributes and
-traces it as training does, and logs the collectives, state bytes, graph estimates, the memory
-policy's choice and the projected step (:mod:`graph_trainer.projection.cost_model`). RMSNorm and
-attention are traced as CUDA runs them, so the graph estimate is the GPU run's.
-"""
+Rank 0 of ``NGPU`` ranks on a fake process group builds the model on the meta device, distributes and traces it as
+training does, and logs the collectives, state bytes, graph estimates, the memory policy's choice and the projected step
+(:mod:`graph_trainer.projection.cost_model`). RMSNorm and attention are traced as CUDA runs them, so the graph estimate
+is the GPU run's."""
 
 import contextlib
 import functools
@@ -247,8 +246,4 @@ def group_dims(tpar) -> dict[str, str]:
     data-parallel (``dp``, where it is none of the others) groups."""
     groups = [(tpar.replicate_group, "dp_replicate"), (tpar.fsdp_group, "dp_shard"),
               (tpar.tp_mesh.get_group() if tpar.tp_mesh is not None else None, "tp"), (tpar.dp_group, "dp")]
-    dims: dict[str, str] = {}
-    for group, dim in groups:
-        if group is not None:
-            dims.setdefault(group.group_name, dim)
-    return dims
+    return {group.group_name: dim for group, dim in reversed(groups) if group is not None}  # the first dim wins

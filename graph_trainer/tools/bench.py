@@ -182,11 +182,10 @@ def copy_profiles(runs: list, path: str) -> list[str]:
 
 
 def profile_summary(runs: list, step: int, top: int = 4) -> dict:
-    """Per profiled variant, where the ``step`` of its first run with readable ``rank<r>_kernels.json``
-    went: ``[{"rank", "wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms",
-    "exposed_ms"}}, "idle_host_ms", "idle_by_host_op": {op: ms}}]`` (the ``top`` most exposed collectives and
-    host ops; ms per step; the idle keys where the run recorded host launches) for rank 0 and the rank with
-    most compute."""
+    """Per profiled variant, where the ``step`` of its first run with readable ``rank<r>_kernels.json`` went:
+    ``[{"rank", "wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms", "collectives": {label: {"ms", "exposed_ms"}},
+    "idle_host_ms", "idle_by_host_op": {op: ms}}]`` (the ``top`` most exposed collectives and host ops; ms per step; the
+    idle keys where the run recorded host launches) for rank 0 and the rank with most compute."""
     out: dict[str, list[dict]] = {}
     for run in runs:
         if run.side in out:
@@ -237,10 +236,9 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     variants = parse_variants(args.variant)
     repo, config = default_repo(), resolve_config(None, os.environ)[0]
     head = git_out(repo, "rev-parse", "HEAD")
-    sides = {}
-    for name, flags in variants:
-        sides[name] = Side(name=name, ref=None, flags=flags, label=name, commit=head, root=repo)
-        config_for_side(config, sides[name])
+    sides = {name: Side(name=name, ref=None, flags=fl, label=name, commit=head, root=repo) for name, fl in variants}
+    for side in sides.values():
+        config_for_side(config, side)
     out = out_folder(args.out, "bench")
     if os.path.isdir(out) and os.listdir(out):
         raise CompareError(f"--out {out} exists and is not empty; choose a new folder so runs do not mix.")
@@ -279,8 +277,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         path = record_path(args.record_dir, record)
         record["profile_png"] = copy_profiles(runs, path) or None
         print(f"record: {write_record(args.record_dir, record, path)}")
-    bad = [r for r in runs if r.status != "ok"]
-    return 130 if interrupted else 1 if bad else 0
+    return 130 if interrupted else 1 if any(r.status != "ok" for r in runs) else 0
 
 
 def _command(argv: list[str]) -> str:

@@ -65,10 +65,9 @@ def _diff(ra, rb) -> tuple[float | None, float | None]:
 
 
 def compare(a: dict, b: dict, rtol: float | None = None, atol: float | None = None) -> Comparison:
-    """Compare two runs' records (``{key: Record}`` in execution order), ops whose key is on both sides
-    with the same shape and dtype: one differs bitwise (``rtol`` and ``atol`` None) when its fingerprint
-    does, else when an element has ``|a - b| > atol + rtol * |b|`` (NaN equals NaN; missing tolerance 0).
-    """
+    """Compare two runs' records (``{key: Record}`` in execution order), ops whose key is on both sides with the same
+    shape and dtype: one differs bitwise (``rtol`` and ``atol`` None) when its fingerprint does, else when an element
+    has ``|a - b| > atol + rtol * |b|`` (NaN equals NaN; missing tolerance 0)."""
     out = Comparison(matched=0, only_a=[k for k in a if k not in b], only_b=[k for k in b if k not in a])
     for key, ra in ((k, v) for k, v in a.items() if k in b):
         rb = b[key]
@@ -91,9 +90,8 @@ def _fmt(x: float | None) -> str:
 
 def describe(div: Divergence) -> str:
     """One line: the op's key, shape, dtype and its max abs / rel difference."""
-    extra = ""
-    if div.sampled:
-        extra = " (bits differ outside the sampled elements)" if div.max_abs == 0 else " (sampled)"
+    extra = ("" if not div.sampled else
+             " (bits differ outside the sampled elements)" if div.max_abs == 0 else " (sampled)")
     return (f"{key_text(div.key)}: {list(div.shape)} {div.dtype}, max abs {_fmt(div.max_abs)}, "
             f"max rel {_fmt(div.max_rel)}{extra}")
 

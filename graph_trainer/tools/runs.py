@@ -234,8 +234,7 @@ def next_run_s(walls: dict[str, list[float]], side: str) -> float:
     own = walls.get(side, [])
     if len(own) != 1:
         return own[-1] if own else 0.0
-    ratios = [w[-1] / w[0] for w in walls.values() if len(w) > 1 and w[0] > 0]
-    return own[0] * min([1.0, *ratios])
+    return own[0] * min([1.0, *(w[-1] / w[0] for w in walls.values() if len(w) > 1 and w[0] > 0)])
 
 
 def run_all(runs: list[Run], sides: dict, args, name=lambda r: f"{r.side}{r.repeat}", after_each=None) -> bool:

@@ -131,10 +131,9 @@ def child_env(side: Side) -> dict:
 
 
 def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextlib.ExitStack) -> dict:
-    """Resolve both sides (refs, worktrees, configs, labels) of the parsed CLI arguments; ``extra``: the
-    arguments after ``--``; ``cleanup`` removes the worktrees. Returns ``{"repo", "head", "config",
-    "config_source", "sides": {"A": Side, "B": Side}}``. Raises CompareError.
-    """
+    """Resolve both sides (refs, worktrees, configs, labels) of the parsed CLI arguments; ``extra``: the arguments after
+    ``--``; ``cleanup`` removes the worktrees. Returns ``{"repo", "head", "config", "config_source", "sides": {"A":
+    Side, "B": Side}}``. Raises CompareError."""
     repo = os.path.abspath(args.repo) if args.repo else default_repo()
     if not os.path.isdir(repo):
         raise CompareError(f"--repo {repo} is not a folder.")

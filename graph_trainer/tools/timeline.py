@@ -77,8 +77,7 @@ def bands(kernels: list[Kernel], step: tuple[float, float]) -> dict[str, list[tu
     where only communication kernels run, and where no kernel runs."""
     lo, hi = step
     idle = _gaps([(a, b) for a, b, _ in kernels], lo, hi)
-    return {"exposed comm": _gaps([(a, b) for a, b, c in kernels if c != "communication"] + idle, lo, hi),
-            "idle": idle}
+    return {"exposed comm": _gaps([(a, b) for a, b, c in kernels if c != "communication"] + idle, lo, hi), "idle": idle}
 
 
 def timeline_breakdown(kernels: list[Kernel], steps: list[tuple[float, float]]) -> dict[str, float]:
@@ -124,8 +123,7 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
             row["ms"] += ms / 1e3  # exposed: |mine ∩ idle_compute| = |mine| + |idle_compute| - |mine ∪ idle_compute|
             row["exposed_ms"] += (ms + _length(idle_compute) - _length(_union(mine + idle_compute))) / 1e3
             row["launches"] += len(mine)
-    n = max(len(steps), 1)
-    rows = {k: {key: v / n for key, v in row.items()} for k, row in out.items()}
+    rows = {k: {key: v / max(len(steps), 1) for key, v in row.items()} for k, row in out.items()}
     return dict(sorted(rows.items(), key=lambda kv: (-kv[1]["exposed_ms"], kv[0])))
 
 
@@ -163,8 +161,7 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
     n = len(steps)
     out = {k: v / n for k, v in out.items()}
     out["lead_ms"] = statistics.median_high(leads) / 1e3 if leads else 0.0
-    ranked = sorted(by_op.items(), key=lambda kv: -kv[1])[:top]
-    return {**out, "by_host_op": {op: ms / n for op, ms in ranked}}
+    return {**out, "by_host_op": {op: ms / n for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
@@ -268,7 +265,7 @@ def timeline_a_vs_b(path: str, a: str, b: str, labels: tuple[str, str] = ("A", "
     rows = []
     for side, label, p in zip("AB", labels, (a, b)):
         kernels, step, summary = read_step(p)
-        title = f"{side}: {label}, step {summary['step_intervals'].get('step')} ({summary.get('unit', 'device')})"
-        rows.append((kernels, step, title))
+        rows.append((kernels, step, f"{side}: {label}, step {summary['step_intervals'].get('step')} "
+                                    f"({summary.get('unit', 'device')})"))
     drawn = _draw(path, rows)
     return {"path": path, "A": drawn[0], "B": drawn[1]}

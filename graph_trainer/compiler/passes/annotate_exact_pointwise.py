@@ -182,9 +182,7 @@ class ExactPointwiseOptions:
             raise ValueError(f"--compile.annotate_exact_pointwise.min_ops must be >= 1, got {self.min_ops}")
 
 
-PASS = GraphPass(
-    name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
-    options=ExactPointwiseOptions,
-    enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional",
-    requires=("regional_inductor",), aliases=("exact_pointwise",),
-)
+PASS = GraphPass(name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
+                 options=ExactPointwiseOptions,
+                 enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional",
+                 requires=("regional_inductor",), aliases=("exact_pointwise",))

@@ -50,7 +50,6 @@ def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
     return gm
 
 
-PASS = GraphPass(
-    name="annotate_flex_attention_for_regional_inductor", fn=annotate_flex_attention_for_regional_inductor_pass,
-    enabled=lambda ctx: ctx.uses_flex_attention, requires=("regional_inductor",),
-)
+PASS = GraphPass(name="annotate_flex_attention_for_regional_inductor",
+                 fn=annotate_flex_attention_for_regional_inductor_pass, enabled=lambda ctx: ctx.uses_flex_attention,
+                 requires=("regional_inductor",))

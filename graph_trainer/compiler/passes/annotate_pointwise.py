@@ -13,10 +13,9 @@ from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
 
-def annotate_pointwise_for_regional_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs: Any = None, inductor_configs: dict[str, Any] | None = None,
-    min_ops: int = 2,
-) -> torch.fx.GraphModule:
+def annotate_pointwise_for_regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs: Any = None,
+                                                  inductor_configs: dict[str, Any] | None = None,
+                                                  min_ops: int = 2) -> torch.fx.GraphModule:
     """Tag each region of :func:`find_pointwise_regions` for ``regional_inductor`` with
     ``inductor_configs`` (default ``{}``); ``ValueError`` for ``min_ops < 1``. Stats: those of
     :func:`~graph_trainer.compiler.matching.tag_regions`."""
@@ -29,7 +28,5 @@ def annotate_pointwise_for_regional_inductor_pass(
     return gm
 
 
-PASS = GraphPass(
-    name="annotate_pointwise_for_regional_inductor", fn=annotate_pointwise_for_regional_inductor_pass,
-    changes_numerics=True, requires=("regional_inductor",), aliases=("pointwise",),
-)
+PASS = GraphPass(name="annotate_pointwise_for_regional_inductor", fn=annotate_pointwise_for_regional_inductor_pass,
+                 changes_numerics=True, requires=("regional_inductor",), aliases=("pointwise",))

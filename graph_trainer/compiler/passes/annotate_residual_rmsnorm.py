@@ -58,7 +58,6 @@ def _tag(node: torch.fx.Node, annotation: dict) -> None:
                      annotation.get("candidate_inductor_configs"))
 
 
-PASS = GraphPass(
-    name="annotate_residual_rmsnorm_for_regional_inductor", fn=annotate_residual_rmsnorm_for_regional_inductor_pass,
-    changes_numerics=True, requires=("regional_inductor",), aliases=("residual_rmsnorm",),
-)
+PASS = GraphPass(name="annotate_residual_rmsnorm_for_regional_inductor",
+                 fn=annotate_residual_rmsnorm_for_regional_inductor_pass, changes_numerics=True,
+                 requires=("regional_inductor",), aliases=("residual_rmsnorm",))

@@ -151,10 +151,9 @@ def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, 
             found = cat, arg_of(cat, 1, "dim", 0) % len(shard), [*parts, cat]
     elif is_call(user, RESHAPE_OPS):  # one view moving the rank dimension into d (dimensions before d of size 1)
         out = shape_of(user)
-        for d in range(1, len(shard)):
-            if out == shard[:d] + (shard[d] * g,) + shard[d + 1:] and math.prod(shard[:d]) == 1:
-                found = user, d, [user]
-                break
+        d = next((d for d in range(1, len(shard)) if out == shard[:d] + (shard[d] * g,) + shard[d + 1:]
+                  and math.prod(shard[:d]) == 1), None)
+        found = None if d is None else (user, d, [user])
     if found is None:
         return None
     res, d, nodes = found
@@ -167,8 +166,8 @@ def _is_noop_of(node: torch.fx.Node, src: torch.fx.Node) -> bool:
     """``node`` returns ``src`` unchanged: a same-shape view / alias, or a full-range slice."""
     if not is_call(node, _NOOPS) or node.args[0] is not src or shape_of(node) != shape_of(src):
         return False
-    full = arg_of(node, 2, "start") in (0, None) and arg_of(node, 4, "step", 1) == 1
-    return node.target is not aten.slice.Tensor or full
+    return node.target is not aten.slice.Tensor or (arg_of(node, 2, "start") in (0, None)
+                                                    and arg_of(node, 4, "step", 1) == 1)
 
 
 def _consumer_matmuls(res: torch.fx.Node, user: torch.fx.Node) -> list[Matmul]:
@@ -450,18 +449,15 @@ def _setup_symmetric_memory(group_name: str, workspace_bytes: int) -> None:
         raise RuntimeError(note)
 
 
-def async_tp_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_name: str | None = None, fuse: str = "all",
-    rewrite: bool | None = None,
-) -> torch.fx.GraphModule:
+def async_tp_pass(gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_name: str | None = None, fuse: str = "all",
+                  rewrite: bool | None = None) -> torch.fx.GraphModule:
     """Fuse the TP all-gather -> matmul and matmul -> reduce-scatter pairs of ``gm`` into
     ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (module docstring).
 
-    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``rewrite``: None: on
-    a fake group, or on CUDA with symmetric memory (enabled here); True: always; False: count only. Stats:
-    ``all_gather_fused`` / ``_left``, ``matmuls_fused``, ``reduce_scatter_fused`` / ``_left``, ``restrided``
-    (contiguous copies), ``rewritten``.
-    Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
+    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``rewrite``: None: on a
+    fake group, or on CUDA with symmetric memory (enabled here); True: always; False: count only. Stats:
+    ``all_gather_fused`` / ``_left``, ``matmuls_fused``, ``reduce_scatter_fused`` / ``_left``, ``restrided`` (contiguous
+    copies), ``rewritten``. Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
     if fuse not in FUSE_CHOICES:
         raise ValueError(f"fuse must be one of {', '.join(FUSE_CHOICES)}; got {fuse!r}")
     plan = find_async_tp_matches(gm, tp_group_name)
@@ -552,9 +548,6 @@ class AsyncTPOptions:
     matmuls run in per-rank row chunks; at TP degree 2 the step stayed bitwise equal to the unfused one."""
 
 
-PASS = GraphPass(
-    name="async_tp", fn=async_tp_pass, options=AsyncTPOptions,
-    enabled=lambda ctx: ctx.device_type == "cuda",
-    kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name},
-    aliases=("micro_pipeline_tp",),
-)
+PASS = GraphPass(name="async_tp", fn=async_tp_pass, options=AsyncTPOptions, aliases=("micro_pipeline_tp",),
+                 enabled=lambda ctx: ctx.device_type == "cuda",
+                 kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name})

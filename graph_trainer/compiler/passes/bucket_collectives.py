@@ -100,8 +100,7 @@ def _bucket_all_gather(graph, members) -> None:
     with graph.inserting_before(first_issue):
         flat = _call(graph, aten.cat.default, ([m[0].args[0] for m in members],), first_issue)
         ag = _call(graph, _c10d.all_gather_into_tensor.default, (flat, w, group), first_issue)
-    pos = positions(graph)
-    first_wait = min((m[1] for m in members), key=pos.__getitem__)
+    first_wait = min((m[1] for m in members), key=positions(graph).__getitem__)
     with graph.inserting_before(first_wait):
         out = _call(graph, _c10d.wait_tensor.default, (ag,), first_wait)
         if any(m[2] is not None for m in members):
@@ -127,9 +126,8 @@ def _bucket_reduce_scatter(graph, members) -> None:
     pos = positions(graph)
     last_issue = max((m[0] for m in members), key=pos.__getitem__)
     last_wait = max((m[1] for m in members), key=pos.__getitem__)
-    new_nodes, _ = merge_reduce_scatter_bucket(
-        graph, [m[0] for m in members], "default", insert_before=last_issue.next, wait_insertion_point=last_wait.next,
-    )
+    new_nodes, _ = merge_reduce_scatter_bucket(graph, [m[0] for m in members], "default",
+                                               insert_before=last_issue.next, wait_insertion_point=last_wait.next)
     if held:  # the bucket buffer lives until the wait, as each member's input did
         wait = next(n for n in new_nodes if is_wait(n))
         with graph.inserting_after(wait):
@@ -224,8 +222,7 @@ def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async
         chain = read_through(wait, _RESULT_VIEWS)  # the wait, its hold and views, up to the real readers
         chain.sort()  # fx nodes compare by graph position
         readers = [u for c in chain for u in c.users if u not in chain]
-        bound = [issues[i + in_flight]] if i + in_flight < len(issues) else []
-        target = min(readers + bound, default=None)
+        target = min(readers + ([issues[i + in_flight]] if i + in_flight < len(issues) else []), default=None)
         if target is None or target <= chain[-1].next or any(
                 a >= target for c in chain for a in c.all_input_nodes if a not in chain):
             continue
@@ -235,10 +232,8 @@ def _defer_reduce_scatter_waits(graph: torch.fx.Graph, in_flight: int, cpu_async
     return moved
 
 
-def bucket_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9, fsdp2_units=None,
-    reduce_scatter_in_flight: int = 0, cpu_async: bool = False,
-) -> torch.fx.GraphModule:
+def bucket_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, bucket_size: int = 9, fsdp2_units=None,
+                            reduce_scatter_in_flight: int = 0, cpu_async: bool = False) -> torch.fx.GraphModule:
     """Bucket consecutive FSDP all-gathers and reduce-scatters (module docstring).
 
     ``bucket_size`` (>= 1): most collectives per bucket. ``fsdp2_units``: a ``BlockLayout``: the reduce-scatters
@@ -259,8 +254,8 @@ def bucket_collectives_pass(
             _bucket_all_gather(graph, run)
         for run in _unit_runs(graph, fsdp2_units) if fsdp2_units is not None else _runs(graph, rs, bucket_size):
             _bucket_reduce_scatter(graph, run)
-    deferred = _defer_reduce_scatter_waits(graph, reduce_scatter_in_flight, cpu_async) if reduce_scatter_in_flight \
-        else 0
+    deferred = (_defer_reduce_scatter_waits(graph, reduce_scatter_in_flight, cpu_async)
+                if reduce_scatter_in_flight else 0)
     later = f"; {deferred} reduce-scatter wait(s) moved to <= {reduce_scatter_in_flight} in flight" if deferred else ""
     graph.lint()
     gm.recompile()
@@ -293,7 +288,5 @@ def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     return {"bucket_size": blocks * ctx.layout.params_per_block, **extra}
 
 
-PASS = GraphPass(
-    name="bucket_collectives", fn=bucket_collectives_pass, kwargs=_kwargs,
-    enabled=lambda ctx: _bucket_blocks(ctx) != 0 or (ctx.deterministic and ctx.layout is not None),
-)
+PASS = GraphPass(name="bucket_collectives", fn=bucket_collectives_pass, kwargs=_kwargs,
+                 enabled=lambda ctx: _bucket_blocks(ctx) != 0 or (ctx.deterministic and ctx.layout is not None))

@@ -24,7 +24,6 @@ from graph_trainer import logger
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.registry import GraphPass
 
-
 _LIVE: "weakref.WeakSet[CUDAGraphWrapper]" = weakref.WeakSet()
 
 
@@ -53,16 +52,14 @@ class CUDAGraphWrapper:
             ptrs = self._warmup_ptrs + [None] * (len(flat) - len(self._warmup_ptrs))
             self.static_idx = {i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)
                                and (isinstance(x, torch.nn.Parameter) or ptrs[i] == x.data_ptr())}
-            self.static_inputs = [
-                x if not isinstance(x, torch.Tensor) or i in self.static_idx else x.clone() for i, x in enumerate(flat)
-            ]
+            self.static_inputs = [x if not isinstance(x, torch.Tensor) or i in self.static_idx else x.clone()
+                                  for i, x in enumerate(flat)]
             self.graph = torch.cuda.CUDAGraph()
             torch.cuda.synchronize()
             before = torch.cuda.memory_reserved()
             # with NCCL peers, other threads (ProcessGroupNCCL's watchdog) query CUDA events during the capture:
             # only this thread's calls may invalidate it
-            peers = dist.is_initialized() and dist.get_world_size() > 1
-            mode = "thread_local" if peers else "global"
+            mode = "thread_local" if dist.is_initialized() and dist.get_world_size() > 1 else "global"
             with torch.cuda.graph(self.graph, capture_error_mode=mode):  # (its __enter__ empties the allocator's cache)
                 self.static_outputs = self.fn(*pytree.tree_unflatten(self.static_inputs, spec))
             after = torch.cuda.memory_reserved()

@@ -20,7 +20,6 @@ from graph_trainer.compiler.graph_values import accelerator_of, detect_graph_fak
 from graph_trainer.compiler.node_meta import fusion_group_of, json_object, set_pass_summary, strip_recompute_tags
 from graph_trainer.compiler.registry import GraphPass
 
-
 #: Inductor's own phase timers (``torch._dynamo.utils.compilation_time_metrics``, filled by ``dynamo_timed``) that
 #: :func:`inductor_phases` reports, by a short name.
 INDUCTOR_PHASES = {"AOT metadata": "aot_collect_metadata", "joint-graph passes": "_recursive_joint_graph_passes",
@@ -125,10 +124,8 @@ def fusion_group_guard(gm: torch.fx.GraphModule):
         yield {"post_grad_custom_pre_pass": GroupsKey()}, counts
 
 
-def full_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
-    pin_collectives: bool = False,
-) -> torch.fx.GraphModule:
+def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
+                       pin_collectives: bool = False) -> torch.fx.GraphModule:
     """Compile all of ``gm`` with Inductor; return a GraphModule called like ``gm``. ``inductor_configs``:
     ``torch._inductor.config`` overrides (unknown keys raise ``AttributeError``); ``pin_collectives``: keep each
     collective's issue / wait between the same two matmuls (:mod:`graph_trainer.compiler.pin_collectives`). Stats:

@@ -45,14 +45,10 @@ def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
         cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
     moved = False
     for node in reversed(chain):  # earliest first
-        inputs = node.all_input_nodes
-        if not inputs:
-            continue
-        latest = max(inputs)
-        if latest.op == "placeholder" or latest.next is node:
-            continue
-        latest.append(node)
-        moved = True
+        latest = max(node.all_input_nodes, default=None)
+        if latest is not None and latest.op != "placeholder" and latest.next is not node:
+            latest.append(node)
+            moved = True
     return moved
 
 
@@ -82,10 +78,8 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     return moved
 
 
-def overlap_collectives_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2, cpu_async: bool = False,
-    ag_window: int | None = 9,
-) -> torch.fx.GraphModule:
+def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2,
+                             cpu_async: bool = False, ag_window: int | None = 9) -> torch.fx.GraphModule:
     """Move collective issues and waits so that communication overlaps compute (module docstring).
 
     ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather. ``ag_window`` (>= 0; None: keep
@@ -100,17 +94,15 @@ def overlap_collectives_pass(
     graph = gm.graph
     windowed = _window_all_gathers(graph, ag_window) if ag_window is not None else 0
     issues_by_kind = _issues_by_kind(graph)
-    hoisted = sum(
-        _hoist_collective(graph, n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor" for n in ns
-    )
+    hoisted = sum(_hoist_collective(graph, n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor"
+                  for n in ns)
     if hoisted:  # issue order changed: re-read it
         issues_by_kind = _issues_by_kind(graph)
     index_in_kind = {n: (k, i) for k, ns in issues_by_kind.items() for i, n in enumerate(ns)}
 
     waits = [n for n in graph.nodes if is_wait(n) and n.args and isinstance(n.args[0], torch.fx.Node)
              and n.args[0] in index_in_kind]
-    moved = 0
-    counts = {"all_gather": 0, "other": 0}
+    moved, counts = 0, {"all_gather": 0, "other": 0}
     for wait in waits:
         issue = wait.args[0]
         kind, i = index_in_kind[issue]
@@ -122,17 +114,11 @@ def overlap_collectives_pass(
         chain = [wait]  # with its single-use view chain: it lands before the first real use
         while (view := only_user(chain[-1])) is not None and view.target in _WAIT_VIEWS:
             chain.append(view)
-        users = sorted(chain[-1].users)
-        target = users[0] if users else None
-        if kind != "all_gather_into_tensor":
-            counts["other"] += 1
-            later = issues_by_kind[kind]
-            if i + max_in_flight < len(later):
-                bound = later[i + max_in_flight]
-                if target is None or bound < target:
-                    target = bound
-        else:
-            counts["all_gather"] += 1
+        target = min(chain[-1].users, default=None)
+        counts["all_gather" if kind == "all_gather_into_tensor" else "other"] += 1
+        if kind != "all_gather_into_tensor" and i + max_in_flight < len(issues_by_kind[kind]):
+            bound = issues_by_kind[kind][i + max_in_flight]
+            target = bound if target is None or bound < target else target
         if target is None or target is chain[-1].next or target <= issue:
             continue
         for node in chain:

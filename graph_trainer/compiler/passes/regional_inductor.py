@@ -2,8 +2,8 @@
 
 Each region becomes a sub-GraphModule compiled by torch's regional Inductor (``standalone_compile``); the rest stays
 eager. The tagged nodes of one ``inductor_region`` id (with the ``getitem`` s of their tuple outputs) are one region,
-split only to avoid a dependency cycle, never merged across ids (torch's scooper ignores ids); nodes without an id are partitioned by torch's
-``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
+split only to avoid a dependency cycle, never merged across ids (torch's scooper ignores ids); nodes without an id are
+partitioned by torch's ``CapabilityBasedPartitioner``. Identical regions share one compile; candidate configs are timed
 (:func:`_dedupe_and_select_region_compiles`). The result is called like the input."""
 
 import contextlib
@@ -56,9 +56,7 @@ def propose_region_partitions(gm: torch.fx.GraphModule) -> list[dict[torch.fx.No
         part = dict.fromkeys(nodes)
         for node in nodes:  # getitems of a tuple-producing node belong with it
             if node.users and all(is_getitem(u) for u in node.users):
-                for u in node.users:
-                    if u not in part and not (_needs_inductor_compile(u) and _region_id(u) != rid):
-                        part[u] = None
+                part.update((u, None) for u in node.users if not (_needs_inductor_compile(u) and _region_id(u) != rid))
         if rid is _DEFAULT_REGION:
             support = create_op_support(lambda _submodules, n, members=set(part): n in members)
             partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
@@ -117,7 +115,7 @@ def _annotation(gm: torch.fx.GraphModule) -> dict:
 def region_signature(gm: torch.fx.GraphModule, example_inputs) -> tuple:
     """Structural key of a region: ops, wiring by position, constants, its annotation's configs and the inputs'
     shape / stride / dtype / device (node names ignored)."""
-    index: dict[torch.fx.Node, int] = {}
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def enc(a):
         if isinstance(a, torch.fx.Node):
@@ -128,18 +126,13 @@ def region_signature(gm: torch.fx.GraphModule, example_inputs) -> tuple:
             return tuple(sorted((k, enc(v)) for k, v in a.items()))
         return repr(a)
 
-    ops = []
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = i
-        ops.append((n.op, str(n.target) if n.op != "placeholder" else "", enc(n.args), enc(n.kwargs)))
+    ops = tuple((n.op, str(n.target) if n.op != "placeholder" else "", enc(n.args), enc(n.kwargs)) for n in index)
     cwi = _annotation(gm)
     configs = repr((sorted(cwi.get("inductor_configs", {}).items()),
                     [sorted(c.items()) for c in cwi.get("candidate_inductor_configs", [])]))
-    metas = tuple(
-        (tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device)) if isinstance(v, torch.Tensor) else repr(v)
-        for v in example_inputs
-    )
-    return (tuple(ops), configs, metas)
+    metas = tuple((tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device)) if isinstance(v, torch.Tensor)
+                  else repr(v) for v in example_inputs)
+    return (ops, configs, metas)
 
 
 def time_region_ms(fn, inputs) -> float:
@@ -235,19 +228,16 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
 @contextlib.contextmanager
 def _static_shape_env(fake_mode):
     """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
-    if fake_mode.shape_env is not None:
-        yield
-        return
-    fake_mode.shape_env = ShapeEnv()
+    saved = fake_mode.shape_env
+    fake_mode.shape_env = saved if saved is not None else ShapeEnv()
     try:
         yield
     finally:
-        fake_mode.shape_env = None
+        fake_mode.shape_env = saved
 
 
-def regional_inductor_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None, timer=None,
-) -> torch.fx.GraphModule:
+def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None,
+                           timer=None) -> torch.fx.GraphModule:
     """Compile each tagged region of ``gm`` with Inductor, keep the rest eager, and return ``gm`` with its original
     calling convention. ``select_candidates`` / ``timer``: see :func:`_dedupe_and_select_region_compiles`. Stats:
     ``regions``, ``tagged_nodes``, ``distinct_compiles``, ``selections``, ``compiles``, ``compile_s``."""
@@ -286,7 +276,5 @@ def regional_inductor_pass(
     return gm
 
 
-PASS = GraphPass(
-    name="regional_inductor", fn=regional_inductor_pass, compiles=True, excludes=("full_inductor",),
-    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "regional",
-)
+PASS = GraphPass(name="regional_inductor", fn=regional_inductor_pass, compiles=True, excludes=("full_inductor",),
+                 enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "regional")

@@ -27,8 +27,7 @@ def mutates_only_dead_temporaries(node: torch.fx.Node) -> bool:
             or torch.Tag.nondeterministic_seeded in target.tags:
         return False
     mutated = [m for m in mutated_args(node) if m is not None]
-    return bool(mutated) and all(isinstance(m, torch.fx.Node) and _fresh(m) and set(m.users) == {node}
-                                 for m in mutated)
+    return bool(mutated) and all(isinstance(m, torch.fx.Node) and _fresh(m) and set(m.users) == {node} for m in mutated)
 
 
 def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
@@ -37,14 +36,10 @@ def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torc
     dead_mutations: set[torch.fx.Node] = set()
 
     def impure(n: torch.fx.Node) -> bool:
-        if is_collective(n):
-            return True
-        if not n.is_impure():
-            return False
-        if mutates_only_dead_temporaries(n):
+        if not is_collective(n) and n.is_impure() and mutates_only_dead_temporaries(n):
             dead_mutations.add(n)
             return False
-        return True
+        return is_collective(n) or n.is_impure()
 
     changed = gm.graph.eliminate_dead_code(is_impure_node=impure)
     gm.graph.lint()
@@ -56,6 +51,5 @@ def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torc
     return gm
 
 
-PASS = GraphPass(
-    name="remove_dead_code", fn=remove_dead_code_pass, enabled=lambda ctx: True, in_memory_trial=True, aliases=("dce",),
-)
+PASS = GraphPass(name="remove_dead_code", fn=remove_dead_code_pass, enabled=lambda ctx: True, in_memory_trial=True,
+                 aliases=("dce",))

@@ -1,11 +1,10 @@
 """Remove no-op view / copy / detach nodes from the traced training-step graph.
 
 Matches (on the fake values in ``meta["val"]``): a ``view`` / ``reshape`` / ``_unsafe_view`` or ``alias`` with its
-input's shape, strides and dtype; such a ``clone`` (not of a lazily conjugated / negated view); a ``detach`` whose
-users do not mutate it. Never a graph output, nor a node in an alias group that some op mutates. Each match is
-replaced by its input. A ``cat`` that rewrites a contiguous tensor's bytes in their own order
-(:func:`identity_cat_source`) becomes ``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional
-graph."""
+input's shape, strides and dtype; such a ``clone`` (not of a lazily conjugated / negated view); a ``detach`` whose users
+do not mutate it. Never a graph output, nor a node in an alias group that some op mutates. Each match is replaced by its
+input. A ``cat`` that rewrites a contiguous tensor's bytes in their own order (:func:`identity_cat_source`) becomes
+``view(x, shape)``. Not Inductor's ``remove_noop_ops``: it assumes a functional graph."""
 
 import operator
 from collections import Counter
@@ -80,19 +79,13 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape))):
         return False
-    return all(  # strides only matter where the size is > 1
-        statically_known_true(size <= 1) or statically_known_true(sa == sb)
-        for size, sa, sb in zip(a.shape, a.stride(), b.stride())
-    )
+    return all(statically_known_true(size <= 1) or statically_known_true(sa == sb)  # strides matter where size > 1
+               for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def _non_mutating_user(user: torch.fx.Node, node: torch.fx.Node) -> bool:
-    if user.op != "call_function":
-        return False
-    if user.target is operator.getitem:
-        return True
-    if not isinstance(user.target, torch._ops.OpOverload):
-        return False
+    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return user.op == "call_function" and user.target is operator.getitem
     return not any(a is node and s.alias_info is not None and s.alias_info.is_write
                    for a, s in _bound_args(user, user.target._schema))
 
@@ -164,9 +157,8 @@ def _cat_to_view(graph: torch.fx.Graph, cat: torch.fx.Node) -> None:
 
 
 def remove_noop_views_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torch.fx.GraphModule:
-    """Replace no-op views / aliases / clones / detaches by their input (module docstring), in place. Stats:
-    ``removed`` and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``, ``alias``, ``clone``, ``detach``,
-    ``cat``)."""
+    """Replace no-op views / aliases / clones / detaches by their input (module docstring), in place. Stats: ``removed``
+    and ``removed_<kind>`` (``view``, ``reshape``, ``_unsafe_view``, ``alias``, ``clone``, ``detach``, ``cat``)."""
     aliases = _AliasInfo(gm.graph)
     outputs = {a for o in gm.graph.find_nodes(op="output") for a in o.all_input_nodes}
     removed: Counter[str] = Counter()

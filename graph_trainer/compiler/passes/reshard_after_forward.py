@@ -43,19 +43,13 @@ def _refresh_views(node: torch.fx.Node) -> None:
     stack = [node]
     while stack:
         n = stack.pop()
-        if n.op != "call_function" or n.target not in _VIEW_OR_CAST:
-            continue
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        n.meta["val"] = _fresh_val(n, val)
-        stack.extend(n.users)
+        if n.op == "call_function" and n.target in _VIEW_OR_CAST and isinstance(val := n.meta.get("val"), torch.Tensor):
+            n.meta["val"] = _fresh_val(n, val)
+            stack.extend(n.users)
 
 
-def reshard_after_forward_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9, cpu_async: bool = False,
-    first_params: int | None = None,
-) -> torch.fx.GraphModule:
+def reshard_after_forward_pass(gm: torch.fx.GraphModule, example_inputs=None, prefetch: int = 9,
+                               cpu_async: bool = False, first_params: int | None = None) -> torch.fx.GraphModule:
     """Re-gather FSDP parameters for the backward instead of keeping the forward's copies.
 
     ``prefetch`` (>= 0): re-gathers issued that many ahead in backward order (0 on CPU unless ``cpu_async``).
@@ -75,9 +69,8 @@ def reshard_after_forward_pass(
         if first_params is not None and n_fsdp > first_params:
             continue
         closure = dict.fromkeys(read_through(ag, _VIEW_OR_CAST, lambda u: phase_of(u) != "backward"))
-        bwd_users = sorted(
-            {u for c in closure for u in c.users if u not in closure and phase_of(u) == "backward"}, key=pos.__getitem__
-        )
+        bwd_users = sorted({u for c in closure for u in c.users if u not in closure and phase_of(u) == "backward"},
+                           key=pos.__getitem__)
         if bwd_users:
             groups.append((ag, chain, closure, bwd_users))
     groups.sort(key=lambda g: pos[g[3][0]])  # backward order
@@ -86,8 +79,7 @@ def reshard_after_forward_pass(
     first_use = [g[3][0] for g in groups]
     for i, (ag, chain, closure, bwd_users) in enumerate(groups):
         cpu = isinstance(ag.meta.get("val"), torch.Tensor) and ag.meta["val"].device.type == "cpu"
-        ahead = 0 if cpu and not cpu_async else prefetch
-        issue_at = first_use[max(i - ahead, 0)]
+        issue_at = first_use[max(i - (0 if cpu and not cpu_async else prefetch), 0)]
         copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
         def copy_node(n, at):
@@ -101,15 +93,11 @@ def reshard_after_forward_pass(
 
         for n in chain + [ag]:  # cast of the shard + the all-gather: issued early
             copy_node(n, issue_at)
-        needed = {a for u in bwd_users for a in u.all_input_nodes if a in closure}
-        # every closure node on a path from the all-gather to a needed one, in graph order
-        keep = set()
-        for n in sorted(needed, key=pos.__getitem__, reverse=True):
-            stack = [n]
-            while stack:
-                m = stack.pop()
-                if m in keep or m is ag:
-                    continue
+        # every closure node on a path from the all-gather to a backward user
+        keep, stack = set(), list({a for u in bwd_users for a in u.all_input_nodes if a in closure})
+        while stack:
+            m = stack.pop()
+            if m not in keep and m is not ag:
                 keep.add(m)
                 stack.extend(a for a in m.all_input_nodes if a in closure)
         for n in sorted(keep, key=pos.__getitem__):
@@ -140,7 +128,5 @@ def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
     return {"first_params": ctx.layout.params_of_first_blocks(ctx.layout.n_blocks - keep)}
 
 
-PASS = GraphPass(
-    name="reshard_after_forward", fn=reshard_after_forward_pass, enabled=lambda ctx: True, kwargs=_kwargs,
-    in_memory_trial=True,
-)
+PASS = GraphPass(name="reshard_after_forward", fn=reshard_after_forward_pass, enabled=lambda ctx: True, kwargs=_kwargs,
+                 in_memory_trial=True)

@@ -58,11 +58,10 @@ CHEAP_OPS = frozenset({torch.ops.aten._fused_rms_norm.default})
 
 
 def cheap_to_recompute(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The forward values the backward may recompute from less than they hold (``--compile.sac.save
-    all_but_cheap``): an activation's all-gather and its wait (:func:`_gathers_activation`); tagged
-    (:func:`_is_recomputable`) pointwise ops, casts and :data:`CHEAP_OPS` whose every input is a graph input, such a
-    value of the same block or a value whose storage the backward reads anyway; and the views and ``getitem`` s of
-    such values."""
+    """The forward values the backward may recompute from less than they hold (``--compile.sac.save all_but_cheap``): an
+    activation's all-gather and its wait (:func:`_gathers_activation`); tagged (:func:`_is_recomputable`) pointwise ops,
+    casts and :data:`CHEAP_OPS` whose every input is a graph input, such a value of the same block or a value whose
+    storage the backward reads anyway; and the views and ``getitem`` s of such values."""
     read = {ref for n in saved_for_backward(graph) for ref, _ in storages(n.meta.get("val"))}
 
     def storage_read(n: torch.fx.Node) -> bool:  # the backward reads n's storage (n, a view of it, its base)
@@ -107,11 +106,9 @@ def _fresh_val(node: torch.fx.Node, copies: dict) -> object:
             av = a.meta.get("val")
             if isinstance(av, torch.Tensor) and own and (sa := storages(av)) and sa[0][0] == own[0][0]:
                 base = copies.get(a, a).meta.get("val")
-                mode = getattr(base, "fake_mode", None)
-                with mode if mode is not None else contextlib.nullcontext():
+                with getattr(base, "fake_mode", None) or contextlib.nullcontext():
                     return base.as_strided(v.shape, v.stride(), v.storage_offset())
-        mode = getattr(v, "fake_mode", None)
-        with mode if mode is not None else contextlib.nullcontext():
+        with getattr(v, "fake_mode", None) or contextlib.nullcontext():
             return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
 
     return pytree.tree_map(fresh, node.meta.get("val"))
@@ -123,9 +120,8 @@ def saved_for_backward(graph: torch.fx.Graph) -> list[torch.fx.Node]:
             if n.op == "call_function" and phase_of(n) == "forward" and any(phase_of(u) == "backward" for u in n.users)]
 
 
-def sac_recompute_pass(
-    gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False, cheap_only: bool = False
-) -> torch.fx.GraphModule:
+def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(), save_all: bool = False,
+                       cheap_only: bool = False) -> torch.fx.GraphModule:
     """Recompute SAC's ``PREFER/MUST_RECOMPUTE`` forward ops in the backward (module docstring).
 
     ``save_ops``: OpOverloads kept even where tagged; ``save_all``: recompute nothing, only remove the tags;
@@ -179,6 +175,5 @@ def _kwargs(options: None, ctx: PassContext) -> dict[str, Any]:
             "all": {"save_all": True}}.get(save, {})
 
 
-PASS = GraphPass(
-    name="sac_recompute", fn=sac_recompute_pass, enabled=lambda ctx: True, kwargs=_kwargs, in_memory_trial=True,
-)
+PASS = GraphPass(name="sac_recompute", fn=sac_recompute_pass, enabled=lambda ctx: True, kwargs=_kwargs,
+                 in_memory_trial=True)
