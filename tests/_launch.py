@@ -24,8 +24,8 @@ PRELOAD = ["torch", "torch._inductor.compile_fx", "torch.distributed.checkpoint"
            "graph_trainer.step", "graph_trainer.train"]
 
 
-#: :func:`train_ranks`' outcome: the first failing rank's exit code (else 0), all ranks' codes, rank 0's output.
-Ranks = namedtuple("Ranks", "returncode returncodes stdout stderr")
+#: :func:`train_ranks`' outcome: the first failing rank's exit code (else 0), rank 0's output.
+Ranks = namedtuple("Ranks", "returncode stdout stderr")
 
 
 def _as_child(env: dict, out: str, err: str) -> None:
@@ -113,7 +113,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     del store
     out, err = (Path(f).read_text() for f in logs[0])
     bad = [c for r, c in enumerate(codes) if c != 0 and r not in stopped] or [c for c in codes if c != 0]
-    return Ranks(bad[0] if bad else 0, codes, out, err)
+    return Ranks(bad[0] if bad else 0, out, err)
 
 
 def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:

@@ -12,7 +12,7 @@ from _launch import DEBUG, REPO
 
 #: Small shapes of the shared runs: seq 64, batch 2.
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
-#: The ``finished_run`` fixture: 4 steps at :data:`SMALL`, no Inductor, a full checkpoint every 2 steps.
+#: The ``finished_run`` run (tests/conftest.py): 4 steps at :data:`SMALL`, no Inductor, a full checkpoint every 2 steps.
 FINISHED = [*SMALL, "--compile.inductor_compilation", "none", "--checkpoint.enable", "--checkpoint.interval", "2"]
 #: The numerics-changing RMSNorm pass.
 PASS = "--compile.numerics_changing_optim"

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models, shared runs (slow: :data:`EARLY_FIXTURES`); one OpenMP thread per process."""
+"""Shared fixtures: tiny models, the runs of tests/_early.py that several files read; one OpenMP thread per process."""
 
 import contextlib
 import logging
@@ -16,15 +16,11 @@ from _runs import FINISHED, bitwise_runs, dry_run_8b_8_ranks, run_debug  # noqa:
 
 #: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
 TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
-#: Session fixtures that are runs of tests/_early.py: their tests are marked as reading them (and slow: the runs are).
-EARLY_FIXTURES = frozenset({"finished_run", "bitwise_gloo2", "dry_runs_8b"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for name in sorted(EARLY_FIXTURES & set(getattr(item, "fixturenames", ()))):  # fixtures they depend on too
-            item.add_marker(_early.uses(name))
         if _early.is_slow(item):
             item.add_marker(pytest.mark.slow)
 
@@ -94,26 +90,16 @@ def fsdp_step(fsdp_trace):
 
 @_early.job("finished_run")
 def _finished_run(tmp, env):
+    """The dump folder of a finished forked run (``_runs.FINISHED``); copy it before changing it."""
     dump = tmp / "run"
     r = run_debug(dump, FINISHED, steps=4, forked=True, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return dump
 
 
+# _runs.bitwise_runs, 4 steps, on 1 rank and on 2 gloo ranks (FSDP2): (a, b, b's resume)
 _early.job("bitwise_1rank", lambda tmp, env: bitwise_runs(tmp, 1, 4, env=env))  # tests/test_determinism.py
-_early.job("bitwise_gloo2", lambda tmp, env: bitwise_runs(tmp, 2, 4, env=env))
-
-
-@pytest.fixture(scope="session")
-def bitwise_gloo2():
-    """:func:`_runs.bitwise_runs` on 2 gloo ranks (FSDP2), 4 steps, started early: ``(a, b, b's resume)``."""
-    return _early.result("bitwise_gloo2")
-
-
-@pytest.fixture(scope="session")
-def finished_run():
-    """The dump folder of a finished forked run (``_runs.FINISHED``), started early; copy it before changing it."""
-    return _early.result("finished_run")
+_early.job("bitwise_gloo2", lambda tmp, env: bitwise_runs(tmp, 2, 4, env=env))  # and tests/test_multinode.py
 
 
 @contextlib.contextmanager
@@ -140,6 +126,7 @@ def log_lines():
 
 @_early.job("dry_runs_8b")
 def _dry_runs_8b(tmp, env):
+    """The 8B dry runs on 8 fake ranks, side by side: ``{"fsdp4_tp2": (summary, logs), "fsdp8": summary}``."""
     fsdp8 = fork_call(dry_run_8b_8_ranks, "--compile.sac.save", "recompute", "--compile.fsdp.keep_last_blocks", "0",
                       "--compile.memory_budget_gib", "71")
     with graph_trainer_logs() as messages:
@@ -147,15 +134,3 @@ def _dry_runs_8b(tmp, env):
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.passes", "async_tp",
                                      "--compile.numerics_changing_optim")
     return {"fsdp4_tp2": (summary, messages), "fsdp8": fsdp8()}
-
-
-@pytest.fixture(scope="session")
-def dry_runs_8b():
-    """The 8B dry runs on 8 fake ranks, side by side, started early: ``"fsdp4_tp2"`` (summary, logs), ``"fsdp8"``."""
-    return _early.result("dry_runs_8b")
-
-
-@pytest.fixture(scope="session")
-def dry_run_8b_fsdp4_tp2(dry_runs_8b):
-    """The seed layout's dry run (:func:`dry_runs_8b`): ``(summary, graph_trainer's log messages)``."""
-    return dry_runs_8b["fsdp4_tp2"]

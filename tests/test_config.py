@@ -30,7 +30,7 @@ from _runs import DEBUG, REPO  # tests/ is on sys.path
     (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
     (["--compile.passes", "annotate_pointwise"], "add --compile.numerics_changing_optim"),
     (["--compile.numerics_changing_optim", "--compile.inductor_compilation", "none",
-      "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor"),
+      "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor runs after it"),
     (["--compile.passes", "full_inductor"], "cannot run together"),
     (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
     (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),

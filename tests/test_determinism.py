@@ -78,10 +78,11 @@ def test_checkpoint_checks(tmp_path):
 
 
 @pytest.mark.slow
-def test_corrupt_checkpoint_clear_error(tmp_path, finished_run):
+@_early.uses("finished_run")
+def test_corrupt_checkpoint_clear_error(tmp_path):
     """A truncated step-2 file (``finished_run`` without step-4) stops the resume naming it; nothing deleted."""
     d = tmp_path / "run"
-    shutil.copytree(finished_run, d)
+    shutil.copytree(_early.result("finished_run"), d)
     shutil.rmtree(d / "checkpoint" / "step-4")
     path = next((d / "checkpoint" / "step-2").glob("*.distcp"))
     path.write_bytes(path.read_bytes()[:100])  # truncate

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _launch import spawn, train_ranks  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import spawn, train_ranks
 from _runs import REPO, launch_env
 
 pytestmark = pytest.mark.slow
@@ -91,9 +92,10 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
     assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > N_DEBUG
 
 
-def test_fake_backend_dry_runs_of_the_8b(dry_runs_8b):
+@_early.uses("dry_runs_8b")
+def test_fake_backend_dry_runs_of_the_8b():
     """The 8B dry runs: FSDP8 with op-level SAC recomputing; FSDP4 x TP2, every norm tagged, plans for two devices."""
-    s = dry_runs_8b["fsdp8"]
+    s = _early.result("dry_runs_8b")["fsdp8"]
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
     assert s["collectives"]["all_gather_into_tensor"]["count"] == N_8B
     assert s["collectives"]["reduce_scatter_tensor"]["count"] == N_8B
@@ -105,7 +107,7 @@ def test_fake_backend_dry_runs_of_the_8b(dry_runs_8b):
     assert "sac_recompute" in s["graph_passes"]
     assert s["peak_graph_bytes_traced"] / 2**30 < 120
     assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
-    s, messages = dry_runs_8b["fsdp4_tp2"]  # the seed layout
+    s, messages = _early.result("dry_runs_8b")["fsdp4_tp2"]  # the seed layout
     assert any("tagged 65 forward + 65 backward RMSNorms + 64 recomputed" in m for m in messages)
     assert s["layout"] == "FSDP4xTP2"
     small, large = s["memory_policies"]  # the plans for an 80 GB and a 141 GB device: the smaller no fatter

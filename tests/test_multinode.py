@@ -10,7 +10,8 @@ from graph_trainer import config
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
-from _runs import DEBUG, LAUNCH_VARS, REPO, SMALL, bitwise_flags, fixed_port  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _runs import DEBUG, LAUNCH_VARS, REPO, SMALL, bitwise_flags, fixed_port
 from _runs import launch_env as _env
 
 
@@ -32,12 +33,12 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_two_hosts_bitwise_one_host(tmp_path, bitwise_gloo2):
+@_early.uses("bitwise_gloo2")
+def test_two_hosts_bitwise_one_host(tmp_path):
     """Bitwise every step and the final state; global rank 0 (writing metrics.jsonl) is on NODE_RANK=0 whichever
     starts first."""
-    one_host, _, _ = bitwise_gloo2  # run a: FSDP2 on 2 forked ranks, one host, 4 steps
-    ref_rows, ref_summary = read_metrics(str(one_host / "metrics.jsonl"))
-    assert len(ref_rows) == 4
+    one_host, _, _ = _early.result("bitwise_gloo2")  # run a: FSDP2 on 2 forked ranks, one host, 4 steps
+    ref_rows, ref_summary = read_metrics(str(one_host / "metrics.jsonl"))  # 4 rows: tests/test_determinism.py
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it
     procs, logs = {}, {node: tmp_path / f"node{node}.log" for node in (0, 1)}
     try:

@@ -16,7 +16,8 @@ from torch._inductor.fx_passes.micro_pipeline_tp import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from _launch import queue, spawn  # tests/ is on sys.path
+import _early  # tests/ is on sys.path
+from _launch import queue, spawn
 from _runs import DEBUG
 from graph_trainer.compiler.collectives import collective_kind
 from graph_trainer.compiler.graph_values import detect_graph_fake_mode, placeholder_vals
@@ -289,9 +290,10 @@ def test_cpu_run_skips_bitwise_and_rewrite_matches_reference_gloo(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_8b_fsdp4_tp2_lists_fused_ops(dry_run_8b_fsdp4_tp2):
+@_early.uses("dry_runs_8b")
+def test_dry_run_8b_fsdp4_tp2_lists_fused_ops():
     """The session's 8B FSDP4 x TP2 dry run (tests/conftest.py): rewritten on the fake group, projected as fused."""
-    s, messages = dry_run_8b_fsdp4_tp2
+    s, messages = _early.result("dry_runs_8b")["fsdp4_tp2"]
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
     ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks; rs: wo / w2 and the output
     assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
