@@ -54,7 +54,8 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
     if layout is None or layout.n_blocks == 0:
         return 0
     sizes = [sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val"))
-                 if isinstance(t, torch.Tensor)) for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
+                 if isinstance(t, torch.Tensor))
+             for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
     blocks = sizes[layout.params_before: layout.params_of_first_blocks(layout.n_blocks)]
     return sum(blocks) // layout.n_blocks if len(blocks) == layout.n_blocks * layout.params_per_block else 0
 
