@@ -20,9 +20,12 @@ TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="needs CUDA") if not torch.cuda.is_available() else None
     for item in items:
         if _early.is_slow(item):
             item.add_marker(pytest.mark.slow)
+        if no_cuda and item.get_closest_marker("gpu"):  # `pytest -m gpu` on a GPU host: the one-GPU tests alone
+            item.add_marker(no_cuda)
 
 
 def pytest_configure(config):

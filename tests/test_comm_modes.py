@@ -74,7 +74,7 @@ def test_local_copy_process_group_semantics():
     assert fork_call(_local_copy_semantics, timeout=300)() == "ok"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_local_copy_process_group_copies_on_a_side_stream():
     """CUDA: the copies are ordered on the side stream, also inside a replayed CUDA graph reusing freed blocks."""
     code = textwrap.dedent("""

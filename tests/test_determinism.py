@@ -27,7 +27,7 @@ EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by r
     pytest.param(1, 4, None, [], "debugmodel", id="1rank", marks=_early.uses(EARLY[1])),
     pytest.param(2, 4, None, [], "debugmodel", id="gloo2_fsdp", marks=_early.uses(EARLY[2])),
     pytest.param(1, 10, "train_configs/llama3_1b.toml", ["--debug.deterministic"], "1B", id="gpu_1b",
-                 marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+                 marks=pytest.mark.gpu),
 ])
 def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, extra, flavor):
     """Run b stopped at steps/2 and resumed in a new process equals run a bitwise (losses, norms, state)."""

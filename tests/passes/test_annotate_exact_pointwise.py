@@ -20,7 +20,7 @@ from .conftest import (aten, assert_bitwise, call, fake_prop, fx_graph, inductor
 
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                              reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="eager CUDA's kernels")
+CUDA = pytest.mark.gpu  # eager CUDA's kernels
 F32 = torch.float32
 SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
 BLOCK = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}  # each node's custom meta
