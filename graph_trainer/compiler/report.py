@@ -80,12 +80,15 @@ def count_regions(gm: Any) -> int | None:
         return None
     regions: set[Any] = set()
     for n in graph.nodes:
-        tag = inductor_tag(n)
         if is_region_call(n):
             regions.add(("call", n.name))
-        elif tag is not None and n.op not in ("placeholder", "output") and not (  # not a region call's output
-                n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0])):
-            regions.add(("id", repr(tag.get("inductor_region")) if isinstance(tag, dict) else None))
+            continue
+        tag = inductor_tag(n)
+        if tag is None or n.op in ("placeholder", "output"):
+            continue
+        if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) and is_region_call(n.args[0]):
+            continue  # a region call's output
+        regions.add(("id", repr(tag.get("inductor_region")) if isinstance(tag, dict) else None))
     return len(regions)
 
 

@@ -62,10 +62,13 @@ def delta(a: dict, b: dict) -> dict:
             continue
         pct = 100.0 * (mb - ma) / abs(ma)
         spreads = [a[key]["spread_pct"], b[key]["spread_pct"]]
-        spread = None if None in spreads else max(spreads)
-        verdict = (("real" if abs(pct) > spread else "within noise") if spread is not None
-                   else "spread unknown: a side has 1 successful run" if a[key]["n"] >= 2 or b[key]["n"] >= 2
-                   else "spread unknown: 1 repeat")
+        if None not in spreads:
+            spread = max(spreads)
+            verdict = "real" if abs(pct) > spread else "within noise"
+        elif a[key]["n"] >= 2 or b[key]["n"] >= 2:
+            spread, verdict = None, "spread unknown: a side has 1 successful run"
+        else:
+            spread, verdict = None, "spread unknown: 1 repeat"
         out[key] = {"pct": pct, "spread_pct": spread, "verdict": "no change" if mb == ma else verdict}
     return out
 

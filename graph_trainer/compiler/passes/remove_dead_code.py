@@ -36,10 +36,14 @@ def remove_dead_code_pass(gm: torch.fx.GraphModule, example_inputs=None) -> torc
     dead_mutations: set[torch.fx.Node] = set()
 
     def impure(n: torch.fx.Node) -> bool:
-        if not is_collective(n) and n.is_impure() and mutates_only_dead_temporaries(n):
+        if is_collective(n):
+            return True
+        if not n.is_impure():
+            return False
+        if mutates_only_dead_temporaries(n):
             dead_mutations.add(n)
             return False
-        return is_collective(n) or n.is_impure()
+        return True
 
     changed = gm.graph.eliminate_dead_code(is_impure_node=impure)
     gm.graph.lint()

@@ -84,8 +84,12 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _non_mutating_user(user: torch.fx.Node, node: torch.fx.Node) -> bool:
-    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
-        return user.op == "call_function" and user.target is operator.getitem
+    if user.op != "call_function":
+        return False
+    if user.target is operator.getitem:
+        return True
+    if not isinstance(user.target, torch._ops.OpOverload):
+        return False
     return not any(a is node and s.alias_info is not None and s.alias_info.is_write
                    for a, s in _bound_args(user, user.target._schema))
 
