@@ -354,17 +354,20 @@ def code_block(command: str) -> list[str]:
     return [f"{fence}bash", *command.splitlines(), fence]
 
 
-def profile_link(record: dict, out: Path, results: Path) -> list[str]:
-    """Markdown links to the record's profile pictures (``profile_png``: a path or a list; a bare file
-    name lies beside the records in ``results``, a path with a folder is repo-relative), relative to the page;
-    a picture that is not there is named, not linked."""
+def profile_links(record: dict, out: Path, results: Path) -> str:
+    """``; profile: [jit](…), [plain](…)`` for the meta line: links to the record's profile pictures (``profile_png``:
+    a path or a list; a bare file name lies beside the records in ``results``, a path with a folder is
+    repo-relative), relative to the page, each named by its variant (its file name when no variant's name ends it);
+    a picture that is not there is named, not linked. Empty without pictures."""
     pngs = record.get("profile_png") or []
+    variants = [v.get("name", "") for v in record.get("variants", [])]
     links = []
     for png in [pngs] if isinstance(pngs, str) else pngs:
         where = results / png if Path(png).name == png else resolve(png)
-        links.append(f"[{Path(png).name}]({os.path.relpath(where, out.parent).replace(os.sep, '/')})" if where.is_file()
-                     else f"{Path(png).name} (not kept)")
-    return [f"Profile: {', '.join(links)}", ""] if links else []
+        name = next((v for v in variants if v and Path(png).stem.endswith("_" + v)), Path(png).name)
+        links.append(f"[{name}]({os.path.relpath(where, out.parent).replace(os.sep, '/')})" if where.is_file()
+                     else f"{name} (not kept)")
+    return f"; profile: {', '.join(links)}" if links else ""
 
 
 def earlier_note(count: int, results: Path) -> str:
@@ -379,9 +382,9 @@ def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
     # a table ends where the command's fence begins, the fence where the profile's table does (GitHub's Markdown)
     lines = [f"### {cell(record['title'])} — {cell(record['device'])}",
-             meta_line(record) + earlier_note(earlier, results), "", *table, *code_block(record["command"])]
+             meta_line(record) + earlier_note(earlier, results) + profile_links(record, out, results), "", *table,
+             *code_block(record["command"])]
     lines += (profile_table(record) if record["kind"] == "bench" else []) or [""]
-    lines += profile_link(record, out, results)
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
     return lines

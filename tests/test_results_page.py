@@ -118,9 +118,9 @@ def test_page_check_and_options(records, tmp_path, capsys):
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
     assert all(s in main for s in (
         "2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3); 1 earlier record in "
-        "docs/results/\n", f"```bash\n{COMMAND}\n```\n", "\nOne line note.\n",
-        "Profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)"))
-    assert all(s not in parts["Bench llama3_1b fsdp2 — " + H200] for s in ("earlier", "Profile:"))
+        "docs/results/; profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)\n",
+        f"```bash\n{COMMAND}\n```\n", "\nOne line note.\n"))
+    assert all(s not in parts["Bench llama3_1b fsdp2 — " + H200] for s in ("earlier", "profile:"))
     tier_section = parts["GPU tier — " + H100]
     header, rows = table(tier_section)
     assert header == "| claim | what | result | detail |"
@@ -158,10 +158,11 @@ def test_latest_by_date_then_file_name(repo, capsys):
 
 
 def test_profile_pictures_beside_the_record(repo, capsys):
-    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png"], git_dirty=True))
-    (repo / "docs" / "results" / "r_jit.png").write_bytes(b"png")  # r_plain.png was not kept: named, not linked
-    page = written(repo, capsys)
-    assert "\nProfile: [r_jit.png](results/r_jit.png), r_plain.png (not kept)\n" in page
+    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png", "r_other.png"], git_dirty=True))
+    for png in ("r_jit.png", "r_other.png"):  # r_plain.png was not kept: named, not linked
+        (repo / "docs" / "results" / png).write_bytes(b"png")
+    page = written(repo, capsys)  # each linked by its variant's name, by its file name where no variant's name ends it
+    assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png)\n" in page
     assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
 
 
