@@ -162,18 +162,67 @@ def test_a_cat_of_casts_on_cuda_is_one_region(device, options, cast_cats):
     assert stats(gm)["cast_cats"] == cast_cats
 
 
+ROPE = (1, 64, 4, 32)  # batch, sequence, heads, head dim
+
+
+def _rope_graph(device=None):
+    """RoPE's rotation as traced: bf16 ``x`` times complex64 ``f`` (forward) and bf16 ``g`` times ``conj(f)``
+    (backward), each through fp32 and back (``device``: unused, as the other graphs take it)."""
+    b, s, h, d = ROPE
+    g, (x, grad, f) = fx_graph("x", "g", "f")
+    op = functools.partial(call, g, custom=BLOCK)
+
+    def rotate(t, q):
+        t = op(aten.view_as_complex.default, op(aten.view.default, op(aten._to_copy.default, t, dtype=F32),
+                                                [b, s, h, d // 2, 2]))
+        t = op(aten.view.default, op(aten.view_as_real.default, op(aten.mul.Tensor, t, q)), [b, s, h, d])
+        return op(aten._to_copy.default, t, dtype=torch.bfloat16)
+
+    return module(g, rotate(x, f), rotate(grad, op(aten.clone.default, op(aten._conj.default, f))))
+
+
+def _rope_inputs(device, fake=True):
+    b, s, h, d = ROPE
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        xs = [torch.randn(b, s, h, d, device=device).to(torch.bfloat16) for _ in range(2)]
+        angles = torch.randn(b, s, 1, d // 2, device=device) * 3
+        return [*xs, torch.polar(torch.ones_like(angles), angles)]
+
+
+ROTATION = ["_to_copy", "view", "select", "select", "select", "select", "mul", "neg", "addcmul", "mul", "addcmul",
+            "stack", "view", "_to_copy"]  # real arithmetic with eager's FMAs, between the casts
+
+
+@pytest.mark.parametrize("device, options, regions", [("cuda", {}, [ROTATION, ROTATION]), ("cpu", {}, []),
+                                                      ("cuda", {"complex_mul": False}, [])])
+def test_complex_multiply_on_cuda_becomes_real_arithmetic_with_its_casts(device, options, regions):
+    gm = _rope_graph()
+    assert _tagged_regions(gm, _rope_inputs(device), **options) == regions
+    assert stats(gm)["complex_muls"] == len(regions)
+    if regions:  # complex values left: f, and conj(f) materialized (read through view_as_real, outside the regions)
+        left = [n.op if n.op == "placeholder" else n.target._opname for n in gm.graph.nodes
+                if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_complex()]
+        assert left == ["placeholder", "_conj", "clone"]
+        xs = _rope_inputs("cpu", fake=False)  # the rewritten graph computes the same rotation (CPU: not bitwise)
+        for out, ref in zip(gm(*xs), _rope_graph()(*xs)):
+            torch.testing.assert_close(out, ref, rtol=0, atol=0.02)
+
+
 @CUDA
-@pytest.mark.parametrize("graph", ["silu", "bucket"])
+@pytest.mark.parametrize("graph", ["silu", "bucket", "rope"])
 def test_cuda_regions_are_bitwise_eager(graph):
-    """The SiLU regions and lone casts, and a cat of casts (of fp32 values that bf16 must round)."""
+    """The SiLU regions and lone casts, a cat of casts (of fp32 values that bf16 must round) and RoPE's rotation."""
     torch.manual_seed(0)
     if graph == "silu":
         graph, xs = _silu_graph, [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
-    else:
+    elif graph == "bucket":
         graph, xs = _bucket_graph, _bucket_inputs("cuda", fake=False)
         xs[2] = xs[2] * 1e3
+    else:
+        graph, xs = _rope_graph, _rope_inputs("cuda", fake=False)
     ref = graph(xs[0].device)(*xs)
     gm = graph(xs[0].device)
     fakes = fake_prop(gm, xs)
-    assert stats(annotate_exact_pointwise_pass(gm))["cast_cats"] == (2 if graph is _bucket_graph else 0)
+    st = stats(annotate_exact_pointwise_pass(gm))
+    assert (st["cast_cats"], st["complex_muls"]) == (2 * (graph is _bucket_graph), 2 * (graph is _rope_graph))
     assert_bitwise(run_pipeline(gm, fakes, ["regional_inductor"])(*xs), ref)

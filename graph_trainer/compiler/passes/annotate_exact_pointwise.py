@@ -3,10 +3,12 @@
 Eager runs ``mul``, ``add``, casts and the like one kernel each, each one correctly rounded operation. A fused kernel
 gives the same bits if it also rounds after every op and contracts no ``a * b + c`` into an FMA: Inductor does both
 under :data:`EAGER_NUMERICS`, so these regions need no ``--compile.numerics_changing_optim``. On CUDA SiLU and its
-backward join too (:func:`exact_silu_backward`). Other transcendental ops, division and reductions are left out.
+backward join too (:func:`exact_silu_backward`), and each complex64 multiply (RoPE's) becomes real arithmetic with
+eager's FMAs, one region with the casts around it (:func:`exact_complex_mul`). Other transcendental ops, division
+and reductions are left out.
 
 Matches: :func:`~graph_trainer.compiler.matching.find_pointwise_regions`'s chains of at least ``min_ops``
-:func:`is_exact` ops; on CUDA also each :func:`cast_cat_region` and each :func:`is_lone_cast`.
+:func:`is_exact` ops; on CUDA also each :func:`exact_complex_mul`, :func:`cast_cat_region` and :func:`is_lone_cast`.
 
 Changes: ``compile_with_inductor = {"inductor_configs": EAGER_NUMERICS, "inductor_region":
 "exact_pointwise_<phase>_<i>"}`` and ``meta["low_precision_pointwise_barrier"] = True`` (Inductor rounds after the
@@ -104,20 +106,87 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
     return region + [cat] if region else None
 
 
+def _op_before(node: torch.fx.Node, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+    """A new ``target(*args, **kwargs)`` node before ``node`` with a copy of its meta and its own fake ``val``."""
+    with node.graph.inserting_before(node):
+        n = node.graph.call_function(target, args, kwargs)
+    n.meta.update({k: copy.deepcopy(v) for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+    vals, kwvals = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
+    n.meta["val"] = target(*vals, **kwvals)
+    return n
+
+
+def _reshapes_and_cast(n: torch.fx.Node, members: set[torch.fx.Node], upstream: bool) -> list[torch.fx.Node]:
+    """Untagged reshapes from ``n`` up its inputs (``upstream``; ``n`` included) or down its users (not included),
+    and a :func:`_plain_cast` that ends them. Upstream each is read only by ``members`` and the walk's nodes;
+    downstream each is the only reader of the one before."""
+    path: list[torch.fx.Node] = []
+    while True:
+        if not upstream:
+            if len(n.users) != 1:
+                return path
+            n = next(iter(n.users))
+        if (not isinstance(n, torch.fx.Node) or n.op != "call_function" or is_tagged_for_inductor(n)
+                or upstream and not set(n.users) <= members | set(path)):
+            return path
+        if n.target not in RESHAPE_OPS:
+            return path + [n] if _plain_cast(n) else path
+        path.append(n)
+        if upstream:
+            n = n.args[0]
+
+
+def exact_complex_mul(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """For ``node`` = ``view_as_real(mul(p, q))`` of complex64 CUDA tensors (RoPE's rotation, forward and backward):
+    replace it by the real ops of eager CUDA's kernel and return the region, else None (nothing changed). With
+    ``(a, b)`` and ``(c, d)`` the real and imaginary parts of ``p`` and ``q`` (selects of ``r`` where the operand is
+    ``view_as_complex(r)``, else of its ``view_as_real``), eager computes ``fma(a, c, -(b * d))`` and ``fma(a, d, b *
+    c)``: nvcc contracts its ``a * c - b * d`` and ``a * d + b * c`` so (measured bitwise on an H200). Here each is an
+    ``addcmul`` (an FMA in Inductor on CUDA), stacked on a last dim of 2. The region: those ops, the reshapes around
+    them and a plain cast at either end (:func:`_reshapes_and_cast`), not the ``view_as_real`` of a complex operand
+    (Inductor has no complex code)."""
+    graph, mul = node.graph, node.args[0] if node.target is aten.view_as_real.default else None
+    val = mul.meta.get("val") if isinstance(mul, torch.fx.Node) else None
+    if (mul is None or mul.target is not aten.mul.Tensor or len(mul.users) != 1 or not isinstance(val, torch.Tensor)
+            or val.dtype != torch.complex64 or val.device.type != "cuda"
+            or not all(isinstance(p, torch.fx.Node) and isinstance(v := p.meta.get("val"), torch.Tensor)
+                       and v.dtype == torch.complex64 and not v.is_conj() for p in mul.args[:2])):
+        return None
+    parts, owned = [], []  # per operand: its (real, imaginary) selects; the view_as_complex it replaces, if any
+    for p in mul.args[:2]:
+        own = p.target is aten.view_as_complex.default and len(p.users) == 1
+        r = p.args[0] if own else _op_before(node, aten.view_as_real.default, p)
+        parts.append([_op_before(node, aten.select.int, r, -1, i) for i in (0, 1)])
+        owned.append(p if own else None)
+    (a, b), (c, d) = parts
+    bd = _op_before(node, aten.mul.Tensor, b, d)
+    neg_bd = _op_before(node, aten.neg.default, bd)
+    re = _op_before(node, aten.addcmul.default, neg_bd, a, c)
+    bc = _op_before(node, aten.mul.Tensor, b, c)
+    im = _op_before(node, aten.addcmul.default, bc, a, d)
+    out = _op_before(node, aten.stack.default, [re, im], -1)
+    node.replace_all_uses_with(out)
+    for dead in (node, mul, *(p for p in owned if p is not None)):
+        graph.erase_node(dead)
+    members = {a, b, c, d, bd, neg_bd, re, bc, im, out}
+    for p, (real, _) in zip(owned, parts):
+        if p is not None:
+            members.update(_reshapes_and_cast(real.args[0], members, upstream=True))
+    members.update(_reshapes_and_cast(out, members, upstream=False))
+    pos = positions(graph)
+    return sorted(members, key=pos.__getitem__)
+
+
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Replace ``aten.silu_backward(dy, x)`` by the aten ops of eager CUDA's kernel: in fp32, ``s = 1.0 / (1 +
     exp(-x))`` (IEEE division), ``dy * s * fma(x, 1 - s, 1)`` (``addcmul``: nvcc contracts eager's ``1 + x * (1 -
     s)``), cast to the output dtype. Each new node copies ``node``'s meta with its own fake ``val``. Returns the new
     nodes; ``node`` is erased."""
-    graph, (dy, x) = node.graph, node.args
+    dy, x = node.args
 
     def op(target, *args, **kwargs):
-        with graph.inserting_before(node):
-            n = graph.call_function(target, args, kwargs)
-        n.meta.update({k: copy.deepcopy(v) for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
-        n.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args], **kwargs)
-        new.append(n)
-        return n
+        new.append(_op_before(node, target, *args, **kwargs))
+        return new[-1]
 
     new: list[torch.fx.Node] = []
     xf, dyf = op(aten._to_copy.default, x, dtype=torch.float32), op(aten._to_copy.default, dy, dtype=torch.float32)
@@ -126,19 +195,23 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
     t = op(aten.addcmul.default, op(aten.full_like.default, xf, 1.0), xf, op(aten.rsub.Scalar, s, 1))
     out = op(aten._to_copy.default, op(aten.mul.Tensor, op(aten.mul.Tensor, dyf, s), t), dtype=node.meta["val"].dtype)
     node.replace_all_uses_with(out)
-    graph.erase_node(node)
+    node.graph.erase_node(node)
     return new
 
 
 def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any = None, min_ops: int = 2,
-                                  activations: bool = True, lone_casts: bool = True,
-                                  cast_cats: bool = True) -> torch.fx.GraphModule:
-    """Tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``), with ``cast_cats``
-    each :func:`cast_cat_region` outside them, and with ``lone_casts`` each :func:`is_lone_cast` outside both, as
-    one eager-numerics region; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions``, ``cast_cats``
-    and ``lone_casts`` (their regions), ``eager_bytes`` / ``fused_bytes`` (:func:`region_traffic` of the chains)."""
+                                  activations: bool = True, lone_casts: bool = True, cast_cats: bool = True,
+                                  complex_mul: bool = True) -> torch.fx.GraphModule:
+    """With ``complex_mul`` rewrite each complex64 CUDA multiply as :func:`exact_complex_mul` does, one region each;
+    then tag each chain of :func:`is_exact` ops (at least ``min_ops``; SiLU with ``activations``), with ``cast_cats``
+    each :func:`cast_cat_region` outside them, and with ``lone_casts`` each :func:`is_lone_cast` outside all these, as
+    one eager-numerics region; ``ValueError`` for ``min_ops < 1``. Stats: those of ``tag_regions`` (without the
+    complex multiplies), ``complex_muls``, ``cast_cats`` and ``lone_casts`` (their regions), ``eager_bytes`` /
+    ``fused_bytes`` (:func:`region_traffic` of the chains)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
+    muls = [r for n in list(gm.graph.nodes) if complex_mul and (r := exact_complex_mul(n))]
+    tag_regions(muls, EAGER_NUMERICS, "exact_complex_mul")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
     pos = positions(gm.graph)
@@ -148,7 +221,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     regions = sorted(chains + cats + casts, key=lambda r: pos[r[0]])
     st = tag_regions(regions, EAGER_NUMERICS, "exact_pointwise")
     eager, fused = (sum(t) for t in zip(*map(region_traffic, chains))) if chains else (0, 0)
-    for n in [n for region in regions for n in region]:
+    for n in [n for region in regions + muls for n in region]:
         n.meta[BARRIER_KEY] = True
         if packet_name(n) == "silu_backward":
             exact_silu_backward(n)  # its new nodes copy the region tag and the mark
@@ -156,8 +229,9 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         gm, f"tagged {st['nodes']} exact pointwise node(s) into {st['regions']} eager-numerics region(s) "
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
         f"{len(cats)} cats of casts, {len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused "
-        f"instead of {eager / 2**30:.2f} GiB one kernel each",
-        **st, cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
+        f"instead of {eager / 2**30:.2f} GiB one kernel each; {len(muls)} complex multiplies as real arithmetic",
+        **st, complex_muls=len(muls), cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager,
+        fused_bytes=fused,
     )
     return gm
 
@@ -176,6 +250,9 @@ class ExactPointwiseOptions:
     cast_cats: bool = True
     """A cat on a CUDA device and the casts it concatenates are one region: each cast writes into
     its slice (FSDP's buckets before the all-gather and the reduce-scatter), no copy of them all."""
+    complex_mul: bool = True
+    """Each complex64 multiply on a CUDA device (RoPE's rotation) becomes real arithmetic with eager's
+    FMAs, one region with the reshapes and casts around it."""
 
     def check(self) -> None:
         if self.min_ops < 1:
