@@ -300,12 +300,18 @@ def profile_table(record: dict) -> list[str]:
     """Where a bench record's profiled step went per variant and rank (``profile``, written by
     ``graph_trainer.tools.bench.profile_summary``): wall = compute + exposed communication + idle (of it,
     when recorded, the part that waited for the host's launch), ms, and (when recorded) the most exposed
-    collectives; nothing when the record has none."""
+    collectives; nothing when the record has none. One line instead of the table when each variant has one rank
+    and none communicated (one GPU)."""
     prof = record.get("profile")
     if not isinstance(prof, dict) or not prof.get("variants"):
         return []
     ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
     colls = any(r.get("collectives") for _, r in ranks)
+    if len(ranks) == len(prof["variants"]) and not colls and not any(r.get("exposed_comm_ms") for _, r in ranks):
+        return [f"Step {prof.get('step', MISSING)} profiled (one rank, no communication), ms wall / compute / idle: "
+                + ", ".join(name + " " + " / ".join(fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "idle_ms"))
+                            + (f" (host {r['idle_host_ms']:.1f})" if r.get("idle_host_ms") is not None else "")
+                            for name, r in ranks) + ".", ""]
     header = [f"step {prof.get('step', MISSING)} profiled, ms", "rank", "wall", "compute", "exposed comm", "idle"] \
         + ["most exposed collectives (ms)"] * colls
     lines = [row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
@@ -355,10 +361,10 @@ def code_block(command: str) -> list[str]:
 
 
 def profile_links(record: dict, out: Path, results: Path) -> str:
-    """``; profile: [jit](…), [plain](…)`` for the meta line: links to the record's profile pictures (``profile_png``:
-    a path or a list; a bare file name lies beside the records in ``results``, a path with a folder is
-    repo-relative), relative to the page, each named by its variant (its file name when no variant's name ends it);
-    a picture that is not there is named, not linked. Empty without pictures."""
+    """``; profile: [jit](…), [plain](…)`` for the meta line: links to the record's profile pictures
+    (``profile_png``: a path or a list; a bare file name lies beside the records in ``results``, a path with a
+    folder is repo-relative), relative to the page, each named by its variant (its file name when no variant's name
+    ends it); a picture that is not there is named, not linked. Empty without pictures."""
     pngs = record.get("profile_png") or []
     variants = [v.get("name", "") for v in record.get("variants", [])]
     links = []

@@ -288,6 +288,11 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
     assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 (host 9.0) | – |\n" in page  # idle waiting for a launch
     put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in written(repo, capsys)  # no collectives: no column
+    one_gpu = {"step": 10, "variants": {"jit": [{**jit0, "exposed_comm_ms": 0.0}], "plain": [plain3 | {
+        "exposed_comm_ms": 0.0, "collectives": {}}]}}
+    put(repo, "r.json", bench("2026-11-27", profile=one_gpu))
+    assert ("\nStep 10 profiled (one rank, no communication), ms wall / compute / idle: jit 620.8 / 442.1 / 18.3, "
+            "plain 503.9 / 411.8 / 13.9 (host 9.0).\n") in written(repo, capsys)  # one line, no table
 
 
 def test_superseded_group_left_out_and_named(repo, capsys):
