@@ -15,8 +15,8 @@ from graph_trainer.compiler.pipeline import run_pipeline
 from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
-from .conftest import (aten, assert_bitwise, call, fake_prop, fx_graph, inductor_tag, module, region_ids, stats,
-                       tagged_nodes)
+from .conftest import (aten, assert_bitwise, call, call_targets, fake_prop, fx_graph, inductor_tag, module, region_ids,
+                       stats, tagged_nodes)
 
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                              reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
@@ -202,7 +202,7 @@ def test_complex_multiply_on_cuda_becomes_real_arithmetic_with_its_casts(device,
     if regions:  # complex values left: f, and conj(f) materialized (read through view_as_real, outside the regions)
         left = [n.op if n.op == "placeholder" else n.target._opname for n in gm.graph.nodes
                 if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_complex()]
-        assert left == ["placeholder", "_conj", "clone"]
+        assert left == ["placeholder", "_conj", "clone"] and call_targets(gm).count(aten.view_as_real.default) == 2
         xs = _rope_inputs("cpu", fake=False)  # the rewritten graph computes the same rotation (CPU: not bitwise)
         for out, ref in zip(gm(*xs), _rope_graph()(*xs)):
             torch.testing.assert_close(out, ref, rtol=0, atol=0.02)

@@ -86,6 +86,21 @@ def is_lone_cast(node: torch.fx.Node) -> bool:
     return src.dtype in _LOW and out.dtype == torch.float32 and val_bytes(out) >= LONE_CAST_BYTES
 
 
+def _reshapes_and_cast(n: torch.fx.Node, members: set[torch.fx.Node], upstream: bool) -> list[torch.fx.Node]:
+    """Untagged reshapes from ``n`` (included) up its inputs, each read only by ``members`` and the walk's nodes, or
+    (not ``upstream``) down from ``n`` (excluded), each the only reader of the one before; then a plain cast."""
+    path: list[torch.fx.Node] = []
+    while upstream or len(n.users) == 1:
+        n = n if upstream else next(iter(n.users))
+        if n.op != "call_function" or is_tagged_for_inductor(n) or upstream and not set(n.users) <= members | {*path}:
+            break
+        if n.target not in RESHAPE_OPS:
+            return path + [n] * _plain_cast(n)
+        path.append(n)
+        n = n.args[0] if upstream else n
+    return path
+
+
 def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch.fx.Node] | None:
     """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged ``aten.cat`` on
     a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the reshapes
@@ -95,14 +110,10 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
             or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
         return None
     region = []
-    for piece in dict.fromkeys(cat.args[0]):
-        path, n = [], piece
-        while isinstance(n, torch.fx.Node) and n.target in RESHAPE_OPS and len(n.users) == 1 \
-                and not is_tagged_for_inductor(n):
-            path.append(n)
-            n = n.args[0]
-        if isinstance(n, torch.fx.Node) and len(n.users) == 1 and n not in taken and _plain_cast(n):
-            region += [n, *reversed(path)]
+    for piece in dict.fromkeys(p for p in cat.args[0] if isinstance(p, torch.fx.Node)):
+        path = _reshapes_and_cast(piece, {cat}, upstream=True)
+        if path and _plain_cast(path[-1]) and path[-1] not in taken:
+            region += path[::-1]
     return region + [cat] if region else None
 
 
@@ -116,64 +127,38 @@ def _op_before(node: torch.fx.Node, target: Any, *args: Any, **kwargs: Any) -> t
     return n
 
 
-def _reshapes_and_cast(n: torch.fx.Node, members: set[torch.fx.Node], upstream: bool) -> list[torch.fx.Node]:
-    """Untagged reshapes from ``n`` up its inputs (``upstream``; ``n`` included) or down its users (not included),
-    and a :func:`_plain_cast` that ends them. Upstream each is read only by ``members`` and the walk's nodes;
-    downstream each is the only reader of the one before."""
-    path: list[torch.fx.Node] = []
-    while True:
-        if not upstream:
-            if len(n.users) != 1:
-                return path
-            n = next(iter(n.users))
-        if (not isinstance(n, torch.fx.Node) or n.op != "call_function" or is_tagged_for_inductor(n)
-                or upstream and not set(n.users) <= members | set(path)):
-            return path
-        if n.target not in RESHAPE_OPS:
-            return path + [n] if _plain_cast(n) else path
-        path.append(n)
-        if upstream:
-            n = n.args[0]
-
-
 def exact_complex_mul(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     """For ``node`` = ``view_as_real(mul(p, q))`` of complex64 CUDA tensors (RoPE's rotation, forward and backward):
     replace it by the real ops of eager CUDA's kernel and return the region, else None (nothing changed). With
     ``(a, b)`` and ``(c, d)`` the real and imaginary parts of ``p`` and ``q`` (selects of ``r`` where the operand is
     ``view_as_complex(r)``, else of its ``view_as_real``), eager computes ``fma(a, c, -(b * d))`` and ``fma(a, d, b *
-    c)``: nvcc contracts its ``a * c - b * d`` and ``a * d + b * c`` so (measured bitwise on an H200). Here each is an
-    ``addcmul`` (an FMA in Inductor on CUDA), stacked on a last dim of 2. The region: those ops, the reshapes around
-    them and a plain cast at either end (:func:`_reshapes_and_cast`), not the ``view_as_real`` of a complex operand
-    (Inductor has no complex code)."""
-    graph, mul = node.graph, node.args[0] if node.target is aten.view_as_real.default else None
-    val = mul.meta.get("val") if isinstance(mul, torch.fx.Node) else None
-    if (mul is None or mul.target is not aten.mul.Tensor or len(mul.users) != 1 or not isinstance(val, torch.Tensor)
-            or val.dtype != torch.complex64 or val.device.type != "cuda"
-            or not all(isinstance(p, torch.fx.Node) and isinstance(v := p.meta.get("val"), torch.Tensor)
-                       and v.dtype == torch.complex64 and not v.is_conj() for p in mul.args[:2])):
+    c)`` (nvcc contracts ``a * c - b * d`` and ``a * d + b * c`` so; measured bitwise on an H200): each an ``addcmul``
+    here (an FMA in Inductor on CUDA), stacked on a last dim of 2. The region: these ops with the reshapes and a plain
+    cast on either side (:func:`_reshapes_and_cast`); an operand's ``view_as_real`` stays out (no complex codegen)."""
+    mul = node.args[0] if node.target is aten.view_as_real.default else None
+    if not (isinstance(mul, torch.fx.Node) and mul.target is aten.mul.Tensor and len(mul.users) == 1 and all(
+            isinstance(p, torch.fx.Node) and isinstance(v := p.meta.get("val"), torch.Tensor)
+            and v.device.type == "cuda" and v.dtype == torch.complex64 and not v.is_conj() for p in mul.args[:2])):
         return None
-    parts, owned = [], []  # per operand: its (real, imaginary) selects; the view_as_complex it replaces, if any
-    for p in mul.args[:2]:
-        own = p.target is aten.view_as_complex.default and len(p.users) == 1
-        r = p.args[0] if own else _op_before(node, aten.view_as_real.default, p)
-        parts.append([_op_before(node, aten.select.int, r, -1, i) for i in (0, 1)])
-        owned.append(p if own else None)
-    (a, b), (c, d) = parts
-    bd = _op_before(node, aten.mul.Tensor, b, d)
-    neg_bd = _op_before(node, aten.neg.default, bd)
-    re = _op_before(node, aten.addcmul.default, neg_bd, a, c)
-    bc = _op_before(node, aten.mul.Tensor, b, c)
-    im = _op_before(node, aten.addcmul.default, bc, a, d)
-    out = _op_before(node, aten.stack.default, [re, im], -1)
-    node.replace_all_uses_with(out)
-    for dead in (node, mul, *(p for p in owned if p is not None)):
-        graph.erase_node(dead)
-    members = {a, b, c, d, bd, neg_bd, re, bc, im, out}
-    for p, (real, _) in zip(owned, parts):
-        if p is not None:
-            members.update(_reshapes_and_cast(real.args[0], members, upstream=True))
-    members.update(_reshapes_and_cast(out, members, upstream=False))
-    pos = positions(graph)
+    new: list[torch.fx.Node] = []
+
+    def op(target, *args):
+        new.append(_op_before(node, target, *args))
+        return new[-1]
+
+    owned = {p: p.args[0] for p in mul.args[:2] if p.target is aten.view_as_complex.default and len(p.users) == 1}
+    sources = [owned[p] if p in owned else op(aten.view_as_real.default, p) for p in mul.args[:2]]
+    (a, b), (c, d) = [[op(aten.select.int, src, -1, i) for i in (0, 1)] for src in sources]
+    re = op(aten.addcmul.default, op(aten.neg.default, op(aten.mul.Tensor, b, d)), a, c)
+    node.replace_all_uses_with(op(aten.stack.default, [re, op(aten.addcmul.default, op(aten.mul.Tensor, b, c), a, d)],
+                                  -1))
+    for dead in (node, mul, *owned):
+        dead.graph.erase_node(dead)
+    members = {n for n in new if n.target is not aten.view_as_real.default}
+    for r in owned.values():
+        members.update(_reshapes_and_cast(r, members, upstream=True))
+    members.update(_reshapes_and_cast(new[-1], members, upstream=False))
+    pos = positions(new[-1].graph)
     return sorted(members, key=pos.__getitem__)
 
 
