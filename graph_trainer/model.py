@@ -2,8 +2,7 @@
 builder of training, the dry run, the scripts and the tests."""
 
 import copy
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ def model_args(flavor: str, **overrides: Any):
     UserError: unknown flavor. TypeError: an override names no field."""
     if flavor not in flavors():
         raise UserError(f"Unknown --model.flavor '{flavor}'. Valid values: {', '.join(sorted(flavors()))}.")
-    return dataclasses.replace(copy.deepcopy(flavors()[flavor]), **overrides)
+    return replace(copy.deepcopy(flavors()[flavor]), **overrides)
 
 
 def build_tokenizer(cfg):

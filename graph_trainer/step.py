@@ -39,8 +39,15 @@ class _Step:
     hash_view = None  # (i, t) -> t as hashed (--debug.state_hashes): the param's own layout
 
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The global batch's mean token loss from this rank's ``loss`` (see :func:`global_loss`)."""
-        return global_loss(loss, self.dp_group)
+        """Sum of the ranks' 0-d ``loss`` over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global
+        batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss). A 0-d tensor on ``loss``'s
+        device, the host not waiting for it."""
+        loss = loss.detach()
+        if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
+            loss = loss.full_tensor()
+        if self.dp_group is not None:
+            loss = funcol.wait_tensor(funcol.all_reduce(loss, "sum", self.dp_group))
+        return loss
 
     def _save_records(self, records: dict, loss, named_grads, mode: str) -> None:
         """Add loss and gradients to ``records``, write them and turn recording off (step 1 only)."""
@@ -201,18 +208,6 @@ class EagerTrainStep(_Step):
         from torchtitan.distributed.utils import clip_grad_norm_
 
         return clip_grad_norm_(self.params, max_norm, foreach=True)
-
-
-def global_loss(loss: torch.Tensor, dp_group=None) -> torch.Tensor:
-    """Sum of the ranks' 0-d ``loss`` over ``dp_group`` (ProcessGroup, 1-D DeviceMesh or None): the global
-    batch's mean token loss, as torchtitan logs it (TP ranks hold the same loss). A 0-d tensor on ``loss``'s
-    device, the host not waiting for it."""
-    loss = loss.detach()
-    if hasattr(loss, "full_tensor"):  # TP loss parallel: a replicated DTensor
-        loss = loss.full_tensor()
-    if dp_group is not None:
-        loss = funcol.wait_tensor(funcol.all_reduce(loss, "sum", dp_group))
-    return loss
 
 
 def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:

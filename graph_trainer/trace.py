@@ -15,7 +15,6 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.fx.experimental.proxy_tensor import make_fx
-
 from torch.nn.utils.stateless import _reparametrize_module
 
 from graph_trainer import AC_REGION_KEY, MODULE_FQN_KEY, PHASE_KEY
@@ -119,8 +118,7 @@ def trace_train_step(model: torch.nn.Module, loss_fn: Callable[[torch.Tensor, to
             if materialize is not None:
                 compute = materialize(list(params))
             else:
-                cast = param_dtype is not None
-                compute = [p.to(param_dtype) if cast and p.is_floating_point() and p.dtype != param_dtype else p
+                compute = [p.to(param_dtype) if p.is_floating_point() and param_dtype not in (None, p.dtype) else p
                            for p in params]
             state = {**dict(zip(param_names, compute)), **dict(zip(buffer_names, bufs))}
         # re-parametrized through the backward too: activation checkpointing recomputes there

@@ -5,7 +5,7 @@ from collections.abc import Callable, Container
 import torch
 
 from graph_trainer.compiler.graph_values import tensor_val
-from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, op_name, op_namespace
+from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, only_user, op_name, op_namespace
 
 #: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
 #: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
@@ -38,8 +38,7 @@ def is_wait(node: torch.fx.Node) -> bool:
 
 def sole_wait(issue: torch.fx.Node) -> torch.fx.Node | None:
     """The ``wait_tensor`` of ``issue`` when it is ``issue``'s only user, else None."""
-    user = next(iter(issue.users)) if len(issue.users) == 1 else None
-    return user if user is not None and is_wait(user) else None
+    return user if (user := only_user(issue)) is not None and is_wait(user) else None
 
 
 def on_cpu(issue: torch.fx.Node) -> bool:

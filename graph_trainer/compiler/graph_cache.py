@@ -6,7 +6,6 @@ the graph (:func:`cache_key`); a later run with the same key loads it and runs o
 ``full_inductor`` alone, the entry holds Inductor's compiled step instead of the graph (``<key>.inductor`` beside it),
 called directly; one that does not load makes the next run a cold one."""
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -157,13 +156,11 @@ def compiled_path(path: Path) -> Path:
     return path.with_suffix(".inductor")
 
 
-@contextlib.contextmanager
 def recording():
     """Run the remaining steps under this to record their cache artifacts for :func:`save_compiled`."""
     from torch.compiler._cache import CacheArtifactManager
 
-    with CacheArtifactManager.with_fresh_cache():
-        yield
+    return CacheArtifactManager.with_fresh_cache()
 
 
 def save_compiled(path: Path, gm: Any, steps: list) -> bool:

@@ -102,11 +102,6 @@ def is_tagged_recompute(node: torch.fx.Node) -> bool:
     return node.meta.get("recompute") in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
-def has_recompute_tags(graph: torch.fx.Graph) -> bool:
-    """Whether a node of ``graph`` carries selective AC's ``PREFER/MUST_RECOMPUTE`` tag."""
-    return any(map(is_tagged_recompute, graph.nodes))
-
-
 def strip_recompute_tags(graph: torch.fx.Graph) -> int:
     """Delete selective AC's recompute tags (else ``compile_fx`` recomputes again); returns how many."""
     n = 0

@@ -18,15 +18,11 @@ from graph_trainer.compiler.ops import packet_name
 _ANCHORS = ("mm", "addmm", "bmm", "_scaled_mm")
 
 
-def _is_anchor(n: torch.fx.Node) -> bool:
-    return packet_name(n) in _ANCHORS
-
-
 def collective_pin_deps(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
     """``{dependent: [dependencies]}``: for each collective ``C`` whose wait ``W`` comes after anchors ``A1 .. Ak``
     (k >= 1), ``A1`` depends on ``C`` and ``W`` on ``Ak`` (module docstring). Pure: the graph is not changed."""
     pos = positions(graph)
-    anchors = [n for n in graph.nodes if _is_anchor(n)]
+    anchors = [n for n in graph.nodes if packet_name(n) in _ANCHORS]
     anchor_pos = [pos[a] for a in anchors]
     deps: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for w in graph.nodes:

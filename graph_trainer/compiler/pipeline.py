@@ -3,6 +3,7 @@ the levers left on ``auto`` (:func:`plan_pipeline`), run it and record what each
 
 import copy
 import dataclasses
+import difflib
 import json
 import time
 from collections.abc import Iterable
@@ -10,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graph_trainer import logger
 from graph_trainer.compiler import report
 from graph_trainer.compiler.collectives import collective_kind
+from graph_trainer.compiler.graph_values import val_bytes
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from graph_trainer.compiler.memory_policy import LEVER_PASSES, Levers, MemoryPolicy, choose_levers
-from graph_trainer.compiler.node_meta import has_recompute_tags, pop_pass_summary
+from graph_trainer.compiler.node_meta import is_tagged_recompute, pop_pass_summary
 from graph_trainer.compiler.ops import num_nodes, op_counts
 from graph_trainer.compiler.registry import PassContext, PipelineStep, named_passes, pass_step, registry, resolve
 
@@ -53,9 +54,7 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
     """Mean bytes per rank of one block's FSDP all-gather outputs in ``gm``; 0 without them or ``layout``."""
     if layout is None or layout.n_blocks == 0:
         return 0
-    sizes = [sum(t.numel() * t.element_size() for t in pytree.tree_leaves(n.meta.get("val"))
-                 if isinstance(t, torch.Tensor))
-             for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
+    sizes = [val_bytes(n.meta.get("val")) for n in gm.graph.nodes if collective_kind(n) == "all_gather_into_tensor"]
     blocks = sizes[layout.params_before: layout.params_of_first_blocks(layout.n_blocks)]
     return sum(blocks) // layout.n_blocks if len(blocks) == layout.n_blocks * layout.params_per_block else 0
 
@@ -74,7 +73,7 @@ def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, bu
     trial = [n for n in names if registry()[n].in_memory_trial]
     # the trial passes before the first lever's pass do not depend on the candidate: run them once
     first = next((i for i, n in enumerate(trial) if n in LEVER_PASSES.values()), len(trial))
-    has_sac = LEVER_PASSES["save"] in names and has_recompute_tags(gm.graph)
+    has_sac = LEVER_PASSES["save"] in names and any(map(is_tagged_recompute, gm.graph.nodes))
     has_fsdp = has_fsdp and LEVER_PASSES["keep_last_blocks"] in names
     known = {} if estimates is None else estimates
 
@@ -145,7 +144,8 @@ def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterab
             continue
         name = f"{i:02d}_{step.name}"
         new_text = report.readable_graph(gm)
-        diff = report.graph_diff(text, new_text, f"{prev_name}.py", f"{name}.py")
+        diff = "".join(difflib.unified_diff(text.splitlines(True), new_text.splitlines(True), f"{prev_name}.py",
+                                            f"{name}.py"))
         text, prev_name = new_text, name
         if graphs_dir is not None:
             (graphs_dir / f"{name}.py").write_text(text)

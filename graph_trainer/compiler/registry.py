@@ -1,11 +1,10 @@
 """The pass registry: what every graph pass declares (a module of :mod:`graph_trainer.compiler.passes` with its
 function ``(gm, example_inputs, **kwargs) -> gm`` and a module-level ``PASS``), and the one place that reads it."""
 
-import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 #: ``[compile] inductor_compilation`` values.
@@ -59,8 +58,8 @@ def registry() -> dict[str, GraphPass]:
             raise TypeError(f"graph_trainer/compiler/passes/{module}.py defines no PASS = GraphPass(...)")
         if spec.name in out:
             raise TypeError(f"two passes are named {spec.name!r}")
-        out[spec.name] = dataclasses.replace(spec, section=spec.section or module,
-                                             aliases=tuple(dict.fromkeys((module, *spec.aliases))))
+        out[spec.name] = replace(spec, section=spec.section or module,
+                                 aliases=tuple(dict.fromkeys((module, *spec.aliases))))
     return out
 
 
@@ -144,4 +143,4 @@ def pass_step(name: str, ctx: PassContext | None = None) -> PipelineStep:
     options = options_of(spec, ctx.compile_cfg)
     if spec.kwargs is not None:
         return PipelineStep(spec.name, spec.fn, dict(spec.kwargs(options, ctx)))
-    return PipelineStep(spec.name, spec.fn, dataclasses.asdict(options) if options is not None else {})
+    return PipelineStep(spec.name, spec.fn, asdict(options) if options is not None else {})

@@ -1,7 +1,6 @@
 """What each pass of the pipeline did, in numbers (:func:`pass_record` from the :class:`GraphSnapshot` s before and
 after it; :func:`format_pass_table`) and text (readable dumps, structured-trace artifacts)."""
 
-import difflib
 import json
 import operator
 from collections import Counter
@@ -216,11 +215,6 @@ def readable_graph(gm: Any) -> str:
             return f"# print_readable failed: {e!r}\n{gm.code}"
         except Exception as e2:
             return f"# print_readable failed: {e!r}; gm.code failed: {e2!r}\n# {gm!r}\n"
-
-
-def graph_diff(before: str, after: str, before_name: str = "before", after_name: str = "after") -> str:
-    """Unified diff of two :func:`readable_graph` texts; ``""`` when they are equal."""
-    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), before_name, after_name))
 
 
 def trace_enabled() -> bool:

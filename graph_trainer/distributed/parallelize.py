@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -170,13 +171,10 @@ def apply_ac_for_trace(model, cfg) -> None:
 
     # under make_fx op-level SAC's cache sees version-counter bumps eager does not (a spurious
     # "... has been mutated"); the traced step stays bitwise eager op-SAC with the check off
-    orig = ckpt.create_selective_checkpoint_contexts
-    ckpt.create_selective_checkpoint_contexts = functools.partial(orig, allow_cache_entry_mutation=True)
-    try:
+    lenient = functools.partial(ckpt.create_selective_checkpoint_contexts, allow_cache_entry_mutation=True)
+    with mock.patch.object(ckpt, "create_selective_checkpoint_contexts", lenient):
         apply_ac(model, cfg.activation_checkpoint, model_compile_enabled=False, op_sac_save_list=_op_sac_save_list,
                  base_folder=cfg.job.dump_folder)
-    finally:
-        ckpt.create_selective_checkpoint_contexts = orig
 
 
 def all_reduce_grads(grads: list[torch.Tensor], group=None) -> None:

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.compiler.collectives import collective_kind, is_collective
 from graph_trainer.compiler.graph_values import val_bytes
-from graph_trainer.compiler.ops import VIEW_OPS, aten, returns_view
+from graph_trainer.compiler.ops import VIEW_OPS, aten, packet_name, returns_view
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
     DeviceConstants, Link, device_constants)
@@ -144,8 +144,7 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
     """``([(FLOPs, shape key) per matmul], S bytes, collective kind)`` of an async-TP
     ``symm_mem.fused_all_gather_matmul`` (S = the gathered A) or ``fused_matmul_reduce_scatter`` (S = the ``[M, N]``
     product), else None. ``torch.utils.flop_counter`` has no formula for the ``symm_mem`` ops: ``aten.mm``'s is used."""
-    name = getattr(getattr(node.target, "_overloadpacket", None), "__name__", None)
-    if node.op != "call_function" or name not in _FUSED_TP:
+    if (name := packet_name(node)) not in _FUSED_TP:
         return None
     a = _args(node)
     A = _meta(a["A"])

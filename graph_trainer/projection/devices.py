@@ -2,11 +2,10 @@
 values, replaced field by field by the JSON that ``scripts/cost_constants.py`` measured
 (``graph_trainer/projection/cost_constants/<device>.json`` or ``--projection.cost_constants``)."""
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from graph_trainer.compiler.memory_policy import DRY_RUN_DEVICES_GIB
 from graph_trainer.errors import UserError
@@ -114,6 +113,6 @@ def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -
         measured.append("nic")
     if not measured:
         return dev
-    return dataclasses.replace(dev, **upd, measured=tuple(measured),
-                               source=f"measured ({', '.join(measured)}) in {os.path.basename(path)}, "
-                                      "the rest datasheet defaults")
+    return replace(dev, **upd, measured=tuple(measured),
+                   source=f"measured ({', '.join(measured)}) in {os.path.basename(path)}, "
+                          "the rest datasheet defaults")

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 from collections import Counter, defaultdict
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,10 @@ def fused_attention_on_meta():
     save_list = tt_parallelize._op_sac_save_list
     added = op not in save_list
     save_list.add(op)
-    F.scaled_dot_product_attention = sdpa
     try:
-        yield
+        with mock.patch.object(F, "scaled_dot_product_attention", sdpa):
+            yield
     finally:
-        F.scaled_dot_product_attention = orig
         if added:
             save_list.discard(op)
 
@@ -128,11 +128,8 @@ def fused_rms_norm_on_meta():
             return orig(x, normalized_shape, weight, eps)
         return _FusedRMSNorm.apply(x, list(normalized_shape), weight, eps)
 
-    F.rms_norm = rms_norm
-    try:
+    with mock.patch.object(F, "rms_norm", rms_norm):
         yield
-    finally:
-        F.rms_norm = orig
 
 
 def dry_run(cfg) -> dict:

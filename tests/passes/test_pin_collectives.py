@@ -9,7 +9,8 @@ from torch._inductor.utils import run_and_get_code
 from graph_trainer.compiler.collectives import is_wait
 from graph_trainer.compiler.passes.full_inductor import full_inductor_pass
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
-from graph_trainer.compiler.pin_collectives import _is_anchor, collective_pin_deps
+from graph_trainer.compiler.ops import packet_name
+from graph_trainer.compiler.pin_collectives import _ANCHORS, collective_pin_deps
 
 from .conftest import run_no_grad
 
@@ -42,7 +43,7 @@ def test_pin_deps_point_forward_and_bracket_each_overlapped_collective(fsdp_step
     pos = {n: i for i, n in enumerate(nodes)}
     deps = collective_pin_deps(gm.graph)
     assert deps and all(pos[d] < pos[n] for n, ds in deps.items() for d in ds)  # acyclic: forward only
-    anchors = [pos[n] for n in nodes if _is_anchor(n)]
+    anchors = [pos[n] for n in nodes if packet_name(n) in _ANCHORS]
     pinned = 0
     for w in filter(is_wait, nodes):
         c = w.args[0]

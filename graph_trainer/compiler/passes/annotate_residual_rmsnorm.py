@@ -11,8 +11,6 @@ from graph_trainer.compiler.graph_values import shape_of
 from graph_trainer.compiler.node_meta import inductor_tag, set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.registry import GraphPass
 
-aten = torch.ops.aten
-
 
 def _region(node: torch.fx.Node) -> str | None:
     return (inductor_tag(node) or {}).get("inductor_region")
@@ -20,7 +18,7 @@ def _region(node: torch.fx.Node) -> str | None:
 
 def _is_residual_add(node: torch.fx.Node) -> bool:
     """``aten.add.Tensor`` of two tensors, not tagged for any region."""
-    return (node.op == "call_function" and node.target is aten.add.Tensor and _region(node) is None
+    return (node.op == "call_function" and node.target is torch.ops.aten.add.Tensor and _region(node) is None
             and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2)
 
 

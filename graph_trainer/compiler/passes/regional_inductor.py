@@ -12,6 +12,7 @@ import time
 import timeit
 from collections import Counter
 from typing import Any
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,7 +28,7 @@ from graph_trainer.compiler.graph_values import detect_graph_fake_mode, position
 from graph_trainer.compiler.node_meta import inductor_tag, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import is_getitem, packet_name
 from graph_trainer.compiler.registry import GraphPass
-from graph_trainer.compiler.report import REGION_SUBMOD_PREFIX
+from graph_trainer.compiler.report import REGION_SUBMOD_PREFIX, is_region_call
 
 _DEFAULT_REGION = object()
 
@@ -90,9 +91,7 @@ def scoop_regions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
 
 def _carry_output_keys(gm: torch.fx.GraphModule) -> None:
     """Give each region output (a getitem of the region call) the ``numerics_key`` of the node it returns."""
-    for node in gm.graph.find_nodes(op="call_module"):
-        if not str(node.target).startswith(REGION_SUBMOD_PREFIX):
-            continue
+    for node in filter(is_region_call, gm.graph.find_nodes(op="call_module")):
         outs = getattr(gm, node.target).graph.output_node().args[0]
         for user in node.users:
             if not (is_getitem(user) and isinstance(user.args[1], int) and user.args[1] < len(outs)):
@@ -218,22 +217,8 @@ def _dedupe_and_select_region_compiles(select_candidates: bool | None = None, ti
             cache[key] = compile_best(gm, example_inputs, *args, **kwargs)
         return cache[key]
 
-    inductor.standalone_compile = memo
-    try:
+    with mock.patch.object(inductor, "standalone_compile", memo):
         yield stats
-    finally:
-        inductor.standalone_compile = orig
-
-
-@contextlib.contextmanager
-def _static_shape_env(fake_mode):
-    """Give a fake mode without a ``ShapeEnv`` an empty one while compiling (else the caches bypass the graphs)."""
-    saved = fake_mode.shape_env
-    fake_mode.shape_env = saved if saved is not None else ShapeEnv()
-    try:
-        yield
-    finally:
-        fake_mode.shape_env = saved
 
 
 def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, *, select_candidates: bool | None = None,
@@ -250,7 +235,8 @@ def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, *, sel
     t0 = time.perf_counter()
     with (
         torch._guards.tracing(torch._guards.TracingContext(fake_mode)),
-        _static_shape_env(fake_mode),
+        # a fake mode without a ShapeEnv gets an empty one while compiling (else the caches bypass the graphs)
+        mock.patch.object(fake_mode, "shape_env", fake_mode.shape_env or ShapeEnv()),
         _dedupe_and_select_region_compiles(select_candidates, timer) as stats,
     ):
         gm, n_regions = scoop_regions(gm)

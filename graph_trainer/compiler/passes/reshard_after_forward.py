@@ -27,8 +27,7 @@ def _fresh_val(new: torch.fx.Node, val):
     """The fake value of a copied node on its own storage (views: of the copied base)."""
     if not isinstance(val, torch.Tensor):
         return val
-    args = torch.fx.node.map_arg(new.args, lambda a: a.meta.get("val"))
-    kwargs = torch.fx.node.map_arg(new.kwargs, lambda a: a.meta.get("val"))
+    args, kwargs = torch.fx.node.map_arg((new.args, new.kwargs), lambda a: a.meta.get("val"))
     if is_wait(new) and isinstance(args[0], torch.Tensor):
         return args[0]  # a wait returns its collective's buffer
     if new.target in _VIEW_OR_CAST:
