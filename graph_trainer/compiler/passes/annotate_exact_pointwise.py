@@ -154,12 +154,9 @@ def exact_complex_mul(node: torch.fx.Node) -> list[torch.fx.Node] | None:
                                   -1))
     for dead in (node, mul, *owned):
         dead.graph.erase_node(dead)
-    members = {n for n in new if n.target is not aten.view_as_real.default}
-    for r in owned.values():
-        members.update(_reshapes_and_cast(r, members, upstream=True))
-    members.update(_reshapes_and_cast(new[-1], members, upstream=False))
-    pos = positions(new[-1].graph)
-    return sorted(members, key=pos.__getitem__)
+    ops = [n for n in new if n.target is not aten.view_as_real.default]  # in graph order, as inserted
+    up = [m for r in owned.values() for m in reversed(_reshapes_and_cast(r, set(ops), upstream=True))]
+    return up + ops + _reshapes_and_cast(new[-1], set(ops), upstream=False)
 
 
 def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -195,7 +192,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
     ``fused_bytes`` (:func:`region_traffic` of the chains)."""
     if min_ops < 1:
         raise ValueError(f"min_ops must be >= 1, got {min_ops}")
-    muls = [r for n in list(gm.graph.nodes) if complex_mul and (r := exact_complex_mul(n))]
+    muls = [r for n in list(gm.graph.nodes) if (r := exact_complex_mul(n))] if complex_mul else []
     tag_regions(muls, EAGER_NUMERICS, "exact_complex_mul")
     chains = find_pointwise_regions(gm.graph, min_ops, accept=lambda n: is_exact(n, activations))
     taken = {n for region in chains for n in region}
