@@ -307,19 +307,20 @@ def profile_table(record: dict) -> list[str]:
         return []
     ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
     colls = any(r.get("collectives") for _, r in ranks)
+
+    def times(r: dict, *keys: str) -> list[str]:  # ms, the idle last with the part that waited for the host's launch
+        cells = [fmt(r.get(k), ".1f") for k in (*keys, "idle_ms")]
+        return cells[:-1] + [cells[-1] + (f" (host {r['idle_host_ms']:.1f})" if r.get("idle_host_ms") is not None
+                                          else "")]
+
     if len(ranks) == len(prof["variants"]) and not colls and not any(r.get("exposed_comm_ms") for _, r in ranks):
         return [f"Step {prof.get('step', MISSING)} profiled (one rank, no communication), ms wall / compute / idle: "
-                + ", ".join(name + " " + " / ".join(fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "idle_ms"))
-                            + (f" (host {r['idle_host_ms']:.1f})" if r.get("idle_host_ms") is not None else "")
-                            for name, r in ranks) + ".", ""]
+                + ", ".join(f"{name} {' / '.join(times(r, 'wall_ms', 'compute_ms'))}" for name, r in ranks) + ".", ""]
     header = [f"step {prof.get('step', MISSING)} profiled, ms", "rank", "wall", "compute", "exposed comm", "idle"] \
         + ["most exposed collectives (ms)"] * colls
     lines = [row(header), "|---|---:|---:|---:|---:|---:|" + "---|" * colls]
     for name, r in ranks:
-        times = [fmt(r.get(k), ".1f") for k in ("wall_ms", "compute_ms", "exposed_comm_ms", "idle_ms")]
-        if r.get("idle_host_ms") is not None:  # the idle that waited for the host's launch
-            times[-1] += f" (host {r['idle_host_ms']:.1f})"
-        cells = [name, r["rank"], *times]
+        cells = [name, r["rank"], *times(r, "wall_ms", "compute_ms", "exposed_comm_ms")]
         if colls:
             worst = (r.get("collectives") or {}).items()
             cells.append(", ".join(f"{label} {c['exposed_ms']:.1f}" for label, c in worst) or MISSING)
