@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backwa
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.node_meta import tag_for_inductor
 from graph_trainer.config import Projection, parse_args
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import peak_bf16_for_name
@@ -32,6 +33,24 @@ def _dev(**kw):
 def _work(colls, matmul_flops=1e12):
     """A GraphWork with one matmul shape of ``matmul_flops`` (1 ms at 1e15 FLOP/s)."""
     return P.GraphWork({(8, 8, 8): matmul_flops}, {}, 0, [P.CollectiveOp(*c) for c in colls])
+
+
+def test_a_regional_inductor_region_counts_as_one_fused_kernel():
+    """``neg(x * 2 + 1)`` of a [256, 256] fp32 x: 3 kernels of 2 x 256 KiB each, or in a region x read and the
+    result written once; a region's matmul is a kernel of its own (its FLOPs, its input and output outside the fused
+    ops); a cast tagged alone is its own region."""
+    gm = make_fx(lambda x, w: (((x * 2 + 1).neg() @ w).to(torch.bfloat16), x.to(torch.bfloat16)))(
+        torch.randn(256, 256), torch.randn(256, 256))
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target._opname for n in ops] == ["mul", "add", "neg", "mm", "_to_copy", "_to_copy"]
+    kib = 1024
+    assert P.graph_work(gm).memory_bytes == (3 * 512 + 384 + 384) * kib  # bf16 casts: 256 KiB in, 128 out
+    for n in ops[:5]:
+        tag_for_inductor(n, {}, "r")
+    tag_for_inductor(ops[5], {}, "cast")
+    work = P.graph_work(gm)
+    # r: x and the mm's output read, neg's output (the mm reads it) and the cast's written; then the lone cast
+    assert work.memory_bytes == (256 + 256 + 256 + 128 + 384) * kib and work.matmul_flops == 2 * 256**3
 
 
 def test_collective_costs_links_and_overlap_rule():
@@ -83,8 +102,8 @@ def test_collective_costs_links_and_overlap_rule():
         P.project(_work([("all_reduce", "?", 4, 0)]), lay, _dev(), **kw)
 
 
-def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
-    """The dry run's trace (meta, fused attention) against FlopCounterMode: matmuls exact, attention half (causal)."""
+def test_dry_runs_trace_flops_match_torch_flop_counter_and_rms_norm_traced_as_a_gpu_runs_it():
+    """The dry run's meta trace: FlopCounterMode's flops (matmuls exact, attention half: causal), CUDA's RMSNorm."""
     args = model_args("debugmodel", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
     model = build_model(args, "cpu", seed=0)
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -123,21 +142,17 @@ def test_graph_flops_of_the_dry_runs_trace_match_torch_flop_counter():
     assert work.memory_bytes >= 2 * tokens.numel() * 128 * 4  # other ops read inputs, write outputs: the fp32 logits
     views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     assert views and all(P.memory_op_bytes(n) == 0 for n in views)
-
-
-def test_dry_run_traces_rms_norm_as_a_gpu_runs_it():
-    """The dry run traces CUDA's fused RMSNorm on meta: fewer bytes live, same shapes."""
     x = torch.empty(2, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
     w = torch.empty(32, dtype=torch.bfloat16, device="meta", requires_grad=True)
 
-    def step(x, w):
+    def norm_step(x, w):  # CUDA's fused RMSNorm traced on meta: fewer bytes live, same shapes
         return torch.autograd.grad(F.rms_norm(x, [32], w, 1e-5).float().sum(), (x, w))
 
     orig = F.rms_norm
     with fused_rms_norm_on_meta():
-        gm = make_fx(step)(x, w)
+        gm = make_fx(norm_step)(x, w)
     assert F.rms_norm is orig and restore_fused_rms_norm(gm) == 1
-    plain = make_fx(step)(x, w)
+    plain = make_fx(norm_step)(x, w)
     targets = {n.target for n in gm.graph.nodes}
     assert {aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default} <= targets
     assert aten.rsqrt.default not in targets  # the forward not decomposed

@@ -65,15 +65,12 @@ def split_acyclic(nodes: list[torch.fx.Node],
     again. ``order``: node -> graph position."""
     if not nodes:
         return []
-    if order is None:
-        order = positions(nodes[0].graph)
+    order = order or positions(nodes[0].graph)
     remaining = sorted(nodes, key=order.__getitem__)
     parts: list[list[torch.fx.Node]] = []
     while remaining:
-        members = set(remaining)
-        last = order[remaining[-1]]
-        late: set[torch.fx.Node] = set()
-        visited: set[torch.fx.Node] = set()
+        members, last = set(remaining), order[remaining[-1]]
+        late, visited = set(), set()  # members reached from outside; nodes walked
         stack = [u for n in remaining for u in n.users if u not in members]
         while stack:
             cur = stack.pop()
@@ -98,6 +95,15 @@ def val_bytes(val: Any) -> int:
     if isinstance(val, (list, tuple)):
         return sum(val_bytes(v) for v in val)
     return 0
+
+
+def fused_bytes(region: list[torch.fx.Node]) -> int:
+    """Bytes one fused kernel of ``region`` moves: each input from outside it read once, each output read outside
+    it written once (:func:`val_bytes` of their ``meta["val"]``)."""
+    members = set(region)
+    inputs = {u for n in members for u in n.all_input_nodes if u not in members}
+    outputs = [n for n in members if any(u not in members for u in n.users)]
+    return sum(val_bytes(n.meta.get("val")) for n in (*inputs, *outputs))
 
 
 def placeholder_vals(gm: torch.fx.GraphModule) -> list[Any]:

@@ -14,7 +14,8 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from graph_trainer.compiler.collectives import collective_kind, is_collective
-from graph_trainer.compiler.graph_values import val_bytes
+from graph_trainer.compiler.graph_values import fused_bytes, val_bytes
+from graph_trainer.compiler.node_meta import inductor_tag
 from graph_trainer.compiler.ops import VIEW_OPS, aten, packet_name, returns_view
 from graph_trainer.errors import UserError
 from graph_trainer.projection.devices import (  # noqa: F401  (re-exported: the projection's API)
@@ -199,11 +200,11 @@ class GraphWork:
 
 
 def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = None) -> GraphWork:
-    """Matmul and attention FLOPs, other ops' bytes and the collectives of ``gm`` (nodes with ``meta["val"]``); each
-    collective is attributed to a mesh dim by its ``group_name`` (``group_dims``; unknown: ``"?"``), size = the larger
-    of its input and output bytes."""
+    """Matmul and attention FLOPs, other ops' bytes (a regional Inductor region's as one kernel's: ``fused_bytes``)
+    and the collectives of ``gm`` (nodes with ``meta["val"]``); each collective is attributed to a mesh dim by its
+    ``group_name`` (``group_dims``; unknown: ``"?"``), size = the larger of its input and output bytes."""
     group_dims = group_dims or {}
-    mm, attn, mem, colls = defaultdict(float), defaultdict(float), 0, []
+    mm, attn, mem, colls, regions = defaultdict(float), defaultdict(float), 0, [], defaultdict(list)
     for i, n in enumerate(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -219,9 +220,11 @@ def graph_work(gm: torch.fx.GraphModule, group_dims: Mapping[str, str] | None = 
             colls.append(CollectiveOp(kind, group_dims.get(str(a.get("group_name")), "?"), size, i))
         elif (f := node_flops(n)) is not None:
             (attn if f[0] == "attention" else mm)[f[2]] += f[1]
+        elif isinstance(tag := inductor_tag(n), dict):
+            regions[tag.get("inductor_region")].append(n)
         else:
             mem += memory_op_bytes(n)
-    return GraphWork(dict(mm), dict(attn), mem, colls)
+    return GraphWork(dict(mm), dict(attn), mem + sum(map(fused_bytes, regions.values())), colls)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """annotate_exact_pointwise: which ops join, and fused regions that keep eager's bits in bf16."""
 
-import contextlib
 import functools
 
 import pytest
@@ -20,10 +19,10 @@ from .conftest import (aten, assert_bitwise, call, call_targets, fake_prop, fx_g
 
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                              reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
-CUDA = pytest.mark.gpu  # eager CUDA's kernels
 F32 = torch.float32
 SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
 BLOCK = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}  # each node's custom meta
+ROPE = (1, 64, 4, 32)  # batch, sequence, heads, head dim
 
 
 def _graph():
@@ -56,51 +55,14 @@ def test_only_exact_ops_join():
         annotate_exact_pointwise_pass(_graph(), None, min_ops=0)
 
 
-def _silu_graph(x_device):
-    """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z."""
-    g, (x, y, z) = fx_graph("x", "y", "z")
-    op = functools.partial(call, g, custom=BLOCK)
-    return module(g, op(aten.mul.Tensor, op(aten.silu.default, x), x),
-                  op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
-                  op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
-                  *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16))))
-
-
-def _tagged_regions(gm, fakes, **options):
-    """The op names of each region the pass tags in ``gm`` on ``fakes`` (the rewritten graph runs too)."""
-    FakeTensorProp(gm).propagate(*fakes)
-    annotate_exact_pointwise_pass(gm, **options)
-    FakeTensorProp(gm).propagate(*fakes)
-    regions = {}
-    for n in tagged_nodes(gm):
-        regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
-    return sorted(regions.values())
-
-
-SILU_BACKWARD = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub", "addcmul", "mul",
-                 "mul", "_to_copy"]  # eager's formula, in fp32
-
-
-@pytest.mark.parametrize("device, options, regions", [
-    ("cuda", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),
-    ("cpu", {}, []),  # eager CPU's SiLU is another approximation; CPU casts stay eager
-    ("cuda", {"activations": False, "lone_casts": False}, []),
-])
-def test_silu_joins_on_cuda_only_and_a_large_widening_cuda_cast_is_a_region(device, options, regions):
-    with FakeTensorMode():  # no GPU needed
-        fakes = [torch.empty(a, b, dtype=d, device=device) for a, b, d in SHAPES]
-    assert _tagged_regions(_silu_graph(torch.device(device)), fakes, **options) == regions
-
-
-@pytest.mark.parametrize("device", [pytest.param("cpu", marks=OLD_CPU), pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=OLD_CPU), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not(device):
     torch.manual_seed(0)
     xs = [torch.randn(256, 256, device=device).to(torch.bfloat16) for _ in range(3)]
     ref = _graph()(*xs)
 
     def compiled(tag):
-        gm = _graph()
-        fakes = fake_prop(gm, xs)
+        fakes = fake_prop(gm := _graph(), xs)
         tag(gm)
         return run_pipeline(gm, fakes, ["regional_inductor"])(*xs)
 
@@ -134,6 +96,20 @@ def test_default_on_cuda_under_regional_inductor_only():
     assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))
 
 
+def _silu_graph(x_device):
+    """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z."""
+    g, (x, y, z) = fx_graph("x", "y", "z")
+    op = functools.partial(call, g, custom=BLOCK)
+    return module(g, op(aten.mul.Tensor, op(aten.silu.default, x), x),
+                  op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
+                  op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
+                  *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16))))
+
+
+def _silu_inputs(device):
+    return [(torch.randn(a, b, device=device) * 4).to(d) for a, b, d in SHAPES]
+
+
 def _bucket_graph(device):
     """FSDP's bucketed reduce-scatter input (a cat of casts and views) and an all-gather input cat."""
     g, (a, b, c) = fx_graph("a", "b", "c")
@@ -145,24 +121,10 @@ def _bucket_graph(device):
     return module(g, bucket, op(aten.add.Tensor, fb, 1.0), gathered)
 
 
-def _bucket_inputs(device, fake=True):
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        return [torch.randn(n, device=device).to(d) for n, d in ((4096, torch.bfloat16), (512, torch.bfloat16),
-                                                                   (64, F32))]
-
-
-@pytest.mark.parametrize("device, options, cast_cats", [("cuda", {}, 2), ("cuda", {"cast_cats": False}, 0),
-                                                      ("cpu", {}, 0)])  # CPU casts and cats stay eager
-def test_a_cat_of_casts_on_cuda_is_one_region(device, options, cast_cats):
-    """A cast feeding only a cat joins it; a cast with other readers stays in its chain."""
-    gm = _bucket_graph(torch.device(device))
-    regions = _tagged_regions(gm, _bucket_inputs(device), **options)
-    chains = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]
-    assert regions == sorted(chains + ([["_to_copy", "cat"], ["_to_copy", "view", "cat"]] if cast_cats else []))
-    assert stats(gm)["cast_cats"] == cast_cats
-
-
-ROPE = (1, 64, 4, 32)  # batch, sequence, heads, head dim
+def _bucket_inputs(device):
+    """bf16 a and b, fp32 c of values that bf16 must round."""
+    a, b, c = (torch.randn(n, device=device) for n in (4096, 512, 64))
+    return [a.to(torch.bfloat16), b.to(torch.bfloat16), c * 1e3]
 
 
 def _rope_graph(device=None):
@@ -181,48 +143,70 @@ def _rope_graph(device=None):
     return module(g, rotate(x, f), rotate(grad, op(aten.clone.default, op(aten._conj.default, f))))
 
 
-def _rope_inputs(device, fake=True):
+def _rope_inputs(device):
     b, s, h, d = ROPE
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        xs = [torch.randn(b, s, h, d, device=device).to(torch.bfloat16) for _ in range(2)]
-        angles = torch.randn(b, s, 1, d // 2, device=device) * 3
-        return [*xs, torch.polar(torch.ones_like(angles), angles)]
+    xs = [torch.randn(b, s, h, d, device=device).to(torch.bfloat16) for _ in range(2)]
+    angles = torch.randn(b, s, 1, d // 2, device=device) * 3
+    return [*xs, torch.polar(torch.ones_like(angles), angles)]
 
 
+GRAPHS = {"silu": (_silu_graph, _silu_inputs), "bucket": (_bucket_graph, _bucket_inputs),
+          "rope": (_rope_graph, _rope_inputs)}
+SILU_BACKWARD = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub", "addcmul", "mul",
+                 "mul", "_to_copy"]  # eager's formula, in fp32
+CHAINS = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]  # the bucket graph's casts with other readers
 ROTATION = ["_to_copy", "view", "select", "select", "select", "select", "mul", "neg", "addcmul", "mul", "addcmul",
             "stack", "view", "_to_copy"]  # real arithmetic with eager's FMAs, between the casts
 
 
-@pytest.mark.parametrize("device, options, regions", [("cuda", {}, [ROTATION, ROTATION]), ("cpu", {}, []),
-                                                      ("cuda", {"complex_mul": False}, [])])
-def test_complex_multiply_on_cuda_becomes_real_arithmetic_with_its_casts(device, options, regions):
-    gm = _rope_graph()
-    assert _tagged_regions(gm, _rope_inputs(device), **options) == regions
-    assert stats(gm)["complex_muls"] == len(regions)
-    if regions:  # complex values left: f, and conj(f) materialized (read through view_as_real, outside the regions)
+@pytest.mark.parametrize("graph, device, options, regions", [
+    ("silu", "cuda", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),
+    ("silu", "cpu", {}, []),  # eager CPU's SiLU is another approximation; CPU casts stay eager
+    ("silu", "meta", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),  # the dry run's GPU
+    ("silu", "cuda", {"activations": False, "lone_casts": False}, []),
+    ("bucket", "cuda", {}, sorted(CHAINS + [["_to_copy", "cat"], ["_to_copy", "view", "cat"]])),
+    ("bucket", "cuda", {"cast_cats": False}, CHAINS),
+    ("bucket", "cpu", {}, CHAINS),  # CPU casts and cats stay eager
+    ("rope", "cuda", {}, [ROTATION, ROTATION]),
+    ("rope", "cpu", {}, []),
+    ("rope", "meta", {}, [ROTATION, ROTATION]),
+    ("rope", "cuda", {"complex_mul": False}, []),
+])
+def test_regions_join_on_cuda_only(graph, device, options, regions):
+    """SiLU, a large widening cast alone; a cast feeding only a cat joins it (others stay in a chain); RoPE's mul.
+    Meta tensors (the dry run's) count as the GPU's."""
+    build, inputs = GRAPHS[graph]
+    gm = build(torch.device(device))
+    with FakeTensorMode():  # no GPU needed
+        fakes = inputs(device)
+    FakeTensorProp(gm).propagate(*fakes)
+    annotate_exact_pointwise_pass(gm, **options)
+    FakeTensorProp(gm).propagate(*fakes)  # the rewritten graph runs too
+    tagged = {}
+    for n in tagged_nodes(gm):
+        tagged.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
+    assert sorted(tagged.values()) == regions
+    assert (stats(gm)["cast_cats"], stats(gm)["complex_muls"]) == (sum("cat" in r for r in regions),
+                                                                   regions.count(ROTATION))
+    if graph == "rope" and regions:  # complex values left: f, and conj(f) materialized (through view_as_real)
         left = [n.op if n.op == "placeholder" else n.target._opname for n in gm.graph.nodes
                 if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_complex()]
         assert left == ["placeholder", "_conj", "clone"] and call_targets(gm).count(aten.view_as_real.default) == 2
-        xs = _rope_inputs("cpu", fake=False)  # the rewritten graph computes the same rotation (CPU: not bitwise)
+        xs = _rope_inputs("cpu")  # the rewritten graph computes the same rotation (CPU: not bitwise)
         for out, ref in zip(gm(*xs), _rope_graph()(*xs)):
             torch.testing.assert_close(out, ref, rtol=0, atol=0.02)
 
 
-@CUDA
-@pytest.mark.parametrize("graph", ["silu", "bucket", "rope"])
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", GRAPHS)
 def test_cuda_regions_are_bitwise_eager(graph):
     """The SiLU regions and lone casts, a cat of casts (of fp32 values that bf16 must round) and RoPE's rotation."""
     torch.manual_seed(0)
-    if graph == "silu":
-        graph, xs = _silu_graph, [(torch.randn(a, b, device="cuda") * 4).to(d) for a, b, d in SHAPES]
-    elif graph == "bucket":
-        graph, xs = _bucket_graph, _bucket_inputs("cuda", fake=False)
-        xs[2] = xs[2] * 1e3
-    else:
-        graph, xs = _rope_graph, _rope_inputs("cuda", fake=False)
-    ref = graph(xs[0].device)(*xs)
-    gm = graph(xs[0].device)
+    build, inputs = GRAPHS[graph]
+    xs = inputs("cuda")
+    ref = build(xs[0].device)(*xs)
+    gm = build(xs[0].device)
     fakes = fake_prop(gm, xs)
     st = stats(annotate_exact_pointwise_pass(gm))
-    assert (st["cast_cats"], st["complex_muls"]) == (2 * (graph is _bucket_graph), 2 * (graph is _rope_graph))
+    assert (st["cast_cats"], st["complex_muls"]) == (2 * (graph == "bucket"), 2 * (graph == "rope"))
     assert_bitwise(run_pipeline(gm, fakes, ["regional_inductor"])(*xs), ref)

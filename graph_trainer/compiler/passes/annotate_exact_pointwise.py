@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from graph_trainer.compiler.graph_values import positions, val_bytes
+from graph_trainer.compiler.graph_values import fused_bytes, positions, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, aten, packet_name
@@ -40,14 +40,18 @@ LONE_CAST_BYTES = 1 << 20
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def _on_gpu(val: Any) -> bool:
+    """A tensor on CUDA or on meta (the dry run's stand-in for the GPU it projects onto)."""
+    return isinstance(val, torch.Tensor) and val.device.type in ("cuda", "meta")
+
+
 def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
     """Whether ``node`` is an op of :data:`EXACT_OPS` (with ``activations``, also one of
     :data:`EXACT_CUDA_ACTIVATIONS` on a CUDA tensor) that fused code computes with eager's bits. Excluded: ``add`` /
     ``sub`` with ``alpha`` other than 1, and a Python number beside a bf16 / fp16 tensor that dtype does not hold."""
     name = packet_name(node)
     if activations and name in EXACT_CUDA_ACTIVATIONS:
-        val = node.meta.get("val")
-        return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+        return _on_gpu(node.meta.get("val"))
     if name not in EXACT_OPS or (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1):
         return False
     low = [v.dtype for u in node.all_input_nodes if isinstance(v := u.meta.get("val"), torch.Tensor)
@@ -59,13 +63,9 @@ def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
 def region_traffic(region: list[torch.fx.Node]) -> tuple[int, int]:
     """``(eager, fused)``: bytes the region's ops read and write run one kernel each (every exact op's inputs and
     output), and as one fused kernel (the inputs from outside once, the outputs used outside)."""
-    def nbytes(nodes):
-        return sum(val_bytes(n.meta.get("val")) for n in nodes)
-
-    members = set(region)
-    eager = sum(nbytes([n, *n.all_input_nodes]) for n in region if is_exact(n, activations=True))
-    inputs = {u for n in region for u in n.all_input_nodes if u not in members}
-    return eager, nbytes(inputs) + nbytes(n for n in region if any(u not in members for u in n.users))
+    eager = sum(val_bytes(u.meta.get("val")) for n in region if is_exact(n, activations=True)
+                for u in (n, *n.all_input_nodes))
+    return eager, fused_bytes(region)
 
 
 def _plain_cast(node: torch.fx.Node) -> bool:
@@ -74,8 +74,7 @@ def _plain_cast(node: torch.fx.Node) -> bool:
             or is_tagged_for_inductor(node):
         return False
     src, out = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None, node.meta.get("val")
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and out.device == src.device
-            and out.device.type == "cuda" and out.layout == torch.strided)
+    return isinstance(src, torch.Tensor) and _on_gpu(out) and out.device == src.device and out.layout == torch.strided
 
 
 def is_lone_cast(node: torch.fx.Node) -> bool:
@@ -105,9 +104,8 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
     """The nodes of ``cat``'s region, each cast before its views, ``cat`` last: ``cat`` (an untagged ``aten.cat`` on
     a CUDA device) and each of its inputs that is a cast (:func:`_plain_cast`, not in ``taken``) with the reshapes
     between, each used only on that path. None when no input is such a cast."""
-    val = cat.meta.get("val")
     if (cat.op != "call_function" or cat.target is not aten.cat.default or is_tagged_for_inductor(cat)
-            or cat in taken or not isinstance(val, torch.Tensor) or val.device.type != "cuda"):
+            or cat in taken or not _on_gpu(cat.meta.get("val"))):
         return None
     region = []
     for piece in dict.fromkeys(p for p in cat.args[0] if isinstance(p, torch.fx.Node)):
@@ -137,8 +135,8 @@ def exact_complex_mul(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     cast on either side (:func:`_reshapes_and_cast`); an operand's ``view_as_real`` stays out (no complex codegen)."""
     mul = node.args[0] if node.target is aten.view_as_real.default else None
     if not (isinstance(mul, torch.fx.Node) and mul.target is aten.mul.Tensor and len(mul.users) == 1 and all(
-            isinstance(p, torch.fx.Node) and isinstance(v := p.meta.get("val"), torch.Tensor)
-            and v.device.type == "cuda" and v.dtype == torch.complex64 and not v.is_conj() for p in mul.args[:2])):
+            isinstance(p, torch.fx.Node) and _on_gpu(v := p.meta.get("val")) and v.dtype == torch.complex64
+            and not v.is_conj() for p in mul.args[:2])):
         return None
     new: list[torch.fx.Node] = []
 
