@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+
+import _launch
 
 MARK = "early_job"
 
@@ -51,10 +54,6 @@ def is_slow(item) -> bool:
 
 def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) -> Any:
     """In a forked process: import the module that registered ``name`` and run it with the ``needed`` outcomes."""
-    import multiprocessing as mp
-
-    import _launch
-
     _launch._CTX = mp.get_context("fork")
     for dep, outcome in needed.items():
         _RUNS.setdefault(dep, _Run(None, "")).outcome = outcome
@@ -64,8 +63,6 @@ def _in_child(module_file: str, name: str, tmp: str, env: dict, needed: dict) ->
 
 
 def _start(name: str) -> None:
-    from _launch import fork_call
-
     run = _RUNS[name]
     if name in _QUEUE:
         _QUEUE.remove(name)
@@ -73,7 +70,7 @@ def _start(name: str) -> None:
         with contextlib.suppress(RuntimeError):  # a failed one fails in the run's own read of it
             result(dep)
     needed = {dep: _RUNS[dep].outcome for dep in run.needs}
-    run.waiter = fork_call(_in_child, run.module_file, name, str(_TMP.mktemp("early")), dict(run.env), needed)
+    run.waiter = _launch.fork_call(_in_child, run.module_file, name, str(_TMP.mktemp("early")), dict(run.env), needed)
 
 
 def start(items, tmp_factory) -> None:

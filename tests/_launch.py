@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queues
+import runpy
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections import namedtuple
+from multiprocessing import forkserver
 from pathlib import Path
 from unittest import mock
 
@@ -60,8 +65,6 @@ def _forkserver():
     its children are CPU ranks and scripts, and torch preloaded with GPUs visible would say CUDA is there."""
     global _CTX
     if _CTX is None:
-        from multiprocessing import forkserver
-
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
         old = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
@@ -118,8 +121,6 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
 
 def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
     """A forked ``python3 <argv>`` in ``cwd``: ``argv[0]`` run as ``__main__``, its folder first on ``sys.path``."""
-    import runpy
-
     _as_child(env, out, err)
     os.chdir(cwd)
     sys.argv = list(argv)
@@ -130,8 +131,6 @@ def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:
 def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
                timeout: float = 600) -> subprocess.CompletedProcess:
     """``python3 <argv>`` forked from the server, as ``subprocess.run(..., capture_output=True, text=True)``."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="run_script") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         p = _forkserver().Process(target=_forked_script, args=(dict(os.environ if env is None else env), str(cwd),
@@ -149,8 +148,6 @@ def run_script(argv: list, *, env: dict | None = None, cwd: str = REPO,
 
 def _call_into(q, fn, args: tuple) -> None:
     """A forked ``fn(*args)``: ``(True, its result)`` or ``(False, the traceback)`` into ``q``."""
-    import traceback
-
     try:
         q.put((True, fn(*args)))
     except BaseException:
@@ -165,8 +162,6 @@ def fork_call(fn, *args, timeout: float = 900):
     p.start()
 
     def result():
-        import queue as queues
-
         deadline = time.monotonic() + timeout
         while True:
             try:

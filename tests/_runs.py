@@ -3,12 +3,14 @@
 import contextlib
 import functools
 import os
+import random
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
-from _launch import DEBUG, REPO
+from _launch import DEBUG, REPO, train_ranks
 
 #: Small shapes of the shared runs: seq 64, batch 2.
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
@@ -24,8 +26,6 @@ def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=Fa
     """The debug config (or ``config``) through run_train.sh, ``direct`` one rank, or ``forked`` / ``fresh`` ranks."""
     args = [*small, "--training.steps", str(steps), "--job.dump_folder", str(dump), *flags]
     if forked or fresh:
-        from _launch import train_ranks
-
         assert config is None
         return train_ranks(ngpu, args, f"{dump}.logs", fresh=fresh, base_env=env)
     env = {k: v for k, v in (os.environ if env is None else env).items() if k != "CONFIG_FILE"}
@@ -83,9 +83,6 @@ def launch_env(base=None, **launch):
 
 def fixed_port() -> int:
     """A free 127.0.0.1 port below the ephemeral range, not 29500, for torchrun's static rendezvous."""
-    import random
-    import socket
-
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])

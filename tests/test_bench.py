@@ -51,22 +51,12 @@ def test_variant_results_ratio_verdict_and_table():
 
 
 def test_deadline_estimate_of_a_variant_next_run():
-    """A first, cold run is scaled by the later/first ratio of the variants that ran twice (never up); later: the last."""
+    """A first, cold run scaled by the later/first ratio of the variants that ran twice (never up); later: the last."""
     walls = {"jit": [85.0, 72.0], "plain": [117.0], "full": [174.0]}
     assert next_run_s(walls, "plain") == pytest.approx(117.0 * 72.0 / 85.0)
     assert next_run_s(walls, "jit") == 72.0 and next_run_s(walls, "new") == 0.0
     assert next_run_s({"a": [50.0, 60.0], "b": [100.0]}, "b") == 100.0  # a slower second run never raises it
     assert next_run_s({"a": [50.0], "b": [100.0]}, "b") == 100.0  # nothing ran twice yet
-
-
-def test_write_record_never_overwrites(tmp_path):
-    rec = {"workload": "llama3_1b fsdp2", "date": "2026-11-27"}
-    paths = [write_record(str(tmp_path), rec) for _ in range(3)]
-    stem = "2026-11-27_llama3_1b_fsdp2"
-    assert [os.path.basename(p) for p in paths] == [f"{stem}.json", f"{stem}_2.json", f"{stem}_3.json"]
-    assert json.loads(open(paths[0]).read()) == rec
-    timed = write_record(str(tmp_path), {**rec, "time": "23:05"})
-    assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"
 
 
 @pytest.mark.slow
@@ -94,8 +84,16 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert rec["variants"][0]["step2_later_s"] is None  # one run: no warm start
 
 
-def test_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):
-    """SIGTERM / Ctrl-C after the first run: exit 130, the table and a record of the finished run, noted."""
+def test_records_never_overwritten_and_an_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):
+    """Records never overwritten; SIGTERM / Ctrl-C after run 1: exit 130, the table, a noted record of run 1."""
+    rec = {"workload": "llama3_1b fsdp2", "date": "2026-11-27"}
+    paths = [write_record(str(tmp_path / "w"), rec) for _ in range(3)]
+    stem = "2026-11-27_llama3_1b_fsdp2"
+    assert [os.path.basename(p) for p in paths] == [f"{stem}.json", f"{stem}_2.json", f"{stem}_3.json"]
+    assert json.loads(open(paths[0]).read()) == rec
+    timed = write_record(str(tmp_path / "w"), {**rec, "time": "23:05"})
+    assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"
+
     def first_ok_then_interrupted(runs, *args, **kwargs):
         runs[0].status, runs[0].wall_s = "ok", 1.0
         runs[0].stats = run_stats([{"step": s, "tps": 100.0, "mfu": 1.0, "memory_gib": 1.0} for s in (1, 2, 3)], 1)
@@ -107,8 +105,7 @@ def test_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(bench, "run_all", first_ok_then_interrupted)
     argv = ["--variant", "a=", "--variant", "b=--compile.mode eager", "--repeats", "1", "--out", str(tmp_path / "o"),
             "--record-dir", str(tmp_path / "results"), "--note", "n"]
-    assert bench.main(argv) == 130
-    assert "| a (1 runs) |" in capsys.readouterr().out
+    assert bench.main(argv) == 130 and "| a (1 runs) |" in capsys.readouterr().out
     rec = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
     assert rec["note"] == "n; interrupted after 1 of 2 runs"
     assert [r["status"] for r in rec["runs"]] == ["ok", "interrupted"] and rec["runs"][0]["tps"] == 100.0

@@ -15,7 +15,7 @@ def test_shapes_follow_the_flavor_and_tensor_parallelism():
         bench_matmuls.linear_shapes("1B", tp=3)
 
 
-def test_rows_and_step_sum_on_cpu(capsys):
+def test_rows_and_step_sum_on_cpu():
     rows = bench_matmuls.bench("debugmodel", tokens=16, iters=1, flush_mib=1, dtype=bench_matmuls.torch.float32)
     assert len(rows) == 8 * 3 and all(r["ms_warm"] > 0 and r["ms_cold"] > 0 for r in rows)
     dw = next(r for r in rows if r["linear"] == "w2" and r["op"].startswith("dW"))

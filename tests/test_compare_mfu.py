@@ -14,7 +14,6 @@ import pytest
 
 from graph_trainer.tools import compare_mfu, profiling, runs, stats, timeline
 from graph_trainer.tools.sides import Side, parse_cli
-from graph_trainer.tools.timeline import timeline_breakdown, unpack_step
 
 import _early  # tests/ is on sys.path
 from _launch import REPO, run_script
@@ -299,9 +298,9 @@ def test_real_head_ref_against_working_tree_flags():
     assert json.loads((folder / "rank0_trace.json").read_text())["traceEvents"]
     summary = json.loads((folder / "rank0_kernels.json").read_text())
     assert summary["step"] == 2 and summary["categories"]["matmul"]["calls"] > 0
-    kernels, step = unpack_step(summary["step_intervals"])  # the step's kernels: the same breakdown
+    kernels, step = timeline.unpack_step(summary["step_intervals"])  # the step's kernels: the same breakdown
     assert summary["step_intervals"]["step"] == 2 and len(kernels) > 100
-    again = timeline_breakdown(kernels, [step])  # times rounded to 0.1 us
+    again = timeline.timeline_breakdown(kernels, [step])  # times rounded to 0.1 us
     assert {key: again[key] for key in summary["timeline"]} == pytest.approx(summary["timeline"], abs=0.05)
 
 

@@ -87,16 +87,19 @@ def test_validate_returns_the_pass_list():
     assert validate(parse_args(["--job.config_file", DEBUG, "--compile.mode", "eager"])) == []
 
 
-DOCS = ["README.md", "docs/design.md"]
-SCRIPTS = sorted(f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scripts", "gpu")) if f.endswith(".sh"))
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_documented_commands_parse(path, monkeypatch):
-    """Each ``run_train.sh`` command of a fenced shell block parses as run_train.sh would: CONFIG_FILE, else CONFIG,
-    else the debug model."""
+@pytest.mark.parametrize("path", ["README.md", "docs/design.md", *sorted(
+    f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scripts", "gpu")) if f.endswith(".sh"))])
+def test_documented_commands_parse_and_flags_are_known(path, monkeypatch):
+    """Flags are spelled as --help lists them (new spellings); each ``run_train.sh`` command of a fenced shell block
+    parses as run_train.sh would: CONFIG_FILE, else CONFIG, else the debug model."""
+    text = open(os.path.join(REPO, path)).read()
+    known = {f for pair in re.findall(r"^  (--\S+)(?: / (--\S+))?", help_text(_merged_cls()), re.M) for f in pair}
+    flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", text))
+    aliases = ("--dataloader.", "--profiler.", "--section.key")  # newer torchtitan spellings; a placeholder
+    unknown = sorted(f for f in flags if f not in known and not f.startswith(aliases))
+    assert not unknown, f"{path}: unknown flags {unknown}"
     commands = 0
-    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", open(os.path.join(REPO, path)).read(), re.M | re.S):
+    for lang, block in re.findall(r"^```(\w*)\n(.*?)^```", text, re.M | re.S):
         for line in block.replace("\\\n", " ").splitlines() if lang in ("", "bash", "sh") else ():
             if "./run_train.sh" not in (line := line.split(" #")[0].strip()):
                 continue
@@ -112,13 +115,3 @@ def test_documented_commands_parse(path, monkeypatch):
                 pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
             parse_args(pre + words[i + 1:])
     assert path != "README.md" or commands >= 5
-
-
-@pytest.mark.parametrize("path", DOCS + SCRIPTS)
-def test_every_flag_spelling_is_known(path):
-    """Flags in docs and GPU scripts are spelled as --help lists them (new spellings)."""
-    known = {f for pair in re.findall(r"^  (--\S+)(?: / (--\S+))?", help_text(_merged_cls()), re.M) for f in pair}
-    flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", open(os.path.join(REPO, path)).read()))
-    aliases = ("--dataloader.", "--profiler.", "--section.key")  # newer torchtitan spellings; a placeholder
-    unknown = sorted(f for f in flags if f not in known and not f.startswith(aliases))
-    assert not unknown, f"{path}: unknown flags {unknown}"

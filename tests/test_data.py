@@ -18,12 +18,11 @@ from torchtitan.config import JobConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS, HuggingFaceTextDataset, build_text_dataloader
 
 import _early  # tests/ is on sys.path
-from _runs import LAUNCH_VARS, SMALL, run_debug
+from _runs import DEBUG, LAUNCH_VARS, REPO, SMALL, run_debug
 from graph_trainer import config, data
 from graph_trainer.errors import UserError
 
 VOCAB = 2048
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +130,9 @@ def test_local_files_load(cache, tokenizer, tmp_path):
 
 
 def _cfg(dataset="c4_test", path=None, tokenizer="embedded"):
-    """The three fields preflight reads, as a parsed JobConfig holds them."""
-    opt = lambda x: None if x is None else str(x)  # noqa: E731
-    return SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=opt(path)),
-                           model=SimpleNamespace(hf_assets_path=opt(tokenizer)))
+    """The three fields preflight reads, as a parsed JobConfig holds them (paths as strings)."""
+    return SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=path and str(path)),
+                           model=SimpleNamespace(hf_assets_path=tokenizer and str(tokenizer)))
 
 
 def _lines(n: int = 10, bad_line: int | None = 3, bad: str = "this is not json: true") -> str:
@@ -249,7 +247,7 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
     for k in LAUNCH_VARS:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.chdir(REPO)
-    assert config._check_main(["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]) == 0
+    assert config._check_main(["--job.config_file", DEBUG]) == 0
     assert "HF assets path" not in "".join(capsys.readouterr()) + caplog.text
     for name in ("c4_test", "C4_TEST", "c4", "c4_validation"):
         data.check_dataset(name, None)

@@ -1,7 +1,6 @@
 """Bitwise determinism on CPU: run-to-run and resume with the RMSNorm pass; bad checkpoints, divergence."""
 
 import json
-import os
 import shutil
 from types import SimpleNamespace
 
@@ -88,7 +87,7 @@ def test_corrupt_checkpoint_clear_error(tmp_path):
     path.write_bytes(path.read_bytes()[:100])  # truncate
     r = train_hashed(d, "--checkpoint.enable", "--checkpoint.interval", "2", check=False, forked=True)
     assert r.returncode != 0 and f"step-2 is truncated: data file {path} has 100 bytes" in r.stderr
-    assert os.path.exists(path)  # nothing deleted
+    assert path.exists()  # nothing deleted
 
 
 @_early.job("nan_run")

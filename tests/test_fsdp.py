@@ -42,8 +42,7 @@ def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts rai
                               materialize=lambda ps: [fsdp.all_gather_param(p, s, group) for p, s in zip(ps, specs)])
     colls = Counter(str(n.target).split(".")[1]  # as traced (the passes below change the graph)
                     for n in traced.gm.graph.nodes if "_c10d_functional" in str(n.target))
-    # one all-gather per parameter in the forward, one reduce-scatter in the backward; one all-reduce: the global
-    # batch's valid-token count
+    # per parameter one all-gather (forward) and one reduce-scatter (backward); one all-reduce: valid-token count
     assert colls["all_gather_into_tensor"] == colls["reduce_scatter_tensor"] == n_params
     assert colls["all_reduce"] == 1 and colls["wait_tensor"] == 2 * n_params + 1
     loss, grads = traced(shards, bufs, tokens, labels)
@@ -86,8 +85,7 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
                              capture_output=True, text=True, timeout=600)
         hsdp = _counts(train_ranks(1, hsdp, tmp_path, env={"NGPU": "8"}))
         fsdp, out = _counts(script.result()), script.result().stdout
-    assert "FSDP4xTP2 on 8 fake ranks" in out
-    assert hsdp["all_reduce"] == fsdp["all_reduce"] + N_DEBUG
+    assert "FSDP4xTP2 on 8 fake ranks" in out and hsdp["all_reduce"] == fsdp["all_reduce"] + N_DEBUG
     assert hsdp["all_gather_into_tensor"] == fsdp["all_gather_into_tensor"] > N_DEBUG
     assert hsdp["reduce_scatter_tensor"] == fsdp["reduce_scatter_tensor"] > N_DEBUG
 
@@ -97,35 +95,29 @@ def test_fake_backend_dry_runs_of_the_8b():
     """The 8B dry runs: FSDP8 with op-level SAC recomputing; FSDP4 x TP2, every norm tagged, plans for two devices."""
     s = _early.result("dry_runs_8b")["fsdp8"]
     assert s["layout"] == "FSDP8" and s["world_size"] == 8
-    assert s["collectives"]["all_gather_into_tensor"]["count"] == N_8B
-    assert s["collectives"]["reduce_scatter_tensor"]["count"] == N_8B
+    assert [s["collectives"][k]["count"] for k in ("all_gather_into_tensor", "reduce_scatter_tensor")] == [N_8B] * 2
     # bf16 all-gather of ~8.03 B parameters; fp32 reduce-scatter output = the shard
     assert 14.5 < s["collectives"]["all_gather_into_tensor"]["bytes"] / 2**30 < 15.5
     assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
     assert s["nodes"] > 10000 and s["nodes_by_phase"]["backward"] > 1000
     # fused attention (the math path held > 300 GiB); op-level SAC recomputes: under half the traced peak
-    assert "sac_recompute" in s["graph_passes"]
-    assert s["peak_graph_bytes_traced"] / 2**30 < 120
+    assert "sac_recompute" in s["graph_passes"] and s["peak_graph_bytes_traced"] / 2**30 < 120
     assert s["peak_graph_bytes"] < 0.5 * s["peak_graph_bytes_traced"]
     s, messages = _early.result("dry_runs_8b")["fsdp4_tp2"]  # the seed layout
     assert any("tagged 65 forward + 65 backward RMSNorms + 64 recomputed" in m for m in messages)
-    assert s["layout"] == "FSDP4xTP2"
     small, large = s["memory_policies"]  # the plans for an 80 GB and a 141 GB device: the smaller no fatter
     assert small["budget_gib"] < large["budget_gib"]
     assert small["predicted_peak_gib"] <= large["predicted_peak_gib"] <= large["budget_gib"]
-    assert s["peak_graph_bytes"] <= s["peak_graph_bytes_traced"]
-    assert "reshard_after_forward" in s["graph_passes"]
+    assert s["peak_graph_bytes"] <= s["peak_graph_bytes_traced"] and "reshard_after_forward" in s["graph_passes"]
     c = s["collectives"]
     # FSDP: one all-gather + reduce-scatter per parameter; sequence-parallel TP: per block >= 2 of each
-    assert c["all_gather_into_tensor"]["count"] >= N_8B + 2 * 32
-    assert c["reduce_scatter_tensor"]["count"] >= N_8B + 2 * 32
+    assert all(c[k]["count"] >= N_8B + 2 * 32 for k in ("all_gather_into_tensor", "reduce_scatter_tensor")), c
     assert c["all_reduce"]["count"] >= 2 * 32 + 1  # norm-weight gradients (replicated under TP)
-    assert s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
+    assert s["layout"] == "FSDP4xTP2" and s["param_bytes_per_rank"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)
 
 
 def test_weighted_grad_norm_makes_its_weights_tensor_once(monkeypatch):
-    """TP-replicated weights: the norm is sqrt(Σ w_i ||g_i||²), and the weights reach the device on the first call
-    only (a blocking host-to-device copy every step would make the host wait for the whole backward)."""
+    """TP-replicated weights: the norm is sqrt(Σ w_i ||g_i||²); the weights reach the device on the first call only."""
     from graph_trainer.distributed import fsdp
 
     monkeypatch.setattr(fsdp.dist, "all_reduce", lambda t, op=None, group=None: t)  # one rank
@@ -133,5 +125,4 @@ def test_weighted_grad_norm_makes_its_weights_tensor_once(monkeypatch):
     shards[0].grad, shards[1].grad = torch.tensor([3.0, 0.0, 4.0]), torch.tensor([0.0, 2.0])
     fsdp._on_device.cache_clear()
     norms = [float(fsdp.sharded_grad_norm_(shards, 1e9, None, [0.5, 1.0])) for _ in range(2)]
-    assert norms == pytest.approx([(0.5 * 25 + 4) ** 0.5] * 2)
-    assert fsdp._on_device.cache_info().misses == 1
+    assert norms == pytest.approx([(0.5 * 25 + 4) ** 0.5] * 2) and fsdp._on_device.cache_info().misses == 1

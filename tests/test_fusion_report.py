@@ -29,8 +29,7 @@ def test_tiny_run():
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
     ways = {w["way"]: w for w in report["ways"]}
-    assert report["device_type"] == "cpu" and report["n_layers"] == 1
-    assert (report["seq_len"], report["batch"], report["steps"]) == (32, 1, 2)
+    assert [report[k] for k in ("device_type", "n_layers", "seq_len", "batch", "steps")] == ["cpu", 1, 32, 1, 2]
     assert list(ways) == ["none", *COMPILED]  # the Triton knob's way: CUDA only
     assert any(("knob missing" if report["mix_order_reduction"] != "present" else "that way is skipped") in n
                for n in report["notes"])
@@ -74,7 +73,7 @@ def test_tiny_run():
     assert "fwd/bwd ms: n/a on CPU" in proc.stdout
 
 
-def test_parse_kernels_triton_header_and_cpp_call_site():
+def test_parse_kernels_triton_header_and_cpp_call_site_and_split_phase_times():
     src = "\n".join([
         "async_compile = AsyncCompile()", "", "# kernel path: /tmp/x.py",
         "# Topologically Sorted Source Nodes: [mul_9, sum_1], Original ATen: [aten.mul, aten.sum]",
@@ -94,16 +93,12 @@ def test_parse_kernels_triton_header_and_cpp_call_site():
     no_comment = src.replace("# Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]", "# other")
     assert fr.parse_kernels(no_comment)[1]["source_nodes"] is None
 
-
-def test_split_phase_times_marker_and_kernel_phase():
-    def ann(name, ts, dur=0):
-        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
-
     def launch(corr, ts, name="k", dur=1000.0):
         return [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "args": {"correlation": corr}},
                 {"cat": "kernel", "name": name, "ts": ts + 5, "dur": dur, "args": {"correlation": corr}}]  # fmt: skip
 
-    events = [ann(f"{fr.STEP_MARKER}0", 0, 100), ann(fr.MARKER, 50), ann(f"{fr.STEP_MARKER}1", 200, 100)]
+    events = [{"cat": "user_annotation", "name": name, "ts": ts, "dur": dur} for name, ts, dur in (
+        (f"{fr.STEP_MARKER}0", 0, 100), (fr.MARKER, 50, 0), (f"{fr.STEP_MARKER}1", 200, 100))]
     events += launch(1, 10) + launch(2, 60, dur=3000.0)  # step 0: marker at 50
     events += launch(3, 210, "fwd_k", 2000.0) + launch(4, 250, "bwd_k", 500.0) + launch(5, 260, dur=500.0)
     assert fr.split_phase_times(events, None) == [(1.0, 3.0)]  # step 1 has no boundary

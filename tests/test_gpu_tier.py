@@ -21,23 +21,19 @@ LAYOUTS = {
     "fsdp2tp2": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 #: name: (flags, passes) of a numerics-changing setting (async TP added to the passes where the layout has TP)
-OPTIONS = {
-    "regional": (["--compile.numerics_changing_optim"], ["annotate_residual_rmsnorm"]),
-    "full": (["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"], []),
-}
+OPTIONS = {"regional": (["--compile.numerics_changing_optim"], ["annotate_residual_rmsnorm"]),
+           "full": (["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"], [])}
 
 pytestmark = pytest.mark.multigpu
 
 
 def _env(layout: str) -> dict:
-    """The runs' environment on the layout's GPUs (skipped without them), every rank's output shown (a failing
-    rank's traceback)."""
+    """The runs' environment on the layout's GPUs (skipped without them), every rank's output (tracebacks) shown."""
     n = LAYOUTS[layout][0]
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} CUDA GPUs, {torch.cuda.device_count()} visible")
     env = {k: v for k, v in os.environ.items() if k not in ("CONFIG", "COMM_MODE", "NNODES", "NODE_RANK")}
-    return {**env, "NGPU": str(n), "CONFIG_FILE": os.path.join(REPO, CONFIG),
-            "LOG_RANK": ",".join(map(str, range(n)))}
+    return {**env, "NGPU": str(n), "CONFIG_FILE": os.path.join(REPO, CONFIG), "LOG_RANK": ",".join(map(str, range(n)))}
 
 
 def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> None:
@@ -54,8 +50,7 @@ def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str],
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_eager_equals_traced(tmp_path, layout):
-    """torchtitan's eager step and the traced step (the plain command): bitwise, STEPS steps and the final state;
-    with TP the traced step ran async TP (on by default on CUDA) and it rewrote the graph."""
+    """torchtitan's eager step == the traced step, bitwise (STEPS steps, final state); with TP, async TP rewrote it."""
     _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], [], STEPS)
     if "tp" in layout:
         passes = {p["pass"]: p for p in read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]}
@@ -64,8 +59,7 @@ def test_eager_equals_traced(tmp_path, layout):
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_cuda_graph_equals_eager(tmp_path, layout):
-    """The traced step replayed as a CUDA graph (``--compile.passes cudagraph``) with its NCCL collectives and async
-    TP's symmetric-memory ops captured: bitwise with torchtitan's eager step, STEPS steps and the final state."""
+    """The traced step as a CUDA graph (NCCL, async TP's ops captured) == eager, bitwise, STEPS steps + state."""
     _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], ["--compile.passes", "cudagraph"], STEPS)
     passes = read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]
     assert "cudagraph" in [p["pass"] for p in passes]

@@ -11,7 +11,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.compiler import graph_cache
 from graph_trainer.compiler.collectives import hold
-from graph_trainer.compiler.graph_cache import cache_dir, cache_key, compile_index
 from graph_trainer.compiler.graph_values import placeholder_vals
 from graph_trainer.compiler.node_meta import add_process_setup
 from graph_trainer.compiler.pipeline import build_pipeline
@@ -20,11 +19,9 @@ from graph_trainer.llama3 import llama3_args
 
 from _runs import DEBUG, train_debug  # tests/ is on sys.path
 
-CPU = torch.device("cpu")
-
 
 def _key(*flags, rank=0):
-    return cache_key(parse_args(["--job.config_file", DEBUG, *flags]), rank, 1, CPU)
+    return graph_cache.cache_key(parse_args(["--job.config_file", DEBUG, *flags]), rank, 1, torch.device("cpu"))
 
 
 def test_key_follows_what_decides_the_graph():
@@ -39,19 +36,19 @@ def test_key_follows_what_decides_the_graph():
 def test_auto_is_on_with_full_inductor_in_inductors_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     assert Compile().graph_cache_dir == "auto"
-    assert cache_dir("auto", "full") == str(tmp_path / "graph_trainer")
-    assert cache_dir("auto", "regional") is None and cache_dir("auto", "none") is None
-    assert cache_dir("off", "full") is None and cache_dir("", "full") is None
-    assert cache_dir("/some/where", "regional") == "/some/where"
+    assert graph_cache.cache_dir("auto", "full") == str(tmp_path / "graph_trainer")
+    assert graph_cache.cache_dir("auto", "regional") is None and graph_cache.cache_dir("auto", "none") is None
+    assert graph_cache.cache_dir("off", "full") is None and graph_cache.cache_dir("", "full") is None
+    assert graph_cache.cache_dir("/some/where", "regional") == "/some/where"
 
 
 def test_split_before_the_first_compiling_pass():
     for kw, first in [({}, "regional_inductor"), ({"inductor_compilation": "full"}, "full_inductor"),
                       ({"passes": "cudagraph", "inductor_compilation": "none"}, "cudagraph")]:
         steps = build_pipeline(Compile(**kw))
-        assert steps[compile_index(steps)].name == first
+        assert steps[graph_cache.compile_index(steps)].name == first
     steps = build_pipeline(Compile(inductor_compilation="none"))
-    assert compile_index(steps) == len(steps)
+    assert graph_cache.compile_index(steps) == len(steps)
 
 
 @pytest.mark.slow  # five short trainings

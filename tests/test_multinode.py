@@ -11,8 +11,7 @@ from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
 
 import _early  # tests/ is on sys.path
-from _runs import DEBUG, LAUNCH_VARS, REPO, SMALL, bitwise_flags, fixed_port
-from _runs import launch_env as _env
+from _runs import DEBUG, LAUNCH_VARS, REPO, SMALL, bitwise_flags, fixed_port, launch_env
 
 
 def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
@@ -35,8 +34,7 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
 @pytest.mark.slow
 @_early.uses("bitwise_gloo2")
 def test_two_hosts_bitwise_one_host(tmp_path):
-    """Bitwise every step and the final state; global rank 0 (writing metrics.jsonl) is on NODE_RANK=0 whichever
-    starts first."""
+    """Bitwise each step and the final state; global rank 0 (writing metrics.jsonl) is on NODE_RANK=0 (started last)."""
     one_host, _, _ = _early.result("bitwise_gloo2")  # run a: FSDP2 on 2 forked ranks, one host, 4 steps
     ref_rows, ref_summary = read_metrics(str(one_host / "metrics.jsonl"))  # 4 rows: tests/test_determinism.py
     endpoint = f"127.0.0.1:{fixed_port()}"  # the NODE_RANK=0 host's torchrun serves it
@@ -47,7 +45,7 @@ def test_two_hosts_bitwise_one_host(tmp_path):
                 procs[node] = subprocess.Popen(
                     ["bash", "run_train.sh", *SMALL, "--training.steps", "4", "--debug.state_hashes", *bitwise_flags(4),
                      "--job.dump_folder", str(tmp_path / f"node{node}")],
-                    cwd=REPO, env=_env(NNODES="2", NODE_RANK=str(node), NGPU="1", RDZV_ENDPOINT=endpoint),
+                    cwd=REPO, env=launch_env(NNODES="2", NODE_RANK=str(node), NGPU="1", RDZV_ENDPOINT=endpoint),
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         for p in procs.values():
             p.wait(timeout=900)

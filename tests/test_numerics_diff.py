@@ -29,7 +29,7 @@ def _brute_force_first(a, b):
                  if k in b and not (ra.shape == b[k].shape and torch.equal(ra.values, b[k].values))), None)
 
 
-def test_fingerprint_is_bitwise():
+def test_fingerprint_is_bitwise_and_records_saved_loaded_and_compared_by_the_cli(tmp_path, capsys):
     x = torch.randn(1000)
     y = x.clone()
     assert fingerprint(x) == fingerprint(y)
@@ -40,6 +40,24 @@ def test_fingerprint_is_bitwise():
         assert fingerprint(t) == fingerprint(t.clone())
     big = record(torch.randn(3 << 20))
     assert big.sampled and big.values.numel() == 1 << 16
+    recs = {("forward", "x", "aten.mm.default", 0): record(torch.ones(3)), "loss": record(torch.tensor(1.0))}
+    path = save(str(tmp_path / "a"), 0, recs, {"mode": "test"})
+    assert save(str(tmp_path / "a"), 0, recs, {"mode": "test"}) == path  # the earlier record is kept aside
+    assert os.path.exists(tmp_path / "a" / "rank0.1.pt")
+    loaded, meta = load(path)
+    assert list(loaded) == list(recs) and meta == {"mode": "test"}
+    save(str(tmp_path / "b"), 0, {**recs, "loss": record(torch.tensor(2.0))}, {})
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--records", a, a]) == 0 and main(["--records", a, b]) == 1
+    assert "first difference: loss" in capsys.readouterr().out
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "rank0.pt").write_text("not a record")
+    for args, needle in ((["--records", a, str(tmp_path / "nothing")], "no rank<r>.pt record"),
+                         (["--records", a, b, "--rtol", "-1"], "--rtol must be"),
+                         (["--records", a, str(tmp_path / "c")], "not a numerics record")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
 
 
 def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
@@ -79,27 +97,6 @@ def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     assert cmp.divergent[0].key == key == _brute_force_first(a, b)
     assert cmp.divergent[0].max_abs > 0 and cmp.divergent[0].max_rel < 1e-6
     assert key not in {d.key for d in compare(a, b, rtol=1e-5).divergent}
-
-
-def test_save_load_and_bad_input(tmp_path, capsys):
-    recs = {("forward", "x", "aten.mm.default", 0): record(torch.ones(3)), "loss": record(torch.tensor(1.0))}
-    path = save(str(tmp_path / "a"), 0, recs, {"mode": "test"})
-    assert save(str(tmp_path / "a"), 0, recs, {"mode": "test"}) == path  # the earlier record is kept aside
-    assert os.path.exists(tmp_path / "a" / "rank0.1.pt")
-    loaded, meta = load(path)
-    assert list(loaded) == list(recs) and meta == {"mode": "test"}
-    save(str(tmp_path / "b"), 0, {**recs, "loss": record(torch.tensor(2.0))}, {})
-    assert main(["--records", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
-    assert main(["--records", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
-    assert "first difference: loss" in capsys.readouterr().out
-    (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "rank0.pt").write_text("not a record")
-    for args, needle in ((["--records", str(tmp_path / "a"), str(tmp_path / "nothing")], "no rank<r>.pt record"),
-                         (["--records", str(tmp_path / "a"), str(tmp_path / "b"), "--rtol", "-1"], "--rtol must be"),
-                         (["--records", str(tmp_path / "a"), str(tmp_path / "c")], "not a numerics record")):
-        assert main(args) == 2
-        err = capsys.readouterr().err
-        assert needle in err and "Traceback" not in err
 
 
 @_early.job("numerics_diff_cli")

@@ -1,7 +1,5 @@
 """aot_fx_trace on gloo in each layout against eager torchtitan and layouts that see the same batches."""
 
-import os
-
 import pytest
 
 from graph_trainer.metrics import read_metrics
@@ -23,8 +21,7 @@ REPLICAS = "Replicate degree 2: gradients all-reduced over the replicas inside t
 
 
 def _run(tmp, layout, mode, env=None):
-    """``layout`` in ``mode`` on forked gloo ranks, the debug model at 2 blocks: ``(stdout, losses, grad norms,
-    state hashes)``."""
+    """``layout`` in ``mode`` on forked gloo ranks, the debug model at 2 blocks: ``(stdout, losses, norms, hashes)``."""
     ngpu, shard, tp, replicate = LAYOUTS[layout]
     dump = tmp / "out"
     r = train_ranks(ngpu, [*SMALL, "--training.steps", str(STEPS), "--job.dump_folder", str(dump), "--compile.mode",
@@ -33,7 +30,7 @@ def _run(tmp, layout, mode, env=None):
                            "--parallelism.data_parallel_replicate_degree", str(replicate), "--debug.deterministic",
                            "--debug.state_hashes", *FLAGS.get(layout, [])], f"{dump}.logs", n_layers=2, base_env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows, summary = read_metrics(os.path.join(dump, "metrics.jsonl"))
+    rows, summary = read_metrics(str(dump / "metrics.jsonl"))
     assert summary["final_loss"] > 0
     return r.stdout, [x["loss"] for x in rows], [x["grad_norm"] for x in rows], summary["state_hashes"]
 
@@ -58,12 +55,10 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout, reference, loss_rtol, norm_rtol, line", [
     ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step, and the final state
-    ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""),
-    ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
+    ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""), ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
     # TP / replicas alone with bf16 parameters: the eager baseline's FSDP2 over a 1-rank shard dimension (HSDP
     # for the replicas) casts the parameters as the traced step does (plain eager would train in fp32)
-    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""),
-    ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
+    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""), ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
     # the same batches (not bitwise: loss-parallel cross-entropy, row-parallel matmuls, gradient sums reorder);
     # replicate 2 x TP2 traced only (torchtitan's eager DDP refuses TP)
     ("tp2", ("one", "aot_fx_trace"), 1e-6, 1e-4, "Applied torchtitan's Llama3 TP plan (degree 2, loss parallel True)"),

@@ -10,7 +10,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.fx
 from torch._logging._internal import trace_log
 
 import _early  # tests/ is on sys.path
@@ -76,14 +75,11 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
                                    "region": 0, "other": 4, "total": 15}
     assert (dce["nodes_before"], dce["nodes_after"]) == (15, 14)
     assert dce["ops_removed"] == {"_operator.getitem": 1} and dce["ops_added"] == {}
-    # the annotation only tags: every norm and its live getitems become region nodes
     assert ann["kinds_after"] == {"compute": 2, "collective": 0, "wait": 0, "view": 0, "getitem": 0,
-                                  "region": 8, "other": 4, "total": 14}
-    assert ann["ops_added"] == ann["ops_removed"] == {}
-    assert (ann["regions_before"], ann["regions_after"]) == (0, 3)
+                                  "region": 8, "other": 4, "total": 14}  # only tags: norms, live getitems: regions
+    assert ann["ops_added"] == ann["ops_removed"] == {} and (ann["regions_before"], ann["regions_after"]) == (0, 3)
     assert ann["stats"]["regions"] == 3 and ann["summary"]
-    assert noop["memory_before_bytes"] == mem_in > 0
-    assert ann["memory_after_bytes"] == estimate_peak_memory(gm)[0]
+    assert noop["memory_before_bytes"] == mem_in > 0 and ann["memory_after_bytes"] == estimate_peak_memory(gm)[0]
     assert quiet[0]["memory_before_bytes"] is None and quiet[0]["nodes_after"] == 11  # quiet: no memory estimates
     lines = report.format_pass_table(records).splitlines()
     assert len(lines) == 2 + 1 + len(records)  # header, rule, (input), one per pass
@@ -94,31 +90,27 @@ def test_records_table_dumps_and_trace_artifacts(tmp_path, log_lines):
     assert rows[0][:4] == ["0", "(input)", "", "15"]
     assert rows[2][header.index("nodes")] == "14 (-1)" and rows[2][-1] == "-1 _operator.getitem"
     assert rows[3][1] == ANNOTATE and rows[3][header.index("region")] == "8 (+8)"
-    assert rows[3][header.index("regions")] == "3 (+3)"
-    assert report.format_pass_table([]) == ""
-    # the dumps: empty diffs for unchanged graphs, whole custom dicts (torch's ``# Annotation:`` cuts at 40 chars)
-    graphs = tmp_path / "graphs"
+    assert rows[3][header.index("regions")] == "3 (+3)" and report.format_pass_table([]) == ""
+    graphs = tmp_path / "graphs"  # the dumps: empty diffs for unchanged graphs
     assert (graphs / "01_remove_noop_views.diff").read_text() == ""
     dce_diff = (graphs / "02_remove_dead_code.diff").read_text()
     assert dce_diff.startswith("--- 01_remove_noop_views.py\n+++ 02_remove_dead_code.py\n")
     assert any(line.startswith("-") and "getitem_3" in line for line in dce_diff.splitlines())
     diff = (graphs / f"03_{ANNOTATE}.diff").read_text()
     assert "+        # custom: " in diff and "'inductor_region': 'rmsnorm_forward_0'" in diff
-    text = (graphs / f"03_{ANNOTATE}.py").read_text()
+    text = (graphs / f"03_{ANNOTATE}.py").read_text()  # whole custom dicts: torch's ``# Annotation:`` cuts at 40
     for custom in (node.meta["custom"] for node in tagged_nodes(gm)):
         assert len(str(custom[COMPILE_WITH_INDUCTOR_KEY])) > 40 and f"# custom: {custom}" in text
     summary = json.loads((graphs / "summary.json").read_text())
     assert [r["pass"] for r in summary] == ["input", *passes]
     assert summary[3]["kinds_after"]["region"] == 8 and summary[3]["ops"]["aten._fused_rms_norm.default"] == 2
-    # the trace artifacts (none from the quiet run)
     artifacts = [(r.metadata["artifact"]["name"], r.metadata["artifact"]["encoding"], r.payload) for r in emitted
-                 if "artifact" in getattr(r, "metadata", {})]
+                 if "artifact" in getattr(r, "metadata", {})]  # the trace artifacts, none from the quiet run
     assert [name for name, _, _ in artifacts] == ["graph_before_passes", *[f"{kind}_{p}" for p in passes for kind in (
         "graph_after", "graph_diff", "pass_record")], "pass_table", "pass_records"]
     artifacts = {name: (enc, payload) for name, enc, payload in artifacts}
     enc, payload = artifacts[f"pass_record_{ANNOTATE}"]
-    assert enc == "json" and json.loads(payload)["regions_after"] == 3
-    assert "| (input)" in artifacts["pass_table"][1]
+    assert enc == "json" and json.loads(payload)["regions_after"] == 3 and "| (input)" in artifacts["pass_table"][1]
     assert "'inductor_region': 'rmsnorm_forward_0'" in artifacts[f"graph_after_{ANNOTATE}"][1]
 
 

@@ -8,10 +8,9 @@ import torch
 from graph_trainer.config import Compile, _flag_doc, project_sections
 from graph_trainer.model import BlockLayout, block_layout, build_model, model_args
 from graph_trainer.compiler.memory_policy import Levers
-from graph_trainer.compiler import registry as reg
 from graph_trainer.compiler.passes import ORDER
 from graph_trainer.compiler.pipeline import build_pipeline
-from graph_trainer.compiler.registry import PassContext, registry, resolve
+from graph_trainer.compiler.registry import PassContext, option_sections, registry, resolve
 
 DEFAULT_ORDER = list(registry())
 RMSNORM, POINTWISE = "annotate_rmsnorm_for_regional_inductor", "annotate_pointwise_for_regional_inductor"
@@ -51,9 +50,8 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
     assert "bucket_collectives" not in default
     chosen = _options(Compile(), layout, levers=Levers("all", 32, 2))
-    assert chosen["sac_recompute"] == {"save_all": True}
+    assert chosen["sac_recompute"] == {"save_all": True} and chosen["reshard_after_forward"] == {"first_params": 1}
     assert chosen["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
-    assert chosen["reshard_after_forward"] == {"first_params": 1}
     with pytest.raises(ValueError, match="block layout"):
         build_pipeline(cfg)
 
@@ -73,7 +71,7 @@ def test_rmsnorm_options_and_deterministic_pick():
 def test_registry_and_order():
     """Every ORDER module declares a PASS; option fields are flags with help; cleanup first, CUDA graphs last."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
-    for section, cls in reg.option_sections():
+    for section, cls in option_sections():
         assert isinstance(getattr(Compile(), section), cls)
         assert f"compile.{section}" in project_sections()
         for f in dataclasses.fields(cls):

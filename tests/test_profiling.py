@@ -182,11 +182,9 @@ def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
     # 0..100 us: matmuls 0-30 and 50-80; FSDP's fp32 reduce-scatter 20-40 (10 exposed), TP's bf16 one 40-45
     # (exposed) and 60-70 (hidden); all-gathers on two streams: 85-90 (stream 1), 85-95 (stream 2)
     events = [_evt("ProfilerStep#4", 0, 100, ann=True), _evt("nvjet_a", 0, 30, "CUDA"), _evt("nvjet_b", 50, 80, "CUDA"),
-              _evt("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 20, 40, "CUDA", stream=1),
-              _evt("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 40, 45, "CUDA", stream=2),
-              _evt("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 60, 70, "CUDA", stream=2),
-              _evt("ncclDevKernel_AllGather_RING_LL", 85, 90, "CUDA", stream=1),
-              _evt("ncclDevKernel_AllGather_RING_LL", 85, 95, "CUDA", stream=2)]
+              *(_evt(f"ncclDevKernel_{kind}_RING_LL", a, b, "CUDA", stream=stream) for kind, a, b, stream in [
+                  ("ReduceScatter_Sum_f32", 20, 40, 1), ("ReduceScatter_Sum_bf16", 40, 45, 2),
+                  ("ReduceScatter_Sum_bf16", 60, 70, 2), ("AllGather", 85, 90, 1), ("AllGather", 85, 95, 2)])]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: events), on_device=True)
     got = collective_breakdown(kernels, collectives, steps)
     assert list(got) == ["AllGather (stream 2)", "ReduceScatter f32", "AllGather (stream 1)", "ReduceScatter bf16"]

@@ -11,10 +11,15 @@ def _logger(dump, resume_step=0, **kw):
     return MetricsLogger(torch.device("cpu"), 1000, dump_folder=str(dump), resume_step=resume_step, **kw)
 
 
-def _log(m, steps, loss):
+def _run(dump, steps, loss, resume_step=0, summary=None, **kw):
+    """A run: ``steps`` logged at loss ``loss + step``, then a summary with the fields ``summary`` if given."""
+    m = _logger(dump, resume_step, **kw)
     for s in steps:
         m.record_step(128, 0.0)
         m.log_window(m.close_window(s, loss + s, 1.0, 1e-3))
+    if summary is not None:
+        m.summary(exclude_steps=1, extra=summary)
+    m.close()
 
 
 def test_keep_previous_files_and_folders(tmp_path):
@@ -37,18 +42,12 @@ def test_keep_previous_files_and_folders(tmp_path):
 
 
 def test_resume_appends_and_reader_takes_the_last_row_per_step(tmp_path):
-    m = _logger(tmp_path)
-    _log(m, [1, 2, 3], loss=10.0)
-    m.summary(exclude_steps=1)
-    m.close()
+    _run(tmp_path, [1, 2, 3], loss=10.0, summary={})
     before = (tmp_path / "metrics.jsonl").read_text()
     _logger(tmp_path).close()  # a fresh run and a resumed one that stop before logging anything
     _logger(tmp_path, resume_step=3).close()
     assert os.listdir(tmp_path) == ["metrics.jsonl"] and (tmp_path / "metrics.jsonl").read_text() == before
-    m = _logger(tmp_path, resume_step=2)
-    _log(m, [3, 4], loss=20.0)
-    m.summary(exclude_steps=1, extra={"resumed_from_step": 2})
-    m.close()
+    _run(tmp_path, [3, 4], loss=20.0, resume_step=2, summary={"resumed_from_step": 2})
     text = (tmp_path / "metrics.jsonl").read_text()
     assert text.startswith(before) and len(text.splitlines()) == 4 + 3  # appended, nothing rewritten
     rows, summary = read_metrics(str(tmp_path / "metrics.jsonl"))
@@ -58,9 +57,7 @@ def test_resume_appends_and_reader_takes_the_last_row_per_step(tmp_path):
 
 def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
     for i in range(3):
-        m = _logger(tmp_path, enable_tensorboard=True, tb_folder="tb")
-        _log(m, [1, 2], loss=float(i))
-        m.close()
+        _run(tmp_path, [1, 2], loss=float(i), enable_tensorboard=True, tb_folder="tb")
     for name, first in (("metrics.1.jsonl", 1.0), ("metrics.2.jsonl", 2.0), ("metrics.jsonl", 3.0)):
         assert [r["loss"] for r in read_metrics(str(tmp_path / name))[0]] == [first, first + 1]
     assert not (tmp_path / "metrics.3.jsonl").exists()
@@ -71,8 +68,7 @@ def test_fresh_runs_keep_earlier_records(tmp_path, log_lines):
 
 
 def test_a_closed_window_keeps_its_values_and_steps(tmp_path):
-    """close_window copies loss and grad norm (a CUDA graph's output buffer is overwritten by the next replay) and
-    counts only the steps before it; steps after it open the next window."""
+    """close_window copies loss and grad norm (a CUDA graph's output buffer) and counts only the steps before it."""
     m = _logger(tmp_path)
     loss, grad_norm = torch.tensor(2.5), torch.tensor(0.75)
     for _ in range(2):

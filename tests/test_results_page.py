@@ -16,32 +16,28 @@ COMMAND = "NGPU=2 CONFIG=graph_trainer_llama3_1b scripts/bench.py --variant jit=
 
 
 def stat(median, low=None, high=None):
-    return {"median": median, "min": median if low is None else low, "max": median if high is None else high, "n": 3,
-            "spread_pct": 0.0}
+    return {"median": median, "min": low or median, "max": high or median, "n": 3, "spread_pct": 0.0}
 
 
 def bench(date, tps_jit=41847.0, workload="llama3_1b fsdp2", device=H100, **extra):
-    return {
-        "schema": 1, "kind": "bench", "workload": workload, "title": f"Bench {workload}", "date": date,
-        "device": device, "torch": "2.11.0+cu130", "git_sha": "abc1234def5678", "command": COMMAND,
-        "settings": {"steps": 20, "warmup": 3, "repeats": 3}, "variants": [
-            {"name": "jit", "flags": ["--compile.mode", "jit"], "tps": stat(tps_jit, 41000.0, 42500.0),
-             "mfu": stat(38.24), "memory_gib": stat(45.123), "predicted_peak_gib": 45.1, "compile_time_s": 30.6,
-             "step2_first_s": 95.2, "step2_later_s": 40.6, "ratio": 1.0, "verdict": "baseline"},
-            {"name": "plain", "flags": [], "tps": stat(37000.0, 36000.0, 37500.0), "mfu": None,
-             "memory_gib": stat(50.0), "predicted_peak_gib": None, "compile_time_s": None, "verdict": "slower"},
-            {"name": "broken", "flags": ["--x"], "tps": {"median": None, "min": None, "max": None, "n": 0},
-             "mfu": None, "memory_gib": None, "predicted_peak_gib": 60.0, "compile_time_s": None},
-        ], "profile_png": None, **extra}
+    return {"schema": 1, "kind": "bench", "workload": workload, "title": f"Bench {workload}", "date": date,
+            "device": device, "torch": "2.11.0+cu130", "git_sha": "abc1234def5678", "command": COMMAND,
+            "settings": {"steps": 20, "warmup": 3, "repeats": 3}, "profile_png": None, **extra, "variants": [
+                {"name": "jit", "flags": ["--compile.mode", "jit"], "tps": stat(tps_jit, 41000.0, 42500.0),
+                 "mfu": stat(38.24), "memory_gib": stat(45.123), "predicted_peak_gib": 45.1, "compile_time_s": 30.6,
+                 "step2_first_s": 95.2, "step2_later_s": 40.6, "ratio": 1.0, "verdict": "baseline"},
+                {"name": "plain", "flags": [], "tps": stat(37000.0, 36000.0, 37500.0), "mfu": None,
+                 "memory_gib": stat(50.0), "predicted_peak_gib": None, "compile_time_s": None, "verdict": "slower"},
+                {"name": "broken", "flags": ["--x"], "tps": {"median": None, "min": None, "max": None, "n": 0},
+                 "mfu": None, "memory_gib": None, "predicted_peak_gib": 60.0, "compile_time_s": None}]}
 
 
 def tier(date):
-    return {
-        "schema": 1, "kind": "tier", "workload": "gpu tier", "title": "GPU tier", "date": date, "device": H100,
-        "torch": "2.11.0+cu130", "git_sha": "0123456789ab", "command": "bash scripts/gpu/tier.sh", "claims": [
-            {"claim": "test_eager_equals_traced[fsdp2]", "what": "eager == traced, FSDP2, 1B", "result": "PASSED"},
-            {"claim": "test_resume", "what": "resume | bitwise", "result": "FAILED", "detail": "step 7 differs"},
-        ], "note": "Run on one   machine."}
+    return {"schema": 1, "kind": "tier", "workload": "gpu tier", "title": "GPU tier", "date": date, "device": H100,
+            "torch": "2.11.0+cu130", "git_sha": "0123456789ab", "command": "bash scripts/gpu/tier.sh", "claims": [
+                {"claim": "test_eager_equals_traced[fsdp2]", "what": "eager == traced, FSDP2, 1B", "result": "PASSED"},
+                {"claim": "test_resume", "what": "resume | bitwise", "result": "FAILED", "detail": "step 7 differs"}],
+            "note": "Run on one   machine."}
 
 
 @pytest.fixture
@@ -90,8 +86,7 @@ def tier_call(root, name, time, sha, results, model="llama3_1b", device=H100):
 
 
 def test_page_check_and_options(records, tmp_path, capsys):
-    """Header, template prose, latest record per group only, order, tables, command, link, note; --check: 1 when
-    missing or stale, 0 when current; reruns write identical bytes or nothing; --results, --out."""
+    """The page of the latest record per group; --check: 1 when missing or stale; reruns; --results, --out."""
     out = records / "docs" / "perf.md"
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md" in stdout and not out.exists()
@@ -137,13 +132,12 @@ def test_page_check_and_options(records, tmp_path, capsys):
     stale = out.read_bytes()
     code, stdout, _ = generate(capsys, "--check")
     assert code == 1 and "docs/perf.md is out of date" in stdout and out.read_bytes() == stale
-    # --results / --out: relative to the repository root, or absolute
-    assert generate(capsys, "--out", "elsewhere/page.md")[0] == 0
+    assert generate(capsys, "--out", "elsewhere/page.md")[0] == 0  # --results / --out: relative to the root...
     assert (records / "elsewhere" / "page.md").read_text().count("\n### ") == 4
     (other := tmp_path / "other_results").mkdir()
     (other / "template.md").write_text("{{records}}\n")
     (other / "x.json").write_text(json.dumps(tier("2026-01-01")))
-    code, _, _ = generate(capsys, "--results", str(other), "--out", str(tmp_path / "p.md"))
+    code, _, _ = generate(capsys, "--results", str(other), "--out", str(tmp_path / "p.md"))  # ... or absolute
     page = (tmp_path / "p.md").read_text()
     assert code == 0 and "from other_results/" in page.splitlines()[0] and page.count("\n### ") == 1
 
@@ -157,13 +151,17 @@ def test_latest_by_date_then_file_name(repo, capsys):
     assert "; 2 earlier records in docs/results/" in page
 
 
-def test_profile_pictures_beside_the_record(repo, capsys):
-    put(repo, "r.json", bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png", "r_other.png"], git_dirty=True))
+def test_profile_pictures_dirty_tree_and_fewer_runs_than_repeats(repo, capsys):
+    record = bench("2026-11-27", profile_png=["r_jit.png", "r_plain.png", "r_other.png"], git_dirty=True)
+    record["variants"][1]["tps"]["n"] = 2
+    put(repo, "r.json", record)
     for png in ("r_jit.png", "r_other.png"):  # r_plain.png was not kept: named, not linked
         (repo / "docs" / "results" / png).write_bytes(b"png")
     page = written(repo, capsys)  # each linked by its variant's name, by its file name where no variant's name ends it
     assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png)\n" in page
     assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
+    _, rows = table(sections(page)["Bench llama3_1b fsdp2 — " + H100])
+    assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
@@ -306,10 +304,3 @@ def test_superseded_group_left_out_and_named(repo, capsys):
     code, _, err = generate(capsys)
     assert code == 2 and "2026-11-26_old.json: field 'superseded_by' must list record files" in err
 
-
-def test_fewer_runs_than_repeats_named(repo, capsys):
-    record = bench("2026-11-27")
-    record["variants"][1]["tps"]["n"] = 2
-    put(repo, "r.json", record)
-    _, rows = table(sections(written(repo, capsys))["Bench llama3_1b fsdp2 — " + H100])
-    assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count

@@ -8,7 +8,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
 from graph_trainer.checkpoint import Checkpointer, TrainState, is_model_only, latest_step
@@ -22,18 +21,12 @@ ONLY = "--checkpoint.last_save_model_only"
 
 
 def _model_only(path) -> bool:
-    return is_model_only(FileSystemReader(str(path)).read_metadata())
-
-
-def _ok(r):
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r
+    return is_model_only(dcp.FileSystemReader(str(path)).read_metadata())
 
 
 @_early.job("resume_chain", needs=("finished_run",))
 def _chain(tmp, env):
-    """The chain of runs (``FINISHED`` plus flags) on the copy: ``(copy, results, readings)``, each reading taken
-    right after its run."""
+    """The chain of runs (``FINISHED`` plus flags) on the copy: ``(copy, results, readings)``, read after each run."""
     d = tmp / "run"
     shutil.copytree(_early.result("finished_run"), d)
     ck, metrics, run = d / "checkpoint", d / "metrics.jsonl", functools.partial(run_debug, d, FINISHED, env=env)
@@ -64,11 +57,12 @@ def test_resume_chain():
     d, (r, r2, r3, r4, r5, r6), readings = _early.result("resume_chain")
     (first, files), after_missing, after_resume, after_again, after_load2, after_rerun = readings
     step4 = d / "checkpoint" / "step-4"
+    for ok in (r2, r4, r5, r6):
+        assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]  # a missing --checkpoint.load_step
     assert f"--checkpoint.load_step 99: checkpoint {d / 'checkpoint' / 'step-99'} does not exist" in r.stderr
-    assert "Traceback" not in r.stderr
-    assert after_missing == (first, files)
-    assert "Resumed from" in _ok(r2).stdout and "(step 2)" in r2.stdout
+    assert "Traceback" not in r.stderr and after_missing == (first, files)
+    assert "Resumed from" in r2.stdout and "(step 2)" in r2.stdout
     both, (rows, summary), step2_metadata, model_only = after_resume
     assert both.startswith(first) and len(both.splitlines()) == len(first.splitlines()) + 3  # steps 3, 4, summary
     assert [x["step"] for x in rows] == [1, 2, 3, 4] and summary["resumed_from_step"] == 2
@@ -79,14 +73,13 @@ def test_resume_chain():
     assert "corrupt" not in r3.stderr and "Traceback" not in r3.stderr and "FrameSummary" not in r3.stderr
     assert after_again == both
     # following the advice: the resumed run saves step 4 again; the model-only one is kept aside
-    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in _ok(r4).stdout
+    assert f"{step4} is kept as {d / 'checkpoint' / 'step-4.1'}" in r4.stdout
     kept_model_only, step4_model_only, step, before, listing = after_load2
-    assert kept_model_only and not step4_model_only
-    assert step == 4 and listing == ["step-2", "step-4", "step-4.1"]
-    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {step4}" in _ok(r5).stdout
+    assert kept_model_only and not step4_model_only and step == 4 and listing == ["step-2", "step-4", "step-4.1"]
+    assert f"already complete at step 4 (--training.steps 4); its checkpoint is {step4}" in r5.stdout
     assert "step:  " not in r5.stdout  # no step ran
     assert after_rerun == (before, listing)  # no new rows, no summary, no checkpoint
-    assert f"is kept as {d / 'metrics.1.jsonl'}" in _ok(r6).stdout  # a fresh run
+    assert f"is kept as {d / 'metrics.1.jsonl'}" in r6.stdout  # a fresh run
     assert (d / "metrics.1.jsonl").read_bytes() == after_rerun[0]
     assert [x["step"] for x in read_metrics(str(d / "metrics.jsonl"))[0]] == [1]
 

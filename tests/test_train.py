@@ -11,9 +11,8 @@ from _runs import train_debug as _train  # tests/ is on sys.path
 @pytest.mark.parametrize("ac", [[], ["--activation_checkpoint.mode", "selective",
                                        "--activation_checkpoint.selective_ac_option", "op"]], ids=["no_ac", "op_sac"])
 def test_aot_fx_trace_matches_eager_bitwise(tmp_path, monkeypatch, ac):
-    """fp32, no passes: traced == eager losses bitwise (with op-level SAC too). Logging every step, both loops read
-    step N's loss once step N+1 is issued (the device is never left waiting for the host), except the first step and
-    the last, read at once."""
+    """fp32, no passes: traced == eager losses bitwise (with op-level SAC too). Logging every step, both loops read step
+    N's loss once step N+1 is issued (the device never waits for the host), except the first and last, read at once."""
     import graph_trainer.train as train_mod
 
     events, build, log_window = [], train_mod.build_train_step, train_mod.MetricsLogger.log_window
@@ -44,16 +43,12 @@ def test_aot_fx_trace_matches_eager_bitwise(tmp_path, monkeypatch, ac):
 
 
 def test_stderr_filter_drops_torchrun_report_after_worker_error():
+    """Nothing is dropped before a worker error; after it, torchrun's report goes and other ranks' lines stay."""
     text = ("[rank0]:warming up\ntorchrun: something before the error\n[rank0]:error: Loss is nan at step 3; "
             "stopping.\nTraceback (most recent call last):\n"
             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n[rank1]:still shown\n")
     r = subprocess.run([sys.executable, "-m", "graph_trainer.stderr_filter"], input=text,
                        capture_output=True, text=True, timeout=60)
-    assert r.stderr.splitlines() == [
-        "[rank0]:warming up",
-        "torchrun: something before the error",  # nothing is dropped before a worker error
-        "[rank0]:error: Loss is nan at step 3; stopping.",
-        "[rank1]:still shown",
-    ]
+    assert r.stderr.splitlines() == ["[rank0]:warming up", "torchrun: something before the error",
+                                     "[rank0]:error: Loss is nan at step 3; stopping.", "[rank1]:still shown"]
     assert r.returncode == 3  # run_train.sh turns torchrun's failure into exit 2
-

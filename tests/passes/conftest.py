@@ -68,31 +68,25 @@ def fake_prop(gm, shapes):
 def fused_norm_graph(n_norms=2, with_backward=True):
     """``(gm, fakes)``: x -> [fused rms norm -> mul(2)] * n_norms, optionally norm 0's fused backward."""
     g, (x, w, go) = fx_graph("x", "w", "go")
-    cur, first_rstd = x, None
+    cur, rstds = x, []
     for i in range(n_norms):
-        fqn = f"layers.{i}.attention_norm"
-        n = g.call_function(aten._fused_rms_norm.default, (cur, [D], w, 1e-6))
-        out = g.call_function(operator.getitem, (n, 0))
-        rstd = g.call_function(operator.getitem, (n, 1))
-        first_rstd = first_rstd if first_rstd is not None else rstd
-        cur = g.call_function(aten.mul.Tensor, (out, 2.0))
-        for node in (n, out, rstd):
-            node.meta["custom"] = {"phase": "forward", "module_fqn": fqn, "keep": i}
-        cur.meta["custom"] = {"phase": "forward", "module_fqn": f"layers.{i}.attention"}
+        meta = {"phase": "forward", "module_fqn": f"layers.{i}.attention_norm", "keep": i}
+        n = call(g, aten._fused_rms_norm.default, cur, [D], w, 1e-6, custom=meta)
+        out, rstd = (call(g, operator.getitem, n, j, custom=meta) for j in (0, 1))
+        rstds.append(rstd)
+        cur = call(g, aten.mul.Tensor, out, 2.0, custom={"phase": "forward", "module_fqn": f"layers.{i}.attention"})
     outs = [cur]
     if with_backward:
-        b = g.call_function(aten._fused_rms_norm_backward.default, (go, x, [D], first_rstd, w, [True, True]))
-        outs += [g.call_function(operator.getitem, (b, i)) for i in (0, 1)]
-        for node in (b, *outs[1:]):
-            node.meta["custom"] = {"phase": "backward", "module_fqn": "layers.0.attention_norm"}
+        meta = {"phase": "backward", "module_fqn": "layers.0.attention_norm"}
+        b = call(g, aten._fused_rms_norm_backward.default, go, x, [D], rstds[0], w, [True, True], custom=meta)
+        outs += [call(g, operator.getitem, b, i, custom=meta) for i in (0, 1)]
     gm = module(g, *outs)
     return gm, fake_prop(gm, [(4, 8, D), (D,), (4, 8, D)])
 
 
 def trace_step(model, batch=2, seq=8, vocab=64):
     """A Llama ``model``'s traced step: ``(gm, fake example inputs, flat real inputs)``."""
-    tokens = torch.randint(0, vocab, (batch, seq))
-    labels = torch.randint(0, vocab, (batch, seq))
+    tokens, labels = (torch.randint(0, vocab, (batch, seq)) for _ in range(2))
     traced = trace_train_step(model, loss_fn, tokens, labels)
     return traced.gm, traced.example_inputs, [*model.parameters(), *model.buffers(), tokens, labels]
 

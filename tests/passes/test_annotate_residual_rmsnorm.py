@@ -11,20 +11,16 @@ from graph_trainer.config import Compile
 from .conftest import aten, assert_close, inductor_tag, region_ids, trace_step
 
 NAME = "annotate_residual_rmsnorm_for_regional_inductor"
-
-
-def _pipeline(compile_=False):
-    steps = build_pipeline(Compile(numerics_changing_optim=True, passes="residual_rmsnorm"))
-    return [s for s in steps if compile_ or s.name != "regional_inductor"]
+CONFIG = Compile(numerics_changing_optim=True, passes="residual_rmsnorm")
 
 
 def test_residual_adds_join_the_norm_regions(tiny_llama):
     n_layers = 2
     gm, example_inputs, _ = trace_step(tiny_llama(n_layers))
-    names = [s.name for s in _pipeline()]
+    steps = [s for s in build_pipeline(CONFIG) if s.name != "regional_inductor"]
+    names = [s.name for s in steps]
     assert names.index(NAME) == names.index("annotate_rmsnorm_for_regional_inductor") + 1
-    regions_before = None
-    for step in _pipeline():
+    for step in steps:
         if step.name == NAME:
             regions_before = region_ids(gm)
         gm = step(gm, example_inputs)
@@ -41,7 +37,7 @@ def test_residual_adds_join_the_norm_regions(tiny_llama):
 def test_compiled_step_matches_and_needs_the_flag(tiny_llama, log_lines):
     gm, example_inputs, inputs = trace_step(tiny_llama(1))
     ref = gm(*inputs)
-    cgm = run_pipeline(gm, example_inputs, _pipeline(compile_=True))
+    cgm = run_pipeline(gm, example_inputs, build_pipeline(CONFIG))
     assert any("joined 2 forward" in m for m in log_lines)
     assert_close(cgm(*inputs), ref)
     with pytest.raises(ValueError, match="numerics_changing_optim"):

@@ -1,7 +1,9 @@
 """annotate_rmsnorm_for_regional_inductor_pass: fused and decomposed norms, one region each, end to end."""
 
+import contextlib
 import json
 import operator
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from .conftest import (D, aten, assert_close, fused_norm_graph, inductor_tag, mo
 FUSED = (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
 
 
-def test_fused_norms_and_getitems_tagged_others_untouched():
+def test_fused_norms_and_getitems_tagged_others_untouched_an_empty_graph_too():
     gm, fakes = fused_norm_graph(n_norms=2)
     gm = annotate(gm, fakes)
     for n in gm.graph.nodes:
@@ -29,6 +31,11 @@ def test_fused_norms_and_getitems_tagged_others_untouched():
         assert (inductor_tag(n) is not None) == is_norm, n
     assert [stats(gm)[k] for k in ("forward", "backward", "regions", "getitems")] == [2, 1, 3, 6]
     assert "tagged 2 forward + 1 backward RMSNorms" in gm.meta["graph_trainer_pass_summary"]
+    g = torch.fx.Graph()
+    gm = module(g, g.placeholder("x"))
+    code = gm.code
+    assert annotate(gm, []) is gm and gm.code == code and not tagged_nodes(gm) and stats(gm)["regions"] == 0
+    assert regional_inductor_pass(gm, []) is gm and stats(gm)["regions"] == 0  # nothing to compile
 
 
 def test_existing_custom_preserved_and_not_aliased():
@@ -56,27 +63,17 @@ def test_existing_custom_preserved_and_not_aliased():
 ])
 def test_configs_reach_the_annotation_unknown_keys_refused(kwargs, configs, candidates):
     gm, fakes = fused_norm_graph(n_norms=1)
-    if configs is ValueError:
-        with pytest.raises(ValueError, match=r"max_autotun.*did you mean 'max_autotune'"):
-            annotate(gm, fakes, **kwargs)
-    else:
+    refused = pytest.raises(ValueError, match=r"max_autotun.*did you mean 'max_autotune'")
+    with refused if configs is ValueError else contextlib.nullcontext():
         annotate(gm, fakes, **kwargs)
-        assert stats(gm)["inductor_configs"] == configs
+    assert configs is ValueError or stats(gm)["inductor_configs"] == configs
     assert len(tagged_nodes(gm)) == (0 if configs is ValueError else 6)
     for n in tagged_nodes(gm):
         assert inductor_tag(n)["inductor_configs"] == configs
         assert inductor_tag(n).get("candidate_inductor_configs") == candidates
 
 
-def test_empty_graph_is_noop():
-    g = torch.fx.Graph()
-    gm = module(g, g.placeholder("x"))
-    code = gm.code
-    assert annotate(gm, []) is gm and gm.code == code and not tagged_nodes(gm) and stats(gm)["regions"] == 0
-    assert regional_inductor_pass(gm, []) is gm and stats(gm)["regions"] == 0  # nothing to compile
-
-
-def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
+def test_decomposed_norms_tagged_as_separate_regions_matched_without_a_norm_name(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
     instances = find_rmsnorm_instances(gm.graph)
     assert all(i["form"] == "decomposed" for i in instances)
@@ -92,12 +89,7 @@ def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
         targets = {n.target for n in tagged_nodes(gm) if inductor_tag(n)["inductor_region"] == rid}
         assert (aten.rsqrt.default if rid.startswith("rmsnorm_forward") else aten.sum.dim_IntList) in targets
     assert len(propose_region_partitions(gm)) == 10
-
-
-def test_pattern_matched_norm_without_norm_name():
-    model = torch.nn.Sequential()
-    model.add_module("pre", torch.nn.RMSNorm(D))  # the name does not end with "norm"
-    model.add_module("proj", torch.nn.Linear(D, D))
+    model = torch.nn.Sequential(OrderedDict(pre=torch.nn.RMSNorm(D), proj=torch.nn.Linear(D, D)))  # no "norm" name
     gm = trace_train_step(model, lambda out, _labels: out.square().mean(), torch.randn(2, 4, D), torch.zeros(1)).gm
     instances = find_rmsnorm_instances(gm.graph)
     assert [(i["module_fqn"], i["phase"]) for i in instances] == [("pre", "forward"), ("pre", "backward")]

@@ -97,8 +97,7 @@ def test_block_fuses_gather_and_scatter(gather_dim, batch, copies, fake_group):
     assert stats(gm)["restrided"] == copies and "fake process group" in gm.meta[SUMMARY]
     fused = next(n for n in gm.graph.nodes if collective_kind(n) == FUSED_AG)
     assert fused.args[2] == gather_dim and fused.kwargs["return_A"]
-    for x, y in zip(_refake(gm), before):
-        assert x.shape == y.shape and x.is_contiguous()
+    assert all(x.shape == y.shape and x.is_contiguous() for x, y in zip(_refake(gm), before))
     # the fused ops: aten.mm's FLOPs, their collectives on TP as sized before, fused and hidden under compute
     after = P.graph_work(gm, dims)
     assert after.matmul_flops == work.matmul_flops == 3 * 2 * (16 * batch) * 16 * 12

@@ -80,9 +80,44 @@ def test_bf16_shard_casts_move_with_their_bucket(fsdp_trace):
     assert_bitwise(run_no_grad(gm, inputs), ref)
 
 
-def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
-    """torch's bucketing breaks the graph (or loses overlap); its ``_out`` all-gather has no cost formula."""
-    traced, _, _ = fsdp_step
+def test_fsdp2_units_reduce_scatters_in_flight_and_not_torchs_bucketing(fsdp_step):
+    """One reduce-scatter per FSDP2 unit, in order; one in flight hides more; torch's bucketing breaks the graph (or
+    loses overlap), its ``_out`` all-gather has no cost formula."""
+    traced, inputs, n_params = fsdp_step
+    ref = run_no_grad(traced.gm, inputs)
+    units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
+    assert n_params == 1 + 9 * 2 + 2
+    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=1, fsdp2_units=units)
+    rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
+    # the embedding alone stays one reduce-scatter; each block and the final norm + output merge
+    assert len(rs) == 4 and _count(gm, AG) == 2 * n_params - 1  # all-gathers untouched at bucket_size 1
+    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
+        if n.args[0].target is aten.cat.default:
+            (wait,) = [u for u in n.users if is_wait(u)]
+            grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
+            while stack:
+                m = stack.pop(0)
+                if m in outputs:
+                    grads.append(outputs.index(m))
+                else:
+                    stack.extend(u for u in m.users if u.op != "output")
+            assert grads == sorted(grads)
+    assert_bitwise(run_no_grad(gm, inputs), ref)
+    plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
+    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
+    rs, deferred = [n for n in gm.graph.nodes if collective_kind(n) == RS], "reduce_scatter_waits_deferred"
+    assert stats(plain)[deferred] == 0 < stats(gm)[deferred] and len(rs) > 2
+    hidden = [[_mms_hidden(g, n) for n in g.graph.nodes if collective_kind(n) == RS] for g in (plain, gm)]
+    assert all(b >= a for a, b in zip(*hidden)) and sum(hidden[1]) > sum(hidden[0])  # later, never earlier
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for i, (issue, nxt) in enumerate(zip(rs, rs[1:])):
+        (wait,) = [u for u in issue.users if is_wait(u)]
+        assert hidden[1][i] == hidden[0][i] or pos[wait] < pos[nxt]  # a moved wait: before the next issue
+    for _ in range(2):
+        assert_bitwise(run_no_grad(gm, inputs), ref)
+    with pytest.raises(ValueError, match="reduce_scatter_in_flight must be >= 0"):
+        bucket_collectives_pass(_overlapped(traced), None, reduce_scatter_in_flight=-1)
     gm = _overlapped(traced)
     bucketing.bucket_all_gather(gm, lambda bucket_idx: 2000.0)
     with pytest.raises(RuntimeError, match="used before it has been defined"):
@@ -114,43 +149,3 @@ def test_torch_bucketing_breaks_or_keeps_the_collectives(fsdp_step):
     assert _count(gm, AG) + _count(gm, "all_gather_into_tensor_out") > ag0 // 2 and _count(gm, RS) > rs0 // 2
     ours = bucket_collectives_pass(_overlapped(traced), None, bucket_size=9)
     assert _count(ours, AG) < ag0 // 4 and _count(ours, RS) < rs0 // 4
-
-
-def test_fsdp2_units_and_reduce_scatters_in_flight(fsdp_step):
-    """One reduce-scatter per FSDP2 unit, in parameter order; one in flight: waits move later, hiding more matmuls."""
-    traced, inputs, n_params = fsdp_step
-    ref = run_no_grad(traced.gm, inputs)
-    units = BlockLayout(params_before=1, params_per_block=9, n_blocks=2)
-    assert n_params == 1 + 9 * 2 + 2
-    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=1, fsdp2_units=units)
-    rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
-    # the embedding alone stays one reduce-scatter; each block and the final norm + output merge
-    assert len(rs) == 4 and _count(gm, AG) == 2 * n_params - 1  # all-gathers untouched at bucket_size 1
-    outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
-        if n.args[0].target is aten.cat.default:
-            (wait,) = [u for u in n.users if is_wait(u)]
-            grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
-            while stack:
-                m = stack.pop(0)
-                if m in outputs:
-                    grads.append(outputs.index(m))
-                else:
-                    stack.extend(u for u in m.users if u.op != "output")
-            assert grads == sorted(grads)
-    assert_bitwise(run_no_grad(gm, inputs), ref)
-    plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
-    gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
-    rs = [n for n in gm.graph.nodes if collective_kind(n) == RS]
-    assert stats(plain)["reduce_scatter_waits_deferred"] == 0 < stats(gm)["reduce_scatter_waits_deferred"]
-    assert len(rs) > 2
-    hidden = [[_mms_hidden(g, n) for n in g.graph.nodes if collective_kind(n) == RS] for g in (plain, gm)]
-    assert all(b >= a for a, b in zip(*hidden)) and sum(hidden[1]) > sum(hidden[0])  # later, never earlier
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for i, (issue, nxt) in enumerate(zip(rs, rs[1:])):
-        (wait,) = [u for u in issue.users if is_wait(u)]
-        assert hidden[1][i] == hidden[0][i] or pos[wait] < pos[nxt]  # a moved wait: before the next issue
-    for _ in range(2):
-        assert_bitwise(run_no_grad(gm, inputs), ref)
-    with pytest.raises(ValueError, match="reduce_scatter_in_flight must be >= 0"):
-        bucket_collectives_pass(_overlapped(traced), None, reduce_scatter_in_flight=-1)

@@ -38,6 +38,5 @@ def test_release_resets_every_captured_graph_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     captured, fresh = CUDAGraphWrapper(lambda: None), CUDAGraphWrapper(lambda: None)
     captured.graph = graph = mock.Mock()
-    assert release_cuda_graphs() == 1 and graph.reset.call_count == 1
-    assert captured.graph is None and fresh.graph is None
+    assert release_cuda_graphs() == 1 and graph.reset.call_count == 1 and captured.graph is None and fresh.graph is None
     assert release_cuda_graphs() == 0 and graph.reset.call_count == 1

@@ -15,10 +15,9 @@ def test_each_norm_is_its_own_group(tiny_llama):
     steps = build_pipeline(Compile(inductor_compilation="full", numerics_changing_optim=True, passes="isolate_rmsnorm"))
     for step in steps[:-1]:
         gm = step(gm, example_inputs)
-    instances = find_rmsnorm_instances(gm.graph)
+    instances = find_rmsnorm_instances(gm.graph)  # 2 norms per block + final, fwd + bwd
     groups = [{fusion_group_of(n) for n in inst["nodes"]} for inst in instances]
-    assert len(instances) == 10 and all(len(g) == 1 for g in groups)  # 2 norms per block + final, fwd + bwd
-    assert len(set.union(*groups)) == len(instances)
+    assert len(instances) == 10 and all(len(g) == 1 for g in groups) and len(set.union(*groups)) == len(instances)
     assert {n for n in gm.graph.nodes if fusion_group_of(n)} == {n for inst in instances for n in inst["nodes"]}
 
 

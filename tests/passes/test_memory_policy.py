@@ -33,7 +33,7 @@ def _peak(save, keep, bucket=BUCKET_BLOCKS, inductor="regional"):
     return predict_peak(int(STATE * GiB), int(EST[save] * GiB) + (keep + bucket) * int(BLOCK * GiB), inductor, save)
 
 
-def test_large_and_small_budgets():
+def test_large_and_small_budgets_user_levers_and_the_inductor_mode():
     calls = []
     p = _choose(1000, calls=calls)
     assert p.levers == Levers(ABC, N, BUCKET_BLOCKS) and p.fits and calls == [ABC]  # from the top: one estimate
@@ -46,20 +46,6 @@ def test_large_and_small_budgets():
     assert p.levers == Levers("recompute", 0, 0) and p.fits == (p.predicted_peak_bytes <= p.budget_bytes)
     p = _choose(10)
     assert p.levers == Levers("recompute", 0, 0) and not p.fits and "exceeds the budget" in p.describe()
-
-
-@pytest.mark.parametrize("keep", [0, 5, 31])
-def test_a_middle_budget_keeps_matmuls_then_as_many_blocks_as_fit(keep):
-    p = _choose(_peak("matmuls", keep) / GiB + 0.001)
-    assert p.levers == Levers("matmuls", keep, BUCKET_BLOCKS)
-    assert p.predicted_peak_bytes <= p.budget_bytes < _peak("matmuls", keep + 1)
-    assert f"with {keep + 1} kept blocks would not fit" in p.describe()
-    assert _choose(_peak(ABC, 0) / GiB - 0.01).levers == Levers("matmuls", N, BUCKET_BLOCKS)  # short of ABC
-    p = _choose(_peak(ABC, keep) / GiB + 0.001)  # then all but the cheap values, as many blocks as fit
-    assert p.levers == Levers(ABC, keep, BUCKET_BLOCKS) and p.budget_bytes < _peak(ABC, keep + 1)
-
-
-def test_user_levers_stay_and_the_inductor_mode_counts():
     p = _choose(1000, fixed=Levers("recompute", 3, 0), fixed_fields={"save", "bucket_blocks"})
     assert p.levers == Levers("recompute", N, 0)
     p = _choose(_peak("matmuls", 4) / GiB, fixed=Levers(keep_last_blocks=4), fixed_fields={"keep_last_blocks"})
@@ -73,22 +59,27 @@ def test_user_levers_stay_and_the_inductor_mode_counts():
     assert _choose(1000, inductor="full").predicted_peak_bytes == _peak("all", N, inductor="full")
 
 
+@pytest.mark.parametrize("keep", [0, 5, 31])
+def test_a_middle_budget_keeps_matmuls_then_as_many_blocks_as_fit(keep):
+    p = _choose(_peak("matmuls", keep) / GiB + 0.001)
+    assert p.levers == Levers("matmuls", keep, BUCKET_BLOCKS)
+    assert p.predicted_peak_bytes <= p.budget_bytes < _peak("matmuls", keep + 1)
+    assert f"with {keep + 1} kept blocks would not fit" in p.describe()
+    assert _choose(_peak(ABC, 0) / GiB - 0.01).levers == Levers("matmuls", N, BUCKET_BLOCKS)  # short of ABC
+    p = _choose(_peak(ABC, keep) / GiB + 0.001)  # then all but the cheap values, as many blocks as fit
+    assert p.levers == Levers(ABC, keep, BUCKET_BLOCKS) and p.budget_bytes < _peak(ABC, keep + 1)
+
+
 @pytest.mark.parametrize("inductor, save, cudagraph, state, est, measured", [
     # measured peaks (GiB, max_memory_reserved) vs the GPU-traced graph's estimate (full Inductor: the fused one),
     # one H100 (docs/perf_archive.md, "Memory prediction"). Llama3 1B, op SAC; seq 4096 x 2 and 8192 x 2:
-    ("regional", "recompute", False, 16.75, 18.22, 36.99),
-    ("regional", "matmuls", False, 16.75, 20.84, 39.73),
-    ("regional", "all", False, 16.75, 25.37, 44.14),
-    ("regional", "recompute", False, 16.75, 34.13, 54.85),
-    ("full", "recompute", False, 16.75, 8.45, 29.07),
-    ("full", "matmuls", False, 16.75, 11.08, 32.51),
-    ("full", "all", False, 16.75, 14.08, 33.22),
-    ("regional", "all", True, 16.75, 25.37, 44.19),
+    ("regional", "recompute", False, 16.75, 18.22, 36.99), ("regional", "matmuls", False, 16.75, 20.84, 39.73),
+    ("regional", "all", False, 16.75, 25.37, 44.14), ("regional", "recompute", False, 16.75, 34.13, 54.85),
+    ("full", "recompute", False, 16.75, 8.45, 29.07), ("full", "matmuls", False, 16.75, 11.08, 32.51),
+    ("full", "all", False, 16.75, 14.08, 33.22), ("regional", "all", True, 16.75, 25.37, 44.19),
     # rank 0 of the seed layout (8B FSDP4xTP2, fake_collectives), the policy's plan:
-    ("regional", "all", False, 11.22, 35.39, 48.93),
-    ("regional", "all", True, 11.22, 35.39, 51.06),
-    ("regional", "all_but_cheap", True, 11.22, 24.39, 40.26),
-    ("full", "all", False, 11.22, 29.93, 44.91),
+    ("regional", "all", False, 11.22, 35.39, 48.93), ("regional", "all", True, 11.22, 35.39, 51.06),
+    ("regional", "all_but_cheap", True, 11.22, 24.39, 40.26), ("full", "all", False, 11.22, 29.93, 44.91),
 ])
 def test_calibration_predicts_the_measured_peaks_within_5_percent(inductor, save, cudagraph, state, est, measured):
     predicted = predict_peak(int(state * GiB), int(est * GiB), inductor, save, cudagraph) / GiB
@@ -112,10 +103,9 @@ def test_cuda_graphs_come_first_go_when_nothing_fits_and_are_named_by_the_config
     p = _choose(1000, fixed=Levers(cudagraph=True), fixed_fields={"cudagraph"})
     assert p.levers.cudagraph and p.predicted_peak_bytes == _peak(ABC, N) + CUDAGRAPH_GIB * GiB
     assert "cudagraph" not in configured_levers(Compile())[1]  # named by the config
-    levers, named = configured_levers(Compile(passes="cudagraph"))
-    assert levers.cudagraph and "cudagraph" in named
-    levers, named = configured_levers(Compile(disable_passes="cudagraph"))
-    assert not levers.cudagraph and "cudagraph" in named
+    for config, on in ((Compile(passes="cudagraph"), True), (Compile(disable_passes="cudagraph"), False)):
+        levers, named = configured_levers(config)
+        assert levers.cudagraph is on and "cudagraph" in named
     assert "cudagraph" not in [s.name for s in build_pipeline(Compile())]
     assert [s.name for s in build_pipeline(Compile(), levers=Levers("all", cudagraph=True))][-1] == "cudagraph"
 

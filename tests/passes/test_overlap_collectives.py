@@ -47,14 +47,13 @@ def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step)
     assert s["moved"] > n_params and s["hoisted"] > n_params // 2 and s["windowed"] > n_params // 2
     gm.graph.lint()
     assert _rs_before_last_mm(gm) > n_params // 2  # issued while backward matmuls remain
-    for w in gm.graph.nodes:
-        if is_wait(w) and collective_kind(w.args[0]) == AG:
-            # the wait, the keep-alive hold, its slice -> view chain, the first real use
-            assert w.next.target is hold and w.next.args == (w, w.args[0].args[0])
-            end = w.next
-            while len(end.users) == 1 and end.next in end.users and end.next.target in _VIEWS:
-                end = end.next
-            assert end is not w and end.next in end.users and w.args[0].next is not w
+    for w in (w for w in gm.graph.nodes if is_wait(w) and collective_kind(w.args[0]) == AG):
+        # the wait, the keep-alive hold, its slice -> view chain, the first real use
+        assert w.next.target is hold and w.next.args == (w, w.args[0].args[0])
+        end = w.next
+        while len(end.users) == 1 and end.next in end.users and end.next.target in _VIEWS:
+            end = end.next
+        assert end is not w and end.next in end.users and w.args[0].next is not w
     # the window of 2 (all-gathers) or max_in_flight (reduce-scatters), + the one in use
     assert 2 <= _pending_max(gm, AG) <= 3 and 2 <= _pending_max(gm, RS) <= 3
     assert sum(1 for n in gm.graph.nodes if n.target is hold) == s["moved"]

@@ -12,8 +12,8 @@ from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_
 from graph_trainer.compiler.passes.regional_inductor import (
     MIN_CANDIDATE_GAIN, propose_region_partitions, regional_inductor_pass, scoop_regions)
 
-from .conftest import (D, aten, assert_close, fake_prop, fused_norm_graph, fx_graph, inductor_tag, module, region_ids,
-                       stats, tagged_nodes)
+from .conftest import (D, aten, assert_close, call, fake_prop, fused_norm_graph, fx_graph, inductor_tag, module,
+                       region_ids, stats, tagged_nodes)
 
 CANDIDATES = [{"max_autotune_gemm": False}]
 
@@ -77,7 +77,8 @@ def test_candidates_not_timed_on_cpu_by_default():
     _check_numerics(gm, 2)
 
 
-def test_forward_and_backward_each_own_region():
+def test_one_partition_per_region_never_merged_cycles_split():
+    """Per region id one partition; independent norms (torch 2.11's partitioner merges them) apart; cycles split."""
     gm, _ = _annotated_norms(3)
     assert region_ids(gm) == {"rmsnorm_forward_0", "rmsnorm_forward_1", "rmsnorm_forward_2", "rmsnorm_backward_0"}
     parts = propose_region_partitions(gm)
@@ -86,12 +87,7 @@ def test_forward_and_backward_each_own_region():
         assert len({inductor_tag(n)["inductor_region"] for n in p}) == 1
         assert sum(n.target is not operator.getitem for n in p) == 1
     gm, n_regions = scoop_regions(gm)
-    assert n_regions == 4
-    assert sum(1 for name, _ in gm.named_children() if name.startswith("__marked_inductor_submod")) == 4
-
-
-def test_independent_norms_not_merged():
-    """Two independent norms: torch 2.11's partitioner merges them; region ids keep them apart."""
+    assert n_regions == 4 == sum(1 for name, _ in gm.named_children() if name.startswith("__marked_inductor_submod"))
     g, (x, y, w) = fx_graph("x", "y", "w")
     norms = [g.call_function(aten._fused_rms_norm.default, (inp, [D], w, 1e-6)) for inp in (x, y)]
     gm = module(g, *(g.call_function(operator.getitem, (n, 0)) for n in norms))
@@ -99,16 +95,9 @@ def test_independent_norms_not_merged():
     assert len(propose_region_partitions(gm)) == 2
     support = create_op_support(lambda _m, n, tagged=set(tagged_nodes(gm)): n in tagged)
     assert len(CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()) == 1
-
-
-def test_region_with_cycle_is_split():
-    # a (tagged) -> u (untagged) -> b (tagged), a -> b: one partition {a, b} would be a cycle
-    g, (x,) = fx_graph("x")
-    a = g.call_function(aten.sin.default, (x,))
-    u = g.call_function(aten.cos.default, (a,))
-    b = g.call_function(aten.add.Tensor, (a, u))
-    gm = module(g, b)
+    g, (x,) = fx_graph("x")  # a (tagged) -> cos (untagged) -> b (tagged), a -> b
+    tag = {COMPILE_WITH_INDUCTOR_KEY: {"inductor_configs": {}, "inductor_region": "r"}}
+    a = call(g, aten.sin.default, x, custom=tag)
+    gm = module(g, call(g, aten.add.Tensor, a, call(g, aten.cos.default, a), custom=tag))
     fake_prop(gm, [(3,)])
-    for n in (a, b):
-        n.meta["custom"] = {COMPILE_WITH_INDUCTOR_KEY: {"inductor_configs": {}, "inductor_region": "r"}}
     assert len(propose_region_partitions(gm)) == 2

@@ -40,8 +40,7 @@ def test_remove_noop_views_and_inductors_remove_noop_ops(tiny_llama):
     ref = _graph()(xin.clone())
     ours = remove_noop_views_pass(_graph(), None)
     assert stats(ours) == {"removed": 5, "removed_view": 2, "removed__unsafe_view": 1, "removed_clone": 1,
-                           "removed_detach": 1}
-    assert call_targets(ours).count(aten.clone.default) == 3
+                           "removed_detach": 1} and call_targets(ours).count(aten.clone.default) == 3
     assert_close(ours(xin.clone()), ref)
     theirs = _graph()
     remove_noop_ops(theirs.graph)

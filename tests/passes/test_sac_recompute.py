@@ -89,8 +89,20 @@ def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_
         assert_bitwise(run_no_grad(g, flat), ref)
 
 
-def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
-    """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
+def test_in_place_ops_and_ops_outside_blocks_never_recomputed_cheap_only_gathers_activations_again():
+    """In-place ops, ops outside blocks: saved; ``all_but_cheap`` redoes TP activation all-gathers, not parameters'."""
+    g, (x,) = fx_graph("x")
+    node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
+    a = node(aten.relu.default, (x,))
+    b = node(aten.add_.Tensor, (a, a))  # in-place: saved
+    c = node(aten.neg.default, (x,), region=None)  # outside any block: saved
+    d = node(aten.sin.default, (x,), policy=CheckpointPolicy.MUST_SAVE)
+    e = node(aten.cos.default, (d,), region="layers.1")
+    out = bwd(aten.mul.Tensor, (b, c))
+    out2 = bwd(aten.mul.Tensor, (e, out))
+    copies = _copies(sac_recompute_pass(module(g, out2)))
+    assert set(copies) == {e.name}  # only cos; its MUST_SAVE input d is used as saved
+    assert copies[e.name].args == (d,) and out.args == (b, c) and out2.args == (copies[e.name], out)
     g, (x, w) = fx_graph("x", "w")
     node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
     half, full, rows = torch.empty(4, 8), torch.empty(8, 8), torch.empty(4, 1)
@@ -122,21 +134,6 @@ def test_no_op_without_op_level_sac(tiny_llama, tmp_path, mode, option):
     n = len(gm.graph.nodes)
     gm = sac_recompute_pass(gm, example_inputs)
     assert stats(gm)["recomputed"] == 0 and len(gm.graph.nodes) == n
-
-
-def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
-    g, (x,) = fx_graph("x")
-    node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
-    a = node(aten.relu.default, (x,))
-    b = node(aten.add_.Tensor, (a, a))  # in-place: saved
-    c = node(aten.neg.default, (x,), region=None)  # outside any block: saved
-    d = node(aten.sin.default, (x,), policy=CheckpointPolicy.MUST_SAVE)
-    e = node(aten.cos.default, (d,), region="layers.1")
-    out = bwd(aten.mul.Tensor, (b, c))
-    out2 = bwd(aten.mul.Tensor, (e, out))
-    copies = _copies(sac_recompute_pass(module(g, out2)))
-    assert set(copies) == {e.name}  # only cos; its MUST_SAVE input d is used as saved
-    assert copies[e.name].args == (d,) and out.args == (b, c) and out2.args == (copies[e.name], out)
 
 
 @pytest.mark.slow
