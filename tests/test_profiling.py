@@ -9,7 +9,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from graph_trainer.tools.profiling import (_intervals_of, _json_text, _launches_of, _write_picture, collective_label,
+from graph_trainer.tools.profiling import (_events_of, _intervals_of, _json_text, _launches_of, _write_picture, collective_label,
                                            kernel_category, summarize_events, summary_markdown)
 from graph_trainer.tools.timeline import (collective_breakdown, device_steps, draw_timeline, idle_causes, pack_step,
                                           read_step, timeline_a_vs_b, timeline_breakdown, unpack_step)
@@ -106,6 +106,20 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
                                (700, 800, "eager pointwise / reduction")]
     t = timeline_breakdown(kernels, steps)
     assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
+
+
+def test_kernel_rows_hold_the_steps_work_only():
+    """The host a step ahead: the profiler's window also records the step before's last kernels (0-90 us)."""
+    events = [_evt("ProfilerStep#4", 50, 400, ann=True), _evt("ProfilerStep#4", 100, 300, "CUDA", ann=True),
+              _evt("nvjet_a", 0, 90, "CUDA"), _evt("nvjet_a", 100, 180, "CUDA"), _evt("nvjet_a", 200, 260, "CUDA"),
+              _evt("triton_b", 280, 300, "CUDA")]
+    for e in events:
+        e.self_device_time_total = e.time_range.end - e.time_range.start
+    prof = NS(events=lambda: events)
+    steps = _intervals_of(prof, on_device=True)[1]
+    rows, unit = _events_of(prof, steps, on_device=True)
+    assert steps == [(90, 300)] and unit == "device" and rows == [("nvjet_a", 140, 2), ("triton_b", 20, 1)]
+    assert _events_of(prof, [], on_device=True)[0][0] == ("nvjet_a", 230, 3)
 
 
 def test_a_step_on_the_device_runs_from_the_work_before_it_to_its_last_kernel():

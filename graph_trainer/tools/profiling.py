@@ -126,12 +126,17 @@ def _counted(evt, name: str, on_device: bool) -> bool:
     return name.startswith(("aten::", "gloo:"))
 
 
-def _events_of(prof) -> tuple[list[tuple[str, float, int]], str]:
-    """``(name, self_time_us, calls)`` rows for :func:`summarize_events`, and the unit."""
-    on_device = torch.cuda.is_available()
-    out = [(evt.key, float(evt.self_device_time_total if on_device else evt.self_cpu_time_total), int(evt.count))
-           for evt in prof.key_averages() if _counted(evt, evt.key, on_device)]
-    return out, ("device" if on_device else "CPU")
+def _events_of(prof, steps: list[tuple[float, float]], on_device: bool | None = None) -> tuple[list, str]:
+    """``(name, self_time_us, calls)`` rows for :func:`summarize_events` of the events that start inside ``steps``
+    (their ranges in us, :func:`_intervals_of`; none: every event), and the unit. Not ``key_averages()``: with the
+    host ahead, the profiler's window also holds device work of the step before."""
+    on_device = torch.cuda.is_available() if on_device is None else on_device
+    rows: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if _counted(evt, evt.name, on_device) and (not steps or any(a <= evt.time_range.start < b for a, b in steps)):
+            rows[evt.name][0] += evt.self_device_time_total if on_device else evt.self_cpu_time_total
+            rows[evt.name][1] += 1
+    return [(name, us, calls) for name, (us, calls) in rows.items()], ("device" if on_device else "CPU")
 
 
 def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]], list]:
@@ -186,8 +191,7 @@ def _host_op(evt) -> str:
 def _launches_of(events: list) -> list[tuple[float, float, str]]:
     """``(kernel start_us, launch start_us, host op)`` of every device kernel whose runtime call was recorded
     (the two share the CUPTI correlation id), for :func:`~graph_trainer.tools.timeline.idle_causes`."""
-    calls = {e.id: e for e in events
-             if e.device_type == torch.autograd.DeviceType.CPU and _RUNTIME_CALL.match(e.name)}
+    calls = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and _RUNTIME_CALL.match(e.name)}
     return [(e.time_range.start, calls[e.id].time_range.start, _host_op(calls[e.id])) for e in events
             if e.id in calls and _counted(e, e.name, on_device=True)]
 
@@ -219,8 +223,7 @@ class StepProfiler:
         self.trace_dir = os.path.join(dump_folder, cfg.save_traces_folder)
         if rank == 0 and start_step == 0 and (kept := keep_previous(self.trace_dir)):
             logger.info(f"A fresh run: the earlier {self.trace_dir} is kept as {kept}")
-        self.rank = rank
-        self.active = cfg.profiler_active
+        self.rank, self.active = rank, cfg.profiler_active
         wait = cfg.profile_freq - (cfg.profiler_active + cfg.profiler_warmup)
         if wait < 0:  # graph_trainer.config.validate rejects this at start-up
             raise ValueError("profile_freq must be >= profiler_warmup + profiler_active")
@@ -233,12 +236,12 @@ class StepProfiler:
         logger.info(f"Profiling every {cfg.profile_freq} steps; traces and kernel summaries in {self.trace_dir}")
 
     def _ready(self, prof) -> None:
-        events, unit = _events_of(prof)
-        summary = summarize_events(events, self.active)
+        kernels, steps, collectives = _intervals_of(prof)
+        events, unit = _events_of(prof, steps)
+        summary = summarize_events(events, len(steps) or self.active)
         if not summary["total_ms"]:  # the partial window flushed by stop(): nothing recorded
             return
         folder = os.path.join(self.trace_dir, f"iteration_{prof.step_num}")
-        kernels, steps, collectives = _intervals_of(prof)
         summary.update(step=prof.step_num, rank=self.rank, unit=unit, timeline=timeline_breakdown(kernels, steps),
                        collectives=collective_breakdown(kernels, collectives, steps))
         if unit == "device":

@@ -143,8 +143,7 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
     for start, launch, op in launches:  # kernels starting together: the earliest launch
         if start not in first_launch or launch < first_launch[start][0]:
             first_launch[start] = (launch, op)
-    by_op: dict[str, float] = {}
-    leads = []
+    by_op, leads = {}, []
     for lo, hi in steps:
         leads += [start - launch for start, launch, _ in launches if lo <= start < hi]
         for a, b in bands(kernels, (lo, hi))["idle"]:
@@ -167,9 +166,7 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
     """One step's kernels, compact: ``{"step": step_num, "wall_ms", "categories": [name, ...], "kernels":
     [[start_ms, dur_ms, category index], ...]}``, from the step's start, 0.1 us, clipped, sorted."""
-    lo, hi = step
-    cats: dict[str, int] = {}
-    rows = []
+    (lo, hi), cats, rows = step, {}, []
     for a, b, c in sorted(kernels):
         a, b = max(a, lo), min(b, hi)
         if b > a:
