@@ -10,8 +10,9 @@ records stay in docs/results/ and are only counted. A tier group is a model: eac
 result over the group's records on any device (tier calls often run a subset, ``TIER_K``), with the
 call and, when they differ, the device it came from. Tier groups come first, then bench groups by
 workload and device. A bench group whose latest record lists, in ``superseded_by``, the later records
-that measured its variants again is only named. Stdlib only; the output holds no timestamp, so
-regenerating is idempotent.
+that measured its variants again is only named. A record whose ``git_tree`` (the tree that ran) is a
+commit's is shown with that commit (``git log``). Stdlib and git only; the output holds no timestamp,
+so regenerating is idempotent.
 
     python3 scripts/results_page.py                   # write docs/perf.md
     python3 scripts/results_page.py --check           # exit 1 if docs/perf.md is stale, write nothing
@@ -25,9 +26,11 @@ Paths given relative are relative to the repository root (the parent of scripts/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -154,8 +157,28 @@ def validate(path: Path, record: dict) -> dict:
 
 
 def load_records(results: Path) -> list[tuple[Path, dict]]:
-    """Every record under ``results`` as ``(file, record)``, validated, in file-name order."""
-    return [(path, validate(path, read_json(path))) for path in record_files(results)]
+    """Every record under ``results`` as ``(file, record)``, validated, in file-name order, each named by the commit
+    that ran (:func:`committed_as`)."""
+    return [(path, committed_as(validate(path, read_json(path)))) for path in record_files(results)]
+
+
+@functools.lru_cache(maxsize=None)
+def commits_by_tree(repo: Path) -> dict[str, str]:
+    """Tree id -> the oldest commit of ``repo``'s history (``git log HEAD``) with that tree; empty without git."""
+    r = subprocess.run(["git", "-C", str(repo), "log", "--reverse", "--format=%T %H", "HEAD"], capture_output=True,
+                       text=True)
+    out: dict[str, str] = {}
+    for tree, sha in (line.split() for line in (r.stdout.splitlines() if r.returncode == 0 else [])):
+        out.setdefault(tree, sha)
+    return out
+
+
+def committed_as(record: dict) -> dict:
+    """``record`` with the commit whose tree is its ``git_tree`` (the working tree that ran, as ``git add -A`` would
+    commit it; scripts/bench.py and the tier record it) as ``git_sha``, clean: a call runs on a copy whose git HEAD
+    can be older than the tree; the record unchanged when no commit has that tree."""
+    sha = commits_by_tree(REPO).get(record.get("git_tree") or "")
+    return {**record, "git_sha": sha, "git_dirty": False} if sha else record
 
 
 # --------------------------------------------------------------------------- grouping

@@ -66,7 +66,9 @@ def fsdp_trace():
 
         model = build_model(model_args("debugmodel", n_layers=2), seed=0)
         tokens, labels = torch.randint(0, 2048, (2, 16)), torch.randint(0, 2048, (2, 16))
-        specs, shards = fsdp.shard_parameters(model, dist.group.WORLD)
+        names, params = zip(*model.named_parameters())
+        specs, shards = fsdp.shard_tensors(list(names), list(params), dist.group.WORLD)
+        fsdp.free_parameters(model, names)
         traced = trace_train_step(model, loss_fn, tokens, labels, params=shards, param_names=[s.name for s in specs],
                                   materialize=lambda ps: [fsdp.all_gather_param(p, s, dist.group.WORLD, param_dtype)
                                                           for p, s in zip(ps, specs)])

@@ -2,13 +2,14 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 
 from graph_trainer.tools import bench
 from graph_trainer.tools.bench import parse_variants, table, variant_results, write_record
 from graph_trainer.tools.runs import Run, next_run_s
-from graph_trainer.tools.sides import CompareError
+from graph_trainer.tools.sides import CompareError, git_state
 from graph_trainer.tools.stats import run_stats
 
 from _launch import run_script  # tests/ is on sys.path
@@ -25,6 +26,32 @@ def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
     assert "NAME=FLAGS" in capsys.readouterr().err and not (tmp_path / "o").exists()
     assert bench.main(["--variant", "plain=--compile.mode fast", "--out", str(tmp_path / "o2"), "--no-record"]) == 2
     assert "fast" in capsys.readouterr().err
+
+
+def test_git_state_names_the_working_tree_as_a_commit_would_hold_it(tmp_path):
+    """Untracked files count, ignored ones do not; the index and the files stay as they were."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert git_state(str(tmp_path)) == {"git_sha": None, "git_tree": None, "git_dirty": False}  # not a repository
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("*.whl\n")
+    (tmp_path / "a.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "base")
+    base = git("rev-parse", "HEAD")
+    clean = git_state(str(tmp_path))
+    assert clean == {"git_sha": base, "git_tree": git("rev-parse", "HEAD^{tree}"), "git_dirty": False}
+    (tmp_path / "a.py").write_text("a = 2\n")
+    (tmp_path / "new_pass.py").write_text("b = 1\n")
+    (tmp_path / "x.whl").write_bytes(b"wheel")
+    status = git("status", "--porcelain")
+    state = git_state(str(tmp_path))
+    assert git("status", "--porcelain") == status and (tmp_path / "a.py").read_text() == "a = 2\n"
+    git("add", "-A")
+    git("commit", "-q", "-m", "the tree that ran")
+    assert state == {"git_sha": base, "git_tree": git("rev-parse", "HEAD^{tree}"), "git_dirty": True}
 
 
 def _run(name, rnd, tps, status="ok", predicted=None):
@@ -74,7 +101,7 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert rec["profile"]["step"] == 2 and rank0["rank"] == 0 and 0 < rank0["compute_ms"] <= rank0["wall_ms"]
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
-    assert isinstance(rec["git_dirty"], bool)  # tracked files changed since git_sha
+    assert isinstance(rec["git_dirty"], bool) and len(rec["git_tree"]) == 40  # tracked files changed; what ran
     assert rec["command"].startswith("scripts/bench.py --variant 'eager=--compile.mode eager'")
     assert "--training.seq_len 64" in rec["command"]
     assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [

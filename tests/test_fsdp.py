@@ -34,7 +34,9 @@ def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts rai
     ref_loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     bufs, group = list(model.buffers()), dist.group.WORLD
-    specs, shards = fsdp.shard_parameters(model, group)
+    names, params = zip(*model.named_parameters())
+    specs, shards = fsdp.shard_tensors(list(names), list(params), group)
+    fsdp.free_parameters(model, names)
     n_params = len(specs)
     # every rank holds the same batch: the global token count is world x the local one
     traced = trace_train_step(model, functools.partial(loss_fn, dp_group=group), tokens, labels, params=shards,

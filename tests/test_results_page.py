@@ -164,6 +164,24 @@ def test_profile_pictures_dirty_tree_and_fewer_runs_than_repeats(repo, capsys):
     assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count
 
 
+def test_a_record_of_a_tree_committed_later_names_that_commit(repo, capsys):
+    """A call ran a copy whose HEAD was older than its tree; the commit of that tree is named, clean."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("commit", "-q", "--allow-empty", "-m", "base")
+    (repo / "pass.py").write_text("x = 1\n")
+    git("add", "pass.py")
+    git("commit", "-q", "-m", "the tree that ran")
+    put(repo, "a.json", bench("2026-11-27", git_sha=git("rev-parse", "HEAD~1"), git_dirty=True,
+                              git_tree=git("rev-parse", "HEAD^{tree}")))
+    put(repo, "b.json", bench("2026-11-27", workload="other", git_dirty=True, git_tree="0" * 40))  # no such tree
+    page = written(repo, capsys)
+    assert f"git `{git('rev-parse', 'HEAD')[:8]}` (steps" in page and "git `abc1234d` + uncommitted changes" in page
+
+
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     tier_call(repo, "a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
     tier_call(repo, "b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})

@@ -96,14 +96,6 @@ def free_parameters(model: torch.nn.Module, names: list[str]) -> None:
         mod._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, device="meta", dtype=p.dtype))
 
 
-def shard_parameters(model: torch.nn.Module, group) -> tuple[list[ShardSpec], list[torch.nn.Parameter]]:
-    """:func:`shard_tensors` of every trainable parameter of ``model``, then :func:`free_parameters`."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    specs, shards = shard_tensors([n for n, _ in named], [p for _, p in named], group)
-    free_parameters(model, [n for n, _ in named])
-    return specs, shards
-
-
 @dataclass
 class Fsdp2Layout:
     """Where the eager baseline's FSDP2 keeps one parameter: ``placements`` on its mesh, the global

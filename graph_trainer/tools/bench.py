@@ -32,7 +32,7 @@ import sys
 
 from graph_trainer.tools.runs import Run, plan_runs, run_all
 from graph_trainer.tools.sides import (CompareError, Side, check_owned_flags, check_run_args, config_for_side,
-                                       default_repo, git_dirty, git_out, out_folder, parse_cli, resolve_config, run_cli,
+                                       default_repo, git_out, git_state, out_folder, parse_cli, resolve_config, run_cli,
                                        tool_parser, validate_sides, write_json)
 from graph_trainer.tools.stats import delta, fmt_number, profile_json, side_stats
 from graph_trainer.tools.timeline import TIMELINE_ROWS
@@ -256,7 +256,7 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "workload": args.workload or f"{os.path.splitext(os.path.basename(config))[0]} {layout}".strip(),
         "title": args.title or args.workload or os.path.basename(config),
         **utc_date_time(), "device": device_name(), "torch": __import__("torch").__version__,
-        "git_sha": head, "git_dirty": git_dirty(repo),
+        **git_state(repo),
         "command": _command(argv),
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
         "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],

@@ -46,17 +46,23 @@ class Side:
                 **({} if self.worktree else {"uncommitted_changes": self.dirty})}
 
 
-def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True)
+def _git(repo: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, env=env)
 
 
-def git_out(repo: str, *args: str) -> str | None:
-    return (r.stdout.strip() or None) if (r := _git(repo, *args)).returncode == 0 else None
+def git_out(repo: str, *args: str, env: dict | None = None) -> str | None:
+    return (r.stdout.strip() or None) if (r := _git(repo, *args, env=env)).returncode == 0 else None
 
 
-def git_dirty(repo: str) -> bool:
-    """Whether ``repo``'s tracked files differ from its HEAD (what a record's ``git_dirty`` says)."""
-    return bool(git_out(repo, "status", "--porcelain", "--untracked-files=no"))
+def git_state(repo: str) -> dict:
+    """A record's ``git_sha`` (HEAD), ``git_dirty`` (tracked files changed) and ``git_tree``: the tree ``git add -A``
+    would commit, built in a temporary index (index and files untouched; blobs written). None where git fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        staged = all(_git(repo, *a, env=env).returncode == 0 for a in (("read-tree", "HEAD"), ("add", "-A")))
+        tree = git_out(repo, "write-tree", env=env) if staged else None
+    return {"git_sha": git_out(repo, "rev-parse", "HEAD"), "git_tree": tree,
+            "git_dirty": bool(git_out(repo, "status", "--porcelain", "--untracked-files=no"))}
 
 
 def default_repo() -> str:
@@ -250,10 +256,8 @@ def parse_cli(parser: argparse.ArgumentParser, argv: list[str] | None,
     """(the options before ``--``, parsed; the run_train.sh arguments after it). The options in
     ``joined`` take their value even when it starts with ``--``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    i = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:i], argv[i + 1:]
     own: list[str] = []
     for a in argv:
         if own and own[-1] in joined:

@@ -43,7 +43,7 @@ grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
 python3 - "$OUT" "${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}" "${GPU_TIER_STEPS:-20}" "${TIER_K:-}" <<'PY'
 import glob, re, shlex, sys, torch
 from graph_trainer.tools.bench import device_name, utc_date_time, write_record
-from graph_trainer.tools.sides import git_dirty, git_out
+from graph_trainer.tools.sides import git_state
 out, config, steps, k = sys.argv[1:]
 what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
         "test_cuda_graph_equals_eager": f"eager == traced replayed as a CUDA graph, {steps} steps + final state",
@@ -54,12 +54,12 @@ claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[
                                                                                  open(f).read(), re.M)]
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
-    sha = git_out(".", "rev-parse", "HEAD") or "unknown"
+    git = git_state(".")
     env = " ".join(f"{n}={shlex.quote(v)}" for n, v in
                    (("GPU_TIER_CONFIG", config), ("GPU_TIER_STEPS", steps), ("TIER_K", k)) if v)
     rec = {"schema": 1, "kind": "tier", "model": model, "workload": f"gpu tier {model} {k}".strip(),
            "title": f"GPU tier, {model}" + (f" ({k})" if k else ""), **utc_date_time(), "device": device_name(),
-           "torch": torch.__version__, "git_sha": sha, "git_dirty": git_dirty("."),
+           "torch": torch.__version__, **git, "git_sha": git["git_sha"] or "unknown",
            "command": f"{env} bash scripts/gpu/tier.sh".strip(),
            "claims": sorted(claims, key=lambda c: c["claim"])}
     print("record:", write_record(f"{out}/results", rec))
