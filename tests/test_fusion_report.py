@@ -73,7 +73,7 @@ def test_tiny_run():
     assert "fwd/bwd ms: n/a on CPU" in proc.stdout
 
 
-def test_parse_kernels_triton_header_and_cpp_call_site_and_split_phase_times():
+def test_parse_kernels_triton_header_and_cpp_call_site():
     src = "\n".join([
         "async_compile = AsyncCompile()", "", "# kernel path: /tmp/x.py",
         "# Topologically Sorted Source Nodes: [mul_9, sum_1], Original ATen: [aten.mul, aten.sum]",
@@ -93,6 +93,8 @@ def test_parse_kernels_triton_header_and_cpp_call_site_and_split_phase_times():
     no_comment = src.replace("# Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]", "# other")
     assert fr.parse_kernels(no_comment)[1]["source_nodes"] is None
 
+
+def test_split_phase_times_marker_and_kernel_phase():
     def launch(corr, ts, name="k", dur=1000.0):
         return [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "args": {"correlation": corr}},
                 {"cat": "kernel", "name": name, "ts": ts + 5, "dur": dur, "args": {"correlation": corr}}]  # fmt: skip

@@ -29,7 +29,7 @@ def _brute_force_first(a, b):
                  if k in b and not (ra.shape == b[k].shape and torch.equal(ra.values, b[k].values))), None)
 
 
-def test_fingerprint_is_bitwise_and_records_saved_loaded_and_compared_by_the_cli(tmp_path, capsys):
+def test_fingerprint_is_bitwise():
     x = torch.randn(1000)
     y = x.clone()
     assert fingerprint(x) == fingerprint(y)
@@ -40,6 +40,9 @@ def test_fingerprint_is_bitwise_and_records_saved_loaded_and_compared_by_the_cli
         assert fingerprint(t) == fingerprint(t.clone())
     big = record(torch.randn(3 << 20))
     assert big.sampled and big.values.numel() == 1 << 16
+
+
+def test_save_load_and_bad_input(tmp_path, capsys):
     recs = {("forward", "x", "aten.mm.default", 0): record(torch.ones(3)), "loss": record(torch.tensor(1.0))}
     path = save(str(tmp_path / "a"), 0, recs, {"mode": "test"})
     assert save(str(tmp_path / "a"), 0, recs, {"mode": "test"}) == path  # the earlier record is kept aside

@@ -23,7 +23,7 @@ from .conftest import (D, aten, assert_close, fused_norm_graph, inductor_tag, mo
 FUSED = (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
 
 
-def test_fused_norms_and_getitems_tagged_others_untouched_an_empty_graph_too():
+def test_fused_norms_and_getitems_tagged_others_untouched():
     gm, fakes = fused_norm_graph(n_norms=2)
     gm = annotate(gm, fakes)
     for n in gm.graph.nodes:
@@ -31,6 +31,9 @@ def test_fused_norms_and_getitems_tagged_others_untouched_an_empty_graph_too():
         assert (inductor_tag(n) is not None) == is_norm, n
     assert [stats(gm)[k] for k in ("forward", "backward", "regions", "getitems")] == [2, 1, 3, 6]
     assert "tagged 2 forward + 1 backward RMSNorms" in gm.meta["graph_trainer_pass_summary"]
+
+
+def test_empty_graph_is_noop():
     g = torch.fx.Graph()
     gm = module(g, g.placeholder("x"))
     code = gm.code
@@ -73,7 +76,7 @@ def test_configs_reach_the_annotation_unknown_keys_refused(kwargs, configs, cand
         assert inductor_tag(n).get("candidate_inductor_configs") == candidates
 
 
-def test_decomposed_norms_tagged_as_separate_regions_matched_without_a_norm_name(tiny_llama):
+def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
     gm, example_inputs, _ = trace_step(tiny_llama(2))
     instances = find_rmsnorm_instances(gm.graph)
     assert all(i["form"] == "decomposed" for i in instances)
@@ -89,6 +92,9 @@ def test_decomposed_norms_tagged_as_separate_regions_matched_without_a_norm_name
         targets = {n.target for n in tagged_nodes(gm) if inductor_tag(n)["inductor_region"] == rid}
         assert (aten.rsqrt.default if rid.startswith("rmsnorm_forward") else aten.sum.dim_IntList) in targets
     assert len(propose_region_partitions(gm)) == 10
+
+
+def test_pattern_matched_norm_without_norm_name():
     model = torch.nn.Sequential(OrderedDict(pre=torch.nn.RMSNorm(D), proj=torch.nn.Linear(D, D)))  # no "norm" name
     gm = trace_train_step(model, lambda out, _labels: out.square().mean(), torch.randn(2, 4, D), torch.zeros(1)).gm
     instances = find_rmsnorm_instances(gm.graph)

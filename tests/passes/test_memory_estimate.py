@@ -9,9 +9,8 @@ from graph_trainer.compiler.memory_estimate import estimate_peak_memory
 from .conftest import aten, c10d, call, fx_graph, module
 
 
-def test_peak_counts_aliases_once_and_the_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
-    """x -> all_reduce -> wait -> hold -> view -> sum: one 64-byte buffer, peak 68 bytes at the sum. Unfused peak of
-    the other graph: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm."""
+def test_peak_counts_views_waits_and_holds_once():
+    """x -> all_reduce -> wait -> hold -> view -> sum: one 64-byte buffer, peak 68 bytes at the sum."""
     g, (x,) = fx_graph("x")
     with FakeTensorMode():
         x.meta["val"] = torch.empty(4, 4)
@@ -20,6 +19,10 @@ def test_peak_counts_aliases_once_and_the_fused_estimate_leaves_out_what_inducto
         v = call(g, aten.view.default, call(g, hold, w, x, val=waited), [16], val=waited.view(16))
         s = call(g, aten.sum.default, v, val=torch.empty(()))
     assert estimate_peak_memory(module(g, s)) == (68, s.name)
+
+
+def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
+    """Unfused peak: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm."""
     g, (x, y) = fx_graph("x", "y")
     with FakeTensorMode():
         x.meta["val"], y.meta["val"] = torch.empty(4, 4), torch.empty(8, 8)

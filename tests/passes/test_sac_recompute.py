@@ -89,8 +89,7 @@ def test_op_sac_recomputes_in_backward_bitwise_save_matmuls_and_cheap_only(tiny_
         assert_bitwise(run_no_grad(g, flat), ref)
 
 
-def test_in_place_ops_and_ops_outside_blocks_never_recomputed_cheap_only_gathers_activations_again():
-    """In-place ops, ops outside blocks: saved; ``all_but_cheap`` redoes TP activation all-gathers, not parameters'."""
+def test_mutating_ops_and_ops_outside_blocks_are_never_recomputed():
     g, (x,) = fx_graph("x")
     node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
     a = node(aten.relu.default, (x,))
@@ -103,6 +102,10 @@ def test_in_place_ops_and_ops_outside_blocks_never_recomputed_cheap_only_gathers
     copies = _copies(sac_recompute_pass(module(g, out2)))
     assert set(copies) == {e.name}  # only cos; its MUST_SAVE input d is used as saved
     assert copies[e.name].args == (d,) and out.args == (b, c) and out2.args == (copies[e.name], out)
+
+
+def test_cheap_only_gathers_activations_again_and_leaves_parameter_gathers():
+    """``all_but_cheap``: a TP activation all-gather is redone in the backward; parameter gathers stay."""
     g, (x, w) = fx_graph("x", "w")
     node, bwd = functools.partial(_node, g), functools.partial(_node, g, phase="backward", region=None)
     half, full, rows = torch.empty(4, 8), torch.empty(8, 8), torch.empty(4, 1)
