@@ -174,10 +174,10 @@ def commits_by_tree(repo: Path) -> dict[str, str]:
 
 
 def committed_as(record: dict) -> dict:
-    """``record`` with the commit whose tree is its ``git_tree`` (the working tree that ran, as ``git add -A`` would
-    commit it; scripts/bench.py and the tier record it) as ``git_sha``, clean: a call runs on a copy whose git HEAD
-    can be older than the tree; the record unchanged when no commit has that tree."""
-    sha = commits_by_tree(REPO).get(record.get("git_tree") or "")
+    """A ``git_dirty`` record with the commit whose tree is its ``git_tree`` (the working tree that ran, as ``git add
+    -A`` would commit it; scripts/bench.py and the tier record it) as ``git_sha``, clean: a call runs on a copy whose
+    git HEAD can be older than the tree. Unchanged when clean or when no commit has that tree."""
+    sha = commits_by_tree(REPO).get(record.get("git_tree") or "") if record.get("git_dirty") else None
     return {**record, "git_sha": sha, "git_dirty": False} if sha else record
 
 
