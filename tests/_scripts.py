@@ -1,6 +1,7 @@
-"""Helpers of the script tests: import ``scripts/<name>.py`` by path, read a markdown table."""
+"""Helpers of the script tests: import ``scripts/<name>.py`` by path, read a markdown table, run git."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,3 +21,9 @@ def table(text: str) -> tuple[str, dict[str, list[str]]]:
     """The first markdown table of ``text``: its header line and ``{first cell: other cells}``."""
     rows = [line for line in text.splitlines() if line.startswith("|")]
     return rows[0], {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in rows[2:]}
+
+
+def git(repo, *args: str) -> str:
+    """``git -C repo args`` with a fixed author; its stdout, stripped (CalledProcessError on failure)."""
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -14,6 +13,7 @@ from graph_trainer.tools.stats import run_stats
 
 from _launch import run_script  # tests/ is on sys.path
 from _runs import SMALL, launch_env
+from _scripts import git
 
 
 def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
@@ -30,28 +30,24 @@ def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
 
 def test_git_state_names_the_working_tree_as_a_commit_would_hold_it(tmp_path):
     """Untracked files count, ignored ones do not; the index and the files stay as they were."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              capture_output=True, text=True, check=True).stdout.strip()
-
     assert git_state(str(tmp_path)) == {"git_sha": None, "git_tree": None, "git_dirty": False}  # not a repository
-    git("init", "-q")
+    git(tmp_path, "init", "-q")
     (tmp_path / ".gitignore").write_text("*.whl\n")
     (tmp_path / "a.py").write_text("a = 1\n")
-    git("add", "-A")
-    git("commit", "-q", "-m", "base")
-    base = git("rev-parse", "HEAD")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "base")
+    base = git(tmp_path, "rev-parse", "HEAD")
     clean = git_state(str(tmp_path))
-    assert clean == {"git_sha": base, "git_tree": git("rev-parse", "HEAD^{tree}"), "git_dirty": False}
+    assert clean == {"git_sha": base, "git_tree": git(tmp_path, "rev-parse", "HEAD^{tree}"), "git_dirty": False}
     (tmp_path / "a.py").write_text("a = 2\n")
     (tmp_path / "new_pass.py").write_text("b = 1\n")
     (tmp_path / "x.whl").write_bytes(b"wheel")
-    status = git("status", "--porcelain")
+    status = git(tmp_path, "status", "--porcelain")
     state = git_state(str(tmp_path))
-    assert git("status", "--porcelain") == status and (tmp_path / "a.py").read_text() == "a = 2\n"
-    git("add", "-A")
-    git("commit", "-q", "-m", "the tree that ran")
-    assert state == {"git_sha": base, "git_tree": git("rev-parse", "HEAD^{tree}"), "git_dirty": True}
+    assert git(tmp_path, "status", "--porcelain") == status and (tmp_path / "a.py").read_text() == "a = 2\n"
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "the tree that ran")
+    assert state == {"git_sha": base, "git_tree": git(tmp_path, "rev-parse", "HEAD^{tree}"), "git_dirty": True}
 
 
 def _run(name, rnd, tps, status="ok", predicted=None):

@@ -18,6 +18,7 @@ from graph_trainer.tools.sides import Side, parse_cli
 import _early  # tests/ is on sys.path
 from _launch import REPO, run_script
 from _runs import SMALL
+from _scripts import git
 
 SCRIPT = os.path.join(REPO, "scripts", "compare_mfu.py")
 TINY = ["--compile.mode", "eager", *SMALL]
@@ -65,11 +66,6 @@ def _compare(*args, env=ENV):  # forked from tests/_launch.py's server (its impo
     return run_script([SCRIPT, *args], env=env, cwd=REPO, timeout=400)
 
 
-def _git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                          check=True, capture_output=True, text=True).stdout
-
-
 @pytest.fixture
 def fake_repo(tmp_path):
     """A git repo with two commits: HEAD~1 runs at 1000 tps, HEAD at 1100 tps."""
@@ -81,9 +77,9 @@ def fake_repo(tmp_path):
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
-        _git(root, *args)
+        git(root, *args)
     (root / "tps.txt").write_text("1100")
-    _git(root, "commit", "-q", "-am", "faster")
+    git(root, "commit", "-q", "-am", "faster")
     return root
 
 
@@ -105,13 +101,13 @@ def test_fake_refs_alternate_and_real_delta(fake_repo, tmp_path):
     assert [d[k]["verdict"] for k in ("tps", "mfu", "memory_gib")] == ["real", "n/a", "no change"]
     assert data["sides"]["A"]["commit"] != data["sides"]["B"]["commit"] and data["sides"]["B"]["worktree"]
     assert not os.path.exists(data["sides"]["A"]["tree"])  # each ref side ran its own commit, from a worktree gone now
-    assert len(_git(fake_repo, "worktree", "list").strip().splitlines()) == 1
+    assert len(git(fake_repo, "worktree", "list").strip().splitlines()) == 1
     assert all(s in r.stdout for s in ("| Δ B vs A | +10.00% (real, spread 0.00%)", "step 5/5", "MFU n/a"))  # progress
     assert open(out / "tps_per_step.png", "rb").read(8) == PNG_MAGIC
 
 
 def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_no_spread(fake_repo, tmp_path):
-    head = _git(fake_repo, "rev-parse", "HEAD").strip()
+    head = git(fake_repo, "rev-parse", "HEAD").strip()
     r, data = _fake(fake_repo, tmp_path, 0, "--a HEAD --b HEAD --b-flags '--fake.scale 0.5' --repeats 1 --steps 2 "
                     "--warmup 0")
     assert all(data["sides"][s]["commit"] == head and data["sides"][s]["worktree"] for s in "AB")
@@ -278,7 +274,7 @@ def test_real_head_ref_against_working_tree_flags():
     data = json.loads((out / "comparison.json").read_text())
     if head:
         assert data["sides"]["A"]["commit"] == head and data["sides"]["A"]["worktree"]
-        assert data["sides"]["A"]["tree"] not in _git(REPO, "worktree", "list", "--porcelain")
+        assert data["sides"]["A"]["tree"] not in git(REPO, "worktree", "list", "--porcelain")
     for x in data["runs"]:
         assert x["status"] == "ok" and [row["step"] for row in x["rows"]] == [1, 2, 3, 4]
         assert x["stats"]["steady_steps"] == [4]  # steps 1..3: the profiler's on step 2

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from _scripts import SCRIPTS, load_script, table
+from _scripts import SCRIPTS, git, load_script, table
 
 rp = load_script("results_page")
 
@@ -166,20 +166,16 @@ def test_profile_pictures_dirty_tree_and_fewer_runs_than_repeats(repo, capsys):
 
 def test_a_record_of_a_tree_committed_later_names_that_commit(repo, capsys):
     """A call ran a copy whose HEAD was older than its tree; the commit of that tree is named, clean."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              capture_output=True, text=True, check=True).stdout.strip()
-
-    git("init", "-q")
-    git("commit", "-q", "--allow-empty", "-m", "base")
+    git(repo, "init", "-q")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "base")
     (repo / "pass.py").write_text("x = 1\n")
-    git("add", "pass.py")
-    git("commit", "-q", "-m", "the tree that ran")
-    put(repo, "a.json", bench("2026-11-27", git_sha=git("rev-parse", "HEAD~1"), git_dirty=True,
-                              git_tree=git("rev-parse", "HEAD^{tree}")))
+    git(repo, "add", "pass.py")
+    git(repo, "commit", "-q", "-m", "the tree that ran")
+    put(repo, "a.json", bench("2026-11-27", git_sha=git(repo, "rev-parse", "HEAD~1"), git_dirty=True,
+                              git_tree=git(repo, "rev-parse", "HEAD^{tree}")))
     put(repo, "b.json", bench("2026-11-27", workload="other", git_dirty=True, git_tree="0" * 40))  # no such tree
-    page = written(repo, capsys)
-    assert f"git `{git('rev-parse', 'HEAD')[:8]}` (steps" in page and "git `abc1234d` + uncommitted changes" in page
+    page, head = written(repo, capsys), git(repo, "rev-parse", "HEAD")
+    assert f"git `{head[:8]}` (steps" in page and "git `abc1234d` + uncommitted changes" in page
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
