@@ -166,7 +166,9 @@ def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple
 def pack_step(kernels: list[Kernel], step: tuple[float, float], step_num: int | None = None) -> dict:
     """One step's kernels, compact: ``{"step": step_num, "wall_ms", "categories": [name, ...], "kernels":
     [[start_ms, dur_ms, category index], ...]}``, from the step's start, 0.1 us, clipped, sorted."""
-    (lo, hi), cats, rows = step, {}, []
+    lo, hi = step
+    cats: dict[str, int] = {}
+    rows = []
     for a, b, c in sorted(kernels):
         a, b = max(a, lo), min(b, hi)
         if b > a:
