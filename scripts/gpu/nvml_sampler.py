@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Sample GPU 0's SM clock, power and clock-event reasons through NVML every ``--interval-ms``
 until stopped (SIGTERM / SIGINT), as CSV in ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,
-clocks_event_reasons.active --format=csv``'s layout (what ``modes.sh``'s ``SMI=`` summary reads),
-but finer than ``nvidia-smi -lms`` allows. NVML through ctypes (``libnvidia-ml.so.1``, the
-driver's): no Python package needed. Power: ``nvmlDeviceGetPowerUsage`` (the driver's own
-averaging window).
+clocks_event_reasons.active --format=csv``'s layout, but finer than ``nvidia-smi -lms`` allows: run
+it beside a bench call to see whether the SM clock throttles under a mode. NVML through ctypes
+(``libnvidia-ml.so.1``, the driver's): no Python package needed. Power: ``nvmlDeviceGetPowerUsage``
+(the driver's own averaging window).
 
     python3 scripts/gpu/nvml_sampler.py --interval-ms 10 > smi.csv &
 """
