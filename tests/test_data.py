@@ -85,8 +85,7 @@ def test_tokenizer(cache, tokenizer, tmp_path, monkeypatch):
     config = json.loads(((folder := cache / f"tokenizer_{VOCAB}") / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"]) == (data.BOS_TOKEN, data.EOS_TOKEN)
     assert config["add_bos_token"] is True and config["add_eos_token"] is True
-    for alias in (None, "", "embedded"):
-        assert data.resolve_tokenizer_path(alias, VOCAB) == str(folder)
+    assert [data.resolve_tokenizer_path(alias, VOCAB) for alias in (None, "", "embedded")] == [str(folder)] * 3
     monkeypatch.setenv("GRAPH_TRAINER_CACHE", str(tmp_path))
     assert (data.ensure_tokenizer(VOCAB) / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     tok = HuggingFaceTokenizer(data.resolve_tokenizer_path("embedded", 32768))

@@ -17,7 +17,6 @@ import _early  # tests/ is on sys.path
 from _launch import run_script
 from _runs import PASS, SMALL, bitwise_runs, train_hashed
 
-
 EARLY = {1: "bitwise_1rank", 2: "bitwise_gloo2"}  #: the debug model's runs by ranks, started early: conftest.py
 
 

@@ -1,5 +1,7 @@
 """aot_fx_trace on gloo in each layout against eager torchtitan and layouts that see the same batches."""
 
+import functools
+
 import pytest
 
 from graph_trainer.metrics import read_metrics
@@ -41,14 +43,11 @@ _early.job("traced_fsdp4", lambda tmp, env: _run(tmp, "fsdp4", "aot_fx_trace", e
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``runs(layout, mode)``: ``(stdout, losses, grad norms, state hashes)``, each run once per module."""
-    done = {}
-
+    @functools.cache
     def run(layout, mode):
-        if (layout, mode) not in done:
-            early = (layout, mode) == ("fsdp4", "aot_fx_trace")  # tests/_early.py's run
-            done[layout, mode] = (_early.result("traced_fsdp4") if early else
-                                  _run(tmp_path_factory.mktemp(f"{layout}_{mode}"), layout, mode))
-        return done[layout, mode]
+        if (layout, mode) == ("fsdp4", "aot_fx_trace"):  # tests/_early.py's run
+            return _early.result("traced_fsdp4")
+        return _run(tmp_path_factory.mktemp(f"{layout}_{mode}"), layout, mode)
 
     return run
 

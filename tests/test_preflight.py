@@ -89,9 +89,8 @@ def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
         env, args, needle = _case(case, tmp_path)
         for k in LAUNCH_VARS:
             monkeypatch.delenv(k, raising=False)
-        for k, v in env.items():
-            if k != "CONFIG_FILE":
-                monkeypatch.setenv(k, v)
+        for k in env.keys() - {"CONFIG_FILE"}:
+            monkeypatch.setenv(k, env[k])
         config_file = [] if "CONFIG" in env else ["--job.config_file", env.get("CONFIG_FILE", DEBUG)]
         if where == "trainer":
             monkeypatch.setattr(train, "setup_logging", lambda *a, **k: None)  # this process's log handlers stay

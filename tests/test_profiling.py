@@ -9,8 +9,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from graph_trainer.tools.profiling import (_events_of, _intervals_of, _json_text, _launches_of, _write_picture, collective_label,
-                                           kernel_category, summarize_events, summary_markdown)
+from graph_trainer.tools.profiling import (_events_of, _intervals_of, _json_text, _launches_of, _write_picture,
+                                           collective_label, kernel_category, summarize_events, summary_markdown)
 from graph_trainer.tools.timeline import (collective_breakdown, device_steps, draw_timeline, idle_causes, pack_step,
                                           read_step, timeline_a_vs_b, timeline_breakdown, unpack_step)
 
@@ -213,8 +213,7 @@ def test_collectives_by_kind_dtype_and_stream_with_their_exposed_time():
 
 def test_idle_is_charged_to_the_host_or_to_a_queue_by_the_kernel_that_ends_it():
     """A gap's closing kernel launched after it began: host-late; before: queued; at the end: tail; else unknown."""
-    kernels = [(0, 10, "matmul"), (20, 30, "matmul"), (35, 40, "communication"), (50, 60, "matmul"),
-               (70, 80, "matmul")]
+    kernels = [(0, 10, "matmul"), (20, 30, "matmul"), (35, 40, "communication"), (50, 60, "matmul"), (70, 80, "matmul")]
     launches = [(0, -5, "aten::mm"), (20, 15, "symm_mem::fused_all_gather_matmul"),  # 10-20: host-late
                 (35, 25, "nccl"), (50, 30, "aten::mm")]  # 30-35, 40-50: queued; 60-70: unknown; 80-100: tail
     got, causes = idle_causes(kernels, launches, [(0, 100)]), ("host_ms", "queued_ms", "tail_ms", "unknown_ms")

@@ -106,8 +106,7 @@ def test_page_check_and_options(records, tmp_path, capsys):
     header, rows = table(main)
     assert header == ("| variant | tps/GPU median (min–max) | vs first | verdict | MFU | peak GiB | predicted GiB "
                       "| compile s | to step 2 s (first / later) |")
-    assert rows["jit"] == ["41,847 (41,000–42,500)", "1.000×", "baseline", "38.2%", "45.12", "45.10", "31",
-                           "95 / 41"]
+    assert rows["jit"] == ["41,847 (41,000–42,500)", "1.000×", "baseline", "38.2%", "45.12", "45.10", "31", "95 / 41"]
     assert rows["plain"] == ["37,000 (36,000–37,500)", f"{37000 / 41847:.3f}×", "slower",  # ratio computed
                              "–", "50.00", "–", "–", "– / –"]  # a record from before the column
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]

@@ -3,9 +3,8 @@
 import torch
 
 from graph_trainer.compiler import memory_estimate
-from graph_trainer.compiler.collectives import (
-    collective_kind, group_name_of, hold, is_collective, is_wait, shard_chain, sole_wait, strip_holds,
-)
+from graph_trainer.compiler.collectives import (collective_kind, group_name_of, hold, is_collective, is_wait,
+                                                 shard_chain, sole_wait, strip_holds)
 from graph_trainer.compiler.passes import bucket_collectives, overlap_collectives
 
 from .conftest import AG, aten, c10d, fx_graph, module
