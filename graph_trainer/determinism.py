@@ -43,8 +43,7 @@ def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = F
 def _one_sha256(t) -> bytes:
     if t is None:
         return b"none"
-    if hasattr(t, "to_local"):  # DTensor (eager FSDP2 / TP): this rank's shard, no collective
-        t = t.to_local()
+    t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (eager FSDP2 / TP): this rank's shard, no collective
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     t = t.detach().reshape(-1).contiguous().cpu()
     if t.numel():

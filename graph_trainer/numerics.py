@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import DTensor, Replicate
 
 from graph_trainer import MODULE_FQN_KEY, NUMERICS_KEY, PHASE_KEY
 from graph_trainer.metrics import keep_previous
@@ -62,8 +63,8 @@ def fingerprint(t: torch.Tensor) -> int:
 
 
 def record(t: torch.Tensor) -> Record:
-    """The :class:`Record` of tensor ``t`` (moved to the CPU)."""
-    t = t.detach().resolve_conj().resolve_neg()
+    """The :class:`Record` of tensor ``t`` (moved to the CPU; of a DTensor, this rank's local tensor as it is)."""
+    t = (t.to_local() if isinstance(t, DTensor) else t).detach().resolve_conj().resolve_neg()
     flat = values = t.reshape(-1)
     if sampled := flat.numel() > FULL_NUMEL:  # integer positions: a float linspace rounds past the end
         values = flat[torch.arange(SAMPLE_NUMEL, device=flat.device) * (flat.numel() - 1) // (SAMPLE_NUMEL - 1)]
@@ -76,6 +77,8 @@ def record(t: torch.Tensor) -> Record:
 
 def _add(records: dict, key: tuple, out: Any, per_output: bool = True) -> None:
     """Record an op's tensor outputs under ``key`` (``per_output``: :func:`output_key`), first occurrence only."""
+    if key[2].startswith("_c10d_functional.") and "wait_tensor" not in key[2]:  # written by its wait_tensor
+        return
     outs = [out] if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else []
     for i, t in enumerate(outs):
         k = output_key(key, i) if per_output else key
@@ -164,14 +167,14 @@ def record_eager_forward(model: torch.nn.Module, recorder: EagerRecorder):
 
 
 def add_step_outputs(records: dict, loss: torch.Tensor, named_grads: list[tuple[str, torch.Tensor | None]]) -> None:
-    """Record ``loss`` and each ``grad:<fqn>`` (local shards under FSDP / TP) into ``records``."""
-    if hasattr(loss, "full_tensor"):
-        loss = loss.full_tensor()
-    records["loss"] = record(loss)
+    """Record ``loss`` and each ``grad:<fqn>`` (local shards under FSDP / TP, a partial one summed) into ``records``."""
+    records["loss"] = record(loss.full_tensor() if isinstance(loss, DTensor) else loss)
     for name, g in named_grads:
         if g is not None:
+            if any(p.is_partial() for p in getattr(g, "placements", ())):  # eager TP's unreduced gradient: its sum
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
             name = name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
-            records[f"grad:{name}"] = record(g.to_local() if hasattr(g, "to_local") else g)
+            records[f"grad:{name}"] = record(g)
 
 
 def save(folder: str, rank: int, records: dict, meta: dict) -> str:

@@ -119,3 +119,20 @@ def test_cli_names_the_rmsnorm_node():
     assert f"first difference: {first['key']}" in r.stdout
     a, b = (load(str(out / side / "numerics" / "rank0.pt"))[0] for side in "ab")
     assert key_text(_brute_force_first(a, b)) == first["key"]
+
+
+@_early.job("numerics_diff_tp2")
+def _numerics_diff_tp2(tmp, env):
+    out = tmp / "nd"
+    tp2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+    return out, run_script(["scripts/numerics_diff.py", "--a-flags", "--compile.mode eager", "--b-flags", "", "--out",
+                            str(out), "--", *SMALL, *tp2, "--debug.deterministic"],
+                           env={**env, "NGPU": "2"}, timeout=900)
+
+
+@_early.uses("numerics_diff_tp2")
+def test_cli_eager_and_traced_agree_op_by_op_at_tp2():
+    """Eager's DTensor outputs recorded as this rank's tensors, no functional collective's buffer before its wait,
+    eager's partial (unreduced) gradients summed: at TP2 on gloo no op, loss or gradient of step 1 differs."""
+    out, r = _early.result("numerics_diff_tp2")
+    assert r.returncode == 0 and r.stdout.count("no difference") == 2, r.stdout[-3000:] + r.stderr[-3000:]
