@@ -1,9 +1,7 @@
 """The GPU tier (``multigpu``, scripts/gpu/tier.sh): bitwise claims with NCCL on 2 and 4 GPUs."""
 
-import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,9 @@ LAYOUTS = {
 OPTIONS = {"regional": (["--compile.numerics_changing_optim"], ["annotate_residual_rmsnorm"]),
            "full": (["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"], [])}
 
+EAGER = ["--compile.mode", "eager"]
+_EAGER: dict[tuple, tuple] = {}  # (layout, steps): eager's run, shared by the claims against it
+
 pytestmark = pytest.mark.multigpu
 
 
@@ -36,33 +37,45 @@ def _env(layout: str) -> dict:
     return {**env, "NGPU": str(n), "CONFIG_FILE": os.path.join(REPO, CONFIG), "LOG_RANK": ",".join(map(str, range(n)))}
 
 
-def _loss_compare(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> None:
-    """``scripts/loss_compare.py --assert-equal`` of two settings on the layout's GPUs: bitwise equal."""
-    env, out = _env(layout), tmp_path / "cmp"
-    cmd = [sys.executable, "scripts/loss_compare.py", "--steps", str(steps), "--out", str(out), "--assert-equal",
-           "--a-flags", " ".join(a_flags), "--b-flags", " ".join(b_flags), "--",
-           *LAYOUTS[layout][1], "--debug.deterministic"]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    print(r.stdout[-4000:], r.stderr[-4000:])
-    result = json.loads((out / "loss_compare.json").read_text())
-    assert r.returncode == 0 and result["bitwise_equal"], result["first_difference"]
+def _train(tmp_path, layout: str, flags: list[str], steps: int, name: str) -> tuple[list, dict, str]:
+    """``run_train.sh`` on the layout's GPUs, deterministic, with state hashes: (rows, summary, stdout)."""
+    r = subprocess.run(["bash", "run_train.sh", *LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes",
+                        "--metrics.log_freq", "1", *flags, "--training.steps", str(steps),
+                        "--job.dump_folder", str(tmp_path / name)], cwd=REPO, env=_env(layout), capture_output=True,
+                       text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows, summary = read_metrics(str(tmp_path / name / "metrics.jsonl"))
+    print(f"[{name}] {' '.join(flags) or '(no flags)'}: losses {[r['loss'] for r in rows]}")
+    return rows, summary, r.stdout
+
+
+def _bitwise(tmp_path, layout: str, a_flags: list[str], b_flags: list[str], steps: int) -> dict:
+    """Two settings on the layout's GPUs: losses, grad norms and final state bitwise equal (``loss_compare.py
+    --assert-equal``'s test); eager's run is made once per layout for every claim against it. Returns B's summary."""
+    a = _EAGER.get((layout, steps)) if a_flags == EAGER else None
+    if a is None:
+        a = _train(tmp_path, layout, a_flags, steps, "a")
+        if a_flags == EAGER:
+            _EAGER[layout, steps] = a
+    b = _train(tmp_path, layout, b_flags, steps, "b")
+    assert (diff := first_difference(a[0], b[0], a[1]["state_hashes"], b[1]["state_hashes"])) is None, diff
+    return b[1]
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_eager_equals_traced(tmp_path, layout):
     """torchtitan's eager step == the traced step, bitwise (STEPS steps, final state); with TP, async TP rewrote it."""
-    _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], [], STEPS)
+    summary = _bitwise(tmp_path, layout, EAGER, [], STEPS)
     if "tp" in layout:
-        passes = {p["pass"]: p for p in read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]}
+        passes = {p["pass"]: p for p in summary["passes"]}
         assert "async_tp" in passes and passes["async_tp"]["nodes_after"] < passes["async_tp"]["nodes_before"]
 
 
 @pytest.mark.parametrize("layout", ["fsdp2", "tp2", "fsdp2tp2"])
 def test_cuda_graph_equals_eager(tmp_path, layout):
     """The traced step as a CUDA graph (NCCL, async TP's ops captured) == eager, bitwise, STEPS steps + state."""
-    _loss_compare(tmp_path, layout, ["--compile.mode", "eager"], ["--compile.passes", "cudagraph"], STEPS)
-    passes = read_metrics(str(tmp_path / "cmp" / "b" / "metrics.jsonl"))[1]["passes"]
-    assert "cudagraph" in [p["pass"] for p in passes]
+    summary = _bitwise(tmp_path, layout, EAGER, ["--compile.passes", "cudagraph"], STEPS)
+    assert "cudagraph" in [p["pass"] for p in summary["passes"]]
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
@@ -72,27 +85,17 @@ def test_run_to_run_with_numerics_changing_options(tmp_path, layout, option):
     flags, passes = OPTIONS[option]
     passes = passes + ["async_tp"] * ("tp" in layout)
     flags = [*flags, *(["--compile.passes", ",".join(passes)] if passes else [])]
-    _loss_compare(tmp_path, layout, flags, flags, 6)
+    _bitwise(tmp_path, layout, flags, flags, 6)
 
 
 @pytest.mark.parametrize("layout", ["fsdp2tp2"])
 def test_resume_bitwise(tmp_path, layout):
     """A run stopped at step 2 and resumed in new processes equals the uninterrupted 4-step run, bitwise."""
-    env, same = _env(layout), [*LAYOUTS[layout][1], "--debug.deterministic", "--debug.state_hashes",
-                               "--compile.numerics_changing_optim", "--lr_scheduler.total_steps", "4",
-                               "--metrics.log_freq", "1"]
-    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
-
-    def run(folder, steps, *flags):
-        r = subprocess.run(["bash", "run_train.sh", *same, *flags, "--training.steps", str(steps),
-                            "--job.dump_folder", str(tmp_path / folder)], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=1800)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        return r
-
-    run("a", 4)
-    run("b", 2, *ckpt)
-    assert "Resumed from" in run("b", 4, *ckpt).stdout
-    (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(tmp_path / d / "metrics.jsonl")) for d in "ab")
+    same = ["--compile.numerics_changing_optim", "--lr_scheduler.total_steps", "4"]
+    ckpt = [*same, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only"]
+    rows_a, sum_a, _ = _train(tmp_path, layout, same, 4, "a")
+    _train(tmp_path, layout, ckpt, 2, "b")
+    rows_b, sum_b, out = _train(tmp_path, layout, ckpt, 4, "b")
+    assert "Resumed from" in out
     assert len(rows_a) == 4 and sum_b["resumed_from_step"] == 2
     assert first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
