@@ -45,7 +45,7 @@ def _train(tmp_path, layout: str, flags: list[str], steps: int, name: str) -> tu
                        text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(str(tmp_path / name / "metrics.jsonl"))
-    print(f"[{name}] {' '.join(flags) or '(no flags)'}: losses {[r['loss'] for r in rows]}")
+    print(f"[{name}] {' '.join(flags) or '(no flags)'}: losses {[row['loss'] for row in rows]}")
     return rows, summary, r.stdout
 
 
