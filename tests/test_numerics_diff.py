@@ -102,12 +102,15 @@ def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     assert key not in {d.key for d in compare(a, b, rtol=1e-5).divergent}
 
 
-@_early.job("numerics_diff_cli")
-def _numerics_diff_cli(tmp, env):
+def _cli(tmp, env, a_flags: str, b_flags: str, *extra: str):
+    """``(out folder, result)`` of scripts/numerics_diff.py at :data:`SMALL` shapes, forked from tests/_launch.py's
+    server (its imports done)."""
     out = tmp / "nd"
-    return out, run_script(["scripts/numerics_diff.py", "--a-flags", "", "--b-flags",
-                            "--compile.numerics_changing_optim", "--out", str(out), "--", *SMALL],
-                           env=env, timeout=900)  # forked from tests/_launch.py's server (its imports done)
+    return out, run_script(["scripts/numerics_diff.py", "--a-flags", a_flags, "--b-flags", b_flags, "--out", str(out),
+                            "--", *SMALL, *extra], env=env, timeout=900)
+
+
+_early.job("numerics_diff_cli", lambda tmp, env: _cli(tmp, env, "", "--compile.numerics_changing_optim"))
 
 
 @_early.uses("numerics_diff_cli")
@@ -121,13 +124,9 @@ def test_cli_names_the_rmsnorm_node():
     assert key_text(_brute_force_first(a, b)) == first["key"]
 
 
-@_early.job("numerics_diff_tp2")
-def _numerics_diff_tp2(tmp, env):
-    out = tmp / "nd"
-    tp2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
-    return out, run_script(["scripts/numerics_diff.py", "--a-flags", "--compile.mode eager", "--b-flags", "", "--out",
-                            str(out), "--", *SMALL, *tp2, "--debug.deterministic"],
-                           env={**env, "NGPU": "2"}, timeout=900)
+_early.job("numerics_diff_tp2", lambda tmp, env: _cli(
+    tmp, {**env, "NGPU": "2"}, "--compile.mode eager", "", "--parallelism.data_parallel_shard_degree", "1",
+    "--parallelism.tensor_parallel_degree", "2", "--debug.deterministic"))
 
 
 @_early.uses("numerics_diff_tp2")
