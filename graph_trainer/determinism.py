@@ -62,10 +62,14 @@ def tensor_sha256(tensors, threads: int = 8) -> str:
 def state_hashes(params, optimizers, view=None, group=None) -> dict[str, str]:
     """``{"weights", "grads", "optimizer"}`` sha256 digests of ``params`` (local shards), their grads and the
     ``optimizers``' state of them; ``view(i, t)``: ``t`` shaped like param ``i`` as hashed (FSDP2's local shape, so
-    traced and eager hash equal states equally). Several ranks: the sha256 of the per-rank digests in rank order."""
+    traced and eager hash equal states equally). A DTensor gradient is hashed in its parameter's placements (eager
+    TP's partial and replicated ones: a collective, on every rank in order). Several ranks: the sha256 of the per-rank
+    digests in rank order."""
     view = view or (lambda i, t: t)
+    placed = [p.grad.redistribute(p.device_mesh, p.placements) if hasattr(p.grad, "placements")
+              and p.grad.placements != p.placements else p.grad for p in params]
     local = {"weights": tensor_sha256([view(i, p) for i, p in enumerate(params)]),
-             "grads": tensor_sha256([None if p.grad is None else view(i, p.grad) for i, p in enumerate(params)]),
+             "grads": tensor_sha256([None if g is None else view(i, g) for i, g in enumerate(placed)]),
              "optimizer": tensor_sha256(optimizer_tensors(optimizers, params, view))}
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return local

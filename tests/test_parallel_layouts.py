@@ -16,9 +16,14 @@ STEPS = 2
 #: name: (ranks, data_parallel_shard_degree, tensor_parallel_degree, data_parallel_replicate_degree)
 LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fsdp2tp2": (4, 2, 2, 1),
            "rep2tp2": (4, 1, 2, 2), "fsdp4": (4, 4, 1, 1), "hsdp": (4, 2, 1, 2), "tp2bf16": (2, 1, 2, 1),
-           "rep2bf16": (2, 1, 1, 2)}
-#: Flags of a layout beyond its degrees: bf16 parameters, the GPU configs' setting
-FLAGS = {k: ["--training.mixed_precision_param", "bfloat16"] for k in ("tp2bf16", "rep2bf16")}
+           "rep2bf16": (2, 1, 1, 2), "tp2noclip": (2, 1, 2, 1)}
+#: Flags of a layout beyond its degrees: bf16 parameters, the GPU configs' setting; no clipping (a norm bound never
+#: reached: eager under fp32 TP alone scales the norm weights' unreduced gradients, the traced step their sum)
+FLAGS = {**{k: ["--training.mixed_precision_param", "bfloat16"] for k in ("tp2bf16", "rep2bf16")},
+         "tp2noclip": ["--training.max_norm", "1e9", "--training.seq_len", "256", "--training.local_batch_size", "8"]}
+#: Blocks of a layout's model but 2: the whole debug model and batch, whose embedding gradient norm rounds apart
+#: when taken over TP shards rather than eager's replicated gradient
+LAYERS = {"tp2noclip": None}
 REPLICAS = "Replicate degree 2: gradients all-reduced over the replicas inside the graph"
 
 
@@ -30,7 +35,8 @@ def _run(tmp, layout, mode, env=None):
                            mode, "--parallelism.data_parallel_shard_degree", str(shard),
                            "--parallelism.tensor_parallel_degree", str(tp),
                            "--parallelism.data_parallel_replicate_degree", str(replicate), "--debug.deterministic",
-                           "--debug.state_hashes", *FLAGS.get(layout, [])], f"{dump}.logs", n_layers=2, base_env=env)
+                           "--debug.state_hashes", *FLAGS.get(layout, [])], f"{dump}.logs",
+                  n_layers=LAYERS.get(layout, 2), base_env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows, summary = read_metrics(str(dump / "metrics.jsonl"))
     assert summary["final_loss"] > 0
@@ -55,6 +61,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("layout, reference, loss_rtol, norm_rtol, line", [
     ("fsdp4", ("fsdp4", "eager"), 0.0, 0.0, ""),  # rtol 0: bitwise, every step, and the final state
     ("hsdp", ("hsdp", "eager"), 0.0, 0.0, ""), ("fsdp2tp2", ("fsdp2tp2", "eager"), 0.0, 0.0, ""),
+    ("tp2noclip", ("tp2noclip", "eager"), 0.0, 0.0, ""),  # fp32 TP alone: eager's replicated / partial gradients
     # TP / replicas alone with bf16 parameters: the eager baseline's FSDP2 over a 1-rank shard dimension (HSDP
     # for the replicas) casts the parameters as the traced step does (plain eager would train in fp32)
     ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, ""), ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
@@ -64,8 +71,8 @@ def runs(tmp_path_factory):
     ("fsdp2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-4, "reduce-scatter(s)/other collectives earlier"),  # overlap pass
     ("rep2tp2", ("fsdp2", "aot_fx_trace"), 1e-6, 1e-6, REPLICAS),
     ("hsdp", ("fsdp4", "aot_fx_trace"), 1e-6, 1e-4, REPLICAS),
-], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2bf16_eager", "rep2bf16_eager", "tp2_vs_one",
-        "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
+], ids=["fsdp4_eager", "hsdp_eager", "fsdp2tp2_eager", "tp2noclip_eager", "tp2bf16_eager", "rep2bf16_eager",
+        "tp2_vs_one", "fsdp2tp2_vs_fsdp2", "rep2tp2_vs_fsdp2", "hsdp_vs_fsdp4"])
 def test_traced_layout_matches_reference(runs, layout, reference, loss_rtol, norm_rtol, line):
     """Loss and grad norm every step; against eager (rtol 0) also the final state."""
     _, ref_loss, ref_norm, ref_hashes = runs(*reference)  # first: eager FSDP4 while traced_fsdp4 runs early

@@ -61,8 +61,7 @@ class LocalCopyProcessGroup(dist.ProcessGroup):
         if device is None or device.type != "cuda":
             copy()
             return _done(outputs)
-        side = SIDE_STREAMS.get(device)
-        if side is None:
+        if (side := SIDE_STREAMS.get(device)) is None:
             side = SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):

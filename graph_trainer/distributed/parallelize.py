@@ -196,7 +196,8 @@ class TraceParallel:
     global batch; ``norm_group``: the ranks of the grad norm (None: the world); ``norm_weights``: ``1 / tp`` for
     TP-replicated params, else 1; ``fsdp2_mesh`` / ``fsdp2_layouts``: the eager baseline's mesh and
     :func:`~graph_trainer.distributed.fsdp.fsdp2_layout` per param; ``eager_norm``: clip with eager's DTensor norm
-    (``--debug.deterministic``)."""
+    (``--debug.deterministic``); ``replicated_grads``: params whose eager gradient is Replicate (embeddings under TP
+    without FSDP: DTensor's embedding backward replicates it)."""
 
     names: list[str] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
@@ -212,6 +213,7 @@ class TraceParallel:
     fsdp2_mesh: Any = None
     fsdp2_layouts: list | None = None
     eager_norm: bool = False
+    replicated_grads: frozenset = frozenset()
 
     @property
     def sharded(self) -> bool:
@@ -239,17 +241,20 @@ class TraceParallel:
         eager baseline's mesh: eager's norm bitwise, at a host cost (docs/design.md, "Eager == traced, bit for bit, with
         NCCL"); without it, or where a shard is not FSDP2's chunk,
         :func:`graph_trainer.distributed.fsdp.sharded_grad_norm_` (one all-reduce)."""
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate
         from torchtitan.distributed.utils import clip_grad_norm_
 
         if not self.sharded:
             return clip_grad_norm_(self.params, max_norm, foreach=True)
         if not self.eager_norm or self.fsdp2_layouts is None or None in self.fsdp2_layouts:
             return fsdp.sharded_grad_norm_(self.params, max_norm, self.norm_group, self.norm_weights)
-        pairs = [(p.grad, lay) for p, lay in zip(self.params, self.fsdp2_layouts) if p.grad is not None]
-        grads = [g for g, _ in pairs]
+        kept = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [self.params[i].grad for i in kept]
         dgrads = [DTensor.from_local(g.view(lay.local_shape), self.fsdp2_mesh, lay.placements, run_check=False,
-                                     shape=lay.shape, stride=lay.stride) for g, lay in pairs]
+                                     shape=lay.shape, stride=lay.stride)
+                  for g, lay in zip(grads, (self.fsdp2_layouts[i] for i in kept))]
+        dgrads = [d.redistribute(placements=[Replicate()] * self.fsdp2_mesh.ndim) if i in self.replicated_grads else d
+                  for i, d in zip(kept, dgrads)]
         # DTensor warns that the norm's mesh dimensions are reduced one after the other: that order is eager's
         quiet = logging.getLogger("torch.distributed.tensor._redistribute")
         level = quiet.level
@@ -298,6 +303,9 @@ def distribute_for_trace(model, cfg, parallel_dims, device: torch.device, rank: 
     out.norm_weights = [1.0 / tp if tp > 1 and all(isinstance(pl, Replicate) for pl in p.placements) else 1.0
                         for _, p in named]
     out.eager_norm = bool(cfg.debug.deterministic)
+    if tp > 1 and shard == 1 and pdtype is None:  # eager without FSDP keeps DTensor autograd's gradient placements
+        embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+        out.replicated_grads = frozenset(i for i, n in enumerate(out.names) if n in embeddings)
     out.fsdp2_mesh = mesh[(("dp_replicate",) if rep > 1 else ()) + ("dp_shard",) + (("tp",) if tp > 1 else ())]
     out.fsdp2_layouts = [fsdp.fsdp2_layout(t, p.shape, p.stride(), tuple(p.placements) if tp > 1 else (), shard, rep)
                          for t, (_, p) in zip(local, named)]
