@@ -163,8 +163,7 @@ def find_rmsnorm_instances(graph: torch.fx.Graph) -> list[dict[str, Any]]:
             continue
         if not (fqn.rsplit(".", 1)[-1].lower().endswith("norm") or any(map(_is_rms_rsqrt, fwd))):
             continue
-        tag = [n for n in nodes if not is_collective(n) and _produces_tensors(n)]
-        for part in split_acyclic(tag, order):
+        for part in split_acyclic([n for n in nodes if not is_collective(n) and _produces_tensors(n)], order):
             kind = "forward" if phase == "forward" else "recompute" if any(map(_is_rms_rsqrt, part)) else "backward"
             instances.append({"phase": phase, "kind": kind, "form": "decomposed", "module_fqn": fqn, "nodes": part})
 

@@ -98,9 +98,8 @@ def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, bu
     if not policy.fits:
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
                        "the step may run out of memory")
-    steps = build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
-                           device_type=device_type)
-    return steps, policy
+    return build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
+                          device_type=device_type), policy
 
 
 def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,

@@ -114,5 +114,4 @@ def apply_measurements(dev: DeviceConstants, data: dict, path: str = "<dict>") -
     if not measured:
         return dev
     return replace(dev, **upd, measured=tuple(measured),
-                   source=f"measured ({', '.join(measured)}) in {os.path.basename(path)}, "
-                          "the rest datasheet defaults")
+                   source=f"measured ({', '.join(measured)}) in {os.path.basename(path)}, the rest datasheet defaults")

@@ -135,8 +135,7 @@ def _print_plan(ctx: dict, args: argparse.Namespace, extra: list[str]) -> None:
               f"config {s.config_file} ({s.config_note})")
     if extra:
         print(f"  both: {shlex.join(extra)}")
-    env_shown = [f"{k}={os.environ[k]}" for k in ("NGPU", "CUDA_VISIBLE_DEVICES", "LOG_RANK") if k in os.environ]
-    if env_shown:
+    if env_shown := [f"{k}={os.environ[k]}" for k in ("NGPU", "CUDA_VISIBLE_DEVICES", "LOG_RANK") if k in os.environ]:
         print("  env: " + " ".join(env_shown))
     a, b = ctx["sides"]["A"], ctx["sides"]["B"]
     if a.root == b.root and a.flags == b.flags:

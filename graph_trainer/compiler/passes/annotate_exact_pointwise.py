@@ -210,8 +210,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
         f"{len(cats)} cats of casts, {len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused "
         f"instead of {eager / 2**30:.2f} GiB one kernel each; {len(muls)} complex multiplies as real arithmetic",
-        **st, complex_muls=len(muls), cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager,
-        fused_bytes=fused,
+        **st, complex_muls=len(muls), cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
     )
     return gm
 
@@ -240,6 +239,5 @@ class ExactPointwiseOptions:
 
 
 PASS = GraphPass(name="annotate_exact_pointwise_for_regional_inductor", fn=annotate_exact_pointwise_pass,
-                 options=ExactPointwiseOptions,
-                 enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional",
-                 requires=("regional_inductor",), aliases=("exact_pointwise",))
+                 options=ExactPointwiseOptions, requires=("regional_inductor",), aliases=("exact_pointwise",),
+                 enabled=lambda ctx: ctx.device_type == "cuda" and ctx.compile_cfg.inductor_compilation == "regional")

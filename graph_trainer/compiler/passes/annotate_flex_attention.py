@@ -42,14 +42,10 @@ def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
     if calls:
         graph.lint()
         gm.recompile()
-    set_pass_summary(
-        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
-        f"-> {len(calls)} region(s)",
-        **counts, regions=len(calls),
-    )
+    set_pass_summary(gm, f"tagged {counts['forward']} forward + {counts['backward']} backward FlexAttention call(s) "
+                     f"-> {len(calls)} region(s)", **counts, regions=len(calls))
     return gm
 
 
-PASS = GraphPass(name="annotate_flex_attention_for_regional_inductor",
-                 fn=annotate_flex_attention_for_regional_inductor_pass, enabled=lambda ctx: ctx.uses_flex_attention,
-                 requires=("regional_inductor",))
+PASS = GraphPass(name="annotate_flex_attention_for_regional_inductor", requires=("regional_inductor",),
+                 fn=annotate_flex_attention_for_regional_inductor_pass, enabled=lambda ctx: ctx.uses_flex_attention)

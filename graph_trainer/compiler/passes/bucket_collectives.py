@@ -200,8 +200,7 @@ def _fits(members, kind, pos) -> bool:
     for issue, wait, hld in members:
         if pos[issue.args[0]] > last_issue:
             return False
-        out = hld or wait
-        if any(pos[u] <= last_wait for u in out.users):
+        if any(pos[u] <= last_wait for u in (hld or wait).users):
             return False  # a result read before the bucket's wait
     return True
 

@@ -36,7 +36,7 @@ def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
     return out
 
 
-def _hoist_collective(graph: torch.fx.Graph, issue: torch.fx.Node) -> bool:
+def _hoist_collective(issue: torch.fx.Node) -> bool:
     """Move ``issue`` and its single-use cast / view / pad chain up to its inputs; returns whether anything moved."""
     chain = [issue]
     cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
@@ -94,8 +94,7 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
     graph = gm.graph
     windowed = _window_all_gathers(graph, ag_window) if ag_window is not None else 0
     issues_by_kind = _issues_by_kind(graph)
-    hoisted = sum(_hoist_collective(graph, n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor"
-                  for n in ns)
+    hoisted = sum(_hoist_collective(n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor" for n in ns)
     if hoisted:  # issue order changed: re-read it
         issues_by_kind = _issues_by_kind(graph)
     index_in_kind = {n: (k, i) for k, ns in issues_by_kind.items() for i, n in enumerate(ns)}
@@ -138,11 +137,10 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(
-        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and "
-        f"{hoisted} reduce-scatter(s)/other collectives earlier; "
-        f"moved {moved} of {len(waits)} collective waits towards first use "
-        f"({counts['all_gather']} all-gather, {counts['other']} other; "
-        f"mean issue->wait distance {mean_d:.0f} nodes)" if waits else "no functional collectives",
+        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}) and {hoisted} reduce-scatter(s)/"
+        f"other collectives earlier; moved {moved} of {len(waits)} collective waits towards first use "
+        f"({counts['all_gather']} all-gather, {counts['other']} other; mean issue->wait distance {mean_d:.0f} nodes)"
+        if waits else "no functional collectives",
         moved=moved, hoisted=hoisted, windowed=windowed, mean_distance=round(mean_d, 1), **counts,
     )
     return gm

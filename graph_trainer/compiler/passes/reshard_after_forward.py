@@ -109,11 +109,9 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, example_inputs=None, pr
             _refresh_views(u)
     graph.lint()
     gm.recompile()
-    set_pass_summary(
-        gm, f"re-gather {len(groups)} of {n_fsdp} FSDP parameters for the backward "
-        f"({rewired} backward uses rewired, prefetch {prefetch})" if n_fsdp else "no FSDP all-gathers",
-        resharded=len(groups), fsdp_all_gathers=n_fsdp, rewired_uses=rewired,
-    )
+    set_pass_summary(gm, f"re-gather {len(groups)} of {n_fsdp} FSDP parameters for the backward ({rewired} backward "
+                     f"uses rewired, prefetch {prefetch})" if n_fsdp else "no FSDP all-gathers",
+                     resharded=len(groups), fsdp_all_gathers=n_fsdp, rewired_uses=rewired)
     return gm
 
 

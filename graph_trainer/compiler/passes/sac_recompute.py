@@ -15,9 +15,8 @@ import torch.utils._pytree as pytree
 from graph_trainer import AC_REGION_KEY, PHASE_KEY
 from graph_trainer.compiler.collectives import collective_kind, is_collective, is_wait, shard_chain
 from graph_trainer.compiler.graph_values import storages
-from graph_trainer.compiler.node_meta import (
-    custom_meta, is_tagged_recompute, phase_of, set_pass_summary, strip_recompute_tags,
-)
+from graph_trainer.compiler.node_meta import (custom_meta, is_tagged_recompute, phase_of, set_pass_summary,
+                                              strip_recompute_tags)
 from graph_trainer.compiler.ops import is_getitem, returns_view
 from graph_trainer.compiler.registry import GraphPass, PassContext
 
