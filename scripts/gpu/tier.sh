@@ -48,7 +48,11 @@ out, config, steps, k = sys.argv[1:]
 what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final state",
         "test_cuda_graph_equals_eager": f"eager == traced replayed as a CUDA graph, {steps} steps + final state",
         "test_run_to_run_with_numerics_changing_options": "run to run, 6 steps + final state",
-        "test_resume_bitwise": "stopped at step 2 and resumed == uninterrupted, 4 steps + final state"}
+        "test_resume_bitwise": "stopped at step 2 and resumed == uninterrupted, 4 steps + final state",
+        "test_run_to_run_and_resume_bitwise_with_pass": "one GPU: run to run and resumed == uninterrupted, 10 steps",
+        "test_cuda_regions_are_bitwise_eager": "one GPU: the exact pointwise regions == eager",
+        "test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not": "one GPU: an exact region == eager",
+        "test_local_copy_process_group_copies_on_a_side_stream": "one GPU: fake collectives' copies on a side stream"}
 claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[1]}
           for f in sorted(glob.glob(f"{out}/tier/*.log")) for m in re.finditer(r"^(PASSED|FAILED|ERROR) \S+::(\S+)",
                                                                                  open(f).read(), re.M)]
