@@ -4,6 +4,7 @@ model is built) and sha256 of the training state (``--debug.state_hashes``)."""
 import hashlib
 import os
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from graph_trainer import logger
+
+_PINNED = threading.local()  # the hashing threads' pinned staging buffers
 
 
 def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = False) -> dict:
@@ -40,14 +43,17 @@ def apply_determinism(seed: int | None, deterministic: bool, warn_only: bool = F
     return applied
 
 
-def _one_sha256(t) -> bytes:
+def _one_sha256(t, chunk: int = 64 * 2**20) -> bytes:
     if t is None:
         return b"none"
     t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (eager FSDP2 / TP): this rank's shard, no collective
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    t = t.detach().reshape(-1).contiguous().cpu()
-    if t.numel():
-        h.update(t.view(torch.uint8).numpy())  # hashlib releases the GIL on large buffers
+    t = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    if t.is_cuda and getattr(_PINNED, "buf", None) is None:  # pageable device-to-host copies run far below pinned ones
+        _PINNED.buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    for i in range(0, t.numel(), chunk):  # hashlib releases the GIL on large buffers
+        part = t[i : i + chunk]
+        h.update((_PINNED.buf[: part.numel()].copy_(part) if t.is_cuda else part.cpu()).numpy())
     return h.digest()
 
 
