@@ -49,7 +49,7 @@ def _one_sha256(t, chunk: int = 64 * 2**20) -> bytes:
     t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (eager FSDP2 / TP): this rank's shard, no collective
     h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
     t = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    if t.is_cuda and getattr(_PINNED, "buf", None) is None:  # pageable device-to-host copies run far below pinned ones
+    if t.is_cuda and len(getattr(_PINNED, "buf", ())) < chunk:  # pageable device-to-host copies run far below pinned
         _PINNED.buf = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
     for i in range(0, t.numel(), chunk):  # hashlib releases the GIL on large buffers
         part = t[i : i + chunk]
