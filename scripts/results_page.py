@@ -195,11 +195,12 @@ def group_key(record: dict) -> tuple[str, str, str]:
 def merge_tier(members: list[dict]) -> dict:
     """One tier record of a group's ``members`` (oldest first): the latest's fields, each claim's
     latest result with its call's ``git_sha`` (``call``, plus the device when the calls ran on several),
-    every contributing call's command and note."""
+    every contributing call's command and note. A claim ``NOT RUN`` in a later call keeps its earlier result."""
     latest: dict[str, tuple[int, dict]] = {}  # claim -> (index of its record in members, the claim)
     for i, record in enumerate(members):
         for c in record["claims"]:
-            latest[c["claim"]] = (i, {**c, "call": record["git_sha"][:8], "device": record["device"]})
+            if c["result"] != "NOT RUN" or c["claim"] not in latest:
+                latest[c["claim"]] = (i, {**c, "call": record["git_sha"][:8], "device": record["device"]})
     used = [members[i] for i in sorted({i for i, _ in latest.values()})]
     if len(used) == 1:
         return used[0]

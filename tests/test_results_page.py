@@ -178,7 +178,7 @@ def test_a_record_of_a_tree_committed_later_names_that_commit(repo, capsys):
 
 
 def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
-    tier_call(repo, "a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED"})
+    tier_call(repo, "a_second", "22:56", "bbbbbbbbbb", {"tp2-full": "PASSED", "fsdp2-full": "NOT RUN", "r": "NOT RUN"})
     tier_call(repo, "b_first", "22:43", "aaaaaaaaaa", {"tp2-full": "FAILED", "fsdp2-full": "PASSED"})
     tier_call(repo, "c_superseded", "21:00", "aaaaaaaaaa", {"tp2-full": "FAILED"})  # b_first's sha: still not shown
     tier_call(repo, "d_other_model", "23:00", "dddddddddd", {"tp2-full": "FAILED"}, model="llama3_8b")
@@ -186,7 +186,8 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     assert list(page) == ["GPU tier, llama3_1b — " + H100, "GPU tier — " + H100]
     merged = page["GPU tier, llama3_1b — " + H100]
     assert table(merged) == ("| claim | what | result | call |", {
-        "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]})
+        "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`r`": ["r", "NOT RUN", "`bbbbbbbb`"],  # cut later: kept
+        "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"]})
     assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in merged
     assert "; 1 earlier record in docs/results/" in merged and "c_superseded" not in merged
 

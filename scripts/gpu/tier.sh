@@ -41,7 +41,7 @@ fi
 grep -h -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT"/tier/*.log
 # the call's record for the results page (docs/results/, scripts/results_page.py): copy it there
 python3 - "$OUT" "${GPU_TIER_CONFIG:-train_configs/llama3_1b.toml}" "${GPU_TIER_STEPS:-20}" "${TIER_K:-}" <<'PY'
-import glob, re, shlex, sys, torch
+import glob, os, re, shlex, sys, torch
 from graph_trainer.tools.bench import device_name, utc_date_time, write_record
 from graph_trainer.tools.sides import git_state
 out, config, steps, k = sys.argv[1:]
@@ -53,9 +53,13 @@ what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final sta
         "test_cuda_regions_are_bitwise_eager": "one GPU: the exact pointwise regions == eager",
         "test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not": "one GPU: an exact region == eager",
         "test_local_copy_process_group_copies_on_a_side_stream": "one GPU: fake collectives' copies on a side stream"}
-claims = [{"claim": m[2], "what": what.get(m[2].split("[")[0], ""), "result": m[1]}
-          for f in sorted(glob.glob(f"{out}/tier/*.log")) for m in re.finditer(r"^(PASSED|FAILED|ERROR) \S+::(\S+)",
-                                                                                 open(f).read(), re.M)]
+claims = []
+for log in map(lambda f: open(f).read(), sorted(glob.glob(f"{out}/tier/*.log"))):
+    done = {m[2]: m[1] for m in re.finditer(r"^(PASSED|FAILED|ERROR) \S+::(\S+)", log, re.M)}
+    cut = [m[1] for m in re.finditer(r"^\S+::(\S+) ", log, re.M) if m[1] not in done]  # started, no result
+    claims += [{"claim": c, "what": what.get(c.split("[")[0], ""), "result": r} for c, r in done.items()]
+    claims += [{"claim": c, "what": what.get(c.split("[")[0], ""), "result": "NOT RUN",
+                "detail": f"started, cut by TIER_DEADLINE_S={os.environ.get('TIER_DEADLINE_S')}"} for c in cut]
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
     git = git_state(".")
