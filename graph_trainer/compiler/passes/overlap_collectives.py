@@ -79,7 +79,7 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
 
 
 def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2,
-                             cpu_async: bool = False, ag_window: int | None = 9) -> torch.fx.GraphModule:
+                             cpu_async: bool = False, ag_window: int | None = 18) -> torch.fx.GraphModule:
     """Move collective issues and waits so that communication overlaps compute (module docstring).
 
     ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather. ``ag_window`` (>= 0; None: keep
@@ -150,10 +150,11 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
 class OverlapCollectivesOptions:
     """``[compile.overlap_collectives]``: options of ``overlap_collectives`` (in the default pipeline)."""
 
-    ag_window: int = 9
+    ag_window: int = 18
     """Each FSDP parameter all-gather is issued just before the first use of the parameter this many places
-    earlier in use order (9: one Llama3 block's parameters ahead; 0: at its own first use). Larger hides a
-    slower all-gather under more compute and keeps more gathered parameters alive. Numerics unchanged."""
+    earlier in use order (18: two Llama3 blocks' parameters ahead; 0: at its own first use). Larger hides a
+    slower all-gather under more compute and keeps more gathered parameters alive (18 against 9: faster with NCCL
+    at FSDP2×TP2 at the same peak, docs/perf.md). Numerics unchanged."""
 
     def check(self) -> None:
         if self.ag_window < 0:
