@@ -11,7 +11,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import namedtuple
 from multiprocessing import forkserver
 from pathlib import Path
 from unittest import mock
@@ -27,10 +26,6 @@ PRELOAD = ["torch", "torch._inductor.compile_fx", "torch.distributed.checkpoint"
            "graph_trainer.checkpoint", "graph_trainer.config", "graph_trainer.data", "graph_trainer.metrics",
            "graph_trainer.model", "graph_trainer.distributed.parallelize", "graph_trainer.compiler.passes",
            "graph_trainer.step", "graph_trainer.train"]
-
-
-#: :func:`train_ranks`' outcome: the first failing rank's exit code (else 0), rank 0's output.
-Ranks = namedtuple("Ranks", "returncode stdout stderr")
 
 
 def _as_child(env: dict, out: str, err: str) -> None:
@@ -74,9 +69,9 @@ def _forkserver():
     return _CTX
 
 
-def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None,
-                timeout: float = 600, n_layers: int | None = None, base_env: dict | None = None) -> Ranks:
-    """The trainer on ``nranks`` gloo ranks (logs in ``tmp``): the first rank that failed by itself decides the code."""
+def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict | None = None, timeout: float = 600,
+                n_layers: int | None = None, base_env: dict | None = None) -> subprocess.CompletedProcess:
+    """The trainer on ``nranks`` gloo ranks (logs in ``tmp``): first self-failed rank's code or 0, rank 0's output."""
     from torch.distributed import TCPStore
 
     assert n_layers is None or not fresh, "n_layers: forked ranks only"
@@ -116,7 +111,7 @@ def train_ranks(nranks: int, argv: list, tmp, *, fresh: bool = False, env: dict 
     del store
     out, err = (Path(f).read_text() for f in logs[0])
     bad = [c for r, c in enumerate(codes) if c != 0 and r not in stopped] or [c for c in codes if c != 0]
-    return Ranks(bad[0] if bad else 0, out, err)
+    return subprocess.CompletedProcess(argv, bad[0] if bad else 0, out, err)
 
 
 def _forked_script(env: dict, cwd: str, argv: list, out: str, err: str) -> None:

@@ -23,19 +23,16 @@ LAUNCH_VARS = ("NNODES", "NODE_RANK", "RDZV_ENDPOINT", "NGPU", "CONFIG", "CONFIG
 
 
 def run_debug(dump, small, *flags, steps=4, direct=False, forked=False, fresh=False, ngpu=1, config=None, env=None):
-    """The debug config (or ``config``) through run_train.sh, ``direct`` one rank, or ``forked`` / ``fresh`` ranks."""
+    """The debug config through run_train.sh, ``forked`` / ``fresh`` ranks, or ``direct`` one rank (also ``config``)."""
     args = [*small, "--training.steps", str(steps), "--job.dump_folder", str(dump), *flags]
+    assert config is None or direct
     if forked or fresh:
-        assert config is None
         return train_ranks(ngpu, args, f"{dump}.logs", fresh=fresh, base_env=env)
-    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "CONFIG_FILE"}
-    env["NGPU"] = str(ngpu)
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "CONFIG_FILE"} | {"NGPU": str(ngpu)}
     launch = ["bash", "run_train.sh"]
     if direct:
         assert ngpu == 1
         launch = [sys.executable, "-m", "graph_trainer.train", "--job.config_file", config or DEBUG]
-    elif config:
-        env["CONFIG_FILE"] = config
     return subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -88,11 +85,10 @@ def fixed_port() -> int:
             low = int(f.read().split()[0])
     except OSError:  # not Linux: IANA's ephemeral range
         low = 49152
-    for port in random.Random().sample(range(max(1024, low - 8192), low), 256):
+    for port in random.Random().sample([p for p in range(max(1024, low - 8192), low) if p != 29500], 256):
         with socket.socket() as s, contextlib.suppress(OSError):
-            if port != 29500:
-                s.bind(("127.0.0.1", port))
-                return port
+            s.bind(("127.0.0.1", port))
+            return port
     raise RuntimeError("no free port below the ephemeral range")
 
 

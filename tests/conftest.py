@@ -14,9 +14,6 @@ import _early  # noqa: E402  tests/ is on sys.path
 from _launch import fork_call  # noqa: E402
 from _runs import FINISHED, bitwise_runs, dry_run_8b_8_ranks, run_debug  # noqa: E402
 
-#: The tiny Llama3 of the pass tests: the debug flavor at dim 32, 2 heads, vocabulary 64, sequences <= 32.
-TINY_LLAMA = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
-
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(config, items):
@@ -48,10 +45,11 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    """``tiny_llama(n_layers, seed=0)``: a new seeded, initialised tiny Llama3 (:data:`TINY_LLAMA`) in train mode."""
+    """``tiny_llama(n_layers, seed=0)``: a seeded debug Llama3 in train mode: dim 32, 2 heads, vocab 64, seq <= 32."""
     from graph_trainer.model import build_model, model_args
 
-    return lambda n_layers, seed=0: build_model(model_args("debugmodel", n_layers=n_layers, **TINY_LLAMA), seed=seed)
+    tiny = dict(dim=32, n_heads=2, vocab_size=64, max_seq_len=32)
+    return lambda n_layers, seed=0: build_model(model_args("debugmodel", n_layers=n_layers, **tiny), seed=seed)
 
 
 @pytest.fixture

@@ -141,10 +141,9 @@ def _lines(n: int = 10, bad_line: int | None = 3, bad: str = "this is not json: 
 
 
 def _write(root: Path, files: dict) -> None:
-    """Write ``{relative path: text, bytes or a function returning either}`` under ``root``."""
+    """Write ``{relative path: text or bytes}`` under ``root``."""
     for name, content in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        content = content() if callable(content) else content
         getattr(root / name, "write_bytes" if isinstance(content, bytes) else "write_text")(content)
 
 
@@ -182,9 +181,8 @@ BAD_DATA = {
                      "d.json: record 2 of the JSON array: 'text' is 2", LOAD),
     "no_text_column": ({"d.jsonl": '{"body": "x"}\n'}, "d.jsonl: no 'text' column (columns: body)", BOTH),
     "parquet_corrupt": ({"d.parquet": b"nope"}, "d.parquet: cannot be loaded by datasets (ArrowInvalid", BOTH),
-    "parquet_no_text": ({"d.parquet": lambda: _parquet(body=["x"])}, "d.parquet: no 'text' column", BOTH),
-    "parquet_int_text": ({"d.parquet": lambda: _parquet(text=[1, 2])},
-                         "d.parquet: column 'text' is not a string", BOTH),
+    "parquet_no_text": ({"d.parquet": _parquet(body=["x"])}, "d.parquet: no 'text' column", BOTH),
+    "parquet_int_text": ({"d.parquet": _parquet(text=[1, 2])}, "d.parquet: column 'text' is not a string", BOTH),
 }
 
 

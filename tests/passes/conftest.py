@@ -12,10 +12,8 @@ from graph_trainer.model import loss_fn
 from graph_trainer.trace import trace_train_step
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-#: Hidden size of the synthetic norm graphs.
-D = 16
-#: ``collective_kind`` of FSDP's all-gathers and reduce-scatters.
-AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"
+D = 16  # hidden size of the synthetic norm graphs
+AG, RS = "all_gather_into_tensor", "reduce_scatter_tensor"  # ``collective_kind`` of FSDP's gathers and scatters
 
 
 def fx_graph(*placeholders):
@@ -53,8 +51,12 @@ def tagged_nodes(gm):
     return [n for n in gm.graph.nodes if inductor_tag(n) is not None]
 
 
-def region_ids(gm):
-    return {inductor_tag(n)["inductor_region"] for n in tagged_nodes(gm)}
+def by_region(gm):
+    """``{region id: its tagged nodes in graph order}``."""
+    regions = {}
+    for n in tagged_nodes(gm):
+        regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n)
+    return regions
 
 
 def fake_prop(gm, shapes):

@@ -14,7 +14,7 @@ from graph_trainer.compiler.pipeline import run_pipeline
 from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
-from .conftest import (aten, assert_bitwise, call, call_targets, fake_prop, fx_graph, inductor_tag, module, region_ids,
+from .conftest import (aten, assert_bitwise, by_region, call, call_targets, fake_prop, fx_graph, inductor_tag, module,
                        stats, tagged_nodes)
 
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
@@ -45,7 +45,7 @@ def test_only_exact_ops_join():
     annotate_exact_pointwise_pass(gm)
     names = [n.target._opname for n in tagged_nodes(gm)]
     assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul", "mul"]
-    assert len(region_ids(gm)) == 1
+    assert len(by_region(gm)) == 1
     assert all(inductor_tag(n)["inductor_configs"]["emulate_precision_casts"] for n in tagged_nodes(gm))
     # one kernel per op, in 8x8 bf16 tensors of 128 B (fp32: 2): mul 2+1, add 2+1, to fp32 1+2, mul
     # 2+2, add 4+2, to bf16 2+1, sub 2+1, o * o 1+1, * 0.5 1+1; fused: a, b, c in, out, half, f out
@@ -128,8 +128,7 @@ def _bucket_inputs(device):
 
 
 def _rope_graph(device=None):
-    """RoPE's rotation as traced: bf16 ``x`` times complex64 ``f`` (forward) and bf16 ``g`` times ``conj(f)``
-    (backward), each through fp32 and back (``device``: unused, as the other graphs take it)."""
+    """RoPE's rotation as traced: bf16 ``x`` * complex ``f``, ``g`` * ``conj(f)``, through fp32 (``device``: unused)."""
     b, s, h, d = ROPE
     g, (x, grad, f) = fx_graph("x", "g", "f")
     op = functools.partial(call, g, custom=BLOCK)
@@ -173,8 +172,7 @@ ROTATION = ["_to_copy", "view", "select", "select", "select", "select", "mul", "
     ("rope", "cuda", {"complex_mul": False}, []),
 ])
 def test_regions_join_on_cuda_only(graph, device, options, regions):
-    """SiLU, a large widening cast alone; a cast feeding only a cat joins it (others stay in a chain); RoPE's mul.
-    Meta tensors (the dry run's) count as the GPU's."""
+    """SiLU, a large widening cast alone; a cast feeding only a cat joins it (others stay in a chain); RoPE's mul."""
     build, inputs = GRAPHS[graph]
     gm = build(torch.device(device))
     with FakeTensorMode():  # no GPU needed
@@ -182,10 +180,7 @@ def test_regions_join_on_cuda_only(graph, device, options, regions):
     FakeTensorProp(gm).propagate(*fakes)
     annotate_exact_pointwise_pass(gm, **options)
     FakeTensorProp(gm).propagate(*fakes)  # the rewritten graph runs too
-    tagged = {}
-    for n in tagged_nodes(gm):
-        tagged.setdefault(inductor_tag(n)["inductor_region"], []).append(n.target._opname)
-    assert sorted(tagged.values()) == regions
+    assert sorted([n.target._opname for n in nodes] for nodes in by_region(gm).values()) == regions
     assert (stats(gm)["cast_cats"], stats(gm)["complex_muls"]) == (sum("cat" in r for r in regions),
                                                                    regions.count(ROTATION))
     if graph == "rope" and regions:  # complex values left: f, and conj(f) materialized (through view_as_real)

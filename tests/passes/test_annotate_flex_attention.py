@@ -7,7 +7,7 @@ import torch
 from graph_trainer.compiler.passes.annotate_flex_attention import annotate_flex_attention_for_regional_inductor_pass
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions
 
-from .conftest import aten, fx_graph, inductor_tag, stats
+from .conftest import aten, fx_graph, inductor_tag, stats, tagged_nodes
 
 
 def test_annotate_flex_attention():
@@ -28,11 +28,9 @@ def test_annotate_flex_attention():
         n.meta["custom"] = {"phase": "forward", "module_fqn": "layers.0.attention.inner_attention"}
     gm = annotate_flex_attention_for_regional_inductor_pass(torch.fx.GraphModule(root, g), None)
     assert (stats(gm)["forward"], stats(gm)["backward"], stats(gm)["regions"]) == (2, 1, 3)
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is aten.sin.default or n.op in ("placeholder", "output"):
-            assert inductor_tag(n) is None
-        elif n.op == "call_function":
-            assert inductor_tag(n) is not None and n.meta["custom"]["module_fqn"].endswith("inner_attention")
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not aten.sin.default]
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]  # shared ones duplicated: one user / region each
+    assert set(tagged_nodes(gm)) == {*calls, *attrs}  # not the placeholders, the output, sin
+    assert all(n.meta["custom"]["module_fqn"].endswith("inner_attention") for n in calls)
     assert len(attrs) == 6 and all(len(a.users) == 1 and inductor_tag(a) == inductor_tag(*a.users) for a in attrs)
     assert len(propose_region_partitions(gm)) == 3

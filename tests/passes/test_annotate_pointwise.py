@@ -12,8 +12,8 @@ from graph_trainer.compiler.node_meta import module_fqn_of, phase_of
 from graph_trainer.compiler.passes.annotate_pointwise import annotate_pointwise_for_regional_inductor_pass
 from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 
-from .conftest import (aten, assert_close, call, call_targets, fx_graph, inductor_tag, module, stats, tagged_nodes,
-                       trace_step)
+from .conftest import (aten, assert_close, by_region, call, call_targets, fx_graph, inductor_tag, module, stats,
+                       tagged_nodes, trace_step)
 
 
 def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
@@ -22,10 +22,7 @@ def test_swiglu_chains_tagged_heavy_ops_and_norm_regions_untouched(tiny_llama):
     norm_tags = {n: inductor_tag(n) for n in tagged_nodes(gm)}
     gm = annotate_pointwise_for_regional_inductor_pass(gm, example_inputs)
     assert all(inductor_tag(n) == tag for n, tag in norm_tags.items())  # RMSNorm regions kept as they were
-    regions: dict[str, list] = {}
-    for n in tagged_nodes(gm):
-        if inductor_tag(n)["inductor_region"].startswith("pointwise_"):
-            regions.setdefault(inductor_tag(n)["inductor_region"], []).append(n)
+    regions = {rid: nodes for rid, nodes in by_region(gm).items() if rid.startswith("pointwise_")}
     assert stats(gm)["regions"] == len(regions) > 0 and stats(gm)["nodes"] == sum(map(len, regions.values()))
     targets = {}  # (phase, module): the targets of each of its regions
     for nodes in regions.values():

@@ -17,18 +17,16 @@ from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.passes.regional_inductor import propose_region_partitions, regional_inductor_pass
 from graph_trainer.trace import trace_train_step
 
-from .conftest import (D, aten, assert_close, fused_norm_graph, inductor_tag, module, region_ids, run_no_grad, stats,
+from .conftest import (D, aten, assert_close, by_region, fused_norm_graph, inductor_tag, module, run_no_grad, stats,
                        tagged_nodes, trace_step)
 
 FUSED = (aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default)
 
 
 def test_fused_norms_and_getitems_tagged_others_untouched():
-    gm, fakes = fused_norm_graph(n_norms=2)
-    gm = annotate(gm, fakes)
-    for n in gm.graph.nodes:
-        is_norm = n.target in FUSED or (n.target is operator.getitem and n.args[0].target in FUSED)
-        assert (inductor_tag(n) is not None) == is_norm, n
+    gm = annotate(*fused_norm_graph(n_norms=2))
+    getitems = {n for n in gm.graph.nodes if n.target is operator.getitem and n.args[0].target in FUSED}
+    assert set(tagged_nodes(gm)) == {n for n in gm.graph.nodes if n.target in FUSED} | getitems
     assert [stats(gm)[k] for k in ("forward", "backward", "regions", "getitems")] == [2, 1, 3, 6]
     assert "tagged 2 forward + 1 backward RMSNorms" in gm.meta["graph_trainer_pass_summary"]
 
@@ -88,8 +86,8 @@ def test_decomposed_norms_of_llama_tagged_as_separate_regions(tiny_llama):
     for n in tagged_nodes(gm):
         assert n.op == "call_function" and n.target not in (aten.mm.default, aten.embedding.default)
         assert n.meta["custom"]["module_fqn"].endswith("norm")
-    for rid in region_ids(gm):  # each forward region computes an rsqrt, each backward one a reduction
-        targets = {n.target for n in tagged_nodes(gm) if inductor_tag(n)["inductor_region"] == rid}
+    for rid, nodes in by_region(gm).items():  # each forward region computes an rsqrt, each backward one a reduction
+        targets = {n.target for n in nodes}
         assert (aten.rsqrt.default if rid.startswith("rmsnorm_forward") else aten.sum.dim_IntList) in targets
     assert len(propose_region_partitions(gm)) == 10
 

@@ -296,11 +296,9 @@ def test_dry_run_8b_fsdp4_tp2_lists_fused_ops():
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
     ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks; rs: wo / w2 and the output
     assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
-    # left: one all-gather, and the 64 that all_but_cheap gathers again in the backward (weight gradients' right
-    # operands); the reduce-scatter of the (row-wise sharded) embedding's output, the sums of q/k/v's and of w1/w3's
-    # input gradients
+    # left: one all-gather and the 64 that all_but_cheap gathers again for the weight gradients' right operands; the
+    # reduce-scatter of the (row-wise sharded) embedding's output, the sums of q/k/v's and w1/w3's input gradients
     assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), 65 reduce-scatters "
             "(1: the reduce-scatter input is not a matmul output; 64: the reduce-scatter input is a sum of matmul "
             "outputs)") in line
-    fused = {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]}
-    assert fused == {"all_gather_into_tensor": ag, "reduce_scatter_tensor": rs}
+    assert {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]} == {AG: ag, RS: rs}

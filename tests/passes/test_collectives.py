@@ -32,8 +32,7 @@ def test_collective_kind_is_wait_is_collective_shard_chain_and_strip_holds():
     assert group_name_of(ag) == "0" and group_name_of(ar) is None
     # shard_chain tells parameter all-gathers (FSDP) from activation ones (TP)
     assert shard_chain(ag) == [cast] and shard_chain(act_ag) is None
-    # every pass that inserts or recognises hold uses this one function object (reshard_after_forward through
-    # collectives.read_through)
+    # one ``hold`` object for every pass that inserts or recognises it (reshard_after_forward: through read_through)
     assert all(mod.hold is hold for mod in (overlap_collectives, bucket_collectives, memory_estimate))
     assert hold(3, 4, 5) == 3
     gm = module(g)

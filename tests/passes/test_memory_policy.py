@@ -13,8 +13,7 @@ from graph_trainer.config import Compile
 from graph_trainer.llama3 import llama3_args
 from graph_trainer.step import may_replay_as_cuda_graph
 
-#: A hand-built 8B-like graph: estimates per save level with no kept block (GiB), one block's
-#: gathered weights, 32 blocks, fp32 shards + AdamW state.
+#: An 8B-like graph (GiB): estimates per save level without kept blocks, a block's weights, blocks, shards + AdamW.
 EST = {"recompute": 26.6, "matmuls": 36.1, "all_but_cheap": 50.0, "all": 69.1}
 ABC, BLOCK, N, STATE = "all_but_cheap", 0.41, 32, 44.9
 

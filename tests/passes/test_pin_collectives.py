@@ -20,8 +20,7 @@ _MM = re.compile(r"extern_kernels\.(mm|addmm|bmm)\(|aten\.mm\.default\(")
 
 
 def _schedule(code):
-    """FX's or Inductor's generated Python: per collective kind the most in flight at once, and how many waits have a
-    matmul between their issue and them."""
+    """Generated code: per collective kind the most in flight at once; how many waits follow a matmul since issue."""
     pending, kind_of, worst, overlapped, mm_seen = {}, {}, {}, 0, 0
     for line in code.splitlines():
         if m := _ISSUE.search(line):

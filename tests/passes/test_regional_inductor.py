@@ -12,8 +12,8 @@ from graph_trainer.compiler.passes.annotate_rmsnorm import annotate_rmsnorm_for_
 from graph_trainer.compiler.passes.regional_inductor import (
     MIN_CANDIDATE_GAIN, propose_region_partitions, regional_inductor_pass, scoop_regions)
 
-from .conftest import (D, aten, assert_close, call, call_targets, fake_prop, fused_norm_graph, fx_graph, inductor_tag,
-                       module, region_ids, stats, tagged_nodes)
+from .conftest import (D, aten, assert_close, by_region, call, call_targets, fake_prop, fused_norm_graph, fx_graph,
+                       inductor_tag, module, stats, tagged_nodes)
 
 CANDIDATES = [{"max_autotune_gemm": False}]
 
@@ -79,7 +79,7 @@ def test_candidates_not_timed_on_cpu_by_default():
 def test_one_partition_per_region_never_merged_cycles_split():
     """Per region id one partition; independent norms (torch 2.11's partitioner merges them) apart; cycles split."""
     gm, _ = _annotated_norms(3)
-    assert region_ids(gm) == {"rmsnorm_forward_0", "rmsnorm_forward_1", "rmsnorm_forward_2", "rmsnorm_backward_0"}
+    assert by_region(gm).keys() == {"rmsnorm_forward_0", "rmsnorm_forward_1", "rmsnorm_forward_2", "rmsnorm_backward_0"}
     parts = propose_region_partitions(gm)
     assert len(parts) == 4
     for p in parts:  # one region id per partition, each norm node with its getitems
