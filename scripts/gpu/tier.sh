@@ -53,13 +53,15 @@ what = {"test_eager_equals_traced": f"eager == traced, {steps} steps + final sta
         "test_cuda_regions_are_bitwise_eager": "one GPU: the exact pointwise regions == eager",
         "test_fused_region_is_bitwise_eager_in_bf16_and_plain_inductor_is_not": "one GPU: an exact region == eager",
         "test_local_copy_process_group_copies_on_a_side_stream": "one GPU: fake collectives' copies on a side stream"}
+deadline = os.environ.get("TIER_DEADLINE_S")
+cut_by = f"started, no result: cut by TIER_DEADLINE_S={deadline}" if deadline else "started, no result"
 claims = []
-for log in map(lambda f: open(f).read(), sorted(glob.glob(f"{out}/tier/*.log"))):
+for f in sorted(glob.glob(f"{out}/tier/*.log")):
+    log = open(f).read()
     done = {m[2]: m[1] for m in re.finditer(r"^(PASSED|FAILED|ERROR) \S+::(\S+)", log, re.M)}
-    cut = [m[1] for m in re.finditer(r"^\S+::(\S+) ", log, re.M) if m[1] not in done]  # started, no result
+    cut = [m[1] for m in re.finditer(r"^\S+::(\S+) ", log, re.M) if m[1] not in done]  # pytest -v: started
     claims += [{"claim": c, "what": what.get(c.split("[")[0], ""), "result": r} for c, r in done.items()]
-    claims += [{"claim": c, "what": what.get(c.split("[")[0], ""), "result": "NOT RUN",
-                "detail": f"started, cut by TIER_DEADLINE_S={os.environ.get('TIER_DEADLINE_S')}"} for c in cut]
+    claims += [{"claim": c, "what": what.get(c.split("[")[0], ""), "result": "NOT RUN", "detail": cut_by} for c in cut]
 if claims:
     model = config.rsplit("/", 1)[-1].removesuffix(".toml")
     git = git_state(".")
