@@ -5,12 +5,14 @@ import inspect
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, strip_holds
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
+from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY
 
-from .conftest import AG, RS, aten, assert_bitwise, run_no_grad, stats
+from .conftest import AG, RS, aten, assert_bitwise, c10d, call, fx_graph, module, run_no_grad, stats
 
 _VIEWS = (aten.slice.Tensor, aten.view.default)
 
@@ -83,3 +85,45 @@ def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step)
         for extra in ({}, {"custom_runtime_estimation": lambda node, override_size=None: 1.0}):
             with pytest.raises((RuntimeError, AssertionError)):
                 schedule_overlap_bucketing(copy.deepcopy(traced.gm), **kwargs, **extra)
+
+
+@pytest.fixture
+def gloo1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_recomputed_gathers_lead_their_use_by_matmuls_past_no_value_they_read(gloo1):
+    """A re-gathered activation (sac_recompute's copies) is issued with its recomputed input ``regather_lead``
+    matmuls ahead of its wait, never above a value it reads that was not recomputed; others stay; same bits."""
+    g, (x, w, go) = fx_graph("x", "w", "go")
+    mm0 = call(g, aten.mm.default, go, w)
+    mm1 = call(g, aten.mm.default, mm0, w)
+    gathers = {}
+    for name, src, recomputed in (("led", x, True), ("floored", mm1, True), ("plain", x, False)):
+        act = call(g, aten.relu.default, src)
+        ag = call(g, c10d.all_gather_into_tensor.default, act, 1, dist.group.WORLD.group_name)
+        for n in (act, ag) if recomputed else ():
+            n.meta[RECOMPUTED_FROM_KEY] = name
+        gathers[name] = (act, ag, call(g, aten.mm.default, call(g, c10d.wait_tensor.default, ag), mm1))
+    use = gathers["led"][2]  # the matmul between the floored gather and mm1, the value it reads
+    gm = module(g, *(out for _, _, out in gathers.values()))
+    inputs = [torch.randn(4, 4) for _ in range(3)]
+    ref = gm(*inputs)
+    nodes = [n.name for n in gm.graph.nodes]
+    for lead, before in ((0, {}), (1, {"led": mm1, "floored": use}), (2, {"led": mm0, "floored": use})):
+        out = overlap_collectives_pass(copy.deepcopy(gm), None, cpu_async=True, regather_lead=lead)
+        assert stats(out)["led"] == len(before)
+        order = [n.name for n in out.graph.nodes]
+        for name, (act, ag, _) in gathers.items():
+            assert order.index(ag.name) == order.index(act.name) + 1
+            if name in before:  # the relu and its gather, just before the matmul ``lead`` places ahead (and waits)
+                between = order[order.index(ag.name) + 1:order.index(before[name].name)]
+                assert not any(n.startswith(("mm", "relu", "all_gather")) for n in between)
+            else:
+                assert order.index(act.name) > order.index(mm1.name)
+        assert_bitwise(out(*inputs), ref)
+    assert [n.name for n in gm.graph.nodes] == nodes
+    with pytest.raises(ValueError, match="regather_lead"):
+        overlap_collectives_pass(gm, None, regather_lead=-1)
