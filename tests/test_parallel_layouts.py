@@ -19,8 +19,8 @@ LAYOUTS = {"one": (1, -1, 1, 1), "tp2": (2, 1, 2, 1), "fsdp2": (2, 2, 1, 1), "fs
            "rep2bf16": (2, 1, 1, 2), "tp2noclip": (2, 1, 2, 1)}
 BF16 = ["--training.mixed_precision_param", "bfloat16"]  # the GPU configs' setting
 #: Flags of a layout beyond its degrees: bf16 parameters; for TP2 also op-level SAC keeping all but the cheap ops (the
-#: norms and TP's all-gathers redone in the backward, each issued a matmul ahead of its use; a batch of one gathers
-#: the sequence without a cat); no clipping (a norm bound never reached: eager under fp32 TP alone scales the norm
+#: norms and TP's all-gathers redone in the backward; a batch of one gathers the sequence without a cat), and TP's
+#: collectives issued a matmul ahead; no clipping (a norm bound never reached: eager under fp32 TP alone scales the norm
 #: weights' unreduced gradients, the traced step their sum)
 FLAGS = {"rep2bf16": BF16, "tp2bf16": [*BF16, "--training.local_batch_size", "1", "--activation_checkpoint.mode",
                                        "selective", "--activation_checkpoint.selective_ac_option", "op",
@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
     ("tp2noclip", ("tp2noclip", "eager"), 0.0, 0.0, ""),  # fp32 TP alone: eager's replicated / partial gradients
     # TP / replicas alone with bf16 parameters: the eager baseline's FSDP2 over a 1-rank shard dimension (HSDP
     # for the replicas) casts the parameters as the traced step does (plain eager would train in fp32)
-    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, " 4 recomputed all-gather(s) 1 matmul / attention op(s) ahead"),
+    ("tp2bf16", ("tp2bf16", "eager"), 0.0, 0.0, " 9 TP collective(s) 1 matmul / attention op(s) ahead"),
     ("rep2bf16", ("rep2bf16", "eager"), 0.0, 0.0, ""),
     # the same batches (not bitwise: loss-parallel cross-entropy, row-parallel matmuls, gradient sums reorder);
     # replicate 2 x TP2 traced only (torchtitan's eager DDP refuses TP)

@@ -42,11 +42,11 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert steps["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
-    # two blocks ahead, re-gathers one matmul ahead; [compile.overlap_collectives]
-    assert steps["overlap_collectives"] == {"ag_window": 18, "regather_lead": 1}
+    # two blocks ahead, TP's collectives a matmul ahead (no TP group here); [compile.overlap_collectives]
+    assert steps["overlap_collectives"] == {"ag_window": 18, "tp_lead": 1, "tp_group_name": None}
     assert list(steps) == [n for n in DEFAULT_ORDER if n in steps]
-    assert _options(_compile(overlap_collectives={"ag_window": 9, "regather_lead": 0}),
-                    layout)["overlap_collectives"] == {"ag_window": 9, "regather_lead": 0}
+    assert _options(_compile(overlap_collectives={"ag_window": 9, "tp_lead": 0}),
+                    layout)["overlap_collectives"] == {"ag_window": 9, "tp_lead": 0, "tp_group_name": None}
     # levers on auto: without the policy's choice the leanest; with it, the choice
     default = _options(Compile(), layout)
     assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}

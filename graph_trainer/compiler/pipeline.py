@@ -61,11 +61,13 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int,
                   has_fsdp: bool, deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None,
+                  tp_group_name: str | None = None,
                   estimates: dict | None = None) -> tuple[list[PipelineStep], MemoryPolicy]:
     """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
     left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
     ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
+    ``tp_group_name``: the TP group of the traced collectives (None: no TP);
     ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, device_type=device_type)
@@ -99,7 +101,7 @@ def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, bu
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "
                        "the step may run out of memory")
     return build_pipeline(compile_cfg, layout, levers=policy.levers, deterministic=deterministic,
-                          device_type=device_type), policy
+                          tp_group_name=tp_group_name, device_type=device_type), policy
 
 
 def run_pipeline(gm: torch.fx.GraphModule, example_inputs: Any, pipeline: Iterable[PipelineStep | str], *,

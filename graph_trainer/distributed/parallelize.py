@@ -219,6 +219,11 @@ class TraceParallel:
     def sharded(self) -> bool:
         return self.fsdp_group is not None or self.tp_mesh is not None
 
+    @property
+    def tp_group_name(self) -> str | None:
+        """The TP group's name as the traced collectives carry it; None without TP."""
+        return None if self.tp_mesh is None else self.tp_mesh.get_group().group_name
+
     def trace(self, model, loss_fn, tokens, labels, param_dtype):
         """:func:`graph_trainer.trace.trace_train_step` with these placeholders, under
         ``loss_parallel()`` when TP uses it. ``param_dtype``: compute dtype, None for the parameters'."""

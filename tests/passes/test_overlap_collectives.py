@@ -10,7 +10,6 @@ from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucket
 
 from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, strip_holds
 from graph_trainer.compiler.passes.overlap_collectives import overlap_collectives_pass
-from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY
 
 from .conftest import AG, RS, aten, assert_bitwise, c10d, call, fx_graph, module, run_no_grad, stats
 
@@ -94,36 +93,33 @@ def gloo1():
     dist.destroy_process_group()
 
 
-def test_recomputed_gathers_lead_their_use_by_matmuls_past_no_value_they_read(gloo1):
-    """A re-gathered activation (sac_recompute's copies) is issued with its recomputed input ``regather_lead``
-    matmuls ahead of its wait, never above a value it reads that was not recomputed; others stay; same bits."""
+def test_tp_collectives_lead_the_matmuls_they_do_not_read_with_what_they_read(gloo1):
+    """A TP reduce-scatter (with the matmul it sums) and all-gather are issued ``tp_lead`` matmuls earlier, past
+    matmuls they do not read, never past a wait they read; without a TP group nothing moves; the same bits."""
     g, (x, w, go) = fx_graph("x", "w", "go")
+    group = dist.group.WORLD.group_name
     mm0 = call(g, aten.mm.default, go, w)
-    mm1 = call(g, aten.mm.default, mm0, w)
-    gathers = {}
-    for name, src, recomputed in (("led", x, True), ("floored", mm1, True), ("plain", x, False)):
-        act = call(g, aten.relu.default, src)
-        ag = call(g, c10d.all_gather_into_tensor.default, act, 1, dist.group.WORLD.group_name)
-        for n in (act, ag) if recomputed else ():
-            n.meta[RECOMPUTED_FROM_KEY] = name
-        gathers[name] = (act, ag, call(g, aten.mm.default, call(g, c10d.wait_tensor.default, ag), mm1))
-    use = gathers["led"][2]  # the matmul between the floored gather and mm1, the value it reads
-    gm = module(g, *(out for _, _, out in gathers.values()))
+    act = call(g, aten.relu.default, x)
+    mm1 = call(g, aten.mm.default, x, w)
+    total = call(g, aten.add.Tensor, mm1, x)
+    mm2 = call(g, aten.mm.default, go, go)
+    rs = call(g, c10d.reduce_scatter_tensor.default, total, "sum", 1, group)
+    rs_w = call(g, c10d.wait_tensor.default, rs)
+    ag = call(g, c10d.all_gather_into_tensor.default, act, 1, group)
+    late = call(g, aten.relu.default, rs_w)  # reads a wait: its gather stays
+    late_ag = call(g, c10d.all_gather_into_tensor.default, late, 1, group)
+    outs = (call(g, aten.mm.default, call(g, c10d.wait_tensor.default, ag), rs_w), mm0, mm2,
+            call(g, c10d.wait_tensor.default, late_ag))
+    gm = module(g, *outs)
     inputs = [torch.randn(4, 4) for _ in range(3)]
     ref = gm(*inputs)
-    nodes = [n.name for n in gm.graph.nodes]
-    for lead, before in ((0, {}), (1, {"led": mm1, "floored": use}), (2, {"led": mm0, "floored": use})):
-        out = overlap_collectives_pass(copy.deepcopy(gm), None, cpu_async=True, regather_lead=lead)
-        assert stats(out)["led"] == len(before)
+    for lead, group_name, expected in ((1, group, [mm0, act, mm1, total, rs, ag, mm2]),
+                                       (2, group, [mm1, total, rs, act, ag, mm0, mm2]),
+                                       (2, None, [mm0, act, mm1, total, rs, mm2, ag])):  # rs: hoisted to its input
+        out = overlap_collectives_pass(copy.deepcopy(gm), None, cpu_async=True, tp_lead=lead, tp_group_name=group_name)
         order = [n.name for n in out.graph.nodes]
-        for name, (act, ag, _) in gathers.items():
-            assert order.index(ag.name) == order.index(act.name) + 1
-            if name in before:  # the relu and its gather, just before the matmul ``lead`` places ahead (and waits)
-                between = order[order.index(ag.name) + 1:order.index(before[name].name)]
-                assert not any(n.startswith(("mm", "relu", "all_gather")) for n in between)
-            else:
-                assert order.index(act.name) > order.index(mm1.name)
+        assert [n for n in order if n in {e.name for e in expected}] == [e.name for e in expected]
+        assert stats(out)["led"] == (2 if group_name else 0) and order.index(late_ag.name) == order.index(late.name) + 1
         assert_bitwise(out(*inputs), ref)
-    assert [n.name for n in gm.graph.nodes] == nodes
-    with pytest.raises(ValueError, match="regather_lead"):
-        overlap_collectives_pass(gm, None, regather_lead=-1)
+    with pytest.raises(ValueError, match="tp_lead"):
+        overlap_collectives_pass(gm, None, tp_lead=-1)

@@ -1,11 +1,12 @@
-"""Overlap the in-graph FSDP collectives with compute by moving their issues and waits.
+"""Overlap the in-graph collectives with compute by moving their issues and waits.
 
 As traced, every functional collective is followed at once by its ``wait_tensor``. A parameter all-gather is issued
 just before the first use of the parameter ``ag_window`` places earlier, its wait (with its views) at its first real
-use; every other collective is issued just after its input is produced, its wait moved towards its first user but no
-later than the issue of the ``max_in_flight``-th next one of its kind. Positions only, plus a
-:func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same bits. A collective on
-CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap). Not torch's
+use; a TP all-gather / reduce-scatter is issued, with the values it reads, ahead of the ``tp_lead`` nearest matmul or
+attention ops that do not feed it; every other collective just after its input is produced. Each wait is moved
+towards its first user but no later than the issue of the ``max_in_flight``-th next collective of its kind.
+Positions only, plus a :func:`~graph_trainer.compiler.collectives.hold` of the input after every moved wait: the same
+bits. A collective on CPU (gloo) is never left in flight unless ``cpu_async`` (it corrupted the heap). Not torch's
 ``schedule_overlap_bucketing``: it raises without a GPU and with one leaves every reduce-scatter in flight to the
 end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
@@ -15,16 +16,18 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from graph_trainer.compiler.collectives import collective_kind, hold, is_wait, on_cpu, read_through, shard_chain
+from graph_trainer.compiler.collectives import (collective_kind, group_name_of, hold, is_collective, is_wait, on_cpu,
+                                                read_through, shard_chain)
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
 from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, aten, only_user
-from graph_trainer.compiler.passes.sac_recompute import RECOMPUTED_FROM_KEY
 from graph_trainer.compiler.registry import GraphPass
 
 # The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
 _HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,
                                       aten.constant_pad_nd.default, aten.pad.default}
+
+_TP_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 # Views that move with the wait whose output they view (FSDP: slice -> view of the gathered buffer).
 _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
@@ -80,56 +83,52 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
     return moved
 
 
-def _lead_recomputed_gathers(graph: torch.fx.Graph, lead: int) -> int:
-    """Move each recomputed all-gather (``RECOMPUTED_FROM_KEY``), with the recomputed values it reads, before the
-    ``lead``-th op with a FLOP formula (``torch.utils.flop_counter``: matmuls, attention) ahead of its wait, past
-    none of the values it reads that were not recomputed; returns how many moved."""
+def _lead_tp_collectives(graph: torch.fx.Graph, group: str, lead: int) -> int:
+    """Issue each all-gather / reduce-scatter of the TP group ``group`` before the ``lead`` nearest ops with a FLOP
+    formula (``torch.utils.flop_counter``: matmuls, attention) ahead of it that it does not read, with the values it
+    reads that are computed after them, never past a collective, a wait or an op that mutates; returns how many
+    moved. In the backward: the re-gathered inputs of the weight gradients, the reduce-scatters of the input
+    gradients (sums of matmuls), each otherwise issued with nothing left to run under it."""
     moved = 0
-    for ag in [n for n in graph.nodes
-               if collective_kind(n) == "all_gather_into_tensor" and RECOMPUTED_FROM_KEY in n.meta]:
-        chain, floor, todo = {ag}, None, [ag]
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a.op == "call_function" and RECOMPUTED_FROM_KEY in a.meta:
-                    if a not in chain:
-                        chain.add(a)
-                        todo.append(a)
-                elif floor is None or a > floor:
-                    floor = a
-        target, found, cur = None, 0, ag.prev
-        while found < lead and cur.op != "root" and (floor is None or cur > floor):
-            if cur not in chain and isinstance(cur.target, torch._ops.OpOverload) and (
-                    cur.target.overloadpacket in flop_registry):
+    for issue in [n for n in graph.nodes if collective_kind(n) in _TP_KINDS and str(group_name_of(n)) == group]:
+        feeds, target, found, cur = {issue}, None, 0, issue.prev
+        while found < lead and cur.op == "call_function":
+            if any(u in feeds for u in cur.users):
+                if is_collective(cur) or cur.target is hold or getattr(getattr(cur.target, "_schema", None),
+                                                                        "is_mutable", False):
+                    break
+                feeds.add(cur)
+            elif isinstance(cur.target, torch._ops.OpOverload) and cur.target.overloadpacket in flop_registry:
                 target, found = cur, found + 1
             cur = cur.prev
-        if target is None:
-            continue
-        for node in sorted(n for n in chain if n > target):
-            target.prepend(node)
-        moved += 1
+        if target is not None:
+            for node in sorted(n for n in feeds if n > target):
+                target.prepend(node)
+            moved += 1
     return moved
 
 
 def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_in_flight: int = 2,
                              cpu_async: bool = False, ag_window: int | None = 18,
-                             regather_lead: int = 1) -> torch.fx.GraphModule:
+                             tp_lead: int = 1, tp_group_name: str | None = None) -> torch.fx.GraphModule:
     """Move collective issues and waits so that communication overlaps compute (module docstring).
 
     ``max_in_flight`` (>= 1): pending collectives of one kind other than all-gather. ``ag_window`` (>= 0; None: keep
-    the traced issue points): parameter all-gathers in flight. ``regather_lead`` (>= 0): matmul / attention ops a
-    recomputed all-gather is issued ahead of. ``cpu_async``: also leave collectives on CPU tensors in flight. Stats:
-    ``windowed``, ``led`` (recomputed all-gathers moved), ``hoisted`` (collectives issued earlier), ``moved`` (waits
-    moved), ``all_gather`` / ``other`` (waits by kind), ``mean_distance`` (nodes between issue and wait, averaged).
-    Raises ``ValueError`` for ``max_in_flight < 1``, ``ag_window < 0`` or ``regather_lead < 0``."""
+    the traced issue points): parameter all-gathers in flight. ``tp_lead`` (>= 0): matmul / attention ops a collective
+    of the TP group ``tp_group_name`` (None: no TP) is issued ahead of. ``cpu_async``: also leave collectives on CPU
+    tensors in flight. Stats: ``windowed``, ``led`` (TP collectives moved), ``hoisted`` (collectives issued earlier),
+    ``moved`` (waits moved), ``all_gather`` / ``other`` (waits by kind), ``mean_distance`` (nodes between issue and
+    wait, averaged).
+    Raises ``ValueError`` for ``max_in_flight < 1``, ``ag_window < 0`` or ``tp_lead < 0``."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if ag_window is not None and ag_window < 0:
         raise ValueError(f"ag_window must be >= 0 or None, got {ag_window}")
-    if regather_lead < 0:
-        raise ValueError(f"regather_lead must be >= 0, got {regather_lead}")
+    if tp_lead < 0:
+        raise ValueError(f"tp_lead must be >= 0, got {tp_lead}")
     graph = gm.graph
     windowed = _window_all_gathers(graph, ag_window) if ag_window is not None else 0
-    led = _lead_recomputed_gathers(graph, regather_lead) if regather_lead else 0
+    led = _lead_tp_collectives(graph, tp_group_name, tp_lead) if tp_lead and tp_group_name else 0
     issues_by_kind = _issues_by_kind(graph)
     hoisted = sum(_hoist_collective(n) for k, ns in issues_by_kind.items() if k != "all_gather_into_tensor" for n in ns)
     if hoisted:  # issue order changed: re-read it
@@ -174,8 +173,8 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
     set_pass_summary(
-        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}), {led} recomputed all-gather(s) "
-        f"{regather_lead} matmul / attention op(s) ahead and {hoisted} reduce-scatter(s)/other collectives earlier; "
+        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}), {led} TP collective(s) {tp_lead} "
+        f"matmul / attention op(s) ahead and {hoisted} reduce-scatter(s)/other collectives earlier; "
         f"moved {moved} of {len(waits)} collective waits towards first use "
         f"({counts['all_gather']} all-gather, {counts['other']} other; mean issue->wait distance {mean_d:.0f} nodes)"
         if waits else "no functional collectives",
@@ -194,16 +193,19 @@ class OverlapCollectivesOptions:
     slower all-gather under more compute and keeps more gathered parameters alive (18 against 9: faster with NCCL
     at FSDP2×TP2 at the same peak, docs/perf.md). Numerics unchanged."""
 
-    regather_lead: int = 1
-    """An all-gather that SAC recomputes in the backward (``--compile.sac.save all_but_cheap``: TP's gathered
-    activations) is issued, with the recomputed norm it gathers, before this many matmul / attention ops ahead of
-    its first use (0: just before that use). It keeps one gathered activation alive longer. Numerics unchanged."""
+    tp_lead: int = 1
+    """Each TP all-gather / reduce-scatter is issued, with the values it reads, ahead of this many matmul / attention
+    ops that do not feed it (0: just after its input): in the backward the re-gathered activations of
+    ``--compile.sac.save all_but_cheap`` and the reduce-scatters of the input gradients, which nothing overlapped.
+    Keeps a gathered activation or a matmul output alive longer. Numerics unchanged."""
 
     def check(self) -> None:
-        for name in ("ag_window", "regather_lead"):
+        for name in ("ag_window", "tp_lead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--compile.overlap_collectives.{name} must be >= 0, got {getattr(self, name)}")
 
 
 PASS = GraphPass(name="overlap_collectives", fn=overlap_collectives_pass, options=OverlapCollectivesOptions,
-                 enabled=lambda ctx: True)
+                 enabled=lambda ctx: True, kwargs=lambda options, ctx: {"ag_window": options.ag_window,
+                                                                        "tp_lead": options.tp_lead,
+                                                                        "tp_group_name": ctx.tp_group_name})
