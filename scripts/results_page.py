@@ -380,9 +380,19 @@ def meta_line(record: dict) -> str:
 
 def code_block(command: str) -> list[str]:
     """``command`` in a ```bash fence longer than any backtick run inside it."""
-    longest = max((len(m) for m in re.findall(r"`+", command)), default=0)
-    fence = "`" * max(3, longest + 1)
+    fence = "`" * max(3, _longest_backticks(command) + 1)
     return [f"{fence}bash", *command.splitlines(), fence]
+
+
+def inline_code(command: str) -> str:
+    """``command`` (one line) as inline code, its delimiter longer than any backtick run inside it."""
+    tick = "`" * (_longest_backticks(command) + 1)
+    pad = " " if command.startswith("`") or command.endswith("`") else ""
+    return f"{tick}{pad}{command}{pad}{tick}"
+
+
+def _longest_backticks(text: str) -> int:
+    return max((len(m) for m in re.findall(r"`+", text)), default=0)
 
 
 def profile_links(record: dict, out: Path, results: Path) -> str:
@@ -410,12 +420,16 @@ def earlier_note(count: int, results: Path) -> str:
 
 def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     """The lines of one group's section, ending with a blank line."""
-    table = bench_table(record) if record["kind"] == "bench" else tier_table(record)
-    # a table ends where the command's fence begins, the fence where the profile's table does (GitHub's Markdown)
-    lines = [f"### {cell(record['title'])} — {cell(record['device'])}",
-             meta_line(record) + earlier_note(earlier, results) + profile_links(record, out, results), "", *table,
-             *code_block(record["command"])]
-    lines += (profile_table(record) if record["kind"] == "bench" else []) or [""]
+    meta = meta_line(record) + earlier_note(earlier, results) + profile_links(record, out, results)
+    lines = [f"### {cell(record['title'])} — {cell(record['device'])}"]
+    if record["kind"] == "bench" and "\n" not in record["command"].strip():  # one command: on the meta line
+        profile = profile_table(record)
+        lines += [f"{meta}; command: {inline_code(record['command'].strip())}", "", *bench_table(record), "",
+                  *profile]
+    else:  # a table ends where the commands' fence begins (GitHub's Markdown)
+        lines += [meta, "", *(bench_table(record) if record["kind"] == "bench" else tier_table(record)),
+                  *code_block(record["command"])]
+        lines += (profile_table(record) if record["kind"] == "bench" else []) or [""]
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
     return lines

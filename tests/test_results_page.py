@@ -112,8 +112,9 @@ def test_page_check_and_options(records, tmp_path, capsys):
     assert rows["broken"] == ["failed", "failed", "failed", "failed", "failed", "60.00", "failed", "failed"]
     assert all(s in main for s in (
         "2026-11-27, torch 2.11.0+cu130, git `abc1234d` (steps 20, warmup 3, repeats 3); 1 earlier record in "
-        "docs/results/; profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png)\n",
-        f"```bash\n{COMMAND}\n```\n", "\nOne line note.\n"))
+        f"docs/results/; profile: [2026-11-27_llama3_1b_fsdp2.png](results/2026-11-27_llama3_1b_fsdp2.png); command: "
+        f"`{COMMAND}`\n", "\nOne line note.\n"))  # one command: on the meta line, no fence
+    assert rp.inline_code("a `b` c") == "``a `b` c``" and rp.inline_code("`x`") == "`` `x` ``"
     assert all(s not in parts["Bench llama3_1b fsdp2 — " + H200] for s in ("earlier", "profile:"))
     tier_section = parts["GPU tier — " + H100]
     header, rows = table(tier_section)
@@ -157,7 +158,7 @@ def test_profile_pictures_dirty_tree_and_fewer_runs_than_repeats(repo, capsys):
     for png in ("r_jit.png", "r_other.png"):  # r_plain.png was not kept: named, not linked
         (repo / "docs" / "results" / png).write_bytes(b"png")
     page = written(repo, capsys)  # each linked by its variant's name, by its file name where no variant's name ends it
-    assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png)\n" in page
+    assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png); command: " in page
     assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
     _, rows = table(sections(page)["Bench llama3_1b fsdp2 — " + H100])
     assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count
@@ -264,7 +265,7 @@ def test_bad_template_or_record_refused(request, capsys, case):
 
 
 def test_line_cap(repo, capsys):
-    for i in range(25):
+    for i in range(30):
         put(repo, f"2026-11-27_w{i:02d}.json", bench("2026-11-27", workload=f"w{i:02d}"))
     assert "lines" in refused(repo, capsys, "docs/perf.md", "250")
     rp.check_length("x\n" * 250, repo / "p.md")
