@@ -115,9 +115,8 @@ class MetricsLogger:
     ``non_dp_size``: TP degree; ``resume_step``: the step resumed from (0: fresh). Files open at the
     first write (UserError naming a file that cannot be moved aside or opened)."""
 
-    def __init__(self, device: torch.device, flops_per_token: int, non_dp_size: int = 1,
-                 dump_folder: str = "./outputs", enable_tensorboard: bool = False, tb_folder: str = "tb",
-                 rank: int = 0, resume_step: int = 0):
+    def __init__(self, device: torch.device, flops_per_token: int, non_dp_size: int = 1, dump_folder: str = "./outputs",
+                 enable_tensorboard: bool = False, tb_folder: str = "tb", rank: int = 0, resume_step: int = 0):
         self.device, self.flops_per_token, self.non_dp_size = device, flops_per_token, non_dp_size
         self.peak = peak_bf16_flops(device)
         self.rows: list[StepMetrics] = []

@@ -180,8 +180,7 @@ class EagerTrainStep(_Step):
     """``eager`` / ``jit``: autograd on the model after ``parallelize_eager``; ``dp_group``: torchtitan's
     ``batch`` mesh or None; ``loss_parallel``: under TP's ``loss_parallel()``; ``record_dir`` as traced."""
 
-    def __init__(self, model, dp_group=None, loss_parallel: bool = False, record_dir: str | None = None,
-                 rank: int = 0):
+    def __init__(self, model, dp_group=None, loss_parallel: bool = False, record_dir: str | None = None, rank: int = 0):
         self.model, self.dp_group, self.loss_parallel = model, dp_group, loss_parallel
         self.record_dir, self.rank = record_dir, rank
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -92,9 +92,7 @@ def val_bytes(val: Any) -> int:
         with contextlib.suppress(RuntimeError, NotImplementedError):
             n = min(n, val.untyped_storage().nbytes())
         return n
-    if isinstance(val, (list, tuple)):
-        return sum(val_bytes(v) for v in val)
-    return 0
+    return sum(val_bytes(v) for v in val) if isinstance(val, (list, tuple)) else 0
 
 
 def fused_bytes(region: list[torch.fx.Node]) -> int:

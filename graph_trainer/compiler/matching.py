@@ -46,8 +46,7 @@ def find_pointwise_regions(graph: torch.fx.Graph, min_ops: int = 2,
     chains = DisjointSet()
     kind: dict[torch.fx.Node, str] = {}
     for n in nodes:  # union matched neighbours of the same (phase, module)
-        k = _chain_kind(n)
-        if k is None or (k == "compute" and accept is not None and not accept(n)):
+        if (k := _chain_kind(n)) is None or (k == "compute" and accept is not None and not accept(n)):
             continue
         key = (phase_of(n), module_fqn_of(n))
         ins = [u for u in n.all_input_nodes if u in kind and (phase_of(u), module_fqn_of(u)) == key]

@@ -55,10 +55,9 @@ class FSDPOptions:
     memory policy picks as many as fit. Numerics unchanged."""
 
     reduce_scatter_in_flight: int = 1
-    """With bucketing: > 0 waits each gradient reduce-scatter bucket just before the issue of
-    the N-th next one (or its first reader), so it overlaps up to N buckets of the backward.
-    0: at its last member's wait (overlap_collectives counts its bound in parameters). Later
-    waits keep the buckets' buffers longer. Numerics unchanged."""
+    """With bucketing: > 0 waits each gradient reduce-scatter bucket just before the issue of the N-th next one (or its
+    first reader), so it overlaps up to N buckets of the backward. 0: at its last member's wait (overlap_collectives
+    counts its bound in parameters). Later waits keep the buckets' buffers longer. Numerics unchanged."""
 
 
 #: ``scale`` of ``peak reserved ~= state + scale * graph estimate`` per ``(--compile.inductor_compilation,

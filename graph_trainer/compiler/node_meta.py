@@ -34,9 +34,7 @@ def set_pass_summary(gm: torch.nn.Module, summary: str, **stats: Any) -> None:
 def pop_pass_summary(gm: Any) -> tuple[str, dict[str, Any]]:
     """Return and clear the summary/stats a pass left on ``gm`` ("" / {} if none)."""
     meta = getattr(gm, "meta", None)
-    if not isinstance(meta, dict):
-        return "", {}
-    return meta.pop(SUMMARY_KEY, ""), meta.pop(STATS_KEY, {})
+    return (meta.pop(SUMMARY_KEY, ""), meta.pop(STATS_KEY, {})) if isinstance(meta, dict) else ("", {})
 
 
 def add_process_setup(gm: torch.nn.Module, fn: Callable[[], Any]) -> None:

@@ -101,8 +101,7 @@ def resolve(ctx: PassContext) -> list[str]:
     reg = registry()
     added, disabled = named_passes(cfg)
     names = [n for n, spec in reg.items() if (spec.enabled(ctx) or n in added) and n not in disabled]
-    changing = [n for n in names if reg[n].changes_numerics]
-    if changing and not cfg.numerics_changing_optim:
+    if (changing := [n for n in names if reg[n].changes_numerics]) and not cfg.numerics_changing_optim:
         raise ValueError(f"{', '.join(changing)} changes numerics: add --compile.numerics_changing_optim to enable it")
     for n in names:
         if missing := [r for r in reg[n].requires if r not in names[names.index(n):]]:
@@ -117,8 +116,7 @@ def resolve(ctx: PassContext) -> list[str]:
 def check_options(compile_cfg: Any) -> None:
     """Call ``check()`` on every options section of ``compile_cfg`` that has one (its ``ValueError`` propagates)."""
     for spec in registry().values():
-        options = options_of(spec, compile_cfg)
-        if options is not None and hasattr(options, "check"):
+        if hasattr(options := options_of(spec, compile_cfg), "check"):
             options.check()
 
 

@@ -93,8 +93,7 @@ def count_regions(gm: Any) -> int | None:
 
 def peak_memory_bytes(gm: Any) -> int | None:
     """``estimate_peak_memory`` of ``gm`` in bytes; None without an FX graph, fake values, or when it fails."""
-    graph = fx_graph(gm)
-    if graph is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
+    if (graph := fx_graph(gm)) is None or not any("val" in n.meta for n in graph.nodes if n.op != "placeholder"):
         return None
     try:
         return int(estimate_peak_memory(gm)[0])
@@ -126,9 +125,7 @@ def jsonable(obj: Any) -> Any:
     except (TypeError, ValueError):
         if isinstance(obj, dict):
             return {str(k): jsonable(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [jsonable(v) for v in obj]
-        return repr(obj)
+        return [jsonable(v) for v in obj] if isinstance(obj, (list, tuple)) else repr(obj)
 
 
 def pass_record(index: int, name: str, time_s: float, before: GraphSnapshot, after: GraphSnapshot, summary: str = "",

@@ -15,8 +15,7 @@ Examples::
   scripts/bench.py --variant plain="" --variant norm="--compile.numerics_changing_optim" --repeats 2 --no-record
 
 Arguments after -- go to run_train.sh in every run; NGPU, CONFIG / CONFIG_FILE, COMM_MODE, ...
-are inherited. Exit codes: 0 every run ok; 1 a run failed or was skipped; 2 bad input; 130 interrupted.
-"""
+are inherited. Exit codes: 0 every run ok; 1 a run failed or was skipped; 2 bad input; 130 interrupted."""
 
 import argparse
 import datetime

@@ -16,8 +16,7 @@ Arguments after -- go to run_train.sh on both sides. The environment (NGPU, CONF
 CONFIG, LOG_RANK, CUDA_VISIBLE_DEVICES, ...) is inherited by every run.
 Exit codes: 0 all runs ok; 1 a run failed (the others are still reported; the later
 repeats of a side that failed on a trainer input error are skipped); 2 bad input (nothing
-was run); 130 interrupted.
-"""
+was run); 130 interrupted."""
 
 import argparse
 import dataclasses

@@ -9,8 +9,7 @@ Examples::
     scripts/loss_compare.py --a main --b HEAD --assert-equal -- --training.seq_len 512
 
 Exit codes: 0 ok (and equal, with ``--assert-equal``); 1 a difference under
-``--assert-equal``, a failed run, or a tolerance exceeded with ``--rtol``; 2 bad input.
-"""
+``--assert-equal``, a failed run, or a tolerance exceeded with ``--rtol``; 2 bad input."""
 
 import argparse
 import math

@@ -11,8 +11,7 @@ Examples::
     scripts/numerics_diff.py --a main --b HEAD -- --training.seq_len 512
     scripts/numerics_diff.py --records outA/numerics outB/numerics                   # no runs
 
-Exit codes: 0 nothing differs; 1 something differs (or a run failed); 2 bad input.
-"""
+Exit codes: 0 nothing differs; 1 something differs (or a run failed); 2 bad input."""
 
 import argparse
 import math

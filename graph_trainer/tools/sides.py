@@ -166,8 +166,7 @@ def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextli
                 raise CompareError(f"--repo {repo} is not a git repository, so ref '{s.ref}' cannot be checked out.")
             raise CompareError(f"unknown git ref '{s.ref}' in {repo} (git rev-parse --verify '{s.ref}^{{commit}}' "
                                "failed). Check the branch/tag/sha; `git fetch` if it is a remote branch.")
-    at_head = [s for s in refs if s.commit == head]
-    if at_head and dirty and not args.allow_dirty:
+    if (at_head := [s for s in refs if s.commit == head]) and dirty and not args.allow_dirty:
         names = ", ".join(f"--{s.name.lower()} {s.ref}" for s in at_head)
         shown = ", ".join(dirty[:5]) + (f", ... ({len(dirty)} paths)" if len(dirty) > 5 else "")
         raise CompareError(

@@ -115,8 +115,7 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
     for lo, hi in steps:
         idle_compute = _gaps(comp, lo, hi)  # where no compute kernel runs
         for label in sorted({c for _, _, c in collectives}):
-            mine = _clip([(a, b) for a, b, c in collectives if c == label], lo, hi)
-            if not mine:
+            if not (mine := _clip([(a, b) for a, b, c in collectives if c == label], lo, hi)):
                 continue
             row = out.setdefault(label, {"ms": 0.0, "exposed_ms": 0.0, "launches": 0.0})
             ms = _length(_union(mine))
@@ -127,8 +126,7 @@ def collective_breakdown(kernels: list[Kernel], collectives: list[Kernel],
     return dict(sorted(rows.items(), key=lambda kv: (-kv[1]["exposed_ms"], kv[0])))
 
 
-def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple[float, float]],
-                top: int = 5) -> dict:
+def idle_causes(kernels: list[Kernel], launches: list[Launch], steps: list[tuple[float, float]], top: int = 5) -> dict:
     """Why the device idles: each gap of a step where no kernel runs (:func:`bands`) is charged by the kernel
     that ends it, whose host launch ``launches`` gives (``(kernel_start_us, launch_us, host_op)``, matched on the
     kernel's start). ``host_ms``: that kernel was launched after the gap began, the device waited for the host

@@ -16,12 +16,13 @@ op, as eager does) on the chosen nodes; each tagged ``silu_backward`` becomes th
 default on CUDA under regional Inductor, elsewhere with ``--compile.passes exact_pointwise``."""
 
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graph_trainer.compiler.graph_values import fused_bytes, positions, val_bytes
+from graph_trainer.compiler.graph_values import fused_bytes, positions, tensor_val, val_bytes
 from graph_trainer.compiler.matching import find_pointwise_regions, tag_regions
 from graph_trainer.compiler.node_meta import BARRIER_KEY, is_tagged_for_inductor, set_pass_summary
 from graph_trainer.compiler.ops import RESHAPE_OPS, aten, packet_name
@@ -54,8 +55,7 @@ def is_exact(node: torch.fx.Node, activations: bool = False) -> bool:
         return _on_gpu(node.meta.get("val"))
     if name not in EXACT_OPS or (name in ("add", "sub") and node.kwargs.get("alpha", 1) != 1):
         return False
-    low = [v.dtype for u in node.all_input_nodes if isinstance(v := u.meta.get("val"), torch.Tensor)
-           and v.dtype in (torch.bfloat16, torch.float16)]
+    low = [v.dtype for u in node.all_input_nodes if (v := tensor_val(u)) is not None and v.dtype in _LOW]
     numbers = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
     return not any(torch.tensor(x, dtype=d).item() != x for x in numbers for d in low)
 
@@ -115,13 +115,15 @@ def cast_cat_region(cat: torch.fx.Node, taken: set[torch.fx.Node]) -> list[torch
     return region + [cat] if region else None
 
 
-def _op_before(node: torch.fx.Node, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-    """A new ``target(*args, **kwargs)`` node before ``node`` with a copy of its meta and its own fake ``val``."""
+def _op_before(new: list[torch.fx.Node], node: torch.fx.Node, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+    """A new ``target(*args, **kwargs)`` node before ``node``, appended to ``new``, with a copy of ``node``'s meta
+    and its own fake ``val``."""
     with node.graph.inserting_before(node):
         n = node.graph.call_function(target, args, kwargs)
     n.meta.update({k: copy.deepcopy(v) for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
     vals, kwvals = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
     n.meta["val"] = target(*vals, **kwvals)
+    new.append(n)
     return n
 
 
@@ -139,11 +141,7 @@ def exact_complex_mul(node: torch.fx.Node) -> list[torch.fx.Node] | None:
             and not v.is_conj() for p in mul.args[:2])):
         return None
     new: list[torch.fx.Node] = []
-
-    def op(target, *args):
-        new.append(_op_before(node, target, *args))
-        return new[-1]
-
+    op = functools.partial(_op_before, new, node)
     owned = {p: p.args[0] for p in mul.args[:2] if p.target is aten.view_as_complex.default and len(p.users) == 1}
     sources = [owned[p] if p in owned else op(aten.view_as_real.default, p) for p in mul.args[:2]]
     (a, b), (c, d) = [[op(aten.select.int, src, -1, i) for i in (0, 1)] for src in sources]
@@ -163,12 +161,8 @@ def exact_silu_backward(node: torch.fx.Node) -> list[torch.fx.Node]:
     s)``), cast to the output dtype. Each new node copies ``node``'s meta with its own fake ``val``. Returns the new
     nodes; ``node`` is erased."""
     dy, x = node.args
-
-    def op(target, *args, **kwargs):
-        new.append(_op_before(node, target, *args, **kwargs))
-        return new[-1]
-
     new: list[torch.fx.Node] = []
+    op = functools.partial(_op_before, new, node)
     xf, dyf = op(aten._to_copy.default, x, dtype=torch.float32), op(aten._to_copy.default, dy, dtype=torch.float32)
     den = op(aten.add.Tensor, op(aten.exp.default, op(aten.neg.default, xf)), 1)
     s = op(aten.div.Tensor, op(aten.full_like.default, den, 1.0), den)
@@ -210,8 +204,7 @@ def annotate_exact_pointwise_pass(gm: torch.fx.GraphModule, example_inputs: Any 
         f"({st['forward_regions']} forward, {st['backward_regions']} backward; largest {st['largest']} nodes; "
         f"{len(cats)} cats of casts, {len(casts)} lone casts); the chains' ops move {fused / 2**30:.2f} GiB fused "
         f"instead of {eager / 2**30:.2f} GiB one kernel each; {len(muls)} complex multiplies as real arithmetic",
-        **st, complex_muls=len(muls), cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused,
-    )
+        **st, complex_muls=len(muls), cast_cats=len(cats), lone_casts=len(casts), eager_bytes=eager, fused_bytes=fused)
     return gm
 
 

@@ -8,7 +8,7 @@ its sub-graphs (duplicated where shared) with ``compile_with_inductor = {"induct
 import torch
 
 from graph_trainer.compiler.node_meta import set_pass_summary, tag_for_inductor
-from graph_trainer.compiler.ops import is_getitem
+from graph_trainer.compiler.ops import is_call, is_getitem
 from graph_trainer.compiler.registry import GraphPass
 
 
@@ -17,8 +17,7 @@ def annotate_flex_attention_for_regional_inductor_pass(gm: torch.fx.GraphModule,
     """Tag every FlexAttention call as its own region. Stats: ``forward``, ``backward``, ``regions``."""
     hop = torch.ops.higher_order
     graph = gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_function"
-             and n.target in (hop.flex_attention, hop.flex_attention_backward)]
+    calls = [n for n in graph.nodes if is_call(n, (hop.flex_attention, hop.flex_attention_backward))]
     counts = {"forward": 0, "backward": 0}
     for node in calls:
         kind = "backward" if node.target is hop.flex_attention_backward else "forward"

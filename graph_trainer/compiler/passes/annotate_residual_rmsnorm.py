@@ -27,8 +27,7 @@ def annotate_residual_rmsnorm_for_regional_inductor_pass(gm: torch.fx.GraphModul
     """Tag each RMSNorm region's residual add into it. Stats: ``forward``, ``backward``, ``regions``."""
     regions: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        region = _region(node)
-        if region is not None and region.startswith("rmsnorm_"):
+        if (region := _region(node)) is not None and region.startswith("rmsnorm_"):
             regions.setdefault(region, []).append(node)
     joined = {"forward": 0, "backward": 0}
     for region, nodes in regions.items():

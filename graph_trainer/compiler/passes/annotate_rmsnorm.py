@@ -26,10 +26,7 @@ DEFAULT_RMSNORM_INDUCTOR_CONFIGS: dict[str, Any] = {}
 #: wins on every shape.
 DEFAULT_RMSNORM_CANDIDATE_CONFIGS: list[dict[str, Any]] = [
     {"triton.mix_order_reduction": False},
-    {"triton.mix_order_reduction_split_size": 32},
-    {"triton.mix_order_reduction_split_size": 64},
-    {"triton.mix_order_reduction_split_size": 128},
-    {"triton.mix_order_reduction_split_size": 256},
+    *({"triton.mix_order_reduction_split_size": size} for size in (32, 64, 128, 256)),
     {"triton.mix_order_reduction_autotune_split_size": True},
 ]
 
@@ -53,8 +50,7 @@ def validate_inductor_configs(inductor_configs: Mapping[str, Any] | None) -> dic
 
 def annotate_rmsnorm_for_regional_inductor_pass(
     gm: torch.fx.GraphModule, example_inputs=None, inductor_configs: dict[str, Any] | None = None,
-    candidate_configs: list[dict[str, Any]] | None = None,
-) -> torch.fx.GraphModule:
+    candidate_configs: list[dict[str, Any]] | None = None) -> torch.fx.GraphModule:
     """Tag each RMSNorm instance (:func:`find_rmsnorm_instances`) as its own region ``rmsnorm_<kind>_<i>``.
     ``inductor_configs`` (default :data:`DEFAULT_RMSNORM_INDUCTOR_CONFIGS`) and ``candidate_configs`` go into every
     tag; an unknown ``torch._inductor.config`` key raises ``ValueError``. Stats: instances per kind and form,
@@ -72,13 +68,10 @@ def annotate_rmsnorm_for_regional_inductor_pass(
     tagged = sum(len(inst["nodes"]) for inst in instances)
     getitems = sum(is_getitem(n) for inst in instances for n in inst["nodes"])
     recompute = f" + {counts['recompute']} recomputed (activation checkpointing)" if counts["recompute"] else ""
-    set_pass_summary(
-        gm, f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} "
-        f"and their getitems ({counts['fused']} fused, {counts['decomposed']} decomposed; {tagged} nodes, "
-        f"{getitems} getitems) -> {len(instances)} regions",
-        **counts, regions=len(instances), nodes=tagged, getitems=getitems,
-        inductor_configs=configs, candidate_inductor_configs=candidates,
-    )
+    set_pass_summary(gm, f"tagged {counts['forward']} forward + {counts['backward']} backward RMSNorms{recompute} and "
+                     f"their getitems ({counts['fused']} fused, {counts['decomposed']} decomposed; {tagged} nodes, "
+                     f"{getitems} getitems) -> {len(instances)} regions", **counts, regions=len(instances),
+                     nodes=tagged, getitems=getitems, inductor_configs=configs, candidate_inductor_configs=candidates)
     return gm
 
 
@@ -115,5 +108,4 @@ PASS = GraphPass(
     name="annotate_rmsnorm_for_regional_inductor", fn=annotate_rmsnorm_for_regional_inductor_pass,
     options=RMSNormOptions, section="rmsnorm", kwargs=_kwargs, changes_numerics=True, requires=("regional_inductor",),
     enabled=lambda ctx: ctx.compile_cfg.numerics_changing_optim and ctx.compile_cfg.inductor_compilation == "regional",
-    aliases=("rmsnorm",),
-)
+    aliases=("rmsnorm",))

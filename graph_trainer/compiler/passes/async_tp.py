@@ -8,10 +8,9 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
-group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips.
-On by default on CUDA. Numerics: not changed where checked, eager == traced bitwise with it under NCCL at TP
-degree 2 (the GPU tier, ``docs/perf.md``; there a reduce-scatter sums two terms, in either order the same); larger TP
-degrees are unchecked."""
+group (the dry run) or on CUDA with symmetric memory; else (CPU, ``COMM_MODE=fake_collectives``) skips. On by default on
+CUDA. Numerics: not changed where checked, eager == traced bitwise with it under NCCL at TP degree 2 (the GPU tier,
+``docs/perf.md``; there a reduce-scatter sums two terms, in either order the same); larger TP degrees are unchecked."""
 
 import functools
 import math
@@ -143,11 +142,9 @@ def _rebuild_layout(wait: torch.fx.Node, user: torch.fx.Node, shard: tuple[int, 
     elif user.target is aten.slice.Tensor:  # slices of dim 0 (the narrow form) -> cat on d
         cat = only_user(user)
         parts = list(cat.args[0]) if cat is not None and cat.target is aten.cat.default else []
-        if len(parts) == g and all(
-            isinstance(p, torch.fx.Node) and p.target is aten.slice.Tensor and p.args[0] is wait
-            and len(p.users) == 1 and arg_of(p, 1, "dim", 0) == 0 and arg_of(p, 2, "start") == i * shard[0]
-            for i, p in enumerate(parts)
-        ):
+        if len(parts) == g and all(isinstance(p, torch.fx.Node) and p.target is aten.slice.Tensor and p.args[0] is wait
+                                   and len(p.users) == 1 and arg_of(p, 1, "dim", 0) == 0
+                                   and arg_of(p, 2, "start") == i * shard[0] for i, p in enumerate(parts)):
             found = cat, arg_of(cat, 1, "dim", 0) % len(shard), [*parts, cat]
     elif is_call(user, RESHAPE_OPS):  # one view moving the rank dimension into d (dimensions before d of size 1)
         out = shape_of(user)

@@ -264,8 +264,7 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, bucke
         gm, f"all-gathers {before[ag]} -> {after[ag]} (buckets of <= {bucket_size}), reduce-scatters {before[rs]} -> "
             f"{after[rs]} (buckets of {rs_how}, merged by torch's merge_reduce_scatter_bucket){later}",
         all_gather_before=before[ag], all_gather_after=after[ag],
-        reduce_scatter_before=before[rs], reduce_scatter_after=after[rs], reduce_scatter_waits_deferred=deferred,
-    )
+        reduce_scatter_before=before[rs], reduce_scatter_after=after[rs], reduce_scatter_waits_deferred=deferred)
     return gm
 
 

@@ -191,8 +191,7 @@ def full_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, inductor_c
            f"{groups['realized']} boundary values realized)" if groups["groups"] else "")
         + (f"; configs {sorted(inductor_configs)}" if inductor_configs else ""),
         compile_s=round(compile_s, 3), inductor_phases_s=phases, nodes_compiled=len(gm.graph.nodes),
-        fusion_groups=groups["groups"], fusions_refused=groups["refused"], boundary_values_realized=groups["realized"],
-    )
+        fusion_groups=groups["groups"], fusions_refused=groups["refused"], boundary_values_realized=groups["realized"])
     return new_gm
 
 
@@ -214,10 +213,8 @@ class FullInductorOptions:
         json_object(self.configs, "--compile.full_inductor.configs")
 
 
-PASS = GraphPass(
-    name="full_inductor", fn=full_inductor_pass, options=FullInductorOptions, compiles=True,
-    enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full",
-    kwargs=lambda options, ctx: {"inductor_configs": json_object(options.configs, "--compile.full_inductor.configs")
-                                 or None, "pin_collectives": options.pin_collectives},
-    aliases=("full_inductor_compilation",),
-)
+PASS = GraphPass(name="full_inductor", fn=full_inductor_pass, options=FullInductorOptions, compiles=True,
+                 aliases=("full_inductor_compilation",),
+                 enabled=lambda ctx: ctx.compile_cfg.inductor_compilation == "full",
+                 kwargs=lambda o, ctx: {"inductor_configs": json_object(o.configs, "--compile.full_inductor.configs")
+                                        or None, "pin_collectives": o.pin_collectives})

@@ -11,7 +11,7 @@ bits. A collective on CPU (gloo) is never left in flight unless ``cpu_async`` (i
 end of the backward (tests/passes/test_overlap_collectives.py). Nodes are compared by graph position (``fx.Node``'s
 ``<``, kept current as nodes move), not by an index of the graph recomputed after every move."""
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -20,7 +20,7 @@ from graph_trainer.compiler.collectives import (collective_kind, group_name_of, 
                                                 read_through, shard_chain)
 from graph_trainer.compiler.graph_values import positions
 from graph_trainer.compiler.node_meta import set_pass_summary
-from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, aten, only_user
+from graph_trainer.compiler.ops import CAST_OPS, RESHAPE_OPS, SLICE_OPS, aten, is_call, only_user
 from graph_trainer.compiler.registry import GraphPass
 
 # The cast / view / pad chain of a gradient, hoisted with its reduce-scatter.
@@ -44,10 +44,8 @@ def _issues_by_kind(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
 def _hoist_collective(issue: torch.fx.Node) -> bool:
     """Move ``issue`` and its single-use cast / view / pad chain up to its inputs; returns whether anything moved."""
     chain = [issue]
-    cur = issue.args[0] if issue.args and isinstance(issue.args[0], torch.fx.Node) else None
-    while cur is not None and cur.op == "call_function" and len(cur.users) == 1 and cur.target in _HOISTABLE:
+    while chain[-1].args and is_call(cur := chain[-1].args[0], _HOISTABLE) and len(cur.users) == 1:
         chain.append(cur)
-        cur = cur.args[0] if cur.args and isinstance(cur.args[0], torch.fx.Node) else None
     moved = False
     for node in reversed(chain):  # earliest first
         latest = max(node.all_input_nodes, default=None)
@@ -118,8 +116,7 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
     of the TP group ``tp_group_name`` (None: no TP) is issued ahead of. ``cpu_async``: also leave collectives on CPU
     tensors in flight. Stats: ``windowed``, ``led`` (TP collectives moved), ``hoisted`` (collectives issued earlier),
     ``moved`` (waits moved), ``all_gather`` / ``other`` (waits by kind), ``mean_distance`` (nodes between issue and
-    wait, averaged).
-    Raises ``ValueError`` for ``max_in_flight < 1``, ``ag_window < 0`` or ``tp_lead < 0``."""
+    wait, averaged). Raises ``ValueError`` for ``max_in_flight < 1``, ``ag_window < 0`` or ``tp_lead < 0``."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     if ag_window is not None and ag_window < 0:
@@ -172,14 +169,12 @@ def overlap_collectives_pass(gm: torch.fx.GraphModule, example_inputs=None, max_
     order = positions(graph)
     dists = [order[w] - order[w.args[0]] for w in waits]
     mean_d = sum(dists) / len(dists) if dists else 0.0
-    set_pass_summary(
-        gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}), {led} TP collective(s) {tp_lead} "
-        f"matmul / attention op(s) ahead and {hoisted} reduce-scatter(s)/other collectives earlier; "
-        f"moved {moved} of {len(waits)} collective waits towards first use "
-        f"({counts['all_gather']} all-gather, {counts['other']} other; mean issue->wait distance {mean_d:.0f} nodes)"
-        if waits else "no functional collectives",
-        moved=moved, hoisted=hoisted, windowed=windowed, led=led, mean_distance=round(mean_d, 1), **counts,
-    )
+    set_pass_summary(gm, f"issued {windowed} parameter all-gather(s) later (window {ag_window}), {led} TP "
+                     f"collective(s) {tp_lead} matmul / attention op(s) ahead and {hoisted} reduce-scatter(s)/other "
+                     f"collectives earlier; moved {moved} of {len(waits)} collective waits towards first use "
+                     f"({counts['all_gather']} all-gather, {counts['other']} other; mean issue->wait distance "
+                     f"{mean_d:.0f} nodes)" if waits else "no functional collectives",
+                     moved=moved, hoisted=hoisted, windowed=windowed, led=led, mean_distance=round(mean_d, 1), **counts)
     return gm
 
 
@@ -206,6 +201,4 @@ class OverlapCollectivesOptions:
 
 
 PASS = GraphPass(name="overlap_collectives", fn=overlap_collectives_pass, options=OverlapCollectivesOptions,
-                 enabled=lambda ctx: True, kwargs=lambda options, ctx: {"ag_window": options.ag_window,
-                                                                        "tp_lead": options.tp_lead,
-                                                                        "tp_group_name": ctx.tp_group_name})
+                 enabled=lambda ctx: True, kwargs=lambda o, ctx: {**asdict(o), "tp_group_name": ctx.tp_group_name})

@@ -121,9 +121,7 @@ def region_signature(gm: torch.fx.GraphModule, example_inputs) -> tuple:
             return ("n", index[a])
         if isinstance(a, (list, tuple)):
             return tuple(enc(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, enc(v)) for k, v in a.items()))
-        return repr(a)
+        return tuple(sorted((k, enc(v)) for k, v in a.items())) if isinstance(a, dict) else repr(a)
 
     ops = tuple((n.op, str(n.target) if n.op != "placeholder" else "", enc(n.args), enc(n.kwargs)) for n in index)
     cwi = _annotation(gm)
@@ -253,12 +251,10 @@ def regional_inductor_pass(gm: torch.fx.GraphModule, example_inputs=None, *, sel
     slow = max(compiles, key=lambda c: c["s"], default=None)
     slow_text = (f"; cache {', '.join(f'{k} {v}' for k, v in sorted(cache.items()))}; slowest {slow['s']:.1f}s: "
                  f"{'+'.join(slow['ops'])} ({slow['inputs']})") if slow else ""
-    set_pass_summary(
-        gm, f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
-        f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}{slow_text}",
-        regions=n_regions, distinct_compiles=stats["compiled"], selections=sel, tagged_nodes=tagged,
-        compile_s=round(compile_s, 3), compiles=compiles,
-    )
+    set_pass_summary(gm, f"compiled {n_regions} region(s) ({tagged} tagged nodes) with Inductor in {compile_s:.1f}s "
+                     f"({stats['compiled']} Inductor compiles, {stats['reused']} regions reused one){sel_text}"
+                     f"{slow_text}", regions=n_regions, distinct_compiles=stats["compiled"], selections=sel,
+                     tagged_nodes=tagged, compile_s=round(compile_s, 3), compiles=compiles)
     return gm
 
 

@@ -156,14 +156,12 @@ def sac_recompute_pass(gm: torch.fx.GraphModule, example_inputs=None, save_ops=(
         gm.recompile()
     saved_after = _saved_bytes(graph)
     n_mm = sum(n.target is torch.ops.aten.mm.default for n in copies)
-    set_pass_summary(
-        gm, f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
-        f"forward values kept for the backward {saved_before / 2**30:.2f} -> {saved_after / 2**30:.2f} GiB"
-        if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
-                        "nothing tagged for recompute (no op-level selective AC)"),
-        recomputed=len(copies), tags_removed=n_tags, recomputed_mm=n_mm,
-        saved_bytes_before=saved_before, saved_bytes_after=saved_after,
-    )
+    set_pass_summary(gm, f"recomputed {len(copies)} op(s) in the backward ({n_mm} mm) that selective AC tagged; "
+                     f"forward values kept for the backward {saved_before / 2**30:.2f} -> {saved_after / 2**30:.2f} GiB"
+                     if copies else ("kept every value selective AC tagged for recompute" if save_all and n_tags else
+                                     "nothing tagged for recompute (no op-level selective AC)"),
+                     recomputed=len(copies), tags_removed=n_tags, recomputed_mm=n_mm,
+                     saved_bytes_before=saved_before, saved_bytes_after=saved_after)
     return gm
 
 
