@@ -158,7 +158,7 @@ def test_profile_pictures_dirty_tree_and_fewer_runs_than_repeats(repo, capsys):
     for png in ("r_jit.png", "r_other.png"):  # r_plain.png was not kept: named, not linked
         (repo / "docs" / "results" / png).write_bytes(b"png")
     page = written(repo, capsys)  # each linked by its variant's name, by its file name where no variant's name ends it
-    assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png); command: " in page
+    assert "; profile: [jit](results/r_jit.png), plain (not kept), [r_other.png](results/r_other.png); command:" in page
     assert "git `abc1234d` + uncommitted changes (steps" in page  # the record's tree differed from its sha
     _, rows = table(sections(page)["Bench llama3_1b fsdp2 — " + H100])
     assert "plain (2 of 3 runs)" in rows and "jit" in rows and "broken" in rows  # 3 of 3; failed: no count
