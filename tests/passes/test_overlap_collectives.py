@@ -94,15 +94,18 @@ def gloo1():
 
 
 def test_tp_collectives_lead_the_matmuls_they_do_not_read_with_what_they_read(gloo1):
-    """A TP reduce-scatter (with the matmul it sums) and all-gather are issued ``tp_lead`` matmuls earlier, past
-    matmuls they do not read, never past a wait they read; without a TP group nothing moves; the same bits."""
+    """A TP reduce-scatter (with the matmul it sums and a parameter all-gather's wait it reads) and all-gather are
+    issued ``tp_lead`` matmuls earlier, past matmuls they do not read, never past another wait they read; without a
+    TP group nothing moves; the same bits."""
     g, (x, w, go) = fx_graph("x", "w", "go")
     group = dist.group.WORLD.group_name
+    param_ag = call(g, c10d.all_gather_into_tensor.default, w, 1, group)  # a parameter's, issued early
     mm0 = call(g, aten.mm.default, go, w)
     act = call(g, aten.relu.default, x)
     mm1 = call(g, aten.mm.default, x, w)
-    total = call(g, aten.add.Tensor, mm1, x)
     mm2 = call(g, aten.mm.default, go, go)
+    param = call(g, c10d.wait_tensor.default, param_ag)
+    total = call(g, aten.add.Tensor, mm1, param)
     rs = call(g, c10d.reduce_scatter_tensor.default, total, "sum", 1, group)
     rs_w = call(g, c10d.wait_tensor.default, rs)
     ag = call(g, c10d.all_gather_into_tensor.default, act, 1, group)
@@ -113,10 +116,11 @@ def test_tp_collectives_lead_the_matmuls_they_do_not_read_with_what_they_read(gl
     gm = module(g, *outs)
     inputs = [torch.randn(4, 4) for _ in range(3)]
     ref = gm(*inputs)
-    for lead, group_name, expected in ((1, group, [mm0, act, mm1, total, rs, ag, mm2]),
-                                       (2, group, [mm1, total, rs, act, ag, mm0, mm2]),
-                                       (2, None, [mm0, act, mm1, total, rs, mm2, ag])):  # rs: hoisted to its input
-        out = overlap_collectives_pass(copy.deepcopy(gm), None, cpu_async=True, tp_lead=lead, tp_group_name=group_name)
+    for lead, group_name, expected in ((1, group, [mm0, act, mm1, param, total, rs, ag, mm2]),
+                                       (2, group, [mm1, param, total, rs, act, ag, mm0, mm2]),
+                                       (2, None, [mm0, act, mm1, mm2, param, total, rs, ag])):  # rs: hoisted
+        out = overlap_collectives_pass(copy.deepcopy(gm), None, cpu_async=True, ag_window=None, tp_lead=lead,
+                                       tp_group_name=group_name)
         order = [n.name for n in out.graph.nodes]
         assert [n for n in order if n in {e.name for e in expected}] == [e.name for e in expected]
         assert stats(out)["led"] == (2 if group_name else 0) and order.index(late_ag.name) == order.index(late.name) + 1

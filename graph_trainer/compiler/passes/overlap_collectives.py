@@ -84,16 +84,17 @@ def _window_all_gathers(graph: torch.fx.Graph, window: int) -> int:
 def _lead_tp_collectives(graph: torch.fx.Graph, group: str, lead: int) -> int:
     """Issue each all-gather / reduce-scatter of the TP group ``group`` before the ``lead`` nearest ops with a FLOP
     formula (``torch.utils.flop_counter``: matmuls, attention) ahead of it that it does not read, with the values it
-    reads that are computed after them, never past a collective, a wait or an op that mutates; returns how many
-    moved. In the backward: the re-gathered inputs of the weight gradients, the reduce-scatters of the input
-    gradients (sums of matmuls), each otherwise issued with nothing left to run under it."""
+    reads that are computed after them (a parameter all-gather's wait included), never past another collective or
+    wait or an op that mutates; returns how many moved. In the backward: the re-gathered inputs of the weight
+    gradients, the reduce-scatters of the input gradients (sums of matmuls), each otherwise issued with nothing left
+    to run under it."""
     moved = 0
     for issue in [n for n in graph.nodes if collective_kind(n) in _TP_KINDS and str(group_name_of(n)) == group]:
         feeds, target, found, cur = {issue}, None, 0, issue.prev
         while found < lead and cur.op == "call_function":
             if any(u in feeds for u in cur.users):
-                if is_collective(cur) or cur.target is hold or getattr(getattr(cur.target, "_schema", None),
-                                                                        "is_mutable", False):
+                if (is_collective(cur) and not (is_wait(cur) and shard_chain(cur.args[0]) is not None)
+                        or cur.target is hold or getattr(getattr(cur.target, "_schema", None), "is_mutable", False)):
                     break
                 feeds.add(cur)
             elif isinstance(cur.target, torch._ops.OpOverload) and cur.target.overloadpacket in flop_registry:
