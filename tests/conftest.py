@@ -53,9 +53,16 @@ def tiny_llama():
 
 
 @pytest.fixture
-def fsdp_trace():
-    """``fsdp_trace(param_dtype=None)``: a traced FSDP step on a 1-rank gloo group: ``(traced, inputs, n_params)``."""
+def gloo1():
+    """This process is the one rank of a gloo group until the test ends."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fsdp_trace(gloo1):
+    """``fsdp_trace(param_dtype=None)``: a traced FSDP step on a 1-rank gloo group: ``(traced, inputs, n_params)``."""
 
     def trace(param_dtype=None):
         from graph_trainer.distributed import fsdp
@@ -72,8 +79,7 @@ def fsdp_trace():
                                                           for p, s in zip(ps, specs)])
         return traced, (*shards, *model.buffers(), tokens, labels), len(specs)
 
-    yield trace
-    dist.destroy_process_group()
+    return trace
 
 
 @pytest.fixture

@@ -86,13 +86,6 @@ def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step)
                 schedule_overlap_bucketing(copy.deepcopy(traced.gm), **kwargs, **extra)
 
 
-@pytest.fixture
-def gloo1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_tp_collectives_lead_the_matmuls_they_do_not_read_with_what_they_read(gloo1):
     """A TP reduce-scatter (with the matmul it sums and a parameter all-gather's wait it reads) and all-gather are
     issued ``tp_lead`` matmuls earlier, past matmuls they do not read, never past another wait they read; without a
