@@ -420,16 +420,14 @@ def earlier_note(count: int, results: Path) -> str:
 
 def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     """The lines of one group's section, ending with a blank line."""
+    bench, command = record["kind"] == "bench", record["command"].strip()
     meta = meta_line(record) + earlier_note(earlier, results) + profile_links(record, out, results)
+    table, profile = (bench_table(record), profile_table(record)) if bench else (tier_table(record), [])
     lines = [f"### {cell(record['title'])} — {cell(record['device'])}"]
-    if record["kind"] == "bench" and "\n" not in record["command"].strip():  # one command: on the meta line
-        profile = profile_table(record)
-        lines += [f"{meta}; command: {inline_code(record['command'].strip())}", "", *bench_table(record), "",
-                  *profile]
+    if bench and "\n" not in command:  # one command: on the meta line
+        lines += [f"{meta}; command: {inline_code(command)}", "", *table, "", *profile]
     else:  # a table ends where the commands' fence begins (GitHub's Markdown)
-        lines += [meta, "", *(bench_table(record) if record["kind"] == "bench" else tier_table(record)),
-                  *code_block(record["command"])]
-        lines += (profile_table(record) if record["kind"] == "bench" else []) or [""]
+        lines += [meta, "", *table, *code_block(record["command"]), *(profile or [""])]
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
     return lines
