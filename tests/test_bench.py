@@ -8,7 +8,7 @@ import pytest
 from graph_trainer.tools import bench
 from graph_trainer.tools.bench import parse_variants, table, variant_results, write_record
 from graph_trainer.tools.runs import Run, next_run_s
-from graph_trainer.tools.sides import CompareError, git_state
+from graph_trainer.tools.sides import CompareError, Side, child_env, git_state
 from graph_trainer.tools.stats import run_stats
 
 from _launch import run_script  # tests/ is on sys.path
@@ -17,9 +17,12 @@ from _scripts import git
 
 
 def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
-    assert parse_variants(["jit=--compile.mode jit", "plain="]) == [("jit", ["--compile.mode", "jit"]), ("plain", [])]
+    assert parse_variants(["jit=--compile.mode jit", "plain=", "c=NCCL_MAX_CTAS=8 A_B='x y' --x 1"]) == [
+        ("jit", ["--compile.mode", "jit"], {}), ("plain", [], {}),
+        ("c", ["--x", "1"], {"NCCL_MAX_CTAS": "8", "A_B": "x y"})]
+    assert child_env(Side("c", None, [], env={"NCCL_MAX_CTAS": "8"}))["NCCL_MAX_CTAS"] == "8"  # what its runs see
     for bad, msg in [(["plain"], "NAME=FLAGS"), (["a=", "a=--x 1"], "twice"), (["a=--x '1"], "shell-quoted"),
-                     (["a=--training.steps 3"], "training.steps")]:
+                     (["a=--training.steps 3"], "training.steps"), (["a=CONFIG_FILE=x.toml"], "the call's")]:
         with pytest.raises(CompareError, match=msg):
             parse_variants(bad)
     assert bench.main(["--variant", "plain", "--out", str(tmp_path / "o")]) == 2
@@ -84,8 +87,8 @@ def test_deadline_estimate_of_a_variant_next_run():
 
 @pytest.mark.slow
 def test_bench_debug_model_writes_a_record(tmp_path):
-    r = run_script(["scripts/bench.py", "--variant", "eager=--compile.mode eager", "--repeats", "1", "--steps", "4",
-                    "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
+    r = run_script(["scripts/bench.py", "--variant", "eager=GT_VARIANT_ENV=1 --compile.mode eager", "--repeats", "1",
+                    "--steps", "4", "--warmup", "1", "--profile-step", "2", "--workload", "debug one", "--record-dir",
                     str(tmp_path / "results"), "--out", str(tmp_path / "o"), "--", *SMALL],
                    env=launch_env(), timeout=900)  # forked from tests/_launch.py's server, CPU only
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -98,10 +101,11 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
     assert isinstance(rec["git_dirty"], bool) and len(rec["git_tree"]) == 40  # tracked files changed; what ran
-    assert rec["command"].startswith("scripts/bench.py --variant 'eager=--compile.mode eager'")
+    assert rec["command"].startswith("scripts/bench.py --variant 'eager=GT_VARIANT_ENV=1 --compile.mode eager'")
     assert "--training.seq_len 64" in rec["command"]
     assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [
-        "--compile.mode", "eager"] and rec["variants"][0]["ratio"] == 1.0
+        "--compile.mode", "eager"] and rec["variants"][0]["ratio"] == 1.0 and rec["variants"][0]["env"] == {
+        "GT_VARIANT_ENV": "1"}
     assert [x["status"] for x in rec["runs"]] == ["ok"] and rec["runs"][0]["tps"] > 0
     assert 0 < rec["runs"][0]["step2_s"] == rec["variants"][0]["step2_first_s"] < rec["runs"][0]["wall_s"]
     assert rec["variants"][0]["step2_later_s"] is None  # one run: no warm start

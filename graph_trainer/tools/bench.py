@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's options (the arguments before ``--``)."""
     p = tool_parser("bench.py", __doc__.split("\n\n")[0], __doc__, "bench", two_sided=False)
     p.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS",
-                   help='a named variant: run_train.sh flags as one shell-quoted string ("" for none); the first '
-                        "is the baseline; repeat the option for each")
+                   help='a named variant: run_train.sh flags as one shell-quoted string ("" for none), '
+                        "NAME=VALUE words before them set its runs' environment (NCCL_MAX_CTAS=8); the first is "
+                        "the baseline; repeat the option for each")
     p.add_argument("--workload", help="the record's workload name (default: config + layout flags)")
     p.add_argument("--title", help="the results page's heading for this workload")
     p.add_argument("--repeats", type=int, default=3, help="rounds; each runs every variant once (default 3)")
@@ -65,23 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_variants(specs: list[str]) -> list[tuple[str, list[str]]]:
-    """``["jit=--compile.mode jit", "plain="]`` -> ``[("jit", ["--compile.mode", "jit"]), ("plain", [])]``. Raises
-    CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets itself."""
+def parse_variants(specs: list[str]) -> list[tuple[str, list[str], dict]]:
+    """``["jit=--compile.mode jit", "cta8=NCCL_MAX_CTAS=8"]`` -> ``[("jit", ["--compile.mode", "jit"], {}),
+    ("cta8", [], {"NCCL_MAX_CTAS": "8"})]``: as on a shell line, ``NAME=VALUE`` words before the flags set the
+    variant's environment. Raises CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool
+    sets itself, CONFIG / CONFIG_FILE / PYTHONPATH in the environment."""
     out = []
     for spec in specs:
         name, sep, flags = spec.partition("=")
         name = name.strip()
         if not sep or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
             raise CompareError(f"--variant {spec!r}: write NAME=FLAGS (NAME of letters, digits, _ . + -).")
-        if name in (n for n, _ in out):
+        if name in (n for n, *_ in out):
             raise CompareError(f"--variant {name!r} is given twice.")
         try:
             fl = shlex.split(flags)
         except ValueError as e:
             raise CompareError(f"--variant {name}: {flags!r} is not a valid shell-quoted string: {e}") from None
+        env = {}
+        while fl and (m := re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", fl[0], re.S)):
+            if m[1] in ("CONFIG", "CONFIG_FILE", "PYTHONPATH"):
+                raise CompareError(f"--variant {name}: {m[1]} is the call's, not a variant's; set it before the "
+                                   "command.")
+            env[m[1]] = m[2]
+            fl = fl[1:]
         check_owned_flags(fl, f"--variant {name}")
-        out.append((name, fl))
+        out.append((name, fl, env))
     return out
 
 
@@ -235,7 +245,8 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     variants = parse_variants(args.variant)
     repo, config = default_repo(), resolve_config(None, os.environ)[0]
     head = git_out(repo, "rev-parse", "HEAD")
-    sides = {name: Side(name=name, ref=None, flags=fl, label=name, commit=head, root=repo) for name, fl in variants}
+    sides = {name: Side(name=name, ref=None, flags=fl, label=name, commit=head, root=repo, env=env)
+             for name, fl, env in variants}
     for side in sides.values():
         config_for_side(config, side)
     out = out_folder(args.out, "bench")
@@ -244,10 +255,10 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     print(f"bench: {len(variants)} variant(s) x {args.repeats} round(s), {args.steps} steps; config {config}"
           + (f"; run_train.sh {shlex.join(extra)}" if extra else ""), flush=True)
     validate_sides(sides, extra, args.steps, os.path.join(out, "check"))
-    order = [(name, rnd) for rnd in range(1, args.repeats + 1) for name, _ in variants]
+    order = [(name, rnd) for rnd in range(1, args.repeats + 1) for name, *_ in variants]
     runs = plan_runs(order, sides, extra, args.steps, out, args.profile_step)
     interrupted = run_all(runs, sides, args, lambda r: f"{r.side} round {r.repeat}")
-    results = variant_results([n for n, _ in variants], runs)
+    results = variant_results([n for n, *_ in variants], runs)
     print("\n" + table(results))
     layout = " ".join(a for a in extra if not a.startswith("--") or "parallelism" in a)
     record = {
@@ -257,7 +268,8 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         **utc_date_time(), "device": device_name(), "torch": __import__("torch").__version__,
         **git_state(repo), "command": _command(argv),
         "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "extra_args": extra},
-        "variants": [{**v, "flags": sides[v["name"]].flags} for v in results],
+        "variants": [{**v, "flags": sides[v["name"]].flags, **({"env": e} if (e := sides[v["name"]].env) else {})}
+                     for v in results],
         "runs": [{"variant": r.side, "round": r.repeat, "status": r.status, "error": r.error, "wall_s": r.wall_s,
                   "step2_s": r.step2_s, **{k: (r.stats or {}).get(k) for k in ("tps", "mfu", "memory_gib")},
                   **{k: (r.summary or {}).get(k) for k in ("predicted_peak_gib", "compile_time_s")},

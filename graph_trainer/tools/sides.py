@@ -38,6 +38,7 @@ class Side:
     config_file: str = ""  # as passed to run_train.sh (relative to root, or absolute)
     config_note: str = ""
     dirty: list[str] = field(default_factory=list)  # working-tree sides: uncommitted paths
+    env: dict = field(default_factory=dict)  # set in its runs' environment (bench's NAME=VALUE words)
 
     def describe(self) -> dict:
         """The side as recorded in the tools' JSON output."""
@@ -133,7 +134,7 @@ def child_env(side: Side) -> dict:
     """The environment of a run of ``side``: inherited, its config as CONFIG_FILE, its tree first on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k != "CONFIG"}  # CONFIG is resolved into CONFIG_FILE
     path = os.pathsep.join(p for p in (side.root, env.get("PYTHONPATH")) if p)
-    return {**env, "CONFIG_FILE": side.config_file, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    return {**env, **side.env, "CONFIG_FILE": side.config_file, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
 def resolve_sides(args: argparse.Namespace, extra: list[str], cleanup: contextlib.ExitStack) -> dict:
