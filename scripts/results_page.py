@@ -353,14 +353,21 @@ def profile_table(record: dict) -> list[str]:
 
 
 def tier_table(record: dict) -> list[str]:
-    """The claims table of a tier record; the detail column only when some claim has one."""
+    """The claims table of a tier record; the detail column only when some claim has one. Claims of one test that
+    differ only in its parameters (same what, result, call and detail) share the first one's row: ``test[a, b]``."""
     claims = record["claims"]
     detail, calls = any(c.get("detail") for c in claims), record.get("calls", 1) > 1
     header = ["claim", "what", "result"] + (["call"] if calls else []) + (["detail"] if detail else [])
-    lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
+    groups: dict[tuple, tuple[list[str], dict]] = {}  # what a row shows but the parameters: (parameters, a claim)
     for c in claims:
+        test, bracket, param = c["claim"].partition("[")
+        key = (test, c["what"], c["result"], c.get("call"), c.get("device"), c.get("detail"), bool(bracket))
+        groups.setdefault(key if bracket else (c["claim"],), ([], c))[0].extend([param[:-1]] if bracket else [])
+    lines = [row(header), "|" + "|".join("---" for _ in header) + "|"]
+    for (test, *_), (params, c) in groups.items():
         call = [f"`{c['call']}`" + (f", {c['device']}" if record.get("devices", 1) > 1 else "")] if calls else []
-        cells = [f"`{c['claim']}`", c["what"], c["result"], *call] + ([c.get("detail") or MISSING] if detail else [])
+        name = f"{test}[{', '.join(params)}]" if params else test
+        cells = [f"`{name}`", c["what"], c["result"], *call] + ([c.get("detail") or MISSING] if detail else [])
         lines.append(row(cells))
     return lines
 
