@@ -57,8 +57,7 @@ def bitwise_runs(tmp, ngpu, steps, config=None, extra=(), env=None):
     ckpt = ["--checkpoint.enable", "--checkpoint.interval", str(half), "--checkpoint.no-last_save_model_only"]
     if ngpu == 1 and config is None:
         ckpt += ["--training.dataloader.num_workers", "1"]
-    a, b = tmp / "a", tmp / "b"
-    launch = {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
+    a, b, launch = tmp / "a", tmp / "b", {"direct": True} if ngpu == 1 else {"fresh": True, "ngpu": ngpu}
     launch_a = launch if ngpu == 1 else {"forked": True, "ngpu": ngpu}  # b's ranks: new interpreters
     runs = [functools.partial(train_hashed, a, *same, steps=steps, config=config, env=env, **launch_a),  # never saves
             functools.partial(train_hashed, b, *same, *ckpt, steps=half, config=config, env=env, **launch)]
@@ -98,9 +97,7 @@ def train_debug(tmp_path, name, *flags):
     from graph_trainer.metrics import read_metrics
     from graph_trainer.train import train
 
-    out = tmp_path / name
-    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out), "--training.seq_len", "64",
-                      "--training.local_batch_size", "2", *flags]))
+    train(parse_args(["--job.config_file", DEBUG, "--job.dump_folder", str(out := tmp_path / name), *SMALL, *flags]))
     return read_metrics(str(out / "metrics.jsonl"))
 
 

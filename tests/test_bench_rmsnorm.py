@@ -14,12 +14,9 @@ OPTIONAL = ["liger", "quack"]
 
 
 def _run(tmp_path, *extra, forked=True, rc=0):
-    out = tmp_path / "tmp.json"
-    argv = [str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out), *extra]
-    if forked:
-        proc = run_script(argv, cwd=SCRIPTS.parent, timeout=600)
-    else:
-        proc = subprocess.run([sys.executable, *argv], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=600)
+    argv = [str(SCRIPTS / "bench_rmsnorm.py"), "--tiny", "--json", str(out := tmp_path / "tmp.json"), *extra]
+    proc = (run_script(argv, cwd=SCRIPTS.parent, timeout=600) if forked else
+            subprocess.run([sys.executable, *argv], cwd=SCRIPTS.parent, capture_output=True, text=True, timeout=600))
     assert proc.returncode == rc, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
     return proc, report, {r["variant"]: r for r in report["results"]}
@@ -38,8 +35,7 @@ def test_tiny_report(tmp_path):
     assert lines[0].startswith("| shape (M x N) | variant | ms | GB/s | % copy BW")
     for name in REQUIRED:  # each in the table
         assert any(f"| {name} |" in line for line in lines), name
-        r = by_name[name]
-        assert r["status"] == "ok", f"{name}: {r['reason']}"
+        assert (r := by_name[name])["status"] == "ok", f"{name}: {r['reason']}"
         assert r["ms"] is not None and math.isfinite(r["ms"]) and r["ms"] > 0, name
         assert math.isfinite(r["GBps"]) and r["GBps"] > 0 and math.isfinite(r["pct_of_copy_bw"]), name
         assert set(r["max_abs_diff"]) == {"y", "dx", "dw"}, name
@@ -47,8 +43,7 @@ def test_tiny_report(tmp_path):
     for name in OPTIONAL:  # need CUDA: reported, not timed
         assert by_name[name]["status"] in ("ok", "unavailable"), by_name[name]["reason"]
     assert by_name["eager"]["max_abs_diff"] == {"y": 0.0, "dx": 0.0, "dw": 0.0}
-    regional = by_name["regional"]
-    assert regional["inductor_configs"] == {}
+    assert (regional := by_name["regional"])["inductor_configs"] == {}
     assert [regional["pass_stats"][k] for k in ("norms_forward", "norms_backward", "regions")] == [1, 1, 2]
 
 
@@ -70,8 +65,7 @@ def test_parse_inductor_configs_and_a_bad_one_fails_the_run(tmp_path):
                          forked=False, rc=1)  # the script as a user starts it
     assert by_name["eager"]["status"] == "ok"
     assert by_name["regional[bad]"]["status"] == "failed" and "not_a_key" in by_name["regional[bad]"]["reason"]
-    mod = load_script("bench_rmsnorm")
-    assert mod.parse_inductor_configs(None) == {"default": {}, "guarded": None}
+    assert (mod := load_script("bench_rmsnorm")).parse_inductor_configs(None) == {"default": {}, "guarded": None}
     assert mod.parse_inductor_configs(["guarded"]) == {"guarded": None}
     got = mod.parse_inductor_configs(['{}', 'cdt={"coordinate_descent_tuning": true}', '{"a": 1}'])
     assert got == {"default": {}, "cdt": {"coordinate_descent_tuning": True}, "cfg2": {"a": 1}}

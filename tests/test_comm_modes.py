@@ -49,9 +49,7 @@ def _local_copy_semantics():  # forked: its own process group
     from graph_trainer.distributed import fake_pg
 
     fake_pg.init(4)
-    f = torch.ops._c10d_functional
-    x, y = torch.arange(3.0), torch.arange(8.0)
-    world = dist.group.WORLD.group_name
+    f, x, y, world = torch.ops._c10d_functional, torch.arange(3.0), torch.arange(8.0), dist.group.WORLD.group_name
     assert dist.get_world_size() == 4 and dist.get_rank() == 0
     assert f.wait_tensor(f.all_gather_into_tensor(x, 4, world)).tolist() == [0, 1, 2] * 4
     assert f.wait_tensor(f.reduce_scatter_tensor(y, "sum", 4, world)).tolist() == [0, 1]

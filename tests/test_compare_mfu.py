@@ -83,21 +83,20 @@ def fake_repo(tmp_path):
     return root
 
 
-def _fake(fake_repo, tmp_path, rc, args):
-    r = _compare("--repo", str(fake_repo), *shlex.split(args), "--out", str(tmp_path / "cmp"))
+def _fake(fake_repo, rc, args):  # into cmp/ beside the fake repo
+    r = _compare("--repo", str(fake_repo), *shlex.split(args), "--out", str(out := fake_repo.parent / "cmp"))
     assert r.returncode == rc, r.stdout + r.stderr
-    return r, json.loads((tmp_path / "cmp" / "comparison.json").read_text())
+    return r, json.loads((out / "comparison.json").read_text())
 
 
 def test_fake_refs_alternate_and_real_delta(fake_repo, tmp_path):
     out = tmp_path / "cmp"
-    r, data = _fake(fake_repo, tmp_path, 0, "--a HEAD~1 --b HEAD --repeats 2 --steps 5 --warmup 2")
+    r, data = _fake(fake_repo, 0, "--a HEAD~1 --b HEAD --repeats 2 --steps 5 --warmup 2")
     assert [(x["side"], x["repeat"], x["status"]) for x in data["runs"]] == [(s, i, "ok") for i in (1, 2) for s in "AB"]
     assert data["runs"][0]["stats"]["steady_steps"] == [3, 4, 5]  # steps 1..warmup excluded
     assert all("--metrics.log_freq" in x["cmd"] and x["dump_folder"].startswith(str(out)) for x in data["runs"])
     assert [data["table"]["sides"][s]["tps"]["median"] for s in "AB"] == pytest.approx([1000, 1100])
-    d = data["table"]["delta_b_vs_a"]
-    assert d["tps"]["pct"] == pytest.approx(10.0)
+    assert (d := data["table"]["delta_b_vs_a"])["tps"]["pct"] == pytest.approx(10.0)
     assert [d[k]["verdict"] for k in ("tps", "mfu", "memory_gib")] == ["real", "n/a", "no change"]
     assert data["sides"]["A"]["commit"] != data["sides"]["B"]["commit"] and data["sides"]["B"]["worktree"]
     assert not os.path.exists(data["sides"]["A"]["tree"])  # each ref side ran its own commit, from a worktree gone now
@@ -106,10 +105,9 @@ def test_fake_refs_alternate_and_real_delta(fake_repo, tmp_path):
     assert open(out / "tps_per_step.png", "rb").read(8) == PNG_MAGIC
 
 
-def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_no_spread(fake_repo, tmp_path):
+def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_no_spread(fake_repo):
     head = git(fake_repo, "rev-parse", "HEAD").strip()
-    r, data = _fake(fake_repo, tmp_path, 0, "--a HEAD --b HEAD --b-flags '--fake.scale 0.5' --repeats 1 --steps 2 "
-                    "--warmup 0")
+    r, data = _fake(fake_repo, 0, "--a HEAD --b HEAD --b-flags '--fake.scale 0.5' --repeats 1 --steps 2 --warmup 0")
     assert all(data["sides"][s]["commit"] == head and data["sides"][s]["worktree"] for s in "AB")
     assert data["sides"]["A"]["tree"] == data["sides"]["B"]["tree"]  # one worktree per commit
     assert f"| A: HEAD@{head[:8]} (1/1 runs) |" in r.stdout
@@ -119,7 +117,7 @@ def test_fake_same_commit_on_both_sides_shares_one_worktree_and_one_repeat_has_n
 
 
 def test_fake_input_error_skips_the_remaining_repeats_of_that_side_and_failure_causes(fake_repo, tmp_path):
-    r, data = _fake(fake_repo, tmp_path, 1, "--a-flags --fake.usererror --b-flags '' --repeats 3 --steps 2 --warmup 0")
+    r, data = _fake(fake_repo, 1, "--a-flags --fake.usererror --b-flags '' --repeats 3 --steps 2 --warmup 0")
     assert [(x["side"], x["status"]) for x in data["runs"]] == [
         ("A", "failed"), ("B", "ok"), ("A", "skipped"), ("B", "ok"), ("A", "skipped"), ("B", "ok")]
     assert data["runs"][0]["error"] == "exit code 2: pass list conflicts with --fake.x"
@@ -159,8 +157,8 @@ def _alive(pid):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
-def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
-    a, b = _fake(fake_repo, tmp_path, 1, "--a-flags '' --b-flags --fake.hang --repeats 1 --steps 2 --warmup 0 "
+def test_fake_timeout_kills_the_run_and_its_workers(fake_repo):
+    a, b = _fake(fake_repo, 1, "--a-flags '' --b-flags --fake.hang --repeats 1 --steps 2 --warmup 0 "
                  "--run-timeout 3")[1]["runs"]
     assert a["status"] == "ok" and b["status"] == "failed" and "timed out after 3s" in b["error"]
     assert not _alive(int(open(os.path.join(b["dump_folder"], "worker.pid")).read()))
@@ -170,12 +168,10 @@ def test_fake_timeout_kills_the_run_and_its_workers(fake_repo, tmp_path):
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])  # Ctrl-C, and `timeout` around the script
 def test_fake_ctrl_c_reports_finished_runs(fake_repo, tmp_path, signame):
     """Signalled at B1's step 1 (its worker.pid is written before): A1 is reported, B1 stopped."""
-    out = tmp_path / "cmp"
-    # SIGINT's default action, as under a terminal (a background suite inherits SIGINT ignored)
-    p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), *shlex.split(
-                          "--a-flags '' --b-flags --fake.hang --repeats 2 --steps 2 --warmup 0"), "--out", str(out)],
-                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    out, args = tmp_path / "cmp", "--a-flags '' --b-flags --fake.hang --repeats 2 --steps 2 --warmup 0"
+    p = subprocess.Popen([sys.executable, SCRIPT, "--repo", str(fake_repo), *shlex.split(args), "--out", str(out)],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # SIGINT's default
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as under a terminal
     bound, lines = threading.Timer(240, p.kill), []  # the bound: for a broken tool only
     bound.start()
     try:
@@ -245,10 +241,9 @@ def test_usage_errors(args, needle, tmp_path):
 def _real_head_ref(tmp, env):  # A: HEAD (outside git: the working tree)
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = tmp / "cmp"
-    r = _compare(*(["--a", "HEAD", "--allow-dirty"] if head else ["--a-flags", ""]),
-                 "--b-flags", "--training.max_norm 0.5", "--repeats", "1", "--steps", "4", "--warmup", "0",
-                 "--profile-step", "2", "--out", str(out), "--", *TINY, env=_env(env))
-    return head, out, r
+    return head, out, _compare(*(["--a", "HEAD", "--allow-dirty"] if head else ["--a-flags", ""]),
+                               "--b-flags", "--training.max_norm 0.5", "--repeats", "1", "--steps", "4",
+                               "--warmup", "0", "--profile-step", "2", "--out", str(out), "--", *TINY, env=_env(env))
 
 
 @_early.uses("compare_mfu_real_head_ref")
@@ -289,8 +284,7 @@ def test_real_head_ref_against_working_tree_flags():
 def test_run_stats_delta_verdicts_and_table():
     rows = [{"step": i + 1, "tps": tps, "mfu": None, "memory_gib": mem}
             for i, (tps, mem) in enumerate([(1.0, 0.5), (50.0, 1.0), (100.0, 2.0), (120.0, 1.0), (110.0, 1.0)])]
-    s = stats.run_stats(rows, warmup=0)
-    assert s["steady_steps"] == [2, 3, 4, 5] and s["tps"] == 105.0
+    assert (s := stats.run_stats(rows, warmup=0))["steady_steps"] == [2, 3, 4, 5] and s["tps"] == 105.0
     s = stats.run_stats(rows, warmup=2)
     assert s["steady_steps"] == [3, 4, 5] and s["tps"] == 110.0 and s["mfu"] is None and s["memory_gib"] == 2.0  # max
     s = stats.run_stats(rows, warmup=0, exclude=stats.profiler_steps(3))  # its warm-up, step and trace export

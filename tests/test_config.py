@@ -13,40 +13,37 @@ from graph_trainer.errors import UserError
 from _runs import DEBUG, REPO  # tests/ is on sys.path
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--compile.mode", "fast"], "Valid values: eager, jit, aot_fx_trace"),
-    (["--compile.mode=fast"], "Valid values: eager, jit, aot_fx_trace"),
-    (["--model.flavor", "9B"], "Unknown --model.flavor '9B'"),
-    (["--compile.inductor_compilation", "partial"], "regional, full, none"),
-    (["--profiling.enable_profiling", "--profiling.profile_freq", "2"], "--profiling.profile_freq (2) must be >="),
-    (["--compile.full_inductor.configs", '{"a": 1}', "--compile.mode", "jit"],
+@pytest.mark.parametrize("flags, needle", [  # flags as shlex.split reads them
+    ("--compile.mode fast", "Valid values: eager, jit, aot_fx_trace"),
+    ("--compile.mode=fast", "Valid values: eager, jit, aot_fx_trace"),
+    ("--model.flavor 9B", "Unknown --model.flavor '9B'"), ("--compile.passes full_inductor", "cannot run together"),
+    ("--compile.inductor_compilation partial", "regional, full, none"),
+    ("--profiling.enable_profiling --profiling.profile_freq 2", "--profiling.profile_freq (2) must be >="),
+    ("--compile.full_inductor.configs '{\"a\": 1}' --compile.mode jit",
      "[compile.full_inductor] is set, but full_inductor does not run"),
-    (["--compile.rmsnorm.no-tune"],
-     "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
-    (["--compile.annotate_exact_pointwise.no-lone_casts", "--compile.inductor_compilation", "full"],
+    ("--compile.rmsnorm.no-tune", "[compile.rmsnorm] is set, but annotate_rmsnorm_for_regional_inductor does not run"),
+    ("--compile.annotate_exact_pointwise.no-lone_casts --compile.inductor_compilation full",
      "[compile.annotate_exact_pointwise] is set, but annotate_exact_pointwise_for_regional_inductor does not run"),
-    (["--compile.inductor_compilation", "full", "--compile.full_inductor.configs", "[1]"],
+    ("--compile.inductor_compilation full --compile.full_inductor.configs [1]",
      "--compile.full_inductor.configs must be a JSON object"),
-    (["--compile.disable_passes", "nope"], "unknown graph pass 'nope'"),
-    (["--compile.passes", "annotate_pointwise"], "add --compile.numerics_changing_optim"),
-    (["--compile.numerics_changing_optim", "--compile.inductor_compilation", "none",
-      "--compile.passes", "rmsnorm"], "only has an effect when regional_inductor runs after it"),
-    (["--compile.passes", "full_inductor"], "cannot run together"),
-    (["--compile.fsdp.keep_last_blocks", "7"], "must be in [0, 6] or -1 (auto)"),
-    (["--compile.fsdp.bucket_blocks", "-2"], "must be >= 0 (or -1: auto)"),
-    (["--compile.fsdp.reduce_scatter_in_flight", "-1"], "reduce_scatter_in_flight must be >= 0"),
-    (["--compile.annotate_exact_pointwise.min_ops", "0"], "min_ops must be >= 1"),
-    (["--compile.memory_budget_gib", "-1"], "--compile.memory_budget_gib must be >= 0"),
-    (["--compile.sac.save", "some"], "recompute, matmuls, all_but_cheap, all"),
-    (["--job.config_file", "nope.toml"], "Config file 'nope.toml' does not exist"),
-    (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", "{oops"],
+    ("--compile.disable_passes nope", "unknown graph pass 'nope'"),
+    ("--compile.passes annotate_pointwise", "add --compile.numerics_changing_optim"),
+    ("--compile.numerics_changing_optim --compile.inductor_compilation none --compile.passes rmsnorm",
+     "only has an effect when regional_inductor runs after it"),
+    ("--compile.fsdp.keep_last_blocks 7", "must be in [0, 6] or -1 (auto)"),
+    ("--compile.fsdp.bucket_blocks -2", "must be >= 0 (or -1: auto)"),
+    ("--compile.fsdp.reduce_scatter_in_flight -1", "reduce_scatter_in_flight must be >= 0"),
+    ("--compile.annotate_exact_pointwise.min_ops 0", "min_ops must be >= 1"),
+    ("--compile.memory_budget_gib -1", "--compile.memory_budget_gib must be >= 0"),
+    ("--compile.sac.save some", "recompute, matmuls, all_but_cheap, all"),
+    ("--job.config_file nope.toml", "Config file 'nope.toml' does not exist"),
+    ("--compile.numerics_changing_optim --compile.rmsnorm.inductor_configs {oops",
      "rmsnorm.inductor_configs must be a JSON object"),
-    (["--compile.numerics_changing_optim", "--compile.rmsnorm.inductor_configs", '{"not_a_config": 1}'],
-     "not_a_config"),
+    ("--compile.numerics_changing_optim --compile.rmsnorm.inductor_configs '{\"not_a_config\": 1}'", "not_a_config"),
 ])
 def test_bad_config_is_rejected(flags, needle):
     with pytest.raises(UserError) as e:
-        parse_args(["--job.config_file", DEBUG, *flags])
+        parse_args(["--job.config_file", DEBUG, *shlex.split(flags)])
     assert needle in str(e.value)
 
 
@@ -54,9 +51,8 @@ def test_aliases_and_config_names(monkeypatch):
     monkeypatch.setenv("CONFIG", "graph_trainer_llama3_8b")
     cfg = parse_args(["--dataloader.dataset", "c4_test", "--profiler.no-enable_profiling",
                       "--metrics.no-enable_tensorboard", "--comm.trace_buf_size=0"])
-    assert cfg.model.flavor == "8B" and cfg.training.seq_len == 8192
+    assert cfg.model.flavor == "8B" and cfg.training.seq_len == 8192 and cfg.compile.mode == "aot_fx_trace"
     assert cfg.training.dataset == "c4_test" and cfg.profiling.enable_profiling is False
-    assert cfg.compile.mode == "aot_fx_trace"
 
 
 def test_nested_groups_from_toml_and_cli(tmp_path):
@@ -90,8 +86,7 @@ def test_validate_returns_the_pass_list():
 @pytest.mark.parametrize("path", ["README.md", "docs/design.md", *sorted(
     f"scripts/gpu/{f}" for f in os.listdir(os.path.join(REPO, "scripts", "gpu")) if f.endswith(".sh"))])
 def test_documented_commands_parse_and_flags_are_known(path, monkeypatch):
-    """Flags are spelled as --help lists them (new spellings); each ``run_train.sh`` command of a fenced shell block
-    parses as run_train.sh would: CONFIG_FILE, else CONFIG, else the debug model."""
+    """Flags as --help spells them; each fenced run_train.sh command parses (CONFIG_FILE, else CONFIG, else debug)."""
     text = open(os.path.join(REPO, path)).read()
     known = {f for pair in re.findall(r"^  (--\S+)(?: / (--\S+))?", help_text(_merged_cls()), re.M) for f in pair}
     flags = set(re.findall(r"(--[a-z_]+\.[a-z_][a-z_.-]*[a-z_])", text))
@@ -108,10 +103,9 @@ def test_documented_commands_parse_and_flags_are_known(path, monkeypatch):
             env, commands = dict(w.split("=", 1) for w in words[:i] if "=" in w), commands + 1
             for key in ("CONFIG", "CONFIG_FILE", "NGPU"):
                 monkeypatch.delenv(key, raising=False)
+            pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
             if "CONFIG" in env and "CONFIG_FILE" not in env:
                 monkeypatch.setenv("CONFIG", env["CONFIG"])
                 pre = []
-            else:
-                pre = ["--job.config_file", os.path.join(REPO, env["CONFIG_FILE"]) if "CONFIG_FILE" in env else DEBUG]
             parse_args(pre + words[i + 1:])
     assert path != "README.md" or commands >= 5

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import datasets
@@ -28,9 +27,8 @@ VOCAB = 2048
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """One cache dir (and HF datasets cache) for this module."""
-    root = tmp_path_factory.mktemp("gt_cache")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GRAPH_TRAINER_CACHE", str(root))
+        mp.setenv("GRAPH_TRAINER_CACHE", str(root := tmp_path_factory.mktemp("gt_cache")))
         mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(root / "hf"))
         data.register_datasets()  # re-point c4_test at this cache
         yield root
@@ -42,14 +40,13 @@ def tokenizer(cache):
     return HuggingFaceTokenizer(data.resolve_tokenizer_path(None, VOCAB))
 
 
-def _read_jsonl_folder(folder: Path) -> list[dict]:
+def _read_jsonl_folder(folder) -> list[dict]:
     return [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text("utf-8").splitlines()]
 
 
 def test_corpus_is_real_english_and_c4_test(cache, tokenizer):
     """The corpus, built once; c4_test reads it through torchtitan's dataset and dataloader."""
-    folder = data.ensure_corpus()
-    assert folder == cache / "corpus_v1" and folder.is_dir()
+    assert (folder := data.ensure_corpus()) == cache / "corpus_v1" and folder.is_dir()
     records = _read_jsonl_folder(folder)
     assert len(records) >= 300 and all(set(r) == {"text"} and r["text"].strip() for r in records)
     words = (text := " ".join(r["text"] for r in records)).lower().split()
@@ -60,13 +57,11 @@ def test_corpus_is_real_english_and_c4_test(cache, tokenizer):
     data.register_datasets()
     assert sorted(data.DATASET_NAMES) == sorted(DATASETS)
     assert DATASETS["c4_test"].path == str(cache / "corpus_v1") and DATASETS["c4"].path == "allenai/c4"
-    samples = list(islice(HuggingFaceTextDataset("c4_test", None, tokenizer, seq_len=64), 3))
-    for inputs, labels in samples:
+    for inputs, labels in (samples := list(islice(HuggingFaceTextDataset("c4_test", None, tokenizer, seq_len=64), 3))):
         assert inputs["input"].shape == (64,) and labels.shape == (64,) and (inputs["input"][1:] == labels[:-1]).all()
     assert samples[0][0]["input"][0].item() == tokenizer.bos_id
-    job = JobConfig()
-    job.training.dataset, job.training.dataset_path = "c4_test", None
-    job.training.local_batch_size, job.training.seq_len = 2, 32
+    t = (job := JobConfig()).training
+    t.dataset, t.dataset_path, t.local_batch_size, t.seq_len = "c4_test", None, 2, 32
     inputs, labels = next(iter(build_text_dataloader(1, 0, tokenizer, job)))
     assert inputs["input"].shape == (2, 32) and labels.shape == (2, 32)
 
@@ -140,7 +135,7 @@ def _lines(n: int = 10, bad_line: int | None = 3, bad: str = "this is not json: 
                    for i in range(1, n + 1))
 
 
-def _write(root: Path, files: dict) -> None:
+def _write(root, files: dict) -> None:
     """Write ``{relative path: text or bytes}`` under ``root``."""
     for name, content in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -153,8 +148,7 @@ def _parquet(**columns) -> bytes:
 
 
 LOAD = {"load_local_text"}
-BOTH = {"preflight", *LOAD}
-ALL = {"check_dataset", *BOTH}
+BOTH, ALL = {"preflight", *LOAD}, {"check_dataset", "preflight", *LOAD}
 #: id: (files written under tmp_path, the message's start after ``tmp_path/`` (its file: --training.dataset_path),
 #: the checks that refuse it: check_dataset (path only), preflight (first records), load_local_text[, a folder path]).
 BAD_DATA = {
@@ -258,8 +252,7 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
 @_early.job("bad_line_deep_in_file")
 def _bad_line_runs(tmp, env):
     """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [results])``."""
-    path = tmp / "docs.jsonl"
-    path.write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
+    (path := tmp / "docs.jsonl").write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
     small = ["--training.dataset_path", str(path), *SMALL, "--compile.inductor_compilation", "none"]
     return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, env=env) for forked in (True, False)]
 

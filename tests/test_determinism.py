@@ -61,8 +61,7 @@ def test_loss_compare_pass_on_vs_off():
 
 def test_checkpoint_checks(tmp_path):
     """Partial saves are never picked; another flavor / layout is refused before loading."""
-    folder = tmp_path / "checkpoint"
-    (folder / "step-2").mkdir(parents=True)
+    ((folder := tmp_path / "checkpoint") / "step-2").mkdir(parents=True)
     (folder / "step-2" / ".metadata").write_text("x")
     (folder / "step-4").mkdir()  # interrupted save: no .metadata
     assert latest_step(str(folder)) == 2
@@ -79,11 +78,9 @@ def test_checkpoint_checks(tmp_path):
 @_early.uses("finished_run")
 def test_corrupt_checkpoint_clear_error(tmp_path):
     """A truncated step-2 file (``finished_run`` without step-4) stops the resume naming it; nothing deleted."""
-    d = tmp_path / "run"
-    shutil.copytree(_early.result("finished_run"), d)
+    shutil.copytree(_early.result("finished_run"), d := tmp_path / "run")
     shutil.rmtree(d / "checkpoint" / "step-4")
-    path = next((d / "checkpoint" / "step-2").glob("*.distcp"))
-    path.write_bytes(path.read_bytes()[:100])  # truncate
+    (path := next((d / "checkpoint" / "step-2").glob("*.distcp"))).write_bytes(path.read_bytes()[:100])
     r = train_hashed(d, "--checkpoint.enable", "--checkpoint.interval", "2", check=False, forked=True)
     assert r.returncode != 0 and f"step-2 is truncated: data file {path} has 100 bytes" in r.stderr
     assert path.exists()  # nothing deleted
@@ -131,9 +128,8 @@ def test_first_difference_and_a_failed_run_still_compares_logged_steps(tmp_path,
 
     def fake_execute(run, side, steps, warmup, prefix, verbose, timeout, progress):
         run.rows = [{"step": i + 1, "loss": v, "grad_norm": 1.0} for i, v in enumerate(losses[run.side])]
-        ok = run.side == "A"
-        run.status, run.wall_s, run.error = ("ok", 1.0, None) if ok else ("failed", 1.0, "exit code 1")
-        run.summary = {"state_hashes": {"weights": "x"}} if ok else None
+        run.status, run.wall_s, run.error, run.summary = (("ok", 1.0, None, {"state_hashes": {"weights": "x"}})
+                                                          if run.side == "A" else ("failed", 1.0, "exit code 1", None))
 
     monkeypatch.setattr(lc, "execute", fake_execute)
     monkeypatch.setattr(lc, "tail", lambda path: "")

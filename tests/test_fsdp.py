@@ -15,8 +15,7 @@ from _launch import spawn, train_ranks
 from _runs import REPO, launch_env
 
 pytestmark = pytest.mark.slow
-N_8B = 2 + 32 * 9 + 1  # parameters: embedding, output; 9 per block; final norm
-N_DEBUG = 2 + 6 * 9 + 1
+N_8B, N_DEBUG = 2 + 32 * 9 + 1, 2 + 6 * 9 + 1  # parameters: embedding, output; 9 per block; final norm
 
 
 def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts raised by spawn
@@ -30,14 +29,11 @@ def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts rai
     torch.manual_seed(0)
     model = build_model(model_args("debugmodel", n_layers=2))
     tokens, labels = torch.randint(0, 2048, (2, 32)), torch.randint(0, 2048, (2, 32))
-    ref_loss = loss_fn(model(tokens), labels)
-    ref_loss.backward()
-    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    bufs, group = list(model.buffers()), dist.group.WORLD
+    (ref_loss := loss_fn(model(tokens), labels)).backward()
+    ref, bufs, group = {n: p.grad.clone() for n, p in model.named_parameters()}, list(model.buffers()), dist.group.WORLD
     names, params = zip(*model.named_parameters())
     specs, shards = fsdp.shard_tensors(list(names), list(params), group)
     fsdp.free_parameters(model, names)
-    n_params = len(specs)
     # every rank holds the same batch: the global token count is world x the local one
     traced = trace_train_step(model, functools.partial(loss_fn, dp_group=group), tokens, labels, params=shards,
                               param_names=[s.name for s in specs],
@@ -45,18 +41,17 @@ def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts rai
     colls = Counter(str(n.target).split(".")[1]  # as traced (the passes below change the graph)
                     for n in traced.gm.graph.nodes if "_c10d_functional" in str(n.target))
     # per parameter one all-gather (forward) and one reduce-scatter (backward); one all-reduce: valid-token count
-    assert colls["all_gather_into_tensor"] == colls["reduce_scatter_tensor"] == n_params
-    assert colls["all_reduce"] == 1 and colls["wait_tensor"] == 2 * n_params + 1
+    assert colls["all_gather_into_tensor"] == colls["reduce_scatter_tensor"] == len(specs)
+    assert colls["all_reduce"] == 1 and colls["wait_tensor"] == 2 * len(specs) + 1
     loss, grads = traced(shards, bufs, tokens, labels)
     assert float(loss) * 2 == float(ref_loss.detach())  # each rank's loss is its half of the global batch's mean
     with torch.no_grad():  # bucket_collectives (4 per bucket): bitwise the same step
         gm = bucket_collectives_pass(overlap_collectives_pass(traced.gm), None, bucket_size=4)
         out = gm(*shards, *bufs, tokens, labels)
-    assert sum("reduce_scatter_tensor" in str(n.target) for n in gm.graph.nodes) == -(-n_params // 4)
+    assert sum("reduce_scatter_tensor" in str(n.target) for n in gm.graph.nodes) == -(-len(specs) // 4)
     assert torch.equal(out[0], loss) and all(torch.equal(a, b) for a, b in zip(out[1:], grads))
     for s, g in zip(specs, grads):
-        parts = [torch.empty_like(g) for _ in range(world)]
-        dist.all_gather(parts, g)
+        dist.all_gather(parts := [torch.empty_like(g) for _ in range(world)], g)
         assert (torch.cat(parts)[: s.numel].view(s.shape) - ref[s.name]).abs().max().item() < 1e-6, s.name
     for p, g in zip(shards, grads):
         p.grad = g
@@ -95,8 +90,7 @@ def test_fake_backend_dry_runs_of_the_debug_model(tmp_path):
 @_early.uses("dry_runs_8b")
 def test_fake_backend_dry_runs_of_the_8b():
     """The 8B dry runs: FSDP8 with op-level SAC recomputing; FSDP4 x TP2, every norm tagged, plans for two devices."""
-    s = _early.result("dry_runs_8b")["fsdp8"]
-    assert s["layout"] == "FSDP8" and s["world_size"] == 8
+    assert (s := _early.result("dry_runs_8b")["fsdp8"])["layout"] == "FSDP8" and s["world_size"] == 8
     assert [s["collectives"][k]["count"] for k in ("all_gather_into_tensor", "reduce_scatter_tensor")] == [N_8B] * 2
     # bf16 all-gather of ~8.03 B parameters; fp32 reduce-scatter output = the shard
     assert 14.5 < s["collectives"]["all_gather_into_tensor"]["bytes"] / 2**30 < 15.5
@@ -119,7 +113,7 @@ def test_fake_backend_dry_runs_of_the_8b():
 
 
 def test_weighted_grad_norm_makes_its_weights_tensor_once(monkeypatch):
-    """TP-replicated weights: the norm is sqrt(Σ w_i ||g_i||²); the weights reach the device on the first call only."""
+    """TP-replicated weights: the norm is sqrt(Σ w_i ||g_i||²); the weights reach the device on the first call."""
     from graph_trainer.distributed import fsdp
 
     monkeypatch.setattr(fsdp.dist, "all_reduce", lambda t, op=None, group=None: t)  # one rank

@@ -17,9 +17,8 @@ fr = load_script("fusion_report")
 
 @_early.job("fusion_report_tiny")
 def _tiny_run(tmp, env):
-    out = tmp / "report.json"
-    return out, run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], env=env, cwd=SCRIPTS.parent,
-                           timeout=900)  # forked from tests/_launch.py's server (its imports done)
+    out = tmp / "report.json"  # forked from tests/_launch.py's server (its imports done), in the repo root:
+    return out, run_script([SCRIPTS / "fusion_report.py", "--tiny", "--json", out], env=env, timeout=900)
 
 
 @_early.uses("fusion_report_tiny")
@@ -37,8 +36,7 @@ def test_tiny_run():
     none = ways["none"]
     assert none["kernels"] == 0 and none["largest_kernel"] is None and none["rms_norm_bwd_kernels"] == []
     for name in COMPILED + ([NOMIX] if NOMIX in ways else []):
-        w = ways[name]
-        assert w["kernels"] >= 1 and len(w["kernel_list"]) == w["kernels"], name
+        assert (w := ways[name])["kernels"] >= 1 and len(w["kernel_list"]) == w["kernels"], name
         assert w["origin_comments"] == w["kernels"], f"{name}: kernels without Source Nodes comments"
         assert w["largest_kernel"]["lines"] == max(k["lines"] for k in w["kernel_list"]) > 0
         assert w["rms_norm_bwd_kernels"], f"{name}: no kernel holds the rms_norm backward"
@@ -51,14 +49,12 @@ def test_tiny_run():
     assert ways["regional+rmsnorm"]["fused_with"] == []
     assert ways["regional+rmsnorm"]["pass_stats"]["regions"] >= 6  # 3 norms x (fwd, bwd) for one layer
     assert ways["full"]["fused_with"], ways["full"]["rms_norm_bwd_kernels"]  # forward recompute / adds fused in
-    iso = ways[ISOLATED]
-    assert iso["pass_stats"]["fusion_groups"] >= 6 and iso["pass_stats"]["fusions_refused"] > 0
+    assert (iso := ways[ISOLATED])["pass_stats"]["fusion_groups"] >= 6 and iso["pass_stats"]["fusions_refused"] > 0
     assert len(iso["fused_with"]) < len(ways["full"]["fused_with"]), (iso["fused_with"], ways["full"]["fused_with"])
     ref = none["numerics"]
     assert math.isfinite(ref["loss"]) and ref["max_abs_diff_loss"] == 0 and ref["max_abs_diff_grads"] == 0
     for name, w in ways.items():
-        nm = w["numerics"]
-        assert nm["ok"] and nm["rel"] <= report["tolerance"], name
+        assert (nm := w["numerics"])["ok"] and nm["rel"] <= report["tolerance"], name
         assert abs(nm["loss"] - ref["loss"]) == pytest.approx(nm["max_abs_diff_loss"], abs=1e-6)
         assert nm["max_abs_diff_loss"] < 1e-4 and nm["max_abs_diff_grads"] < 1e-4, name
         assert len(w["step_ms_all"]) == report["steps"] and math.isfinite(w["step_ms"]) and w["step_ms"] > 0, name

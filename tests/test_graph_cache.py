@@ -35,20 +35,17 @@ def test_key_follows_what_decides_the_graph():
 
 def test_auto_is_on_with_full_inductor_in_inductors_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert Compile().graph_cache_dir == "auto"
+    assert Compile().graph_cache_dir == "auto" and graph_cache.cache_dir("/some/where", "regional") == "/some/where"
     assert graph_cache.cache_dir("auto", "full") == str(tmp_path / "graph_trainer")
     assert graph_cache.cache_dir("auto", "regional") is None and graph_cache.cache_dir("auto", "none") is None
     assert graph_cache.cache_dir("off", "full") is None and graph_cache.cache_dir("", "full") is None
-    assert graph_cache.cache_dir("/some/where", "regional") == "/some/where"
 
 
 def test_split_before_the_first_compiling_pass():
     for kw, first in [({}, "regional_inductor"), ({"inductor_compilation": "full"}, "full_inductor"),
                       ({"passes": "cudagraph", "inductor_compilation": "none"}, "cudagraph")]:
-        steps = build_pipeline(Compile(**kw))
-        assert steps[graph_cache.compile_index(steps)].name == first
-    steps = build_pipeline(Compile(inductor_compilation="none"))
-    assert graph_cache.compile_index(steps) == len(steps)
+        assert (steps := build_pipeline(Compile(**kw)))[graph_cache.compile_index(steps)].name == first
+    assert graph_cache.compile_index(steps := build_pipeline(Compile(inductor_compilation="none"))) == len(steps)
 
 
 @pytest.mark.slow  # five short trainings
@@ -87,21 +84,17 @@ def test_warm_run_loads_the_compiled_step_or_the_graph_and_trains_bitwise(tmp_pa
 
 def test_own_functions_shape_env_and_process_setup_survive_the_cache(tmp_path, caplog):
     """``hold`` and the shape env survive save / load; the process setup is redone on load (raising: entry unused)."""
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    y = g.call_function(torch.ops.aten.add.Tensor, (x, x))
-    g.output(g.call_function(hold, (y, x)))
+    x = (g := torch.fx.Graph()).placeholder("x")
+    g.output(g.call_function(hold, (g.call_function(torch.ops.aten.add.Tensor, (x, x)), x)))
     gm = torch.fx.GraphModule(torch.nn.Module(), g)
     with FakeTensorMode():
         x.meta["val"] = torch.empty(4)
     add_process_setup(gm, functools.partial(os.makedirs, str(tmp_path / "set_up")))  # as async_tp's symm_mem
-    assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {})
+    assert graph_cache.save(tmp_path / "e.pkl", gm, [], [], [], {}) and not (tmp_path / "set_up").exists()
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
-    assert not (tmp_path / "set_up").exists()
     loaded = graph_cache.load(tmp_path / "e.pkl")["gm"]
-    assert (tmp_path / "set_up").is_dir()
+    assert (tmp_path / "set_up").is_dir() and torch.equal(loaded(torch.ones(4)), torch.full((4,), 2.0))
     assert [n.target for n in loaded.graph.nodes if n.op == "call_function"] == [torch.ops.aten.add.Tensor, hold]
-    assert torch.equal(loaded(torch.ones(4)), torch.full((4,), 2.0))
     assert detect_fake_mode(placeholder_vals(loaded)).shape_env is not None  # else Inductor bypasses its cache
     with caplog.at_level("WARNING", logger="graph_trainer"):  # the folder exists now: makedirs raises
         assert graph_cache.load(tmp_path / "e.pkl") is None

@@ -26,8 +26,7 @@ def test_precheck_world_is_nnodes_x_ngpu(monkeypatch, capsys):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("NNODES", "2")
     monkeypatch.setenv("NGPU", "2")
-    assert config._check_main([*debug, "--parallelism.data_parallel_shard_degree", "4"]) == 0
-    assert config._check_main([*debug, "--parallelism.data_parallel_shard_degree", "2"]) == 2
+    assert [config._check_main([*debug, "--parallelism.data_parallel_shard_degree", n]) for n in ("4", "2")] == [0, 2]
     assert "NNODES x NGPU=2x2=4" in capsys.readouterr().err
 
 

@@ -38,8 +38,7 @@ def test_fingerprint_is_bitwise():
     assert fingerprint(torch.tensor([0.0])) != fingerprint(torch.tensor([-0.0]))  # bits, not values
     for t in (torch.arange(6, dtype=torch.int64), torch.ones(3, dtype=torch.bool), torch.randn(4).to(torch.bfloat16)):
         assert fingerprint(t) == fingerprint(t.clone())
-    big = record(torch.randn(3 << 20))
-    assert big.sampled and big.values.numel() == 1 << 16
+    assert (big := record(torch.randn(3 << 20))).sampled and big.values.numel() == 1 << 16
 
 
 def test_save_load_and_bad_input(tmp_path, capsys):
@@ -59,8 +58,7 @@ def test_save_load_and_bad_input(tmp_path, capsys):
                          (["--records", a, b, "--rtol", "-1"], "--rtol must be"),
                          (["--records", a, str(tmp_path / "c")], "not a numerics record")):
         assert main(args) == 2
-        err = capsys.readouterr().err
-        assert needle in err and "Traceback" not in err
+        assert needle in (err := capsys.readouterr().err) and "Traceback" not in err
 
 
 def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
@@ -72,8 +70,7 @@ def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     assign_keys(traced.gm)
     flat = [*model.parameters(), *model.buffers(), tokens, labels]
     a = _record_graph(traced.gm, flat)
-    cmp = compare(a, _record_graph(traced.gm, flat))
-    assert cmp.matched == len(a) > 300 and not cmp.divergent
+    assert (cmp := compare(a, _record_graph(traced.gm, flat))).matched == len(a) > 300 and not cmp.divergent
     rec = EagerRecorder()
     with record_eager_forward(model, rec):
         loss = loss_fn(model(tokens), labels)
@@ -91,15 +88,13 @@ def test_replays_and_eager_agree_and_a_perturbed_op_is_named_first():
     chosen.target = lambda x, y: torch.nextafter(out := torch.mm(x, y), torch.full_like(out, float("inf")))  # + 1 ulp
     traced.gm.recompile()
     b = _record_graph(traced.gm, flat)
-    cmp = compare(a, b)
-    assert cmp.divergent[0].key == key == _brute_force_first(a, b)
+    assert (cmp := compare(a, b)).divergent[0].key == key == _brute_force_first(a, b)
     assert cmp.divergent[0].max_abs > 0 and cmp.divergent[0].max_rel < 1e-6
     assert key not in {d.key for d in compare(a, b, rtol=1e-5).divergent}
 
 
 def _cli(tmp, env, a_flags: str, b_flags: str, *extra: str):
-    """``(out folder, result)`` of scripts/numerics_diff.py at :data:`SMALL` shapes, forked from tests/_launch.py's
-    server (its imports done)."""
+    """``(out folder, result)`` of scripts/numerics_diff.py at :data:`SMALL` shapes, forked (its imports done)."""
     out = tmp / "nd"
     return out, run_script(["scripts/numerics_diff.py", "--a-flags", a_flags, "--b-flags", b_flags, "--out", str(out),
                             "--", *SMALL, *extra], env=env, timeout=900)
@@ -126,7 +121,6 @@ _early.job("numerics_diff_tp2", lambda tmp, env: _cli(
 
 @_early.uses("numerics_diff_tp2")
 def test_cli_eager_and_traced_agree_op_by_op_at_tp2():
-    """Eager's DTensor outputs recorded as this rank's tensors, no functional collective's buffer before its wait,
-    eager's partial (unreduced) gradients summed: at TP2 on gloo no op, loss or gradient of step 1 differs."""
+    """At TP2 on gloo no op, loss or gradient of step 1 differs between eager (DTensors, partial grads) and traced."""
     out, r = _early.result("numerics_diff_tp2")
     assert r.returncode == 0 and r.stdout.count("no difference") == 2, r.stdout[-3000:] + r.stderr[-3000:]

@@ -131,8 +131,7 @@ def test_tlparse_lists_one_artifact_per_pass(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Per-pass report" in r.stdout and "| (input)" in r.stdout
     summary = read_metrics(run_tmp / "run" / "metrics.jsonl")[1]
-    passes = [p["pass"] for p in summary["passes"]]
-    assert passes[-2:] == [ANNOTATE, "regional_inductor"]
+    assert (passes := [p["pass"] for p in summary["passes"]])[-2:] == [ANNOTATE, "regional_inductor"]
     assert summary["passes"][-1]["regions_after"] == summary["passes"][-1]["stats"]["regions"] > 0
     assert (run_tmp / "run" / "graphs" / f"{len(passes):02d}_regional_inductor.diff").read_text()
     (log,) = os.listdir(trace_dir)
@@ -146,5 +145,4 @@ def test_tlparse_lists_one_artifact_per_pass(tmp_path):
     assert all(names.count(f"{kind}_{name}") == 1 for name in passes for kind in ("graph_after", "pass_record")), names
     assert {"graph_before_passes", "pass_table", "pass_records"} <= set(names)
     assert any(n.startswith("inductor_output_code") for n in names)  # Inductor's region compiles
-    index = (out / "index.html").read_text()
-    assert all(f"graph_after_{name}_" in index for name in passes)
+    assert all(f"graph_after_{name}_" in (out / "index.html").read_text() for name in passes)

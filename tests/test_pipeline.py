@@ -37,8 +37,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
     assert layout == BlockLayout(params_before=1, params_per_block=9, n_blocks=32)
     cfg = _compile(inductor_compilation="full", sac={"save": "matmuls"},
                    fsdp={"bucket_blocks": 2, "keep_last_blocks": 12})
-    steps = _options(cfg, layout)
-    assert steps["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
+    assert (steps := _options(cfg, layout))["reshard_after_forward"] == {"first_params": 1 + 9 * 20}
     assert steps["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
     assert steps["sac_recompute"] == {"save_ops": [torch.ops.aten.mm.default]}
     assert steps["full_inductor"] == {"inductor_configs": None, "pin_collectives": True}
@@ -49,8 +48,7 @@ def test_block_options_become_the_pass_arguments_of_the_8b():
                     layout)["overlap_collectives"] == {"ag_window": 9, "tp_lead": 0, "tp_group_name": None}
     # levers on auto: without the policy's choice the leanest; with it, the choice
     default = _options(Compile(), layout)
-    assert default["reshard_after_forward"] == {} and default["sac_recompute"] == {}
-    assert "bucket_collectives" not in default
+    assert default["reshard_after_forward"] == default["sac_recompute"] == {} and "bucket_collectives" not in default
     chosen = _options(Compile(), layout, levers=Levers("all", 32, 2))
     assert chosen["sac_recompute"] == {"save_all": True} and chosen["reshard_after_forward"] == {"first_params": 1}
     assert chosen["bucket_collectives"] == {"bucket_size": 18, "reduce_scatter_in_flight": 1}
@@ -74,8 +72,7 @@ def test_registry_and_order():
     """Every ORDER module declares a PASS; option fields are flags with help; cleanup first, CUDA graphs last."""
     assert [spec.aliases[0] for spec in registry().values()] == ORDER
     for section, cls in option_sections():
-        assert isinstance(getattr(Compile(), section), cls)
-        assert f"compile.{section}" in project_sections()
+        assert isinstance(getattr(Compile(), section), cls) and f"compile.{section}" in project_sections()
         for f in dataclasses.fields(cls):
             assert _flag_doc(cls, f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
     assert set(_options(_compile(numerics_changing_optim=True, passes="cudagraph,async_tp"))) >= {
@@ -116,8 +113,7 @@ def test_resolve_defaults_and_additions():
         == base + ["annotate_flex_attention_for_regional_inductor", RMSNORM, "regional_inductor", "cudagraph"]
     assert _names(numerics_changing_optim=True, passes="pointwise, dce", disable_passes="remove_noop_views") \
         == [n for n in base if n != "remove_noop_views"] + [RMSNORM, POINTWISE, "regional_inductor"]
-    assert "bucket_collectives" not in _names(fsdp={"bucket_blocks": 0})
-    assert "bucket_collectives" in _names(fsdp={"bucket_blocks": 1})
+    assert ["bucket_collectives" in _names(fsdp={"bucket_blocks": n}) for n in (0, 1)] == [False, True]
     assert _names(numerics_changing_optim=True, passes="regional_inductor, annotate_rmsnorm, remove_dead_code_pass") \
         == _names(numerics_changing_optim=True)
     disabled = ["remove_noop_views", RMSNORM, "overlap_collectives"]

@@ -14,52 +14,47 @@ def _run_sh(args, env=None, base=None):
                           env=launch_env(base, **(env or {})), timeout=300, cwd=REPO)
 
 
-#: ``id: (where, env, args, needle)``; ``{name}`` in env, args and needle: a file :func:`_case` writes.
+#: ``id: (where, env, args, needle)``, env and args space-separated; ``{name}``: a file :func:`_case` writes.
 CASES = {
-    "unknown flag": ("precheck", {}, ["--training.stepz", "3"], "--training.stepz"),
-    "compile.enable": ("precheck", {}, ["--compile.enable"], "--compile.mode jit"),
-    "TOML syntax": ("precheck", {"CONFIG_FILE": "{bad_toml}"}, [], "{bad_toml}: not valid TOML"),
-    "unknown CONFIG name": ("precheck", {"CONFIG": "graph_trainer_llama3_70b"}, [],
+    "unknown flag": ("precheck", "", "--training.stepz 3", "--training.stepz"),
+    "compile.enable": ("precheck", "", "--compile.enable", "--compile.mode jit"),
+    "TOML syntax": ("precheck", "CONFIG_FILE={bad_toml}", "", "{bad_toml}: not valid TOML"),
+    "unknown CONFIG name": ("precheck", "CONFIG=graph_trainer_llama3_70b", "",
                             "CONFIG=graph_trainer_llama3_70b is not a known config name"),
-    "missing dataset_path": ("precheck", {}, ["--training.dataset_path", "{nope_jsonl}"], "{nope_jsonl}"),
-    "corrupt JSONL": ("precheck", {}, ["--training.dataset_path", "{bad_jsonl}"], "{bad_jsonl}:2"),
-    "empty tokenizer folder": ("precheck", {}, ["--model.hf_assets_path", "{empty}"], "{empty}"),
-    "missing load_step": ("precheck", {}, ["--checkpoint.enable", "--checkpoint.load_step", "7"], "step-7"),
-    "--comm.mode unsupported": ("precheck", {}, ["--comm.mode", "local_tensor"],
+    "missing dataset_path": ("precheck", "", "--training.dataset_path {nope_jsonl}", "{nope_jsonl}"),
+    "corrupt JSONL": ("precheck", "", "--training.dataset_path {bad_jsonl}", "{bad_jsonl}:2"),
+    "empty tokenizer folder": ("precheck", "", "--model.hf_assets_path {empty}", "{empty}"),
+    "missing load_step": ("precheck", "", "--checkpoint.enable --checkpoint.load_step 7", "step-7"),
+    "--comm.mode unsupported": ("precheck", "", "--comm.mode local_tensor",
                                 "--comm.mode local_tensor (COMM_MODE=local_tensor) is not supported"),
-    "fake_collectives checkpoints": ("trainer", {"NGPU": "2"},
-                                     ["--comm.mode", "fake_collectives", "--checkpoint.enable"],
+    "fake_collectives checkpoints": ("trainer", "NGPU=2", "--comm.mode fake_collectives --checkpoint.enable",
                                      "--checkpoint.enable cannot be used with COMM_MODE=fake_collectives"),
-    "eager replicas x TP": ("precheck", {"NGPU": "4"},
-                            ["--compile.mode", "eager", "--parallelism.data_parallel_shard_degree", "1",
-                             "--parallelism.data_parallel_replicate_degree", "2",
-                             "--parallelism.tensor_parallel_degree", "2"], "torchtitan's DDP refuses TP"),
-    "CONFIG_FILE degrees vs NGPU": ("script", {"CONFIG_FILE": "{tp3_toml}", "NGPU": "2"}, [], "does not divide NGPU=2"),
-    "missing CONFIG_FILE": ("script", {"CONFIG_FILE": "{nope_toml}"}, [], "config file '{nope_toml}' does not exist"),
-    "COMM_MODE unsupported": ("script", {"COMM_MODE": "local_tensor"}, [],
-                              "COMM_MODE=local_tensor is not supported; use fake_backend (a dry run) or "
-                              "fake_collectives"),
-    "NNODES without RDZV_ENDPOINT": ("script", {"NNODES": "2"}, [], "RDZV_ENDPOINT"),
-    "NODE_RANK too large": ("script", {"NNODES": "2", "NODE_RANK": "2"}, [], "NODE_RANK=2"),
-    "NODE_RANK too large, endpoint": ("script", {"NNODES": "2", "NODE_RANK": "2",
-                                                 "RDZV_ENDPOINT": "127.0.0.1:29500"}, [], "NODE_RANK=2"),
-    "NNODES not a number": ("script", {"NNODES": "two"}, [], "NNODES=two"),
-    "RDZV_ENDPOINT without port": ("script", {"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1"}, [],
-                                   "RDZV_ENDPOINT=127.0.0.1"),
+    "eager replicas x TP": ("precheck", "NGPU=4", "--compile.mode eager --parallelism.data_parallel_shard_degree 1 "
+                            "--parallelism.data_parallel_replicate_degree 2 --parallelism.tensor_parallel_degree 2",
+                            "torchtitan's DDP refuses TP"),
+    "CONFIG_FILE degrees vs NGPU": ("script", "CONFIG_FILE={tp3_toml} NGPU=2", "", "does not divide NGPU=2"),
+    "missing CONFIG_FILE": ("script", "CONFIG_FILE={nope_toml}", "", "config file '{nope_toml}' does not exist"),
+    "COMM_MODE unsupported": ("script", "COMM_MODE=local_tensor", "", "COMM_MODE=local_tensor is not supported; "
+                              "use fake_backend (a dry run) or fake_collectives"),
+    "NNODES without RDZV_ENDPOINT": ("script", "NNODES=2", "", "RDZV_ENDPOINT"),
+    "NODE_RANK too large": ("script", "NNODES=2 NODE_RANK=2", "", "NODE_RANK=2"),
+    "NODE_RANK too large, endpoint": ("script", "NNODES=2 NODE_RANK=2 RDZV_ENDPOINT=127.0.0.1:29500", "",
+                                      "NODE_RANK=2"),
+    "NNODES not a number": ("script", "NNODES=two", "", "NNODES=two"),
+    "RDZV_ENDPOINT without port": ("script", "NNODES=2 RDZV_ENDPOINT=127.0.0.1", "", "RDZV_ENDPOINT=127.0.0.1"),
 }
 
 
 def _case(case, tmp):
     """Case ``case`` of :data:`CASES` with its (and the other cases') files in ``tmp``: ``(env, args, needle)``."""
-    files = {k: tmp / k.replace("_", ".") for k in ("bad_toml", "tp3_toml", "bad_jsonl", "nope_toml", "nope_jsonl")}
+    files = {k: tmp / k.replace("_", ".") for k in "bad_toml tp3_toml bad_jsonl nope_toml nope_jsonl empty".split()}
     files["bad_toml"].write_text('[job]\ndump_folder = "unterminated\n')
     files["tp3_toml"].write_text(open(DEBUG).read().replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 3"))
     files["bad_jsonl"].write_text('{"text": "fine"}\n{"text": tru\n')
-    files["empty"] = tmp / "empty_tokenizer"
     files["empty"].mkdir()
     _, env, args, needle = CASES[case]
-    env = {k: v.format(**files) for k, v in env.items()}
-    args = [a.format(**files) for a in args] + ["--job.dump_folder", str(tmp / "out")]
+    env = dict(w.format(**files).split("=", 1) for w in env.split())
+    args = [a.format(**files) for a in args.split()] + ["--job.dump_folder", str(tmp / "out")]
     return env, args, needle.format(**files)
 
 
@@ -77,11 +72,9 @@ def _script_cases(tmp, base):
 @pytest.mark.parametrize("case", [pytest.param(c, marks=_early.uses("run_train_script_cases")) if w == "script"
                                   else c for c, (w, *_) in CASES.items()])  # run_train.sh's runs start early
 def test_bad_input_refused_before_start(case, tmp_path, monkeypatch, capsys):
-    where = CASES[case][0]
-    if where == "script":  # its files and output in the folder of tests/_early.py's run
+    if (where := CASES[case][0]) == "script":  # its files and output in the folder of tests/_early.py's run
         tmp_path, needle, r = _early.result("run_train_script_cases")[case]
-        rc, text = r.returncode, r.stdout + r.stderr
-        lines = r.stderr.strip().splitlines()
+        rc, text, lines = r.returncode, r.stdout + r.stderr, r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr[-2000:]
     else:  # the pre-check or the trainer's entry point in this process, as run_train.sh calls it
         from graph_trainer import config, train

@@ -13,8 +13,7 @@ from graph_trainer.config import Projection, parse_args
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import peak_bf16_for_name
 from graph_trainer.model import build_model, flavors, loss_fn, model_args
-from graph_trainer.projection import cost_model as P
-from graph_trainer.projection import devices as D
+from graph_trainer.projection import cost_model as P, devices as D
 from graph_trainer.projection.dry_run import fused_attention_on_meta, fused_rms_norm_on_meta, restore_fused_rms_norm
 
 from _runs import DEBUG, dry_run_in_process  # tests/ is on sys.path
@@ -36,21 +35,18 @@ def _work(colls, matmul_flops=1e12):
 
 
 def test_a_regional_inductor_region_counts_as_one_fused_kernel():
-    """``neg(x * 2 + 1)`` of a [256, 256] fp32 x: 3 kernels of 2 x 256 KiB each, or in a region x read and the
-    result written once; a region's matmul is a kernel of its own (its FLOPs, its input and output outside the fused
-    ops); a cast tagged alone is its own region."""
+    """``neg(x * 2 + 1)`` of a [256, 256] fp32 x: 3 kernels of 2 x 256 KiB, or in a region x read and the result written
+    once; a region's matmul is its own kernel (its FLOPs, input and output outside); a lone tagged cast: a region."""
     gm = make_fx(lambda x, w: (((x * 2 + 1).neg() @ w).to(torch.bfloat16), x.to(torch.bfloat16)))(
         torch.randn(256, 256), torch.randn(256, 256))
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert [n.target._opname for n in ops] == ["mul", "add", "neg", "mm", "_to_copy", "_to_copy"]
-    kib = 1024
-    assert P.graph_work(gm).memory_bytes == (3 * 512 + 384 + 384) * kib  # bf16 casts: 256 KiB in, 128 out
-    for n in ops[:5]:
-        tag_for_inductor(n, {}, "r")
-    tag_for_inductor(ops[5], {}, "cast")
+    assert P.graph_work(gm).memory_bytes == (3 * 512 + 384 + 384) * 1024  # KiB; bf16 casts: 256 KiB in, 128 out
+    for n, region in zip(ops, ["r"] * 5 + ["cast"]):
+        tag_for_inductor(n, {}, region)
     work = P.graph_work(gm)
     # r: x and the mm's output read, neg's output (the mm reads it) and the cast's written; then the lone cast
-    assert work.memory_bytes == (256 + 256 + 256 + 128 + 384) * kib and work.matmul_flops == 2 * 256**3
+    assert work.memory_bytes == (256 + 256 + 256 + 128 + 384) * 1024 and work.matmul_flops == 2 * 256**3
 
 
 def test_collective_costs_links_and_overlap_rule():
@@ -64,29 +60,24 @@ def test_collective_costs_links_and_overlap_rule():
     assert P.collective_time("all_reduce", 1e9, 2, link) == pytest.approx(1e-6 + 1e9 / 50e9)  # per-kind constants
     assert P.collective_time("all_reduce", 1e9, 1, link) == 0
     lay = P.Layout(dp_replicate=2, dp_shard=4, tp=2, gpus_per_node=8)
-    dims = ("tp", "dp_shard", "dp_replicate", "dp", "dp_shard_tp", "world")
-    assert [lay.group_ranks(d) for d in dims] == [[0, 1], [0, 2, 4, 6], [0, 8], list(range(0, 16, 2)), list(range(8)),
-                                                  list(range(16))]
+    assert [lay.group_ranks(d) for d in ("tp", "dp_shard", "dp_replicate", "dp", "dp_shard_tp", "world")] == [
+        [0, 1], [0, 2, 4, 6], [0, 8], list(range(0, 16, 2)), list(range(8)), list(range(16))]
     with pytest.raises(KeyError):
         lay.group_ranks("pp")
-    dev = _dev()
-    assert P.link_for(lay.group_ranks("dp_shard"), 8, dev) == ("nvlink", dev.nvlink)
+    assert P.link_for(lay.group_ranks("dp_shard"), 8, dev := _dev()) == ("nvlink", dev.nvlink)
     assert P.link_for(lay.group_ranks("dp_replicate"), 8, dev) == ("network", P.Link(0.0, 10e9))  # 1 GPU per node
     assert P.link_for(lay.group_ranks("dp"), 8, dev)[1].busbw_Bps == 40e9  # 4 GPUs per node
     assert P.link_for(range(64), 8, dev)[1].busbw_Bps == 80e9  # 8 NICs
     assert P.link_for(range(64), 8, _dev(nic=P.Link(0.0, 50e9)))[1].busbw_Bps == 100e9  # capped at NVLink
     assert P.link_for(lay.group_ranks("dp_shard"), 4, dev)[0] == "network"  # nodes of 4 GPUs
-    gb = 10**9  # the overlap rule: 0.1 GB per collective (0.5 ms on 2 ranks)
-    colls = [("all_gather_into_tensor", "dp_shard", gb // 10, 0), ("all_gather_into_tensor", "dp_shard", gb // 10, 5),
-             ("all_gather_into_tensor", "tp", gb // 10, 7), ("reduce_scatter_tensor", "dp_shard", gb // 10, 10),
-             ("reduce_scatter_tensor", "dp_shard", gb // 10, 20)]
-    lay = P.Layout(dp_shard=2, tp=2)
-    kw = dict(tokens_per_rank=1000, flops_per_token=1e9)
+    ag, rs, gb = "all_gather_into_tensor", "reduce_scatter_tensor", 10**9  # overlap rule: 0.1 GB, 0.5 ms on 2 ranks
+    colls = [(ag, "dp_shard", gb // 10, 0), (ag, "dp_shard", gb // 10, 5), (ag, "tp", gb // 10, 7),
+             (rs, "dp_shard", gb // 10, 10), (rs, "dp_shard", gb // 10, 20)]
+    lay, kw = P.Layout(dp_shard=2, tp=2), dict(tokens_per_rank=1000, flops_per_token=1e9)
     p = P.project(_work(colls, 2e12), lay, _dev(), **kw)  # compute 2 ms, each collective 0.5 ms
     assert (p.compute_s, p.step_s, p.tps_per_gpu) == pytest.approx((2e-3, 3.5e-3, 1000 / (3.5e-3 * 2)))
     rows = {(c["kind"], c["dim"]): c["exposed_s"] for c in p.comm}  # FSDP's first all-gather only, last RS only
-    assert [rows[k] for k in (("all_gather_into_tensor", "dp_shard"), ("reduce_scatter_tensor", "dp_shard"),
-                              ("all_gather_into_tensor", "tp"))] == pytest.approx([0.5e-3] * 3)
+    assert [rows[k] for k in ((ag, "dp_shard"), (rs, "dp_shard"), (ag, "tp"))] == pytest.approx([0.5e-3] * 3)
     assert p.mfu == pytest.approx(100 * 1e9 * p.tps_per_gpu / 1e15)
     # async TP hides the TP all-gather (the middle ones, 1.5 ms, fit under 2 ms); less compute leaves FSDP's showing
     async_tp = P.project(_work(colls, 2e12), lay, _dev(), overlap=P.Overlap(async_tp=True), **kw)
@@ -106,8 +97,7 @@ def test_dry_runs_trace_flops_match_torch_flop_counter_and_rms_norm_traced_as_a_
     """The dry run's meta trace: FlopCounterMode's flops (matmuls exact, attention half: causal), CUDA's RMSNorm."""
     args = model_args("debugmodel", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
     model = build_model(args, "cpu", seed=0)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    tokens = torch.randint(0, 128, (2, 32))
+    state, tokens = {**dict(model.named_parameters()), **dict(model.named_buffers())}, torch.randint(0, 128, (2, 32))
 
     def step(state, tokens):
         logits = torch.func.functional_call(model, state, (tokens,))
@@ -142,8 +132,7 @@ def test_dry_runs_trace_flops_match_torch_flop_counter_and_rms_norm_traced_as_a_
     assert work.memory_bytes >= 2 * tokens.numel() * 128 * 4  # other ops read inputs, write outputs: the fp32 logits
     views = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     assert views and all(P.memory_op_bytes(n) == 0 for n in views)
-    x = torch.empty(2, 64, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    w = torch.empty(32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    x, w = (torch.empty(*s, dtype=torch.bfloat16, device="meta", requires_grad=True) for s in ((2, 64, 32), (32,)))
 
     def norm_step(x, w):  # CUDA's fused RMSNorm traced on meta: fewer bytes live, same shapes
         return torch.autograd.grad(F.rms_norm(x, [32], w, 1e-5).float().sum(), (x, w))
@@ -152,8 +141,7 @@ def test_dry_runs_trace_flops_match_torch_flop_counter_and_rms_norm_traced_as_a_
     with fused_rms_norm_on_meta():
         gm = make_fx(norm_step)(x, w)
     assert F.rms_norm is orig and restore_fused_rms_norm(gm) == 1
-    plain = make_fx(norm_step)(x, w)
-    targets = {n.target for n in gm.graph.nodes}
+    plain, targets = make_fx(norm_step)(x, w), {n.target for n in gm.graph.nodes}
     assert {aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default} <= targets
     assert aten.rsqrt.default not in targets  # the forward not decomposed
     assert aten._fused_rms_norm_backward.default not in {n.target for n in plain.graph.nodes}
@@ -169,9 +157,8 @@ def test_cost_constants_device_constants_and_flags(tmp_path):
     assert cc.ring_factor("all_reduce", 4) == 1.5 and cc.ring_factor("all_gather_into_tensor", 4) == 0.75
     shapes = {name: (m, i, o) for name, m, i, o in cc.linear_shapes(["8B"], [1, 2])}
     assert shapes["8B tp1 w1/w3"] == (8192, 4096, 14336) and shapes["8B tp2 w1/w3"] == (8192, 4096, 7168)
-    keys = [tuple(sorted(s)) for s in shapes.values()]
-    assert len(keys) == len(set(keys))  # one row per projection key (w2 under TP2 = w1's key)
-    assert "8B tp2 w2" not in shapes and tuple(sorted((8192, 14336 // 2, 4096))) in keys
+    assert len(keys := [tuple(sorted(s)) for s in shapes.values()]) == len(set(keys))  # one row per projection key
+    assert "8B tp2 w2" not in shapes and tuple(sorted((8192, 14336 // 2, 4096))) in keys  # w2 under TP2: w1's key
     assert ("8B tp2 b1 s8192", 1, 16, 4, 8192, 128) in cc.attention_shapes(["8B"], [2])
     h100 = D._default_devices()["h100"]
     assert h100.source == "datasheet defaults" and h100.matmul_flops == h100.peak_bf16_flops
@@ -220,8 +207,7 @@ def test_dry_run_prints_the_projection(log_lines):
     tokens = parse_args(["--job.config_file", DEBUG]).training.local_batch_size * seq
     assert p["tps_per_gpu"] == pytest.approx(tokens / (p["step_ms"] * 1e-3 * 2), rel=2e-2)  # step_ms is rounded
     # no recompute: torchtitan's 6N + 12·L·H·D·S attention (non-causal, 2x backward), halved, FA2's 2.5x backward
-    f = flavors()["debugmodel"]
-    attn = 12 * f.n_layers * f.n_heads * (f.dim // f.n_heads) * seq
+    attn = 12 * (f := flavors()["debugmodel"]).n_layers * f.n_heads * (f.dim // f.n_heads) * seq
     assert p["graph_flops_per_token"] == pytest.approx(p["flops_per_token"] - attn + attn / 2 * 3.5 / 3, rel=0.01)
     assert "projection on H200" in "\n".join(log_lines) and "tps/GPU" in "\n".join(log_lines)
 

@@ -23,8 +23,7 @@ def _run(dump, steps, loss, resume_step=0, summary=None, **kw):
 
 
 def test_keep_previous_files_and_folders(tmp_path):
-    f = tmp_path / "metrics.jsonl"
-    assert keep_previous(str(f)) is None  # nothing there: nothing done
+    assert keep_previous(str(f := tmp_path / "metrics.jsonl")) is None  # nothing there: nothing done
     f.write_text("first")
     assert keep_previous(str(f)) == str(tmp_path / "metrics.1.jsonl")
     assert not f.exists() and (tmp_path / "metrics.1.jsonl").read_text() == "first"

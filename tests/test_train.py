@@ -32,13 +32,11 @@ def test_aot_fx_trace_matches_eager_bitwise(tmp_path, monkeypatch, ac):
     assert events == ["issue", "log1", "issue", "issue", "log2", "issue", "log3", "log4"] * 2  # eager, traced
     assert [(r["loss"], r["grad_norm"]) for r in traced] == [(r["loss"], r["grad_norm"]) for r in eager]
     assert traced[-1]["loss"] < traced[0]["loss"]  # it learns
-    assert summary["graph_nodes"] > 500 and summary["trace_time_s"] > 0
+    assert summary["graph_nodes"] > 500 and summary["trace_time_s"] > 0 and summary["steady_steps"] == [2, 3, 4]
     assert [r["step"] for r in traced] == [r["step"] for r in eager] == [1, 2, 3, 4]
-    assert summary["steady_steps"] == [2, 3, 4]
     for r in traced:  # metrics.jsonl's fields
         assert {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "step_time_s"} <= set(r)
-        assert r["mfu"] is None  # CPU: n/a, never a made-up number
-        assert r["tps"] > 0 and r["memory_gib"] > 0 and r["lr"] >= 0
+        assert r["mfu"] is None and r["tps"] > 0 and r["memory_gib"] > 0 and r["lr"] >= 0  # CPU: no made-up MFU
     assert any(r["lr"] > 0 for r in traced)
 
 

@@ -103,6 +103,4 @@ def assert_bitwise(outs, refs):
 
 
 def assert_close(outs, refs, rtol=1e-4, atol=1e-5):
-    assert len(outs) == len(refs)
-    for a, b in zip(outs, refs):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    torch.testing.assert_close(list(outs), list(refs), rtol=rtol, atol=atol)  # and the same length

@@ -14,8 +14,8 @@ from graph_trainer.compiler.pipeline import run_pipeline
 from graph_trainer.compiler.registry import PassContext, resolve
 from graph_trainer.config import Compile
 
-from .conftest import (aten, assert_bitwise, by_region, call, call_targets, fake_prop, fx_graph, inductor_tag, module,
-                       stats, tagged_nodes)
+from .conftest import (aten, assert_bitwise, assert_close, by_region, call, call_targets, fake_prop, fx_graph,
+                       inductor_tag, module, stats, tagged_nodes)
 
 OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
                              reason="torch < 2.13's C++ backend drops emulate_precision_casts' rounding")
@@ -40,8 +40,7 @@ def _graph():
 
 
 def test_only_exact_ops_join():
-    gm = _graph()
-    fake_prop(gm, [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
+    fake_prop(gm := _graph(), [torch.empty(8, 8, dtype=torch.bfloat16)] * 3)
     annotate_exact_pointwise_pass(gm)
     names = [n.target._opname for n in tagged_nodes(gm)]
     assert names == ["mul", "add", "_to_copy", "mul", "add", "_to_copy", "sub", "mul", "mul"]
@@ -96,39 +95,31 @@ def test_default_on_cuda_under_regional_inductor_only():
     assert name in resolve(PassContext(Compile(passes="exact_pointwise"), device_type="cpu"))
 
 
-def _silu_graph(x_device):
-    """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z."""
+def _silu(device):
+    """``silu(x) * x``, ``silu_backward(x * x, x)`` and lone casts of bf16 x, y and fp32 z: ``(gm, inputs)``."""
     g, (x, y, z) = fx_graph("x", "y", "z")
     op = functools.partial(call, g, custom=BLOCK)
-    return module(g, op(aten.mul.Tensor, op(aten.silu.default, x), x),
-                  op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
-                  op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=x_device),
-                  *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16))))
+    gm = module(g, op(aten.mul.Tensor, op(aten.silu.default, x), x),
+                op(aten.silu_backward.default, op(aten.mul.Tensor, x, x), x),
+                op(aten._to_copy.default, x, dtype=F32, layout=torch.strided, device=device),
+                *(op(aten._to_copy.default, t, dtype=d) for t, d in ((y, F32), (z, torch.bfloat16))))
+    return gm, [(torch.randn(a, b, device=device) * 4).to(d) for a, b, d in SHAPES]
 
 
-def _silu_inputs(device):
-    return [(torch.randn(a, b, device=device) * 4).to(d) for a, b, d in SHAPES]
-
-
-def _bucket_graph(device):
-    """FSDP's bucketed reduce-scatter input (a cat of casts and views) and an all-gather input cat."""
+def _bucket(device):
+    """FSDP's bucketed reduce-scatter input (a cat of casts and views) and an all-gather input cat: ``(gm, inputs)``."""
     g, (a, b, c) = fx_graph("a", "b", "c")
     op = functools.partial(call, g, custom=BLOCK)
     fa, fb = (op(aten._to_copy.default, t, dtype=F32, layout=torch.strided, device=device) for t in (a, b))
     bucket = op(aten.cat.default, [op(aten.view.default, t, [4, -1]) for t in (fa, fb, c)], 1)
     gathered = op(aten.cat.default, [op(aten._to_copy.default, op(aten._to_copy.default, a, dtype=F32),
                                         dtype=torch.bfloat16), op(aten._to_copy.default, c, dtype=torch.bfloat16)])
-    return module(g, bucket, op(aten.add.Tensor, fb, 1.0), gathered)
+    xa, xb, xc = (torch.randn(n, device=device) for n in (4096, 512, 64))  # bf16 a and b; c: fp32 that bf16 must round
+    return module(g, bucket, op(aten.add.Tensor, fb, 1.0), gathered), [xa.bfloat16(), xb.bfloat16(), xc * 1e3]
 
 
-def _bucket_inputs(device):
-    """bf16 a and b, fp32 c of values that bf16 must round."""
-    a, b, c = (torch.randn(n, device=device) for n in (4096, 512, 64))
-    return [a.to(torch.bfloat16), b.to(torch.bfloat16), c * 1e3]
-
-
-def _rope_graph(device=None):
-    """RoPE's rotation as traced: bf16 ``x`` * complex ``f``, ``g`` * ``conj(f)``, through fp32 (``device``: unused)."""
+def _rope(device):
+    """RoPE's rotation as traced: bf16 ``x`` * complex ``f``, ``g`` * ``conj(f)``, through fp32: ``(gm, inputs)``."""
     b, s, h, d = ROPE
     g, (x, grad, f) = fx_graph("x", "g", "f")
     op = functools.partial(call, g, custom=BLOCK)
@@ -139,44 +130,33 @@ def _rope_graph(device=None):
         t = op(aten.view.default, op(aten.view_as_real.default, op(aten.mul.Tensor, t, q)), [b, s, h, d])
         return op(aten._to_copy.default, t, dtype=torch.bfloat16)
 
-    return module(g, rotate(x, f), rotate(grad, op(aten.clone.default, op(aten._conj.default, f))))
-
-
-def _rope_inputs(device):
-    b, s, h, d = ROPE
+    gm = module(g, rotate(x, f), rotate(grad, op(aten.clone.default, op(aten._conj.default, f))))
     xs = [torch.randn(b, s, h, d, device=device).to(torch.bfloat16) for _ in range(2)]
     angles = torch.randn(b, s, 1, d // 2, device=device) * 3
-    return [*xs, torch.polar(torch.ones_like(angles), angles)]
+    return gm, [*xs, torch.polar(torch.ones_like(angles), angles)]
 
 
-GRAPHS = {"silu": (_silu_graph, _silu_inputs), "bucket": (_bucket_graph, _bucket_inputs),
-          "rope": (_rope_graph, _rope_inputs)}
-SILU_BACKWARD = ["_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub", "addcmul", "mul",
-                 "mul", "_to_copy"]  # eager's formula, in fp32
+GRAPHS = {"silu": _silu, "bucket": _bucket, "rope": _rope}
+SILU = [["_to_copy"], ["mul", "_to_copy", "_to_copy", "neg", "exp", "add", "full_like", "div", "full_like", "rsub",
+                       "addcmul", "mul", "mul", "_to_copy"], ["silu", "mul"]]  # silu_backward: eager's formula, in fp32
 CHAINS = [["_to_copy", "_to_copy"], ["_to_copy", "view", "add"]]  # the bucket graph's casts with other readers
 ROTATION = ["_to_copy", "view", "select", "select", "select", "select", "mul", "neg", "addcmul", "mul", "addcmul",
             "stack", "view", "_to_copy"]  # real arithmetic with eager's FMAs, between the casts
 
 
 @pytest.mark.parametrize("graph, device, options, regions", [
-    ("silu", "cuda", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),
+    ("silu", "cuda", {}, SILU), ("silu", "meta", {}, SILU),  # meta: the dry run's GPU
     ("silu", "cpu", {}, []),  # eager CPU's SiLU is another approximation; CPU casts stay eager
-    ("silu", "meta", {}, [["_to_copy"], ["mul", *SILU_BACKWARD], ["silu", "mul"]]),  # the dry run's GPU
     ("silu", "cuda", {"activations": False, "lone_casts": False}, []),
     ("bucket", "cuda", {}, sorted(CHAINS + [["_to_copy", "cat"], ["_to_copy", "view", "cat"]])),
-    ("bucket", "cuda", {"cast_cats": False}, CHAINS),
-    ("bucket", "cpu", {}, CHAINS),  # CPU casts and cats stay eager
-    ("rope", "cuda", {}, [ROTATION, ROTATION]),
-    ("rope", "cpu", {}, []),
-    ("rope", "meta", {}, [ROTATION, ROTATION]),
+    ("bucket", "cuda", {"cast_cats": False}, CHAINS), ("bucket", "cpu", {}, CHAINS),  # CPU casts and cats stay eager
+    ("rope", "cuda", {}, [ROTATION, ROTATION]), ("rope", "cpu", {}, []), ("rope", "meta", {}, [ROTATION, ROTATION]),
     ("rope", "cuda", {"complex_mul": False}, []),
 ])
 def test_regions_join_on_cuda_only(graph, device, options, regions):
     """SiLU, a large widening cast alone; a cast feeding only a cat joins it (others stay in a chain); RoPE's mul."""
-    build, inputs = GRAPHS[graph]
-    gm = build(torch.device(device))
     with FakeTensorMode():  # no GPU needed
-        fakes = inputs(device)
+        gm, fakes = GRAPHS[graph](torch.device(device))
     FakeTensorProp(gm).propagate(*fakes)
     annotate_exact_pointwise_pass(gm, **options)
     FakeTensorProp(gm).propagate(*fakes)  # the rewritten graph runs too
@@ -187,9 +167,8 @@ def test_regions_join_on_cuda_only(graph, device, options, regions):
         left = [n.op if n.op == "placeholder" else n.target._opname for n in gm.graph.nodes
                 if isinstance(v := n.meta.get("val"), torch.Tensor) and v.is_complex()]
         assert left == ["placeholder", "_conj", "clone"] and call_targets(gm).count(aten.view_as_real.default) == 2
-        xs = _rope_inputs("cpu")  # the rewritten graph computes the same rotation (CPU: not bitwise)
-        for out, ref in zip(gm(*xs), _rope_graph()(*xs)):
-            torch.testing.assert_close(out, ref, rtol=0, atol=0.02)
+        ref, xs = _rope(torch.device("cpu"))  # the rewritten graph computes the same rotation (CPU: not bitwise)
+        assert_close(gm(*xs), ref(*xs), rtol=0, atol=0.02)
 
 
 @pytest.mark.gpu
@@ -197,10 +176,8 @@ def test_regions_join_on_cuda_only(graph, device, options, regions):
 def test_cuda_regions_are_bitwise_eager(graph):
     """The SiLU regions and lone casts, a cat of casts (of fp32 values that bf16 must round) and RoPE's rotation."""
     torch.manual_seed(0)
-    build, inputs = GRAPHS[graph]
-    xs = inputs("cuda")
-    ref = build(xs[0].device)(*xs)
-    gm = build(xs[0].device)
+    gm, xs = GRAPHS[graph](torch.device("cuda:0"))
+    ref = gm(*xs)
     fakes = fake_prop(gm, xs)
     st = stats(annotate_exact_pointwise_pass(gm))
     assert (st["cast_cats"], st["complex_muls"]) == (2 * (graph == "bucket"), 2 * (graph == "rope"))

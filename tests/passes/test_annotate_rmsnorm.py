@@ -55,8 +55,7 @@ def test_existing_custom_preserved_and_not_aliased():
 
 
 @pytest.mark.parametrize("kwargs, configs, candidates", [
-    ({}, {}, None),  # default: Inductor's defaults, nothing timed
-    ({"candidate_configs": DEFAULTS}, {}, DEFAULTS),
+    ({}, {}, None), ({"candidate_configs": DEFAULTS}, {}, DEFAULTS),  # default: Inductor's defaults, nothing timed
     ({"inductor_configs": {"max_autotune": True, "triton.cudagraphs": False}},
      {"max_autotune": True, "triton.cudagraphs": False}, None),
     ({"inductor_configs": {"max_autotun": True}}, ValueError, None),  # an unknown key: refused, nothing tagged

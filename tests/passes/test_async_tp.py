@@ -233,8 +233,7 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     assert tuple(off[k] for k in key) == tuple(s[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)
     kinds = _kinds(gm, tp)  # left, then fused
     assert (kinds[AG], kinds[RS], kinds[FUSED_AG], kinds[FUSED_RS]) == (1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
-    if fsdp_before is not None:
-        assert _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
+    assert fsdp_before is None or _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
     assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1)
     assert [phase_of(n) for n in gm.graph.nodes if collective_kind(n) == FUSED_AG].count("forward") == 2 * L + 1
     assert [tuple(x.shape) for x in _refake(gm)] == [tuple(x.shape) for x in before]

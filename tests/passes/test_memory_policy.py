@@ -110,10 +110,8 @@ def test_cuda_graphs_come_first_go_when_nothing_fits_and_are_named_by_the_config
 
 
 @pytest.mark.parametrize("device, world, comm_mode, record_dir, allowed", [
-    ("cuda:0", 1, "default", None, True),
-    ("cuda:0", 8, "fake_collectives", None, True),  # rank 0 of 8, alone
-    ("cuda:0", 2, "default", None, False),  # real NCCL peers
-    ("cpu", 1, "default", None, False),
+    ("cuda:0", 1, "default", None, True), ("cuda:0", 8, "fake_collectives", None, True),  # rank 0 of 8, alone
+    ("cuda:0", 2, "default", None, False), ("cpu", 1, "default", None, False),  # world 2: real NCCL peers
     ("cuda:0", 1, "default", "/tmp/numerics", False),  # step 1 records op outputs
 ])
 def test_cuda_graphs_only_for_one_process_on_a_gpu(device, world, comm_mode, record_dir, allowed):

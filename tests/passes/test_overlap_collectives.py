@@ -87,9 +87,8 @@ def test_waits_sunk_numerics_bitwise_options_and_not_torchs_scheduler(fsdp_step)
 
 
 def test_tp_collectives_lead_the_matmuls_they_do_not_read_with_what_they_read(gloo1):
-    """A TP reduce-scatter (with the matmul it sums and a parameter all-gather's wait it reads) and all-gather are
-    issued ``tp_lead`` matmuls earlier, past matmuls they do not read, never past another wait they read; without a
-    TP group nothing moves; the same bits."""
+    """TP reduce-scatters (with what they read) and all-gathers go ``tp_lead`` matmuls they do not read earlier, never
+    past a wait they read; without a TP group nothing moves; the same bits."""
     g, (x, w, go) = fx_graph("x", "w", "go")
     group = dist.group.WORLD.group_name
     param_ag = call(g, c10d.all_gather_into_tensor.default, w, 1, group)  # a parameter's, issued early
