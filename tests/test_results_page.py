@@ -183,7 +183,7 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
     page = sections(written(repo, capsys))
     assert list(page) == ["GPU tier, llama3_1b — " + H100, "GPU tier — " + H100]
     assert table(merged := page["GPU tier, llama3_1b — " + H100]) == ("| claim | what | result | call |", {
-        "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`r`": ["r", "NOT RUN", "`bbbbbbbb`"],  # cut later
+        "`fsdp2-full`": ["fsdp2-full", "PASSED", "`aaaaaaaa`"], "`r`": ["r", "NOT RUN", "`bbbbbbbb`"],  # fsdp2-full: kept
         "`tp2-full`": ["tp2-full", "PASSED", "`bbbbbbbb`"], "`t[x, y]`": ["t", "PASSED", "`bbbbbbbb`"],
         "`t[z]`": ["t", "FAILED", "`bbbbbbbb`"]})  # one row for the parameters with the same result and call
     assert "TIER_K=b_first bash scripts/gpu/tier.sh\nTIER_K=a_second bash" in merged
