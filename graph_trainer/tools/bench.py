@@ -67,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_variants(specs: list[str]) -> list[tuple[str, list[str], dict]]:
-    """``["jit=--compile.mode jit", "cta8=NCCL_MAX_CTAS=8"]`` -> ``[("jit", ["--compile.mode", "jit"], {}),
-    ("cta8", [], {"NCCL_MAX_CTAS": "8"})]``: as on a shell line, ``NAME=VALUE`` words before the flags set the
-    variant's environment. Raises CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool
-    sets itself, CONFIG / CONFIG_FILE / PYTHONPATH in the environment."""
+    """``["jit=--compile.mode jit", "c8=NCCL_MAX_CTAS=8"]`` -> ``[("jit", ["--compile.mode", "jit"], {}), ("c8", [],
+    {"NCCL_MAX_CTAS": "8"})]``: ``NAME=VALUE`` words before the flags set the variant's environment, as in a shell.
+    Raises CompareError: no ``=``, an empty or repeated name, unparsable flags, a flag the tool sets, CONFIG(_FILE)."""
     out = []
     for spec in specs:
         name, sep, flags = spec.partition("=")
@@ -86,10 +85,8 @@ def parse_variants(specs: list[str]) -> list[tuple[str, list[str], dict]]:
         env = {}
         while fl and (m := re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)=(.*)", fl[0], re.S)):
             if m[1] in ("CONFIG", "CONFIG_FILE", "PYTHONPATH"):
-                raise CompareError(f"--variant {name}: {m[1]} is the call's, not a variant's; set it before the "
-                                   "command.")
-            env[m[1]] = m[2]
-            fl = fl[1:]
+                raise CompareError(f"--variant {name}: {m[1]} is the call's, not a variant's; set it before the call.")
+            env[m[1]], fl = m[2], fl[1:]
         check_owned_flags(fl, f"--variant {name}")
         out.append((name, fl, env))
     return out
@@ -294,7 +291,3 @@ def _command(argv: list[str]) -> str:
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ("NGPU", "CONFIG", "CONFIG_FILE", "COMM_MODE")
            if os.environ.get(k)]
     return " ".join([*env, "scripts/bench.py", shlex.join(argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -221,7 +221,3 @@ def _main(args, extra, argv, cleanup) -> int:
             log = f" (log {r.log})" if r.status == "failed" else ""
             print(f"  {r.side}{r.repeat}: {r.status}: {err}{log}", file=sys.stderr)
     return 130 if interrupted else 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

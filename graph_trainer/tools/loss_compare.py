@@ -145,7 +145,3 @@ def _run(args, extra, sides, out) -> int:
     if over := args.rtol is not None and rel > args.rtol:
         print(f"max relative loss difference {rel:.3e} > --rtol {args.rtol}")
     return 1 if over or (args.assert_equal and diff is not None) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

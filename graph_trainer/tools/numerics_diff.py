@@ -198,7 +198,3 @@ def _print(result: dict, args, out: str | None, labels: dict | None = None) -> i
         write_json(path, {"labels": labels, "comparison": mode, "ranks": payload})
         print(f"\nresults: {path}")
     return 1 if any(c.divergent for c in result.values()) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,7 +35,6 @@ from graph_trainer.distributed.fake_pg import BACKEND as FAKE_COLLECTIVES
 FUSE_CHOICES = ("all", "all_gather_matmul", "matmul_reduce_scatter")
 _SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default})
 _NOOPS = RESHAPE_OPS | {aten.alias.default, aten.slice.Tensor}
-_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 _MM_OPS = frozenset({aten.mm.default})
 
 
@@ -322,7 +321,7 @@ def find_async_tp_matches(gm: torch.fx.GraphModule, tp_group_name: str | None = 
     found = {t.reduce_scatter_node: t for t in find_reduce_scatter_patterns(gm.graph)}
     plan = AsyncTPPlan(tp_group_name, None, [], [])
     for n in gm.graph.nodes:
-        if collective_kind(n) not in _KINDS or str(group_name_of(n)) != tp_group_name:
+        if str(group_name_of(n)) != tp_group_name:  # an all-gather or reduce-scatter of the TP group
             continue
         if collective_kind(n) == "all_gather_into_tensor":
             plan.all_gathers.append(_match_all_gather(n, order))

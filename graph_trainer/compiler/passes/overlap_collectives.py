@@ -27,7 +27,6 @@ from graph_trainer.compiler.registry import GraphPass
 _HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,
                                       aten.constant_pad_nd.default, aten.pad.default}
 
-_TP_KINDS = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 # Views that move with the wait whose output they view (FSDP: slice -> view of the gathered buffer).
 _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
@@ -89,7 +88,7 @@ def _lead_tp_collectives(graph: torch.fx.Graph, group: str, lead: int) -> int:
     gradients, the reduce-scatters of the input gradients (sums of matmuls), each otherwise issued with nothing left
     to run under it."""
     moved = 0
-    for issue in [n for n in graph.nodes if collective_kind(n) in _TP_KINDS and str(group_name_of(n)) == group]:
+    for issue in [n for n in graph.nodes if str(group_name_of(n)) == group]:  # its all-gathers and reduce-scatters
         feeds, target, found, cur = {issue}, None, 0, issue.prev
         while found < lead and cur.op == "call_function":
             if any(u in feeds for u in cur.users):
