@@ -18,7 +18,8 @@ MARK = "early_job"
 
 
 class _Run:
-    def __init__(self, fn: Callable[[Path, dict], Any] | None, module_file: str, needs: tuple = (), slow: bool = True):
+    def __init__(self, fn: Callable[[Path, dict], Any] | None, module_file: str, needs: tuple[str, ...] = (),
+                 slow: bool = True):
         self.fn, self.module_file, self.needs, self.slow, self.env = fn, module_file, needs, slow, dict(os.environ)
         self.waiter = None  # _launch.fork_call's, once started
         self.outcome: tuple[bool, Any] | None = None  # (ok, value or error), once read
@@ -30,7 +31,8 @@ _TMP = None  # the session's tmp_path_factory
 
 
 def job(name: str, fn: Callable[[Path, dict], Any] | None = None, needs: tuple[str, ...] = (), slow: bool = True):
-    """Register ``fn(tmp folder, env)`` as run ``name`` (no ``fn``: a decorator); ``needs`` first; ``slow`` tests."""
+    """Register ``fn(tmp folder, environment)`` as run ``name`` (without ``fn``: a decorator registering the function
+    it decorates); ``needs``: runs done before it starts; ``slow``: the tests reading it are marked slow (conftest)."""
     module_file = sys._getframe(1).f_globals["__file__"]
 
     def register(fn):
@@ -82,7 +84,8 @@ def start(items, tmp_factory) -> None:
 
 
 def advance(at_most: int = 1) -> None:
-    """Start the next queued run while fewer than ``at_most`` are going (after each test; 2 while a test waits)."""
+    """Start the next queued run while fewer than ``at_most`` started runs are still going (called after each
+    test, and with 2 while a test waits for a run: the core the tests leave idle runs the next one)."""
     going = sum(r.waiter is not None and r.outcome is None and not r.waiter.done() for r in _RUNS.values())
     if _QUEUE and going < at_most:
         _start(_QUEUE[0])

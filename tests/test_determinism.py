@@ -128,8 +128,9 @@ def test_first_difference_and_a_failed_run_still_compares_logged_steps(tmp_path,
 
     def fake_execute(run, side, steps, warmup, prefix, verbose, timeout, progress):
         run.rows = [{"step": i + 1, "loss": v, "grad_norm": 1.0} for i, v in enumerate(losses[run.side])]
-        run.status, run.wall_s, run.error, run.summary = (("ok", 1.0, None, {"state_hashes": {"weights": "x"}})
-                                                          if run.side == "A" else ("failed", 1.0, "exit code 1", None))
+        ok = run.side == "A"
+        run.status, run.wall_s, run.error = ("ok", 1.0, None) if ok else ("failed", 1.0, "exit code 1")
+        run.summary = {"state_hashes": {"weights": "x"}} if ok else None
 
     monkeypatch.setattr(lc, "execute", fake_execute)
     monkeypatch.setattr(lc, "tail", lambda path: "")

@@ -30,7 +30,8 @@ def _fsdp_vs_unsharded(rank, world, store_path):  # a gloo rank, its asserts rai
     model = build_model(model_args("debugmodel", n_layers=2))
     tokens, labels = torch.randint(0, 2048, (2, 32)), torch.randint(0, 2048, (2, 32))
     (ref_loss := loss_fn(model(tokens), labels)).backward()
-    ref, bufs, group = {n: p.grad.clone() for n, p in model.named_parameters()}, list(model.buffers()), dist.group.WORLD
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    bufs, group = list(model.buffers()), dist.group.WORLD
     names, params = zip(*model.named_parameters())
     specs, shards = fsdp.shard_tensors(list(names), list(params), group)
     fsdp.free_parameters(model, names)

@@ -27,20 +27,27 @@ def _model_only(path) -> bool:
 @_early.job("resume_chain", needs=("finished_run",))
 def _chain(tmp, env):
     """The chain of runs (``FINISHED`` plus flags) on the copy: ``(copy, results, readings)``, read after each run."""
-    shutil.copytree(_early.result("finished_run"), d := tmp / "run")
+    d = tmp / "run"
+    shutil.copytree(_early.result("finished_run"), d)
     ck, metrics, run = d / "checkpoint", d / "metrics.jsonl", functools.partial(run_debug, d, FINISHED, env=env)
+    first = metrics.read_bytes()
     shutil.rmtree(ck / "step-4")
-    before = metrics.read_bytes(), sorted(os.listdir(d))
-    r, after_missing = run("--checkpoint.load_step", "99", forked=True), (metrics.read_bytes(), sorted(os.listdir(d)))
-    r2, after_resume = run(ONLY, forked=True), (metrics.read_bytes(), read_metrics(str(metrics)),
-                                                (ck / "step-2" / ".metadata").is_file(), _model_only(ck / "step-4"))
-    r3, after_again = run(ONLY, forked=True), metrics.read_bytes()
+    files = sorted(os.listdir(d))
+    r = run("--checkpoint.load_step", "99", forked=True)
+    after_missing = metrics.read_bytes(), sorted(os.listdir(d))
+    r2 = run(ONLY, forked=True)
+    after_resume = (metrics.read_bytes(), read_metrics(str(metrics)), (ck / "step-2" / ".metadata").is_file(),
+                    _model_only(ck / "step-4"))
+    r3 = run(ONLY, forked=True)
+    after_again = metrics.read_bytes()
     r4 = run("--checkpoint.load_step", "2", forked=True)
     after_load2 = (_model_only(ck / "step-4.1"), _model_only(ck / "step-4"), latest_step(str(ck)),
                    metrics.read_bytes(), sorted(os.listdir(ck)))
-    r5, after_rerun = run(), (metrics.read_bytes(), sorted(os.listdir(ck)))  # r5 through run_train.sh
+    r5 = run()  # through run_train.sh
+    after_rerun = metrics.read_bytes(), sorted(os.listdir(ck))
     r6 = run("--checkpoint.folder", "checkpoint_b", steps=1, forked=True)
-    return d, (r, r2, r3, r4, r5, r6), (before, after_missing, after_resume, after_again, after_load2, after_rerun)
+    return d, (r, r2, r3, r4, r5, r6), ((first, files), after_missing, after_resume, after_again, after_load2,
+                                        after_rerun)
 
 
 @_early.uses("finished_run")
