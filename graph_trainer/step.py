@@ -235,7 +235,7 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     pipeline = functools.partial(plan_pipeline, cfg.compile, layout, budget_bytes=budget,
                                  state_bytes=state_bytes(tpar.params), has_fsdp=tpar.sharded,
                                  deterministic=cfg.debug.deterministic, device_type=device.type,
-                                 tp_group_name=tpar.tp_group_name,
+                                 tp_group_name=tpar.tp_group_name, peers=world_size > 1 and cfg.comm.mode == "default",
                                  cudagraph=may_replay_as_cuda_graph(device, world_size, cfg.comm.mode, record_dir))
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None

@@ -68,11 +68,17 @@ CALIBRATION: dict[tuple[str, str], float] = {
     ("regional", "all"): 1.10,
     ("full", "recompute"): 1.46, ("full", "matmuls"): 1.42, ("full", "all_but_cheap"): 1.15, ("full", "all"): 1.15,
 }
+#: The scales measured with NCCL among several processes (the levels the policy picks on 2 and 4 H200s at FSDP2, TP2
+#: and FSDP2xTP2; the mean of the three, each within 3.2 %: docs/perf_archive.md, thirtieth session): less of the
+#: allocator's slack than one process whose collectives are local copies on a side stream. Other levels: CALIBRATION's.
+CALIBRATION_PEERS: dict[tuple[str, str], float] = {("regional", "all_but_cheap"): 1.045, ("full", "all"): 1.06}
 
 
-def calibration(inductor: str, save: str) -> float:
-    """The :data:`CALIBRATION` scale (``none`` uses ``regional``'s: both run the ops one by one)."""
-    return CALIBRATION[("full" if inductor == "full" else "regional", save)]
+def calibration(inductor: str, save: str, peers: bool = False) -> float:
+    """The :data:`CALIBRATION` scale (``none`` uses ``regional``'s: both run the ops one by one); ``peers``: the
+    collectives run among several processes (:data:`CALIBRATION_PEERS` where measured)."""
+    key = ("full" if inductor == "full" else "regional", save)
+    return CALIBRATION_PEERS.get(key, CALIBRATION[key]) if peers else CALIBRATION[key]
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,11 @@ class MemoryPolicy:
                 f"({'; '.join(self.reasons)})")
 
 
-def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False) -> int:
+def predict_peak(state_bytes: int, graph_peak_bytes: int, inductor: str, save: str, cudagraph: bool = False,
+                 peers: bool = False) -> int:
     """Predicted peak reserved bytes per rank: ``state_bytes`` (:func:`state_bytes`) + :func:`calibration` x
     ``graph_peak_bytes`` (+ :data:`CUDAGRAPH_GIB` with ``cudagraph``)."""
-    return int(state_bytes + calibration(inductor, save) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
+    return int(state_bytes + calibration(inductor, save, peers) * graph_peak_bytes + cudagraph * CUDAGRAPH_GIB * GiB)
 
 
 def state_bytes(params: Iterable[torch.Tensor], optimizer_states: int = 2) -> int:
@@ -135,7 +142,7 @@ def default_budget_bytes(device: torch.device | None) -> tuple[int, str]:
 
 def choose_levers(estimate: Callable[[str], int], *, n_blocks: int, block_bytes: int, state: int, budget: int,
                   inductor: str, fixed: Levers | None = None, fixed_fields: Iterable[str] = (), has_fsdp: bool = True,
-                  has_sac: bool = True, cudagraph: bool = False) -> MemoryPolicy:
+                  has_sac: bool = True, cudagraph: bool = False, peers: bool = False) -> MemoryPolicy:
     """Pick the levers, a pure function of its arguments: the highest rung of the ladder recompute -> matmuls with
     0 .. n kept blocks -> all_but_cheap likewise (-> all, full Inductor only), each with buckets of
     :data:`BUCKET_BLOCKS`, whose :func:`predict_peak` fits; none fitting, the buckets go too; CUDA graphs first, gone
@@ -143,7 +150,7 @@ def choose_levers(estimate: Callable[[str], int], *, n_blocks: int, block_bytes:
     ``estimate(save)``: graph peak bytes with no kept block and no buckets (called once per level); a kept block and
     each block of a bucket add ``block_bytes``. ``state``: :func:`state_bytes`; ``budget``: bytes per rank;
     ``inductor`` selects the calibration. Without FSDP keep / bucket stay 0; without SAC tags ``save`` is ``all``.
-    ``cudagraph``: the step may replay as a CUDA graph.
+    ``cudagraph``: the step may replay as a CUDA graph; ``peers``: real collectives among several processes.
     Returns a :class:`MemoryPolicy` (``fits`` False when even the leanest choice exceeds the budget)."""
     fixed = fixed or Levers()
     fixed_fields = set(fixed_fields)
@@ -159,7 +166,7 @@ def choose_levers(estimate: Callable[[str], int], *, n_blocks: int, block_bytes:
         return estimate(save) + (keep + (bucket if bucket > 1 else 0)) * block_bytes
 
     def policy(save: str, keep: int, bucket: int, cg: bool, reasons: list[str]) -> MemoryPolicy:
-        peak = predict_peak(state, graph_peak(save, keep, bucket), inductor, save, cg)
+        peak = predict_peak(state, graph_peak(save, keep, bucket), inductor, save, cg, peers)
         if cg and "cudagraph" not in fixed_fields:
             reasons = [f"CUDA graphs fit (+{CUDAGRAPH_GIB:g} GiB)", *reasons]
         elif cudagraph and "cudagraph" not in fixed_fields:

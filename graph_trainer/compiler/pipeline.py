@@ -61,13 +61,14 @@ def block_gather_bytes(gm: torch.fx.GraphModule, layout: Any) -> int:
 
 def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, budget_bytes: int, state_bytes: int,
                   has_fsdp: bool, deterministic: bool = False, cudagraph: bool = False, device_type: str | None = None,
-                  tp_group_name: str | None = None,
+                  tp_group_name: str | None = None, peers: bool = False,
                   estimates: dict | None = None) -> tuple[list[PipelineStep], MemoryPolicy]:
     """``(pipeline, policy)``: :func:`build_pipeline` after :func:`~.memory_policy.choose_levers` picked the levers
     left on ``auto`` for the traced graph ``gm``, each estimate running the ``in_memory_trial`` passes on a copy.
     ``budget_bytes``: peak reserved bytes per rank; ``state_bytes``: :func:`~.memory_policy.state_bytes`;
     ``has_fsdp``: traced FSDP shards the parameters; ``cudagraph``: the step may replay as a CUDA graph;
-    ``tp_group_name``: the TP group of the traced collectives (None: no TP);
+    ``tp_group_name``: the TP group of the traced collectives (None: no TP); ``peers``: they run among several
+    processes (the policy's calibration);
     ``estimates``: a dict shared by calls that differ in the budget only, which keeps each graph estimate."""
     fixed, fixed_fields = configured_levers(compile_cfg)
     ctx = PassContext(compile_cfg, layout, None, deterministic, device_type=device_type)
@@ -95,7 +96,7 @@ def plan_pipeline(compile_cfg: Any, layout: Any, gm: torch.fx.GraphModule, *, bu
                            block_bytes=block_gather_bytes(gm, layout), state=state_bytes, budget=budget_bytes,
                            inductor=compile_cfg.inductor_compilation, fixed=fixed, fixed_fields=fixed_fields,
                            has_fsdp=has_fsdp and layout is not None, has_sac=has_sac,
-                           cudagraph=cudagraph and compile_cfg.inductor_compilation != "full")
+                           cudagraph=cudagraph and compile_cfg.inductor_compilation != "full", peers=peers)
     logger.info("%s [%.1fs]", policy.describe(), time.perf_counter() - t0)
     if not policy.fits:
         logger.warning("the predicted peak exceeds the memory budget (--compile.memory_budget_gib); "

@@ -177,7 +177,7 @@ def dry_run(cfg) -> dict:
         logger.info(f"memory budget {budget / GiB:.1f} GiB per rank ({source}):")
         pipeline, policy = plan_pipeline(cfg.compile, layout, gm, budget_bytes=int(budget), state_bytes=3 * shard_bytes,
                                          has_fsdp=tpar.sharded, device_type="cuda", tp_group_name=tpar.tp_group_name,
-                                         estimates=estimates)
+                                         peers=world > 1, estimates=estimates)
         policies.append({"budget_gib": round(budget / GiB, 2), "levers": policy.levers.flags(),
                          "predicted_peak_gib": round(policy.predicted_peak_bytes / GiB, 2),
                          "graph_estimate_gib": round(policy.graph_peak_bytes / GiB, 2),
