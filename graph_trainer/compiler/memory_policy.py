@@ -68,9 +68,9 @@ CALIBRATION: dict[tuple[str, str], float] = {
     ("regional", "all"): 1.10,
     ("full", "recompute"): 1.46, ("full", "matmuls"): 1.42, ("full", "all_but_cheap"): 1.15, ("full", "all"): 1.15,
 }
-#: The scales measured with NCCL among several processes (the levels the policy picks on 2 and 4 H200s at FSDP2, TP2
-#: and FSDP2xTP2; the mean of the three, each within 3.2 %: docs/perf_archive.md, thirtieth session): less of the
-#: allocator's slack than one process whose collectives are local copies on a side stream. Other levels: CALIBRATION's.
+#: The scales measured with NCCL among several processes (the levels the policy picks for the 8B on H200s; the mean
+#: over FSDP2, TP2 and FSDP2xTP2: docs/perf_archive.md, "The predicted peak with NCCL"): less of the allocator's slack
+#: than one process whose collectives are local copies on a side stream. Other levels: CALIBRATION's.
 CALIBRATION_PEERS: dict[tuple[str, str], float] = {("regional", "all_but_cheap"): 1.045, ("full", "all"): 1.06}
 
 
