@@ -209,10 +209,15 @@ class EagerTrainStep(_Step):
         return clip_grad_norm_(self.params, max_norm, foreach=True)
 
 
+def real_peers(world_size: int, comm_mode: str) -> bool:
+    """Whether the step's collectives run among several processes (NCCL), not as one process's local copies."""
+    return world_size > 1 and comm_mode != "fake_collectives"
+
+
 def may_replay_as_cuda_graph(device: torch.device, world_size: int, comm_mode: str, record_dir: str | None) -> bool:
     """Whether the memory policy may replay the traced step as a CUDA graph: on CUDA, in one process (no
     real NCCL peers to capture), not while step 1 records numerics."""
-    return device.type == "cuda" and not record_dir and (world_size == 1 or comm_mode == "fake_collectives")
+    return device.type == "cuda" and not record_dir and not real_peers(world_size, comm_mode)
 
 
 def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int, world_size: int):
@@ -235,7 +240,7 @@ def build_train_step(cfg, model, parallel_dims, device: torch.device, rank: int,
     pipeline = functools.partial(plan_pipeline, cfg.compile, layout, budget_bytes=budget,
                                  state_bytes=state_bytes(tpar.params), has_fsdp=tpar.sharded,
                                  deterministic=cfg.debug.deterministic, device_type=device.type,
-                                 tp_group_name=tpar.tp_group_name, peers=world_size > 1 and cfg.comm.mode == "default",
+                                 tp_group_name=tpar.tp_group_name, peers=real_peers(world_size, cfg.comm.mode),
                                  cudagraph=may_replay_as_cuda_graph(device, world_size, cfg.comm.mode, record_dir))
     pdtype = parallelize.DTYPES[cfg.training.mixed_precision_param]
     dump = None

@@ -27,7 +27,6 @@ from graph_trainer.compiler.registry import GraphPass
 _HOISTABLE = CAST_OPS | RESHAPE_OPS | {aten.t.default, aten.permute.default, aten.clone.default,
                                       aten.constant_pad_nd.default, aten.pad.default}
 
-
 # Views that move with the wait whose output they view (FSDP: slice -> view of the gathered buffer).
 _WAIT_VIEWS = RESHAPE_OPS | SLICE_OPS
 
