@@ -251,10 +251,12 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
 
 @_early.job("bad_line_deep_in_file")
 def _bad_line_runs(tmp, env):
-    """A forked rank and run_train.sh on a file with a null 'text' on line 2000: ``(the file, [results])``."""
+    """A forked rank and run_train.sh's two torchrun ranks on a file with a null 'text' on line 2000: ``(the file,
+    [results])``."""
     (path := tmp / "docs.jsonl").write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
     small = ["--training.dataset_path", str(path), *SMALL, "--compile.inductor_compilation", "none"]
-    return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, env=env) for forked in (True, False)]
+    return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, ngpu=1 if forked else 2, env=env)
+                  for forked in (True, False)]
 
 
 @_early.uses("bad_line_deep_in_file")

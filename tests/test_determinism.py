@@ -88,17 +88,18 @@ def test_corrupt_checkpoint_clear_error(tmp_path):
 
 @_early.job("nan_run")
 def _nan_run(tmp, env):
-    """run_train.sh at a diverging learning rate, a checkpoint every step: ``(its dump folder, its result)``."""
+    """run_train.sh's two torchrun ranks at a diverging learning rate, a checkpoint every step: ``(its dump folder,
+    its result)``."""
     d = tmp / "run"
     return d, train_hashed(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
-                     "--checkpoint.interval", "1", steps=6, check=False, env=env)
+                           "--checkpoint.interval", "1", steps=6, check=False, ngpu=2, env=env)
 
 
 @_early.uses("nan_run")
 def test_nan_stops_run_and_keeps_last_good_checkpoint():
     d, r = _early.result("nan_run")
     assert r.returncode != 0 and "grad norm is nan at step 2; stopping" in r.stderr.lower()
-    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr  # one paragraph
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr  # one paragraph, torchrun's report gone
     assert latest_step(str(d / "checkpoint")) == 1  # step 1's checkpoint intact, none of step 2
 
 
