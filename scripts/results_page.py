@@ -434,7 +434,7 @@ def section(record: dict, earlier: int, results: Path, out: Path) -> list[str]:
     if bench and "\n" not in command:  # one command: on the meta line
         lines += [f"{meta}; command: {inline_code(command)}", "", *table, "", *profile]
     else:  # a table ends where the commands' fence begins (GitHub's Markdown)
-        lines += [meta, "", *table, *code_block(record["command"]), *(profile or [""])]
+        lines += [meta, "", *table, *code_block(command), *(profile or [""])]
     if record.get("note"):
         lines += [" ".join(str(record["note"]).split()), ""]
     return lines
