@@ -206,7 +206,7 @@ def merge_tier(members: list[dict]) -> dict:
         return used[0]
     model, devices = members[-1].get("model"), {r["device"] for r in used}
     return {**members[-1], "title": f"GPU tier, {model}" if model else members[-1]["title"],
-            "device": members[-1]["device"] if len(devices) == 1 else f"{len(devices)} devices",
+            "device": " / ".join(sorted(devices)),
             "devices": len(devices),
             "claims": [latest[k][1] for k in sorted(latest)], "calls": len(used),
             "command": "\n".join(dict.fromkeys(r["command"] for r in used)),

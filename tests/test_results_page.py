@@ -193,8 +193,9 @@ def test_tier_calls_of_one_model_and_device_merge_claim_by_claim(repo, capsys):
 def test_tier_claims_merge_across_devices_naming_each(repo, capsys):
     for name, time, device, result in (("h100", "21:00", H100, "FAILED"), ("h200", "22:00", H200, "PASSED")):
         tier_call(repo, name, time, name * 2, {"tp2-full": result, f"only-{name}": "PASSED"}, device=device)
-    assert list(page := sections(written(repo, capsys))) == ["GPU tier, llama3_1b — 2 devices"]
-    _, rows = table(page["GPU tier, llama3_1b — 2 devices"])
+    head = f"GPU tier, llama3_1b — {' / '.join(sorted((H100, H200)))}"
+    assert list(page := sections(written(repo, capsys))) == [head]
+    _, rows = table(page[head])
     assert rows == {"`only-h100`": ["only-h100", "PASSED", f"`h100h100`, {H100}"],
                     "`only-h200`": ["only-h200", "PASSED", f"`h200h200`, {H200}"],
                     "`tp2-full`": ["tp2-full", "PASSED", f"`h200h200`, {H200}"]}
