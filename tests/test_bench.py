@@ -34,11 +34,10 @@ def test_parse_variants_and_bad_input_exits_2_before_any_run(tmp_path, capsys):
 def test_git_state_names_the_working_tree_as_a_commit_would_hold_it(tmp_path):
     """Untracked files count, ignored ones do not; the index and the files stay as they were."""
     assert git_state(str(tmp_path)) == {"git_sha": None, "git_tree": None, "git_dirty": False}  # not a repository
-    git(tmp_path, "init", "-q")
     (tmp_path / ".gitignore").write_text("*.whl\n")
     (tmp_path / "a.py").write_text("a = 1\n")
-    git(tmp_path, "add", "-A")
-    git(tmp_path, "commit", "-q", "-m", "base")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "base"]):
+        git(tmp_path, *args)
     base = git(tmp_path, "rev-parse", "HEAD")
     clean = git_state(str(tmp_path))
     assert clean == {"git_sha": base, "git_tree": git(tmp_path, "rev-parse", "HEAD^{tree}"), "git_dirty": False}
@@ -103,20 +102,17 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert isinstance(rec["git_dirty"], bool) and len(rec["git_tree"]) == 40  # tracked files changed; what ran
     assert rec["command"].startswith("scripts/bench.py --variant 'eager=GT_VARIANT_ENV=1 --compile.mode eager'")
     assert "--training.seq_len 64" in rec["command"]
-    assert [v["name"] for v in rec["variants"]] == ["eager"] and rec["variants"][0]["flags"] == [
-        "--compile.mode", "eager"] and rec["variants"][0]["ratio"] == 1.0 and rec["variants"][0]["env"] == {
-        "GT_VARIANT_ENV": "1"}
-    assert [x["status"] for x in rec["runs"]] == ["ok"] and rec["runs"][0]["tps"] > 0
-    assert 0 < rec["runs"][0]["step2_s"] == rec["variants"][0]["step2_first_s"] < rec["runs"][0]["wall_s"]
-    assert rec["variants"][0]["step2_later_s"] is None  # one run: no warm start
+    (v,), (run,) = rec["variants"], rec["runs"]  # one variant, one run: no warm start (step2_later_s)
+    assert v["name"] == "eager" and v["flags"] == ["--compile.mode", "eager"] and v["env"] == {"GT_VARIANT_ENV": "1"}
+    assert v["ratio"] == 1.0 and v["step2_later_s"] is None and run["status"] == "ok" and run["tps"] > 0
+    assert 0 < run["step2_s"] == v["step2_first_s"] < run["wall_s"]
 
 
 def test_records_never_overwritten_and_an_interrupted_call_records_its_finished_runs(tmp_path, monkeypatch, capsys):
     """Records never overwritten; SIGTERM / Ctrl-C after run 1: exit 130, the table, a noted record of run 1."""
     rec = {"workload": "llama3_1b fsdp2", "date": "2026-11-27"}
     paths = [write_record(str(tmp_path / "w"), rec) for _ in range(3)]
-    stem = "2026-11-27_llama3_1b_fsdp2"
-    assert [os.path.basename(p) for p in paths] == [f"{stem}.json", f"{stem}_2.json", f"{stem}_3.json"]
+    assert [os.path.basename(p) for p in paths] == [f"2026-11-27_llama3_1b_fsdp2{n}.json" for n in ("", "_2", "_3")]
     assert json.loads(open(paths[0]).read()) == rec
     timed = write_record(str(tmp_path / "w"), {**rec, "time": "23:05"})
     assert os.path.basename(timed) == "2026-11-27_2305_llama3_1b_fsdp2.json"

@@ -167,12 +167,10 @@ BAD_DATA = {
     "deep": ({"d.jsonl": _lines(2500, 2000)}, "d.jsonl:2000: not valid JSON", BOTH),
     "deep_null_text": ({"d.jsonl": _lines(2500, 2000, '{"text": null}')}, "d.jsonl:2000: 'text' is null", LOAD),
     "gzipped": ({"d.jsonl.gz": gzip.compress(_lines().encode())}, "d.jsonl.gz:3: not valid JSON", BOTH),
-    "second_file": ({"d/a.jsonl": _lines(3, None), "d/b.jsonl": _lines(3, 1)},
-                    "d/b.jsonl:1: not valid JSON", BOTH, "d"),
+    "2nd_file": ({"d/a.jsonl": _lines(3, None), "d/b.jsonl": _lines(3, 1)}, "d/b.jsonl:1: not valid JSON", BOTH, "d"),
     "empty_first_file": ({"d/a.jsonl": "", "d/b.jsonl": _lines(3, None)}, "d/a.jsonl: holds no records", BOTH, "d"),
     "array_syntax": ({"d.json": '[\n  {"text": "a"},\n  {"text": "b"\n'}, "d.json:4: not valid JSON", BOTH),
-    "array_record": ({"d.json": '[{"text": "a"}, {"text": 2}]'},
-                     "d.json: record 2 of the JSON array: 'text' is 2", LOAD),
+    "array_item": ({"d.json": '[{"text": "a"}, {"text": 2}]'}, "d.json: record 2 of the JSON array: 'text' is 2", LOAD),
     "no_text_column": ({"d.jsonl": '{"body": "x"}\n'}, "d.jsonl: no 'text' column (columns: body)", BOTH),
     "parquet_corrupt": ({"d.parquet": b"nope"}, "d.parquet: cannot be loaded by datasets (ArrowInvalid", BOTH),
     "parquet_no_text": ({"d.parquet": _parquet(body=["x"])}, "d.parquet: no 'text' column", BOTH),
@@ -251,8 +249,7 @@ def test_preflight_accepts_defaults_and_good_tokenizers(tmp_path, monkeypatch, c
 
 @_early.job("bad_line_deep_in_file")
 def _bad_line_runs(tmp, env):
-    """A forked rank and run_train.sh's two torchrun ranks on a file with a null 'text' on line 2000: ``(the file,
-    [results])``."""
+    """A forked rank and run_train.sh's two torchrun ranks on a null 'text' at line 2000: ``(the file, [results])``."""
     (path := tmp / "docs.jsonl").write_text(_lines(2500, 2000, '{"text": null}'))  # loaded whole before step 1
     small = ["--training.dataset_path", str(path), *SMALL, "--compile.inductor_compilation", "none"]
     return path, [run_debug(tmp / f"run{forked}", small, steps=3, forked=forked, ngpu=1 if forked else 2, env=env)

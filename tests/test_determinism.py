@@ -6,12 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from graph_trainer.checkpoint import META_FILE, check_resume_compatible, latest_step
 from graph_trainer.determinism import tensor_sha256
 from graph_trainer.errors import UserError
 from graph_trainer.metrics import read_metrics
-from graph_trainer.tools.loss_compare import first_difference
+from graph_trainer.tools import loss_compare as lc
 
 import _early  # tests/ is on sys.path
 from _launch import run_script
@@ -35,7 +37,7 @@ def test_run_to_run_and_resume_bitwise_with_pass(tmp_path, ngpu, steps, config, 
     (rows_a, sum_a), (rows_b, sum_b) = (read_metrics(str(d / "metrics.jsonl")) for d in (a, b))
     assert len(rows_a) == steps and sum_a["state_hashes"] and sum_b["resumed_from_step"] == half
     # steps 1..half from the first process, the rest and the final state from the resumed one
-    assert first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
+    assert lc.first_difference(rows_a, rows_b, sum_a["state_hashes"], sum_b["state_hashes"]) is None
     meta = json.loads((b / "checkpoint" / f"step-{half}" / META_FILE).read_text())
     assert meta["flavor"] == flavor and meta["layout"].startswith(f"dp_shard{ngpu}")
 
@@ -88,8 +90,7 @@ def test_corrupt_checkpoint_clear_error(tmp_path):
 
 @_early.job("nan_run")
 def _nan_run(tmp, env):
-    """run_train.sh's two torchrun ranks at a diverging learning rate, a checkpoint every step: ``(its dump folder,
-    its result)``."""
+    """run_train.sh's two torchrun ranks at a diverging learning rate, a checkpoint every step: ``(folder, result)``."""
     d = tmp / "run"
     return d, train_hashed(d, "--optimizer.lr", "1e25", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
                            "--checkpoint.interval", "1", steps=6, check=False, ngpu=2, env=env)
@@ -105,9 +106,6 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint():
 
 def test_state_hash_of_a_dtensor_is_its_local_shard(fake_group):
     """Eager FSDP2 parameters are DTensors: each rank hashes its own shard, without a collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
     fake_group(2)
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
     dt = distribute_tensor(full, init_device_mesh("cpu", (2,)), [Shard(0)])
@@ -116,15 +114,13 @@ def test_state_hash_of_a_dtensor_is_its_local_shard(fake_group):
 
 def test_first_difference_and_a_failed_run_still_compares_logged_steps(tmp_path, monkeypatch, capsys):
     """first_difference names the step; a run that crashes after logging its steps still gets them compared."""
-    import graph_trainer.tools.loss_compare as lc
-
     rows = [{"step": 1, "loss": 2.0, "grad_norm": 1.0}, {"step": 2, "loss": 1.5, "grad_norm": 1.0}]
     other = [dict(rows[0]), {"step": 2, "loss": 1.5000001, "grad_norm": 1.0}]
     h = {"weights": "x", "grads": "y", "optimizer": "z"}
-    assert first_difference(rows, rows, h, dict(h)) is None
-    assert first_difference(rows, other, h, h).startswith("loss differs at step 2")
-    assert "final grads differ" in first_difference(rows, rows, h, {**h, "grads": "q"})
-    assert "different steps" in first_difference(rows, rows[:1], h, h)
+    assert lc.first_difference(rows, rows, h, dict(h)) is None
+    assert lc.first_difference(rows, other, h, h).startswith("loss differs at step 2")
+    assert "final grads differ" in lc.first_difference(rows, rows, h, {**h, "grads": "q"})
+    assert "different steps" in lc.first_difference(rows, rows[:1], h, h)
     losses = {"A": [8.0, 7.5, 7.25], "B": [8.0, 7.5, 7.0]}
 
     def fake_execute(run, side, steps, warmup, prefix, verbose, timeout, progress):

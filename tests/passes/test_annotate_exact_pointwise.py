@@ -22,7 +22,6 @@ OLD_CPU = pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[
 F32 = torch.float32
 SHAPES = ((1024, 1024, torch.bfloat16), (8, 8, torch.bfloat16), (1024, 1024, F32))
 BLOCK = {PHASE_KEY: "forward", MODULE_FQN_KEY: "block"}  # each node's custom meta
-ROPE = (1, 64, 4, 32)  # batch, sequence, heads, head dim
 
 
 def _graph():
@@ -120,7 +119,7 @@ def _bucket(device):
 
 def _rope(device):
     """RoPE's rotation as traced: bf16 ``x`` * complex ``f``, ``g`` * ``conj(f)``, through fp32: ``(gm, inputs)``."""
-    b, s, h, d = ROPE
+    b, s, h, d = 1, 64, 4, 32  # batch, sequence, heads, head dim
     g, (x, grad, f) = fx_graph("x", "g", "f")
     op = functools.partial(call, g, custom=BLOCK)
 

@@ -121,14 +121,12 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
         return [funcol.reduce_scatter_tensor(t, "sum", 0, group) for t in (s, y, u)], y
 
     gm = _trace(sums, (8, 16), (16, 4), (16, 4))
-    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
-        "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users",
-        "the reduce-scatter input is a sum of matmul outputs"]
+    sum_rs, other = "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users"
+    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [sum_rs, other, sum_rs]
     code = gm.code
     async_tp_pass(gm, None, tp_group_name="0")
-    assert gm.code == code and gm.meta[SUMMARY] == ("nothing to fuse on TP group '0'; left 3 reduce-scatters (2: the "
-                                                    "reduce-scatter input is a sum of matmul outputs; 1: the matmul "
-                                                    "output has other users)")
+    assert gm.code == code and gm.meta[SUMMARY] == (
+        f"nothing to fuse on TP group '0'; left 3 reduce-scatters (2: {sum_rs}; 1: {other})")
 
     def unordered(x, w):
         a, b = torch.split(torch.mm(x, w), 4, 1)
@@ -260,14 +258,13 @@ def _gloo_worker(rank, world, store_path, q):
         rec: list = []
         with torch.no_grad():
             ref = gm(*inputs)
-            auto = run_pipeline(copy.deepcopy(gm), None, [PipelineStep("async_tp", async_tp_pass, {})], quiet=True,
-                                records=rec)
+            step = functools.partial(PipelineStep, "async_tp", async_tp_pass)
+            auto = run_pipeline(copy.deepcopy(gm), None, [step({})], quiet=True, records=rec)
             skipped = (rec[-1]["summary"], all(map(torch.equal, auto(*inputs), ref)), auto.code == gm.code)
             lib = torch.library.Library("symm_mem", "IMPL")  # CPU kernels: torch's reference implementations
             lib.impl("fused_all_gather_matmul", symm_mem._fused_all_gather_matmul_fallback, "CPU")
             lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
-            step = PipelineStep("async_tp", async_tp_pass, {"rewrite": True})
-            fused = run_pipeline(copy.deepcopy(gm), None, [step], quiet=True, records=rec)
+            fused = run_pipeline(copy.deepcopy(gm), None, [step({"rewrite": True})], quiet=True, records=rec)
             rewritten = (rec[-1]["summary"], _kinds(fused), all(map(torch.equal, fused(*inputs), ref)))
         q.put((rank, skipped, rewritten))
     finally:
