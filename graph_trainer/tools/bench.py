@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args, extra: list[str], argv: list[str]) -> int:
     check_run_args(args)
     check_owned_flags(extra, "the arguments after --")
-    variants = parse_variants(args.variant)
+    variants = parse_variants(args.variant)  # bad input refused before git or the config is read
     repo, config = default_repo(), resolve_config(None, os.environ)[0]
     head = git_out(repo, "rev-parse", "HEAD")
     sides = {name: Side(name=name, ref=None, flags=fl, label=name, commit=head, root=repo, env=env)
@@ -249,13 +249,13 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
     out = out_folder(args.out, "bench")
     if os.path.isdir(out) and os.listdir(out):
         raise CompareError(f"--out {out} exists and is not empty; choose a new folder so runs do not mix.")
-    print(f"bench: {len(variants)} variant(s) x {args.repeats} round(s), {args.steps} steps; config {config}"
+    print(f"bench: {len(sides)} variant(s) x {args.repeats} round(s), {args.steps} steps; config {config}"
           + (f"; run_train.sh {shlex.join(extra)}" if extra else ""), flush=True)
     validate_sides(sides, extra, args.steps, os.path.join(out, "check"))
-    order = [(name, rnd) for rnd in range(1, args.repeats + 1) for name, *_ in variants]
+    order = [(name, rnd) for rnd in range(1, args.repeats + 1) for name in sides]
     runs = plan_runs(order, sides, extra, args.steps, out, args.profile_step)
     interrupted = run_all(runs, sides, args, lambda r: f"{r.side} round {r.repeat}")
-    results = variant_results([n for n, *_ in variants], runs)
+    results = variant_results(list(sides), runs)
     print("\n" + table(results))
     layout = " ".join(a for a in extra if not a.startswith("--") or "parallelism" in a)
     record = {
