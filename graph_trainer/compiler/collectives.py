@@ -6,14 +6,11 @@ import torch
 
 from graph_trainer.compiler.graph_values import tensor_val
 from graph_trainer.compiler.ops import CAST_OPS, VIEW_OPS, arg_of, only_user, op_name, op_namespace
-from graph_trainer.distributed.symmetric_memory import NAMESPACE as OWN_SYMM_MEM
 
 #: Namespaces of collective / communication ops: never removed as dead code, never recomputed, never put inside an
-#: Inductor region. ``symm_mem`` (and our own): the fused collective-matmul ops of ``async_tp``, which communicate
-#: inside the op.
-_SYMM_MEM = frozenset({"symm_mem", OWN_SYMM_MEM})
+#: Inductor region. ``symm_mem``: the fused collective-matmul ops of ``async_tp``, which communicate inside the op.
 COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "c10d",
-                                   "_dtensor"}) | _SYMM_MEM
+                                   "_dtensor", "symm_mem"})
 _FUSED_COLLECTIVE_KINDS = frozenset({"fused_all_gather_matmul", "fused_matmul_reduce_scatter"})
 _WAITS = (torch.ops._c10d_functional.wait_tensor, torch.ops._c10d_functional.wait_tensor.default)
 _CHAIN_OPS = VIEW_OPS | CAST_OPS | frozenset(_WAITS)  # of shard_chain
@@ -29,7 +26,7 @@ def collective_kind(node: torch.fx.Node) -> str | None:
     if not is_collective(node):
         return None
     namespace, name = op_namespace(node.target), op_name(node.target)
-    if namespace in _SYMM_MEM:
+    if namespace == "symm_mem":
         return name if name in _FUSED_COLLECTIVE_KINDS else None
     return name if namespace == "_c10d_functional" and name != "wait_tensor" else None
 

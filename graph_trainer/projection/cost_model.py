@@ -148,13 +148,14 @@ def fused_tp_work(node: torch.fx.Node) -> tuple[list[tuple[int, tuple]], int, st
     if (name := packet_name(node)) not in _FUSED_TP:
         return None
     a = _args(node)
+    A = _meta(a["A"])
+    k = A.shape[-1]
     if name == "fused_all_gather_matmul":
-        A, bs = _meta(a["A"]), [_meta(b) for b in a["Bs"]]
+        bs = [_meta(b) for b in a["Bs"]]
         m = node.meta["val"][1][0].numel() // bs[0].shape[-1]  # rows after the gather
-        return [_mm(m, A.shape[-1], b.shape[-1]) for b in bs], m * A.shape[-1] * A.element_size(), _FUSED_TP[name]
-    As, Bs = (a["As"], a["Bs"]) if "As" in a else ([a["A"]], [a["B"]])  # ours sums matmuls (distributed/symmetric_memory)
-    mms = [(x.numel() // x.shape[-1], x.shape[-1], _meta(b).shape[-1]) for x, b in zip(map(_meta, As), Bs)]
-    return [_mm(*mm) for mm in mms], mms[0][0] * mms[0][2] * node.meta["val"].element_size(), _FUSED_TP[name]
+        return [_mm(m, k, b.shape[-1]) for b in bs], m * k * A.element_size(), _FUSED_TP[name]
+    m, n = A.numel() // k, _meta(a["B"]).shape[-1]
+    return [_mm(m, k, n)], m * n * node.meta["val"].element_size(), _FUSED_TP[name]
 
 
 def memory_op_bytes(node: torch.fx.Node) -> int:

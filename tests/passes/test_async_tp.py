@@ -28,7 +28,6 @@ from graph_trainer.compiler.pipeline import build_pipeline, run_pipeline
 from graph_trainer.compiler.registry import PipelineStep
 from graph_trainer.config import parse_args
 from graph_trainer.distributed import fake_pg, parallelize
-from graph_trainer.distributed.symmetric_memory import fused_matmul_sum_reduce_scatter, pipelined_sum_reduce_scatter
 from graph_trainer.model import build_model, loss_fn, model_args
 from graph_trainer.projection import cost_model as P
 from graph_trainer.projection.devices import _default_devices
@@ -122,14 +121,12 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
         return [funcol.reduce_scatter_tensor(t, "sum", 0, group) for t in (s, y, u)], y
 
     gm = _trace(sums, (8, 16), (16, 4), (16, 4))
-    not_chain, other = "a sum but not a chain of matmul outputs", "the matmul output has other users"
-    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
-        None, other, f"the reduce-scatter input is {not_chain}"]
+    sum_rs, other = "the reduce-scatter input is a sum of matmul outputs", "the matmul output has other users"
+    assert [m.reason for m in find_async_tp_matches(gm, "0").reduce_scatters] == [sum_rs, other, sum_rs]
     code = gm.code
-    async_tp_pass(gm, None, tp_group_name="0", sums=False)
+    async_tp_pass(gm, None, tp_group_name="0")
     assert gm.code == code and gm.meta[SUMMARY] == (
-        "nothing to fuse on TP group '0'; left 3 reduce-scatters (1: the reduce-scatter input is a sum of matmul "
-        f"outputs (--compile.async_tp.no-sums); 1: {other}; 1: the reduce-scatter input is {not_chain})")
+        f"nothing to fuse on TP group '0'; left 3 reduce-scatters (2: {sum_rs}; 1: {other})")
 
     def unordered(x, w):
         a, b = torch.split(torch.mm(x, w), 4, 1)
@@ -147,28 +144,6 @@ def test_left_unfused_with_a_reason_and_where_inductor_differs(fake_group):
     gm = async_tp_pass(gm, None)
     assert _kinds(gm)["mm"] == 1  # the backward one stays
     _refake(gm)
-
-
-def test_sums_of_matmuls_fuse_as_chains_in_rounding_order(fake_group):
-    """``(p + q) + r`` and ``r + (p + q)`` round alike: both fuse with the summands in order p, q, r; a tree does not."""
-    fake_group(2)
-
-    def f(x, w, v, u):
-        left, right = (x @ w + x @ v) + x @ u, x @ u + (x @ w + x @ v)
-        tree = (x @ w + x @ v) + (x @ u + x @ w)
-        return [funcol.reduce_scatter_tensor(t, "sum", 0, dist.group.WORLD) for t in (left, right, tree)]
-
-    gm = _trace(f, (8, 16), (16, 4), (16, 4), (16, 4))
-    w, v, u = [n for n in gm.graph.nodes if n.op == "placeholder"][1:]
-    assert [[mm.b for mm in m.matmuls] for m in find_async_tp_matches(gm, "0").reduce_scatters] == [
-        [w, v, u], [w, v, u], []]
-    before = _refake(gm)
-    gm = async_tp_pass(gm, None, tp_group_name="0")
-    fused = [n for n in gm.graph.nodes if collective_kind(n) == FUSED_RS]
-    assert [n.args[1] for n in fused] == [[w, v, u]] * 2 and all(n.args[0] == [fused[0].args[0][0]] * 3 for n in fused)
-    assert _kinds(gm) == {"mm": 4, RS: 1, FUSED_RS: 2}  # the tree's matmuls and its three adds stay
-    assert sum(n.target is aten.add.Tensor for n in gm.graph.nodes) == 3
-    assert [x.shape for x in _refake(gm)] == [x.shape for x in before]
 
 
 def test_group_inference_fuse_option_and_modes(fake_group):
@@ -252,12 +227,12 @@ def test_traced_llama_and_inductors_pass(world, shard, batch, flags, inductor, m
     key = ("all_gather_fused", "matmuls_fused", "reduce_scatter_fused", "all_gather_left", "reduce_scatter_left")
     off = stats(async_tp_pass(gm, None, rewrite=False))
     gm = async_tp_pass(gm, None)
-    s = stats(gm)  # reduce-scatters: wo / w2, the output, the input gradients' sums; left: the embedding's
-    assert tuple(off[k] for k in key) == tuple(s[k] for k in key) == (4 * L + 1, 7 * L + 1, 4 * L + 1, 1, 1)
+    s = stats(gm)  # reduce-scatters: wo / w2, the output; left: the input gradients' sums
+    assert tuple(off[k] for k in key) == tuple(s[k] for k in key) == (4 * L + 1, 7 * L + 1, 2 * L + 1, 1, 2 * L + 1)
     kinds = _kinds(gm, tp)  # left, then fused
-    assert (kinds[AG], kinds[RS], kinds[FUSED_AG], kinds[FUSED_RS]) == (1, 1, 4 * L + 1, 4 * L + 1)
+    assert (kinds[AG], kinds[RS], kinds[FUSED_AG], kinds[FUSED_RS]) == (1, 2 * L + 1, 4 * L + 1, 2 * L + 1)
     assert fsdp_before is None or _kinds(gm, tpar.fsdp_group.group_name) == fsdp_before
-    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1) - 5 * L  # 5: q, k, v, w1, w3
+    assert _kinds(gm)["mm"] == mms_before - s["matmuls_fused"] - (2 * L + 1)
     assert [phase_of(n) for n in gm.graph.nodes if collective_kind(n) == FUSED_AG].count("forward") == 2 * L + 1
     assert [tuple(x.shape) for x in _refake(gm)] == [tuple(x.shape) for x in before]
 
@@ -273,16 +248,7 @@ def test_pipeline_place_options_and_flag():
     assert options() is not None and options(*full) is not None
     assert options(*full, "--compile.disable_passes", "async_tp") is None
     assert options("--compile.passes", "micro_pipeline_tp", *full, "--compile.async_tp.fuse", "all_gather_matmul",
-                   "--compile.async_tp.no-sums", device_type=None, tp_group_name="7") == {
-        "fuse": "all_gather_matmul", "sums": False, "tp_group_name": "7"}
-
-
-def _all_to_all(produce, output, group_name):
-    """``_pipelined_produce_and_all2all`` as its docstring states it: every rank's chunk produced, then exchanged."""
-    sent = torch.empty_like(output)
-    for rank, chunk in enumerate(sent.chunk(dist.get_world_size())):
-        produce(rank, chunk)
-    dist.all_to_all_single(output, sent)
+                   device_type=None, tp_group_name="7") == {"fuse": "all_gather_matmul", "tp_group_name": "7"}
 
 
 def _gloo_worker(rank, world, store_path, q):
@@ -300,12 +266,7 @@ def _gloo_worker(rank, world, store_path, q):
             lib.impl("fused_matmul_reduce_scatter", symm_mem._fused_matmul_reduce_scatter_fallback, "CPU")
             fused = run_pipeline(copy.deepcopy(gm), None, [step({"rewrite": True})], quiet=True, records=rec)
             rewritten = (rec[-1]["summary"], _kinds(fused), all(map(torch.equal, fused(*inputs), ref)))
-            torch.manual_seed(rank)  # our CUDA kernel's layout, its exchange a plain all-to-all: as the reference
-            As, Bs = [torch.randn(2, 8, k) for k in (6, 4, 3)], [torch.randn(k, 5) for k in (6, 4, 3)]
-            kernel = [torch.equal(pipelined_sum_reduce_scatter(As, Bs, "sum", d, name, _all_to_all),
-                                  fused_matmul_sum_reduce_scatter(As, Bs, "sum", d, name))
-                      for d in (0, 1) for name in [dist.group.WORLD.group_name]]
-        q.put((rank, skipped, rewritten, kernel))
+        q.put((rank, skipped, rewritten))
     finally:
         dist.destroy_process_group()
 
@@ -315,13 +276,12 @@ def test_cpu_run_skips_bitwise_and_rewrite_matches_reference_gloo(tmp_path):
     """TP2 on gloo: skipped on CPU; forced, torch's reference kernels: bitwise."""
     q = queue()
     spawn(_gloo_worker, (2, str(tmp_path / "store"), q), 2)
-    for rank, (summary, bitwise, same_code), (fused, kinds, fused_bitwise), kernel in [q.get(timeout=60)
-                                                                                       for _ in range(2)]:
+    for rank, (summary, bitwise, same_code), (fused, kinds, fused_bitwise) in [q.get(timeout=60) for _ in range(2)]:
         assert summary.startswith("skipped: device cpu (the symm_mem fused ops are CUDA-only); would fuse 5 "
-                                  "all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter on")
+                                  "all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
         assert bitwise and same_code
-        assert fused.startswith("fused 5 all-gather->matmul (8 matmuls) and 5 matmul->reduce-scatter on")
-        assert kinds[FUSED_AG] == 5 and kinds[FUSED_RS] == 5 and fused_bitwise and kernel == [True, True], rank
+        assert fused.startswith("fused 5 all-gather->matmul (8 matmuls) and 3 matmul->reduce-scatter on")
+        assert kinds[FUSED_AG] == 5 and kinds[FUSED_RS] == 3 and fused_bitwise, rank
 
 
 @pytest.mark.slow
@@ -330,10 +290,11 @@ def test_dry_run_8b_fsdp4_tp2_lists_fused_ops():
     """The session's 8B FSDP4 x TP2 dry run (tests/conftest.py): rewritten on the fake group, projected as fused."""
     s, messages = _early.result("dry_runs_8b")["fsdp4_tp2"]
     (line,) = [m for m in messages if m.startswith("graph pass async_tp")]
-    ag, rs = 4 * 32 + 1, 4 * 32 + 1  # 32 blocks; rs: wo / w2, the output, the sums of q/k/v's and w1/w3's gradients
+    ag, rs = 4 * 32 + 1, 2 * 32 + 1  # 32 blocks; rs: wo / w2 and the output
     assert f"fused {ag} all-gather->matmul ({7 * 32 + 1} matmuls) and {rs} matmul->reduce-scatter on TP group" in line
     # left: one all-gather and the 64 that all_but_cheap gathers again for the weight gradients' right operands; the
-    # reduce-scatter of the (row-wise sharded) embedding's output
-    assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), 1 reduce-scatter "
-            "(1: the reduce-scatter input is not a matmul output)") in line
+    # reduce-scatter of the (row-wise sharded) embedding's output, the sums of q/k/v's and w1/w3's input gradients
+    assert ("left 65 all-gathers (65: no matmul reads the gathered tensor as its left operand), 65 reduce-scatters "
+            "(1: the reduce-scatter input is not a matmul output; 64: the reduce-scatter input is a sum of matmul "
+            "outputs)") in line
     assert {c["kind"]: c["ops"] for c in s["projection"]["comm"] if c["async_tp"]} == {AG: ag, RS: rs}

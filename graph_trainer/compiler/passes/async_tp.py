@@ -4,8 +4,7 @@ micro-pipelined symmetric-memory ops, on the TP process group only.
 * **all-gather -> matmul**: the all-gather, its wait and the layout ops that rebuild the gathered ``A``
   (:func:`_rebuild_layout`); every same-phase ``aten.mm`` reading ``A`` as left operand joins one
   ``fused_all_gather_matmul``.
-* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads, or of
-  a chain of sums of such (``--compile.async_tp.sums``; ours, ``graph_trainer.distributed.symmetric_memory``).
+* **matmul -> reduce-scatter**: Inductor's ``find_reduce_scatter_patterns`` of one ``mm`` nothing else reads.
 
 Everything else stays, with the reason in the summary. Not Inductor's ``micro_pipeline_tp_pass``: it matches
 ``aten.reshape`` (make_fx records ``view``), fuses across phases and leaves no fake values. Rewrites on a fake process
@@ -16,6 +15,7 @@ CUDA. Numerics: not changed where checked, eager == traced bitwise with it under
 import functools
 import math
 import operator
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,8 +30,6 @@ from graph_trainer.compiler.node_meta import add_process_setup, custom_meta, pha
 from graph_trainer.compiler.ops import RESHAPE_OPS, arg_of, aten, is_call, is_getitem, only_user
 from graph_trainer.compiler.registry import GraphPass
 from graph_trainer.distributed.fake_pg import BACKEND as FAKE_COLLECTIVES
-from graph_trainer.distributed.symmetric_memory import enable_symmetric_memory, fused_matmul_sum_reduce_scatter, \
-    setup_symmetric_memory
 
 #: Values of ``--compile.async_tp.fuse``: both kinds of pair, or one.
 FUSE_CHOICES = ("all", "all_gather_matmul", "matmul_reduce_scatter")
@@ -68,15 +66,14 @@ class AllGatherMatch:
 
 @dataclass
 class ReduceScatterMatch:
-    """A TP reduce-scatter of a matmul's output, or of a sum of them (``adds``); ``reason``: why it stays unfused."""
+    """A TP reduce-scatter of a matmul's output; ``reason``: why it stays unfused."""
 
     rs: torch.fx.Node
     wait: torch.fx.Node | None = None
     scatter_dim: int = 0
     reduce_op: str = "sum"
     layout: list[torch.fx.Node] = field(default_factory=list)  # split/slice .. cat
-    matmuls: list[Matmul] = field(default_factory=list)  # summed in this order
-    adds: list[torch.fx.Node] = field(default_factory=list)
+    matmul: Matmul | None = None
     reason: str | None = None
 
 
@@ -104,22 +101,6 @@ def _matmul_of(x: torch.fx.Node) -> Matmul | None:
     if shape_of(x) != (*a_shape[:-1], shape_of(mm)[1]):
         return None
     return Matmul(mm, pre.args[0], mm.args[1], pre=pre, post=x)
-
-
-def _summands(x: torch.fx.Node) -> tuple[list[Matmul], list[torch.fx.Node]] | None:
-    """``x`` as ``((p_0 + p_1) + p_2) + ...`` of matmul outputs (:func:`_matmul_of`): ``([p_0, p_1, ...], adds)`` in
-    the order the additions round (``a + b`` rounds as ``b + a``); each add of one dtype and shape, read once but ``x``;
-    a lone matmul is ``([p_0], [])``. Else None (a tree that is not such a chain, a cast, an ``alpha``)."""
-    if (m := _matmul_of(x)) is not None:
-        return [m], []
-    if not is_call(x, {aten.add.Tensor}) or x.kwargs or not all(
-            isinstance(a, torch.fx.Node) and len(a.users) == 1 and shape_of(a) == shape_of(x)
-            and getattr(tensor_val(a), "dtype", None) == tensor_val(x).dtype for a in x.args):
-        return None
-    for rest, last in (x.args, x.args[::-1]):
-        if (m := _matmul_of(last)) is not None and (inner := _summands(rest)) is not None:
-            return [*inner[0], m], [*inner[1], x]
-    return None
 
 
 def _call_like(graph: torch.fx.Graph, target, args, like: torch.fx.Node, val: Any = None, key_from=None,
@@ -318,12 +299,10 @@ def _match_reduce_scatter(rs: torch.fx.Node, found: dict, order: dict[torch.fx.N
         return m
     if (outer := _chunks_view(x, m.scatter_dim, arg_of(rs, 2, "group_size"))) is not None:
         m.layout, x, m.scatter_dim = [x], x.args[0], outer  # the view remove_noop_views left of DTensor's cat
-    found = _summands(x)  # mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N]), or a chain of their sums
-    if found is None:
-        m.reason = ("the reduce-scatter input is a sum but not a chain of matmul outputs" if x.target is aten.add.Tensor
+    m.matmul = _matmul_of(x)  # mm (2-D) or view(mm(view(A, [M, K]), B), [*A.shape[:-1], N])
+    if m.matmul is None:
+        m.reason = ("the reduce-scatter input is a sum of matmul outputs" if x.target is aten.add.Tensor
                     else "the reduce-scatter input is not a matmul output")
-    else:
-        m.matmuls, m.adds = found
     return m
 
 
@@ -419,17 +398,13 @@ def _fuse_all_gather(graph: torch.fx.Graph, m: AllGatherMatch, group_name: str, 
 
 
 def _fuse_reduce_scatter(graph: torch.fx.Graph, m: ReduceScatterMatch, group_name: str, fake_mode) -> None:
-    """Replace ``m`` by torch's ``fused_matmul_reduce_scatter`` (one matmul) or ours (a sum, in its order)."""
-    if len(m.matmuls) == 1:
-        op, args = torch.ops.symm_mem.fused_matmul_reduce_scatter.default, (m.matmuls[0].a, m.matmuls[0].b)
-    else:
-        op, args = fused_matmul_sum_reduce_scatter._opoverload, ([mm.a for mm in m.matmuls], [mm.b for mm in m.matmuls])
-    args = (*args, m.reduce_op, m.scatter_dim, group_name)
+    op = torch.ops.symm_mem.fused_matmul_reduce_scatter.default
+    mm = m.matmul
+    args = (mm.a, mm.b, m.reduce_op, m.scatter_dim, group_name)
     with graph.inserting_before(m.rs):
         fused = _call_like(graph, op, args, m.wait, _fake_call(fake_mode, op, args), key_from=m.wait)
     m.wait.replace_all_uses_with(fused)
-    mms = [x for mm in m.matmuls for x in (mm.pre, mm.mm, mm.post)]
-    _erase_unused(graph, [*mms, *m.adds, *m.layout, m.rs, m.wait])
+    _erase_unused(graph, [mm.pre, mm.mm, mm.post, *m.layout, m.rs, m.wait])
 
 
 def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], group_size: int) -> int:
@@ -440,13 +415,42 @@ def _workspace_bytes(ags: list[AllGatherMatch], rss: list[ReduceScatterMatch], g
     return max(need + [1])
 
 
+def enable_symmetric_memory(group_name: str, workspace_bytes: int) -> tuple[bool, str]:
+    """Enable symmetric memory for the TP group ``group_name`` with ``workspace_bytes`` of workspace (a rendezvous:
+    every TP rank calls it). Returns ``(ok, note)``: whether it is usable, and whether multicast is or why not."""
+    if not dist.is_available() or not dist.is_nccl_available():
+        return False, "NCCL is not available"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._autograd import DeviceType
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        with warnings.catch_warnings():  # deprecated (no longer needed) in newer torch
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+        symm_mem.get_symm_mem_workspace(group_name, min_size=workspace_bytes)
+    except Exception as e:  # no P2P access, driver API, allocation ...
+        return False, f"symmetric memory unavailable for the TP group ({type(e).__name__}: {str(e)[:200]})"
+    try:
+        multicast = _SymmetricMemory.has_multicast_support(DeviceType.CUDA, torch.cuda.current_device())
+    except Exception:
+        return True, "multicast support unknown"
+    return True, "multicast on" if multicast else "multicast off: P2P copy-engine path"
+
+
+def _setup_symmetric_memory(group_name: str, workspace_bytes: int) -> None:
+    """The pass's process setup: :func:`enable_symmetric_memory`. Raises RuntimeError where it is unusable."""
+    ok, note = enable_symmetric_memory(group_name, workspace_bytes)
+    if not ok:
+        raise RuntimeError(note)
+
+
 def async_tp_pass(gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_name: str | None = None, fuse: str = "all",
-                  sums: bool = True, rewrite: bool | None = None) -> torch.fx.GraphModule:
+                  rewrite: bool | None = None) -> torch.fx.GraphModule:
     """Fuse the TP all-gather -> matmul and matmul -> reduce-scatter pairs of ``gm`` into
     ``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` (module docstring).
 
-    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``sums``: a reduce-scatter
-    of a chain of matmul sums too (:func:`fused_matmul_sum_reduce_scatter`); ``rewrite``: None: on a
+    ``tp_group_name``: the TP group (None: inferred); ``fuse``: one of :data:`FUSE_CHOICES`; ``rewrite``: None: on a
     fake group, or on CUDA with symmetric memory (enabled here); True: always; False: count only. Stats:
     ``all_gather_fused`` / ``_left``, ``matmuls_fused``, ``reduce_scatter_fused`` / ``_left``, ``restrided`` (contiguous
     copies), ``rewritten``. Raises ``ValueError`` for ``fuse`` not in :data:`FUSE_CHOICES`."""
@@ -461,10 +465,8 @@ def async_tp_pass(gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_nam
     ags = fusible_ags if fuse != "matmul_reduce_scatter" else []
     in_ag = {mm.mm for m in ags for mm in m.matmuls}
     for m in plan.reduce_scatters:  # as Inductor: a matmul between a gather and a scatter goes with the gather
-        if m.reason is None and any(mm.mm in in_ag for mm in m.matmuls) and fuse != "all_gather_matmul":
+        if m.reason is None and m.matmul.mm in in_ag and fuse != "all_gather_matmul":
             m.reason = "its matmul is fused with the all-gather of its input"
-        elif m.reason is None and m.adds and not sums:
-            m.reason = "the reduce-scatter input is a sum of matmul outputs (--compile.async_tp.no-sums)"
     fusible_rss = [m for m in plan.reduce_scatters if m.reason is None]
     rss = fusible_rss if fuse != "all_gather_matmul" else []
     stats = dict(all_gather_fused=len(ags), all_gather_left=len(plan.all_gathers) - len(ags),
@@ -496,7 +498,7 @@ def async_tp_pass(gm: torch.fx.GraphModule, example_inputs=None, *, tp_group_nam
             skip = None if ok else f"skipped: {note}; would fuse {what}{left}"
             note = f"; symmetric memory enabled, {note}"
             if ok:  # a run that loads this graph from the graph cache runs no pass: it calls this
-                add_process_setup(gm, functools.partial(setup_symmetric_memory, group, workspace))
+                add_process_setup(gm, functools.partial(_setup_symmetric_memory, group, workspace))
     elif not rewrite:
         skip = f"counted only: would fuse {what}{left}"
     if skip is not None:
@@ -541,13 +543,7 @@ class AsyncTPOptions:
     (symm_mem.fused_matmul_reduce_scatter). CUDA only (the pass skips elsewhere). The fused
     matmuls run in per-rank row chunks; at TP degree 2 the step stayed bitwise equal to the unfused one."""
 
-    sums: bool = True
-    """Also fuse a reduce-scatter of a sum of matmul outputs (under TP the input gradients of q/k/v
-    and of w1/w3) into graph_trainer_symm_mem.fused_matmul_reduce_scatter: each rank's rows
-    summed in the traced graph's order, numerics unchanged as for one matmul."""
-
 
 PASS = GraphPass(name="async_tp", fn=async_tp_pass, options=AsyncTPOptions, aliases=("micro_pipeline_tp",),
                  enabled=lambda ctx: ctx.device_type == "cuda",
-                 kwargs=lambda options, ctx: {"fuse": options.fuse, "sums": options.sums,
-                                              "tp_group_name": ctx.tp_group_name})
+                 kwargs=lambda options, ctx: {"fuse": options.fuse, "tp_group_name": ctx.tp_group_name})
