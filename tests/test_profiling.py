@@ -87,22 +87,25 @@ def _evt(name, a, b, dev="CPU", ann=False, thread=1, stream=7, id=0, parent=None
 
 
 def test_profiler_events_to_intervals_on_cuda_and_cpu():
-    cuda = [_evt("ProfilerStep#10", 0, 1000, ann=True), _evt("ProfilerStep#10", 100, 900, "CUDA", ann=True),
-            _evt("ProfilerStep#10", 150, 500, "CUDA", ann=True),  # a nested device annotation of the same step
+    """Two profiled steps; prof.events() names each step's host range and device annotations ``ProfilerStep*``."""
+    cuda = [_evt("ProfilerStep*", 0, 1000, ann=True), _evt("ProfilerStep*", 100, 900, "CUDA", ann=True),
+            _evt("ProfilerStep*", 150, 500, "CUDA", ann=True),  # a nested device annotation of the same step
             _evt("nccl:all_gather", 100, 400, "CUDA", ann=True), _evt("nvjet_gemm", 200, 600, "CUDA"),
-            _evt("ncclDevKernel_AllGather", 100, 400, "CUDA")]
+            _evt("ncclDevKernel_AllGather", 100, 400, "CUDA"), _evt("ProfilerStep*", 1000, 1900, ann=True),
+            _evt("ProfilerStep*", 1000, 1500, "CUDA", ann=True), _evt("nvjet_gemm", 1050, 1500, "CUDA")]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: cuda), on_device=True)
-    t = timeline_breakdown(kernels, steps)
+    assert steps == [(100, 900), (1000, 1500)]
+    t = timeline_breakdown(kernels, steps[:1])
     assert [t[k] for k in SUM_KEYS] == pytest.approx([0.8, 0.4, 0.1, 0.3])  # wall: the step's device annotation
     assert collectives == [(100, 400, "AllGather")]
-    cpu = [_evt("ProfilerStep#2", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
+    cpu = [_evt("ProfilerStep*", 0, 1000, ann=True), _evt("aten::mm", 0, 300),
            _evt("_c10d_functional::wait_tensor", 300, 700), _evt("gloo:all_gather", 250, 650, ann=True, thread=2),
-           _evt("aten::copy_", 600, 650, thread=2), _evt("aten::add", 700, 800)]
+           _evt("aten::copy_", 600, 650, thread=2), _evt("aten::add", 700, 800), _evt("ProfilerStep*", 1000, 1200)]
     kernels, steps, collectives = _intervals_of(NS(events=lambda: cpu), on_device=False)
-    assert steps == [(0, 1000)] and collectives == [(250, 650, "all_gather")]
+    assert steps == [(0, 1000), (1000, 1200)] and collectives == [(250, 650, "all_gather")]
     assert sorted(kernels) == [(0, 300, "matmul"), (250, 650, "communication"),
                                (700, 800, "eager pointwise / reduction")]
-    t = timeline_breakdown(kernels, steps)
+    t = timeline_breakdown(kernels, steps[:1])
     assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
 
 

@@ -142,19 +142,17 @@ def _events_of(prof, steps: list[tuple[float, float]], on_device: bool | None = 
 def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple[float, float]], list]:
     """``(kernels, steps, collectives)`` of the recorded window in microseconds, for
     :func:`timeline_breakdown` and :func:`collective_breakdown` (labels get ``" (stream <id>)"`` where one
-    runs on several streams, i.e. groups; steps: :func:`~graph_trainer.tools.timeline.device_steps`, from each
-    ``ProfilerStep#N``'s host range and the span of its device annotations: the device may record several per step,
-    nested). On CPU ATen ops on a gloo thread belong to its collective."""
+    runs on several streams, i.e. groups; steps: :func:`~graph_trainer.tools.timeline.device_steps`, from the
+    ``ProfilerStep`` host ranges and device annotations in time order, the device's nested ones left out: the
+    profiler names every step ``ProfilerStep*``). On CPU ATen ops on a gloo thread belong to its collective."""
     on_device = torch.cuda.is_available() if on_device is None else on_device
     events = list(prof.events())
     gloo_threads = set() if on_device else {getattr(e, "thread", None) for e in events if e.name.startswith("gloo:")}
-    kernels, host, device, comm = [], {}, {}, []
+    kernels, host, device, comm = [], [], [], []
     for evt in events:
         tr = evt.time_range
-        if evt.name.startswith("ProfilerStep"):  # a host range and its device annotations (one span: their union)
-            spans = device if evt.device_type == torch.autograd.DeviceType.CUDA else host
-            a, b = spans.get(evt.name, (tr.start, tr.end))
-            spans[evt.name] = (min(a, tr.start), max(b, tr.end))
+        if evt.name.startswith("ProfilerStep"):  # a step's host range, or one of its device annotations
+            (device if evt.device_type == torch.autograd.DeviceType.CUDA else host).append((tr.start, tr.end))
         elif _counted(evt, evt.name, on_device):
             if not (evt.name.startswith("aten::") and getattr(evt, "thread", None) in gloo_threads):
                 kernels.append((tr.start, tr.end, kernel_category(evt.name)))
@@ -165,9 +163,9 @@ def _intervals_of(prof, on_device: bool | None = None) -> tuple[list, list[tuple
     for *_, label, stream in comm:
         streams[label].add(stream)
     collectives = [(a, b, f"{label} (stream {s})" if len(streams[label]) > 1 else label) for a, b, label, s in comm]
-    steps = sorted(host, key=host.get)
-    device_spans = [device[n] for n in steps if n in device]
-    return kernels, device_steps([host[n] for n in steps], device_spans, kernels), collectives
+    device.sort(key=lambda s: (s[0], -s[1]))
+    outermost = [s for i, s in enumerate(device) if all(s[1] > t[1] for t in device[:i])]
+    return kernels, device_steps(sorted(host), outermost, kernels), collectives
 
 
 # host-side CUDA runtime / driver calls that start device work (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync)
