@@ -336,16 +336,17 @@ def test_timeline_plot_draws_the_median_run_of_each_side(tmp_path, capsys, monke
     assert seen["labels"] == ("A2 main, median wall of 3 runs", "B1 pr")
 
 
-def test_kernel_comparison_names_the_matmul_and_attention_kernels_that_moved(tmp_path):
+def test_kernel_comparison_names_the_kernels_that_moved_but_inductors(tmp_path):
     def profile(name, kernels):
         return _profiled(tmp_path, name, 8, profiling.summarize_events([(k, ms * 1e3, 2) for k, ms in kernels], 1))
 
     gemm_nt, gemm_tn, flash = "nvjet_tst_128x256_NNT", "nvjet_tst_128x256_TNT", "flash_bwd_kernel<128>"
-    found = [profile("A1", [(gemm_nt, 10.0), (flash, 5.0), ("triton_poi_fused_0", 3.0)]),
-             profile("A2", [(gemm_nt, 12.0), (flash, 5.0)]),
-             profile("B1", [(gemm_tn, 11.0), (gemm_nt, 2.0), (flash, 6.5), ("triton_poi_fused_7", 1.0)])]
-    k = stats.kernel_comparison(found, {"A": "jit", "B": "full"}, 8, per_kernel=2)
-    assert [r["name"] for r in k["per_kernel"]] == [gemm_tn, gemm_nt]  # +11, -9; flash +1.5 is the 3rd
+    softmax = "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>"  # eager's, "other"
+    found = [profile("A1", [(gemm_nt, 10.0), (flash, 5.0), (softmax, 4.0), ("triton_poi_fused_0", 3.0)]),
+             profile("A2", [(gemm_nt, 12.0), (flash, 5.0), (softmax, 4.0)]),
+             profile("B1", [(gemm_tn, 11.0), (gemm_nt, 2.0), (flash, 6.5), ("triton_poi_fused_7", 9.0)])]
+    k = stats.kernel_comparison(found, {"A": "jit", "B": "full"}, 8, per_kernel=3)
+    assert [r["name"] for r in k["per_kernel"]] == [gemm_tn, gemm_nt, softmax]  # +11, -9, -4; flash +1.5: the 4th
     assert k["per_kernel"][1]["A"] == {"ms": 11.0, "calls": 2} and k["per_kernel"][0]["A"]["ms"] == 0
     assert f"| `{gemm_tn}` | matmul | 0.00 (0) | 11.00 (2) | +11.00 |" in k["markdown"]
-    assert "triton_poi" not in k["markdown"]
+    assert f"| `{softmax}` | other | 4.00 (2) | 0.00 (0) | -4.00 |" in k["markdown"] and "triton_poi" not in k["markdown"]

@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps 1..W are excluded from the statistics; step 1 always is (default 3)")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="profile step N of every run (--profiling.*) and print device time per step by kernel "
-                        "category, A vs B (graph_trainer/tools/profiling.py), then the matmul and attention kernels "
-                        "whose time moved most; steps N-1..N+1 (the profiler's) are left out of the medians")
+                        "category, A vs B (graph_trainer/tools/profiling.py), then the kernels that moved most "
+                        "(Inductor's aside: renamed per compile); steps N-1..N+1 (the profiler's) are not in medians")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan, run nothing")
     return p
 

@@ -144,10 +144,9 @@ def profile_json(dump_folder: str, step: int, rank: int = 0) -> str:
     return os.path.join(dump_folder, "profile_traces", f"iteration_{step}", f"rank{rank}_kernels.json")
 
 
-#: Categories whose kernels :func:`kernel_comparison` compares one by one: their names (cuBLAS's
-#: tile and transpose variants, the attention kernels' templates) are the same from run to run,
-#: unlike Triton kernels named by each compile.
-PER_KERNEL_CATEGORIES = ("matmul", "attention")
+#: The category whose kernels :func:`kernel_comparison` does not compare one by one: Inductor names its Triton kernels
+#: anew in each compile, while cuBLAS's tiles, the attention templates, eager's ATen kernels and NCCL's keep theirs.
+RENAMED_CATEGORY = "inductor triton"
 
 
 def kernel_comparison(runs: list, labels: dict, step: int, per_kernel: int = 12) -> dict:
@@ -197,11 +196,11 @@ def kernel_comparison(runs: list, labels: dict, step: int, per_kernel: int = 12)
 
 
 def _kernels_moved(found: dict[str, list[dict]], n: int) -> list[dict]:
-    """The ``n`` kernels of :data:`PER_KERNEL_CATEGORIES` with the largest ``|B - A|``: per side the
+    """The ``n`` kernels outside :data:`RENAMED_CATEGORY` with the largest ``|B - A|``: per side the
     median over runs of ms and launches per step (0 in a run without the kernel)."""
     if not (found["A"] and found["B"]) or not all("kernels" in k for ks in found.values() for k in ks):
         return []
-    per_run = {s: [{r["name"]: r for r in k["kernels"] if r["category"] in PER_KERNEL_CATEGORIES} for k in ks]
+    per_run = {s: [{r["name"]: r for r in k["kernels"] if r["category"] != RENAMED_CATEGORY} for k in ks]
                for s, ks in found.items()}
     names = {name for runs in per_run.values() for run in runs for name in run}
 
