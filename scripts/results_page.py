@@ -323,17 +323,23 @@ def bench_table(record: dict) -> list[str]:
 def profile_table(record: dict) -> list[str]:
     """Where a bench record's profiled step went per variant and rank (``profile``, written by
     ``graph_trainer.tools.bench.profile_summary``): wall = compute + exposed communication + idle (of it,
-    when recorded, the part that waited for the host's launch), ms, and (when recorded) the most exposed
-    collectives; nothing when the record has none. One line instead of the table when each variant has one rank
-    and none communicated (one GPU)."""
+    when recorded, the part that waited for the host's launch), ms, beside the wall the profiled run's median step
+    (``runs``' ``step_time_s``, when recorded: a wall above it is the profiler's cost) and (when recorded) the most
+    exposed collectives; nothing when the record has none. One line instead of the table when each variant has one
+    rank and none communicated (one GPU)."""
     prof = record.get("profile")
     if not isinstance(prof, dict) or not prof.get("variants"):
         return []
-    ranks = [(name, r) for name, rs in prof["variants"].items() for r in rs]
+    first = {}  # each variant's median step (ms) in its first run that has one: the run bench profiled
+    for run in record.get("runs") or []:
+        if run.get("step_time_s"):
+            first.setdefault(run["variant"], run["step_time_s"] * 1e3)
+    ranks = [(name, {"step_ms": first.get(name), **r}) for name, rs in prof["variants"].items() for r in rs]
     colls = any(r.get("collectives") for _, r in ranks)
 
-    def times(r: dict, *keys: str) -> list[str]:  # ms, the idle last with the part that waited for the host's launch
+    def times(r: dict, *keys: str) -> list[str]:  # ms: the wall with the median step, the idle with the host's part
         cells = [fmt(r.get(k), ".1f") for k in (*keys, "idle_ms")]
+        cells[0] += f" (median step {r['step_ms']:.1f})" if r.get("step_ms") else ""
         return cells[:-1] + [cells[-1] + (f" (host {r['idle_host_ms']:.1f})" if r.get("idle_host_ms") is not None
                                           else "")]
 

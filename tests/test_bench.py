@@ -97,6 +97,8 @@ def test_bench_debug_model_writes_a_record(tmp_path):
     assert rec["profile_png"] == [f"{path.stem}_eager.png"]
     (rank0,) = rec["profile"]["variants"]["eager"]  # one rank: rank 0 is also the one with the most compute
     assert rec["profile"]["step"] == 2 and rank0["rank"] == 0 and 0 < rank0["compute_ms"] <= rank0["wall_ms"]
+    rows = [json.loads(x) for x in open(os.path.join(rec["runs"][0]["dump_folder"], "metrics.jsonl"))]
+    assert rec["runs"][0]["step_time_s"] == rows[3]["step_time_s"] > 0  # the median of step 4 alone: not profiled
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted([path.name, *rec["profile_png"]])
     assert rec["kind"] == "bench" and rec["workload"] == "debug one" and rec["device"] == "cpu"
     assert isinstance(rec["git_dirty"], bool) and len(rec["git_tree"]) == 40  # tracked files changed; what ran

@@ -278,12 +278,15 @@ def test_profiled_step_per_variant_and_rank(repo, capsys):
               "collectives": {}, "idle_host_ms": 9.04, "idle_by_host_op": {"aten::mm": 9.04}}
     jit0 = {"rank": 0, "wall_ms": 620.8, "compute_ms": 442.1, "exposed_comm_ms": 160.5, "idle_ms": 18.3}
     prof = {"step": 10, "variants": {"jit": [jit0], "plain": [plain0, plain3]}}
-    put(repo, "r.json", bench("2026-11-27", profile=prof))
+    runs = [{"variant": "plain", "status": "failed"}, {"variant": "plain", "step_time_s": 0.47804},
+            {"variant": "plain", "step_time_s": 0.49}]  # the first run with a median step: the one profiled
+    put(repo, "r.json", bench("2026-11-27", profile=prof, runs=runs))
     page = written(repo, capsys)
     assert "\n| step 10 profiled, ms | rank | wall | compute | exposed comm | idle |" in page
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 | – |\n" in page
-    assert "\n| plain | 0 | 503.8 | 391.7 | 98.3 | 13.8 | ReduceScatter f32 40.0, AllGather 30.0 |\n" in page
-    assert "\n| plain | 3 | 503.9 | 411.8 | 78.1 | 13.9 (host 9.0) | – |\n" in page  # idle waiting for a launch
+    assert ("\n| plain | 0 | 503.8 (median step 478.0) | 391.7 | 98.3 | 13.8 | "
+            "ReduceScatter f32 40.0, AllGather 30.0 |\n") in page  # a wall above its median step: the profiler's cost
+    assert "\n| plain | 3 | 503.9 (median step 478.0) | 411.8 | 78.1 | 13.9 (host 9.0) | – |\n" in page
     put(repo, "r.json", bench("2026-11-27", profile={"step": 10, "variants": {"jit": prof["variants"]["jit"]}}))
     assert "\n| jit | 0 | 620.8 | 442.1 | 160.5 | 18.3 |\n" in written(repo, capsys)  # no collectives: no column
     one_gpu = {"step": 10, "variants": {v: [{**rs[-1], "exposed_comm_ms": 0.0}] for v, rs in prof["variants"].items()}}
