@@ -175,7 +175,7 @@ _OP_IDS = re.compile(r"(?<=CompiledFxGraph) \w+|: \d+/\d+")
 
 
 def _host_op(evt) -> str:
-    """The host ops around a runtime call (below the ``ProfilerStep#`` window), ids stripped: ``"outer › inner"``
+    """The host ops around a runtime call (below the ``ProfilerStep*`` window), ids stripped: ``"outer › inner"``
     (e.g. ``symm_mem::fused_all_gather_matmul › aten::mm``), or one name when they are the same op."""
     chain, parent = [], evt.cpu_parent
     while parent is not None and not parent.name.startswith("ProfilerStep"):
