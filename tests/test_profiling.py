@@ -109,6 +109,18 @@ def test_profiler_events_to_intervals_on_cuda_and_cpu():
     assert t["exposed_comm_ms"] == pytest.approx(0.35) and t["idle_ms"] == pytest.approx(0.25)
 
 
+def test_torchs_own_profiler_events_give_one_window_a_step():
+    """Two recorded steps of torch.profiler on CPU (its events name every step ``ProfilerStep*``), one mm each."""
+    seen = []
+    with torch.profiler.profile(schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+                                on_trace_ready=lambda p: seen.append(_intervals_of(p, on_device=False))) as prof:
+        for _ in range(3):
+            torch.mm(torch.randn(64, 64), torch.randn(64, 64))
+            prof.step()
+    kernels, steps, _ = seen[0]
+    assert len(steps) == 2 and [sum(a <= k < b for k, _, c in kernels if c == "matmul") for a, b in steps] == [1, 1]
+
+
 def test_kernel_rows_hold_the_steps_work_only():
     """The host a step ahead: the profiler's window also records the step before's last kernels (0-90 us)."""
     events = [_evt("ProfilerStep#4", 50, 400, ann=True), _evt("ProfilerStep#4", 100, 300, "CUDA", ann=True),
