@@ -268,9 +268,9 @@ def _main(args, extra: list[str], argv: list[str]) -> int:
         "variants": [{**v, "flags": sides[v["name"]].flags, **({"env": e} if (e := sides[v["name"]].env) else {})}
                      for v in results],
         "runs": [{"variant": r.side, "round": r.repeat, "status": r.status, "error": r.error, "wall_s": r.wall_s,
-                  "step2_s": r.step2_s, **{k: (r.stats or {}).get(k) for k in ("tps", "mfu", "memory_gib")},
-                  **{k: (r.summary or {}).get(k) for k in ("predicted_peak_gib", "compile_time_s")},
-                  "step_time_s": (r.stats or {}).get("step_time_s"), "dump_folder": r.dump_folder} for r in runs],
+                  "step2_s": r.step2_s, "dump_folder": r.dump_folder,
+                  **{k: (r.stats or {}).get(k) for k in ("tps", "mfu", "memory_gib", "step_time_s")},
+                  **{k: (r.summary or {}).get(k) for k in ("predicted_peak_gib", "compile_time_s")}} for r in runs],
         "profile_png": None, "note": args.note,
     }
     if args.profile_step:
