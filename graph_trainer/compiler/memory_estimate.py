@@ -3,7 +3,7 @@
 Model: nodes run in graph order; every storage (views share their base's) is allocated by the first node producing
 it and freed after the last node using it, as the FX-generated code does. Graph inputs are not counted; returned
 values live to the end. ``wait_tensor`` and :func:`~graph_trainer.compiler.collectives.hold` return their input's
-buffer. Not modelled: the allocator, kernel workspaces, Inductor regions' internal buffers."""
+buffer; :func:`kept_in_kernels` hold none. Not modelled: the allocator, kernel workspaces, Inductor's scratch."""
 
 import itertools
 
@@ -11,6 +11,7 @@ import torch
 
 from graph_trainer.compiler.collectives import hold, is_wait
 from graph_trainer.compiler.graph_values import DisjointSet, storages
+from graph_trainer.compiler.node_meta import region_of
 
 #: Ops besides ``torch.Tag.pointwise`` ones whose output whole-graph Inductor computes inside their users' kernels.
 _FUSED_EXTRA = {"_to_copy", "_log_softmax", "_log_softmax_backward_data", "nll_loss_forward",
@@ -21,23 +22,22 @@ def _fusable(node: torch.fx.Node, consumer: bool) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
-    tags = set(target.tags)
-    if torch.Tag.pointwise in tags or target.overloadpacket.__name__ in _FUSED_EXTRA:
-        return True
-    return consumer and torch.Tag.reduction in tags
+    return (torch.Tag.pointwise in target.tags or target.overloadpacket.__name__ in _FUSED_EXTRA
+            or consumer and torch.Tag.reduction in target.tags)
 
 
-def inlined_by_inductor(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """Pointwise ops (or casts) read only by pointwise ops or reductions: whole-graph Inductor inlines them."""
+def kept_in_kernels(gm: torch.fx.GraphModule, fused: bool = False) -> set[torch.fx.Node]:
+    """Nodes no buffer holds: read only inside their ``regional_inductor`` region (:func:`~.node_meta.region_of`), or
+    with ``fused`` (whole-graph Inductor) pointwise ops or casts read only by pointwise ops or reductions."""
     returned = {n for o in gm.graph.find_nodes(op="output") for n in o.all_input_nodes}
-    return {n for n in gm.graph.nodes if _fusable(n, False) and n not in returned and n.users
-            and all(_fusable(u, True) for u in n.users)}
+    inside = ((lambda n, u: _fusable(n, False) and _fusable(u, True)) if fused else
+              (lambda n, u: region_of(n) is not None and region_of(u) == region_of(n)))
+    return {n for n in gm.graph.nodes if n not in returned and n.users and all(inside(n, u) for u in n.users)}
 
 
 def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple[int, str | None]:
-    """``(peak bytes, node at the peak)`` (module docstring); ``fused``: without :func:`inlined_by_inductor`."""
-    nodes = list(gm.graph.nodes)
-    skip = inlined_by_inductor(gm) if fused else set()
+    """``(peak bytes, node at the peak)`` (module docstring), without :func:`kept_in_kernels`."""
+    nodes, skip = list(gm.graph.nodes), kept_in_kernels(gm, fused)
     pos = {n: i for i, n in enumerate(nodes)}
     same_buffer = DisjointSet()  # wait_tensor / hold return their input's buffer
     for n in nodes:
@@ -49,8 +49,7 @@ def estimate_peak_memory(gm: torch.fx.GraphModule, fused: bool = False) -> tuple
         return [(same_buffer.find(r), b) for r, b in storages(n.meta.get("val"))]
 
     inputs = {ref for n in nodes if n.op == "placeholder" for ref, _ in refs_of(n)}
-    size, born, last = {}, {}, {}
-    end = len(nodes)
+    size, born, last, end = {}, {}, {}, len(nodes)
     for n in nodes:
         if n.op in ("placeholder", "output") or n in skip:
             continue

@@ -76,6 +76,11 @@ def inductor_tag(node: torch.fx.Node) -> Any:
     return custom_meta(node).get(COMPILE_WITH_INDUCTOR_KEY)
 
 
+def region_of(node: torch.fx.Node) -> Any:
+    """The ``inductor_region`` id of ``node``'s ``compile_with_inductor`` tag, or None."""
+    return (inductor_tag(node) or {}).get("inductor_region")
+
+
 def fusion_group_of(node: torch.fx.Node) -> str | None:
     """The fusion group of ``node`` (:data:`FUSION_GROUP_KEY`), or None."""
     return custom_meta(node).get(FUSION_GROUP_KEY)

@@ -5,6 +5,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graph_trainer.compiler.collectives import hold
 from graph_trainer.compiler.memory_estimate import estimate_peak_memory
+from graph_trainer.compiler.node_meta import tag_for_inductor
 
 from .conftest import aten, c10d, call, fx_graph, module
 
@@ -22,7 +23,8 @@ def test_peak_counts_views_waits_and_holds_once():
 
 
 def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
-    """Unfused peak: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm."""
+    """Unfused peak: mul + add (256 B each); fused: sum, exp and mm output (4 + 64 + 64 B) at the mm; mul and add
+    in one regional_inductor region: add + sum (256 + 4 B)."""
     g, (x, y) = fx_graph("x", "y")
     with FakeTensorMode():
         x.meta["val"], y.meta["val"] = torch.empty(4, 4), torch.empty(8, 8)
@@ -31,3 +33,6 @@ def test_fused_estimate_leaves_out_what_inductor_keeps_in_its_kernels():
         mm = call(g, aten.mm.default, call(g, aten.exp.default, x, val=torch.empty(4, 4)), x, val=torch.empty(4, 4))
     gm = module(g, s, mm)
     assert estimate_peak_memory(gm) == (512, add.name) and estimate_peak_memory(gm, fused=True) == (132, mm.name)
+    for n, region in ((add.args[0], "r"), (add, "r"), (s, "other")):  # mul only read inside its region: no buffer
+        tag_for_inductor(n, {}, region)
+    assert estimate_peak_memory(gm) == (260, s.name)

@@ -29,4 +29,4 @@ def annotate_pointwise_for_regional_inductor_pass(gm: torch.fx.GraphModule, exam
 
 
 PASS = GraphPass(name="annotate_pointwise_for_regional_inductor", fn=annotate_pointwise_for_regional_inductor_pass,
-                 changes_numerics=True, requires=("regional_inductor",), aliases=("pointwise",))
+                 changes_numerics=True, requires=("regional_inductor",), aliases=("pointwise",), in_memory_trial=True)

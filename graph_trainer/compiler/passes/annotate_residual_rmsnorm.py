@@ -8,17 +8,13 @@ numerics like the RMSNorm pass."""
 import torch
 
 from graph_trainer.compiler.graph_values import shape_of
-from graph_trainer.compiler.node_meta import inductor_tag, set_pass_summary, tag_for_inductor
+from graph_trainer.compiler.node_meta import inductor_tag, region_of, set_pass_summary, tag_for_inductor
 from graph_trainer.compiler.registry import GraphPass
-
-
-def _region(node: torch.fx.Node) -> str | None:
-    return (inductor_tag(node) or {}).get("inductor_region")
 
 
 def _is_residual_add(node: torch.fx.Node) -> bool:
     """``aten.add.Tensor`` of two tensors, not tagged for any region."""
-    return (node.op == "call_function" and node.target is torch.ops.aten.add.Tensor and _region(node) is None
+    return (node.op == "call_function" and node.target is torch.ops.aten.add.Tensor and region_of(node) is None
             and sum(isinstance(a, torch.fx.Node) for a in node.args[:2]) == 2)
 
 
@@ -27,7 +23,7 @@ def annotate_residual_rmsnorm_for_regional_inductor_pass(gm: torch.fx.GraphModul
     """Tag each RMSNorm region's residual add into it. Stats: ``forward``, ``backward``, ``regions``."""
     regions: dict[str, list[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
-        if (region := _region(node)) is not None and region.startswith("rmsnorm_"):
+        if (region := region_of(node)) is not None and region.startswith("rmsnorm_"):
             regions.setdefault(region, []).append(node)
     joined = {"forward": 0, "backward": 0}
     for region, nodes in regions.items():
