@@ -20,6 +20,7 @@ LAYOUTS = {
 }
 #: name: (flags, passes) of a numerics-changing setting (async TP added to the passes where the layout has TP)
 OPTIONS = {"regional": (["--compile.numerics_changing_optim"], ["annotate_residual_rmsnorm"]),
+           "pointwise": (["--compile.numerics_changing_optim"], ["annotate_pointwise"]),
            "full": (["--compile.inductor_compilation", "full", "--compile.numerics_changing_optim"], [])}
 
 EAGER = ["--compile.mode", "eager"]
